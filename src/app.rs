@@ -1,0 +1,76 @@
+//! Hands each command its work and turns errors into messages and exit codes.
+use anyhow::Result;
+
+use crate::cli::{Cli, Command, SpecArgs};
+use crate::exit::{self, UsageError};
+use crate::spec::{self, LoadedSpec, Override};
+
+pub fn main(cli: Cli) -> i32 {
+    init_logging(cli.quiet, cli.verbose);
+    let result = match cli.command {
+        Command::Info { json } => info(json),
+        Command::Check(args) => check(&args),
+        Command::Run(args) => crate::run::run(&args, cli.quiet),
+    };
+    match result {
+        Ok(()) => exit::OK,
+        Err(e) => {
+            let code = exit::code_for(&e);
+            if code == exit::USAGE && e.downcast_ref::<spec::SpecError>().is_some() {
+                // Spec errors already carry their location; one per line.
+                eprintln!("{e}");
+            } else {
+                eprintln!("error: {e:#}");
+            }
+            code
+        }
+    }
+}
+
+fn init_logging(quiet: bool, verbose: u8) {
+    let level = match (quiet, verbose) {
+        (true, _) => "warn",
+        (false, 0) => "info",
+        (false, 1) => "debug",
+        _ => "trace",
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("MEMTRAIN_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("memtrain={level}")));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .without_time()
+        .init();
+}
+
+/// Parses `--set` arguments and loads the spec; every failure is a usage error (exit 2).
+pub fn load_spec(args: &SpecArgs) -> Result<LoadedSpec> {
+    let overrides = args
+        .set
+        .iter()
+        .map(|s| Override::parse(s))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(UsageError)?;
+    Ok(spec::load(&args.file, &overrides)?)
+}
+
+fn info(json: bool) -> Result<()> {
+    let info = crate::info::collect()?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&info)?);
+    } else {
+        crate::info::print_human(&info);
+    }
+    Ok(())
+}
+
+fn check(args: &SpecArgs) -> Result<()> {
+    let loaded = load_spec(args)?;
+    let est = crate::estimate::estimate(&loaded.spec)?;
+    println!("# {}: valid. Resolved spec:", loaded.path.display());
+    print!("{}", spec::to_toml(&loaded.spec));
+    println!();
+    print!("{est}");
+    Ok(())
+}

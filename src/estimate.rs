@@ -1,0 +1,124 @@
+//! `memtrain check`'s static estimate: what parameters, gradients and optimizer state need,
+//! before any activation. Activations depend on the data and are measured by `run`'s preflight.
+use std::fmt;
+
+use anyhow::Result;
+use tch::{nn, Device};
+
+use crate::model::{self, ARCH_PREFIX};
+use crate::report::{human_bytes, human_count};
+use crate::spec::{OptimizerKind, Spec};
+
+#[derive(Debug, Clone)]
+pub struct Estimate {
+    pub preset: String,
+    pub weights: u64,
+    pub arch_weights: u64,
+    pub bytes_per_value: u64,
+    /// Optimizer state tensors per weight (SGD with momentum 1, Adam/AdamW 2).
+    pub state_per_weight: u64,
+    pub optimizer: String,
+    pub micro_batch: i64,
+    pub accumulation_steps: i64,
+}
+
+impl Estimate {
+    pub fn parameter_bytes(&self) -> u64 {
+        (self.weights + self.arch_weights) * self.bytes_per_value
+    }
+    pub fn gradient_bytes(&self) -> u64 {
+        self.parameter_bytes()
+    }
+    /// Weight optimizer state plus, for DARTS, the architecture Adam's two moments.
+    pub fn optimizer_bytes(&self) -> u64 {
+        (self.weights * self.state_per_weight + self.arch_weights * 2) * self.bytes_per_value
+    }
+    pub fn total_bytes(&self) -> u64 {
+        self.parameter_bytes() + self.gradient_bytes() + self.optimizer_bytes()
+    }
+}
+
+pub fn estimate(spec: &Spec) -> Result<Estimate> {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let built = tch::no_grad(|| model::build(&vs.root(), &spec.model))?;
+    drop(built);
+    let (mut weights, mut arch) = (0u64, 0u64);
+    for (name, t) in vs.variables() {
+        let n = t.numel() as u64;
+        if name.starts_with(ARCH_PREFIX) {
+            arch += n;
+        } else {
+            weights += n;
+        }
+    }
+    let t = &spec.train;
+    let state_per_weight = match t.optimizer {
+        OptimizerKind::Sgd if t.momentum > 0.0 => 1,
+        OptimizerKind::Sgd => 0,
+        OptimizerKind::Adam | OptimizerKind::Adamw => 2,
+    };
+    Ok(Estimate {
+        preset: format!("{:?}", spec.model.preset).to_lowercase(),
+        weights,
+        arch_weights: arch,
+        bytes_per_value: t.precision.bytes(),
+        state_per_weight,
+        optimizer: format!("{:?}", t.optimizer).to_lowercase(),
+        micro_batch: t.batch_size,
+        accumulation_steps: t.accumulation_steps,
+    })
+}
+
+impl fmt::Display for Estimate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "# Static memory estimate (activations not included: `memtrain run` measures them in its preflight step)"
+        )?;
+        write!(
+            f,
+            "model            {}: {} parameters",
+            self.preset,
+            human_count(self.weights)
+        )?;
+        if self.arch_weights > 0 {
+            write!(f, " + {} architecture weights", human_count(self.arch_weights))?;
+        }
+        writeln!(f)?;
+        writeln!(f, "parameters       {}", human_bytes(self.parameter_bytes()))?;
+        writeln!(f, "gradients        {}", human_bytes(self.gradient_bytes()))?;
+        writeln!(
+            f,
+            "optimizer state  {} ({}: {} value(s) per parameter)",
+            human_bytes(self.optimizer_bytes()),
+            self.optimizer,
+            self.state_per_weight
+        )?;
+        writeln!(f, "total static     {}", human_bytes(self.total_bytes()))?;
+        writeln!(
+            f,
+            "effective batch  {} = micro-batch {} x {} accumulation steps",
+            self.micro_batch * self.accumulation_steps,
+            self.micro_batch,
+            self.accumulation_steps
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mlp_counts_match_the_layers() {
+        let spec: Spec = toml::from_str(
+            "[model]\npreset = \"mlp\"\n[model.mlp]\ninputs = 10\nhidden = [20]\nnum_classes = 3\n[train]\noptimizer = \"adam\"\n",
+        )
+        .unwrap();
+        let e = estimate(&spec).unwrap();
+        assert_eq!(e.weights, 10 * 20 + 20 + 20 * 3 + 3);
+        assert_eq!(e.parameter_bytes(), e.weights * 4);
+        assert_eq!(e.optimizer_bytes(), e.weights * 8);
+        assert_eq!(e.total_bytes(), e.weights * 16);
+    }
+}

@@ -1,0 +1,16 @@
+//! memtrain: a training runner for PyTorch models (through tch) built around GPU memory.
+//! Data flows one way: spec → plan → run → records.
+pub mod alloc_conf;
+pub mod app;
+pub mod cli;
+pub mod data;
+pub mod estimate;
+pub mod exit;
+pub mod info;
+pub mod model;
+pub mod optim;
+pub mod report;
+pub mod run;
+pub mod shim;
+pub mod spec;
+pub mod sysmem;

@@ -1,0 +1,886 @@
+//! `darts`: a DARTS supernet (Liu et al., 2019, first-order search space) for 1-D signals.
+//!
+//! Input `[N, in_channels, L]`, output logits `[N, num_classes]`.
+//!
+//! * **Stem**: `Conv1d(in_channels → 3·init_channels, k=3, pad=1, no bias)` + `BatchNorm1d` (affine).
+//!   The stem multiplier is 3, as in DARTS.
+//! * **Cells**: `num_cells` cells; cells `num_cells/3` and `2·num_cells/3` (integer division, one
+//!   reduction if they coincide) are reduction cells, which halve the length (`ceil(L/2)`) and
+//!   double the channel count `C` (starting at `init_channels`). A cell takes the outputs of the two
+//!   previous cells, `s0` and `s1`, preprocessed to `C` channels (ReLU-Conv1x1-BN; a FactorizedReduce
+//!   for `s0` when the previous cell was a reduction), and has `num_nodes` intermediate nodes. Node `i`
+//!   sums a MixedOp edge from each of `s0`, `s1` and nodes `0..i`; a MixedOp is
+//!   `Σ_k softmax(α[edge])_k · op_k(x)`. In a reduction cell the edges leaving `s0`/`s1` have stride 2.
+//!   The cell output is the concatenation of its nodes (`num_nodes · C` channels).
+//! * **Head**: global average pool over the length, then `Linear(→ num_classes)`.
+//! * **Architecture weights**: `arch.alpha_normal` and `arch.alpha_reduce`, each
+//!   `[num_edges, num_ops]` with `num_edges = Σ_{i<num_nodes} (2 + i)`, initialised to `1e-3 · randn`.
+//!   Everything else lives under `stem.*`, `cells.<i>.*` and `classifier.*`; inside a cell, the op of
+//!   edge `e` named `op` is under `cells.<i>.edges.<e>.<op>.*`.
+//!
+//! All batch norms inside cells (preprocessing and ops) have no affine parameters, as in the DARTS
+//! search phase. All ops keep the channel count `C` and map length `L` to `ceil(L / stride)`.
+//!
+//! | op | computes | memory (activations kept for backward, per edge) |
+//! |----|----------|--------------------------------------------------|
+//! | `none` | zeros (of the reduced length with stride 2) | none: it contributes nothing to the sum, so it is never computed; it only takes a share of the softmax |
+//! | `skip_connect` | identity; with stride 2 a FactorizedReduce (ReLU, two 1×1 convs of stride 2 offset by one sample, concat, BN) | none at stride 1; about 2·C·L′ at stride 2 |
+//! | `max_pool_3` | max pool, kernel 3, pad 1, then BN | about 2·C·L′ |
+//! | `avg_pool_3` | average pool, kernel 3, pad 1, padding not counted, then BN | about 2·C·L′ |
+//! | `conv_3`, `conv_5` | ReLU-Conv(k)-BN | about 3·C·L′ |
+//! | `sep_conv_3`, `sep_conv_5` | twice ReLU-depthwise Conv(k)-pointwise Conv1x1-BN (the first with the stride) | about 8·C·L′ |
+//! | `dil_conv_3`, `dil_conv_5` | ReLU-depthwise Conv(k, dilation 2)-pointwise Conv1x1-BN | about 4·C·L′ |
+//! | `disjoint_cnn_3x1`, `disjoint_cnn_5x1` | disjoint CNN (Foumani et al., 2021): the signal as a 2-D map `[N, 1, C, L]`, ReLU, temporal Conv2d `1×k` (C filters, stride along L), BN, ReLU, spatial Conv2d `C×1` (C filters), BN, back to `[N, C, L′]` | **high**: the temporal stage is `[N, C, C, L′]`, C times a conv op (about 3·C²·L′); the spatial kernel has C³ weights |
+//! | `lstm` | (avg pool, stride 2, when reducing) bidirectional LSTM over the length, `ceil(C/2)` hidden units per direction (output cut to C channels), then BN | **high**: gates and states of every time step (about 12·C·L′), and L′ sequential steps (slow on CPU) |
+//! | `attention` | (avg pool, stride 2, when reducing) multi-head self-attention over the length, 4 heads, embed dim C, QKV and output projections, then BN | **high**: O(L′²) work per head; the score matrix `[N, heads, L′, L′]` is materialised unless a fused (flash / memory-efficient) kernel is used; `scaled_dot_product_attention` picks one where it can |
+//! | `attention_light` | the same with 2 heads | as `attention` (half the score matrices when materialised) |
+//!
+//! `L′ = ceil(L / stride)`. `disjoint_cnn_*`, `lstm` and `attention*` are the memory-hungry ops:
+//! leave them out of `ops` on small GPUs.
+use anyhow::{bail, Result};
+use serde::Serialize;
+use tch::nn::{self, Module, ModuleT, RNN};
+use tch::{Kind, Tensor};
+
+use super::Net;
+use crate::spec::DartsOptions;
+
+/// Channels of the stem, as a multiple of `init_channels` (3 in DARTS).
+const STEM_MULTIPLIER: i64 = 3;
+
+/// Every operation name this module can build.
+const KNOWN_OPS: &[&str] = &[
+    "none",
+    "skip_connect",
+    "max_pool_3",
+    "avg_pool_3",
+    "conv_3",
+    "conv_5",
+    "sep_conv_3",
+    "sep_conv_5",
+    "dil_conv_3",
+    "dil_conv_5",
+    "disjoint_cnn_3x1",
+    "disjoint_cnn_5x1",
+    "lstm",
+    "attention",
+    "attention_light",
+];
+
+/// Per node, the two strongest incoming edges as (operation, input index).
+///
+/// Input index `j`: 0 and 1 are the cell inputs `s0` and `s1`, `2 + i` is intermediate node `i`.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Genotype {
+    pub normal: Vec<Vec<(String, usize)>>,
+    pub reduce: Vec<Vec<(String, usize)>>,
+}
+
+/// Number of MixedOp edges in a cell with `num_nodes` intermediate nodes.
+fn num_edges(num_nodes: usize) -> usize {
+    (0..num_nodes).map(|i| 2 + i).sum()
+}
+
+/// The discrete architecture α selects, as in DARTS: per node, the two incoming edges whose
+/// strongest op other than `"none"` has the largest softmax weight, strongest first, each with that
+/// op. Ties go to the earlier edge and the earlier op.
+///
+/// `alpha` is `[num_edges, ops.len()]`, edges ordered node by node (`offset_i + j`).
+///
+/// # Panics
+/// If `alpha` does not have that shape or `ops` has no op besides `"none"`.
+pub fn derive_genotype(alpha: &Tensor, ops: &[String], num_nodes: usize) -> Vec<Vec<(String, usize)>> {
+    let edges = num_edges(num_nodes);
+    let size = alpha.size();
+    assert_eq!(
+        size,
+        [edges as i64, ops.len() as i64],
+        "derive_genotype: alpha has shape {size:?}, expected [{edges}, {}] for {num_nodes} nodes and ops {ops:?}",
+        ops.len()
+    );
+    assert!(
+        ops.iter().any(|o| o != "none"),
+        "derive_genotype: ops {ops:?} has no op besides \"none\""
+    );
+    let w: Vec<f32> = tch::no_grad(|| {
+        let w = alpha
+            .detach()
+            .to_kind(Kind::Float)
+            .softmax(-1, Kind::Float)
+            .to_device(tch::Device::Cpu);
+        Vec::<f32>::try_from(w.flatten(0, -1)).expect("alpha to Vec<f32>")
+    });
+    let k = ops.len();
+    let mut out = Vec::with_capacity(num_nodes);
+    let mut offset = 0;
+    for i in 0..num_nodes {
+        // Per incoming edge j: (best weight, best op index), "none" excluded.
+        let mut best: Vec<(usize, f32, usize)> = (0..2 + i)
+            .map(|j| {
+                let row = &w[(offset + j) * k..(offset + j + 1) * k];
+                let (op, wt) = row.iter().enumerate().filter(|(o, _)| ops[*o] != "none").fold(
+                    (usize::MAX, f32::NEG_INFINITY),
+                    |acc, (o, &v)| if v > acc.1 { (o, v) } else { acc },
+                );
+                (j, wt, op)
+            })
+            .collect();
+        // Stable: ties keep the earlier edge first.
+        best.sort_by(|a, b| b.1.total_cmp(&a.1));
+        out.push(best.iter().take(2).map(|&(j, _, op)| (ops[op].clone(), j)).collect());
+        offset += 2 + i;
+    }
+    out
+}
+
+fn bn_cfg() -> nn::BatchNormConfig {
+    nn::BatchNormConfig {
+        affine: false,
+        ..Default::default()
+    }
+}
+
+/// 1-D convolution without bias.
+fn conv1d(
+    p: nn::Path,
+    cin: i64,
+    cout: i64,
+    k: i64,
+    stride: i64,
+    padding: i64,
+    dilation: i64,
+    groups: i64,
+) -> nn::Conv1D {
+    let cfg = nn::ConvConfig {
+        stride,
+        padding,
+        dilation,
+        groups,
+        bias: false,
+        ..Default::default()
+    };
+    nn::conv1d(p, cin, cout, k, cfg)
+}
+
+/// Average pool, kernel 3, padding 1, padding not counted: length `ceil(L / stride)`.
+fn avg_pool_3(x: &Tensor, stride: i64) -> Tensor {
+    x.avg_pool1d([3], [stride], [1], false, false)
+}
+
+/// ReLU-Conv-BN (no affine).
+#[derive(Debug)]
+struct ReluConvBn {
+    conv: nn::Conv1D,
+    bn: nn::BatchNorm,
+}
+
+impl ReluConvBn {
+    fn new(p: &nn::Path, cin: i64, cout: i64, k: i64, stride: i64) -> Self {
+        ReluConvBn {
+            conv: conv1d(p / "conv", cin, cout, k, stride, (k - 1) / 2, 1, 1),
+            bn: nn::batch_norm1d(p / "bn", cout, bn_cfg()),
+        }
+    }
+
+    fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
+        self.bn.forward_t(&self.conv.forward(&x.relu()), train)
+    }
+}
+
+/// Halves the length (to `ceil(L/2)`) with two 1×1 convs of stride 2, the second offset by one
+/// sample, concatenated along channels (DARTS' FactorizedReduce).
+#[derive(Debug)]
+struct FactorizedReduce {
+    conv1: nn::Conv1D,
+    conv2: nn::Conv1D,
+    bn: nn::BatchNorm,
+}
+
+impl FactorizedReduce {
+    fn new(p: &nn::Path, cin: i64, cout: i64) -> Self {
+        let half = cout / 2;
+        FactorizedReduce {
+            conv1: conv1d(p / "conv1", cin, half, 1, 2, 0, 1, 1),
+            conv2: conv1d(p / "conv2", cin, cout - half, 1, 2, 0, 1, 1),
+            bn: nn::batch_norm1d(p / "bn", cout, bn_cfg()),
+        }
+    }
+
+    fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
+        let x = x.relu();
+        let len = x.size()[2];
+        let a = self.conv1.forward(&x);
+        let out_len = (len + 1) / 2;
+        let b = if len > 1 {
+            let b = self.conv2.forward(&x.narrow(2, 1, len - 1));
+            // For odd L the offset branch is one sample short; its missing sample is a zero input.
+            let short = out_len - b.size()[2];
+            if short > 0 {
+                b.constant_pad_nd([0, short])
+            } else {
+                b
+            }
+        } else {
+            let s = a.size();
+            Tensor::zeros([s[0], self.conv2.ws.size()[0], out_len], (x.kind(), x.device()))
+        };
+        self.bn.forward_t(&Tensor::cat(&[a, b], 1), train)
+    }
+}
+
+/// Multi-head self-attention over the length.
+#[derive(Debug)]
+struct Attention {
+    heads: i64,
+    qkv: nn::Linear,
+    proj: nn::Linear,
+    bn: nn::BatchNorm,
+}
+
+impl Attention {
+    fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
+        let (n, c, l) = x.size3().expect("attention input [N, C, L]");
+        let d = c / self.heads;
+        // [N, L, 3C] -> [3, N, H, L, d]
+        let qkv = self
+            .qkv
+            .forward(&x.transpose(1, 2))
+            .view([n, l, 3, self.heads, d])
+            .permute([2, 0, 3, 1, 4]);
+        let (q, k, v) = (qkv.get(0), qkv.get(1), qkv.get(2));
+        // One batched call over all heads; fused kernels avoid the L×L score matrix where available.
+        let y = Tensor::scaled_dot_product_attention(&q, &k, &v, None::<Tensor>, 0.0, false, None, false);
+        let y = self.proj.forward(&y.transpose(1, 2).reshape([n, l, c]));
+        self.bn.forward_t(&y.transpose(1, 2), train)
+    }
+}
+
+/// One candidate operation on an edge.
+#[derive(Debug)]
+enum Op {
+    Identity,
+    Reduce(FactorizedReduce),
+    MaxPool {
+        stride: i64,
+        bn: nn::BatchNorm,
+    },
+    AvgPool {
+        stride: i64,
+        bn: nn::BatchNorm,
+    },
+    Conv(ReluConvBn),
+    SepConv {
+        dw1: nn::Conv1D,
+        pw1: nn::Conv1D,
+        bn1: nn::BatchNorm,
+        dw2: nn::Conv1D,
+        pw2: nn::Conv1D,
+        bn2: nn::BatchNorm,
+    },
+    DilConv {
+        dw: nn::Conv1D,
+        pw: nn::Conv1D,
+        bn: nn::BatchNorm,
+    },
+    Disjoint {
+        temporal: nn::Conv2D,
+        bn1: nn::BatchNorm,
+        spatial: nn::Conv2D,
+        bn2: nn::BatchNorm,
+    },
+    Lstm {
+        stride: i64,
+        channels: i64,
+        lstm: nn::LSTM,
+        bn: nn::BatchNorm,
+    },
+    Attention {
+        stride: i64,
+        att: Attention,
+    },
+}
+
+impl Op {
+    /// Builds op `name` (not "none") for `c` channels under `p`.
+    fn new(p: &nn::Path, name: &str, c: i64, stride: i64) -> Result<Op> {
+        let kernel = |name: &str| -> i64 {
+            if name.ends_with("_5") || name.ends_with("5x1") {
+                5
+            } else {
+                3
+            }
+        };
+        Ok(match name {
+            "skip_connect" if stride == 1 => Op::Identity,
+            "skip_connect" => Op::Reduce(FactorizedReduce::new(p, c, c)),
+            "max_pool_3" => Op::MaxPool {
+                stride,
+                bn: nn::batch_norm1d(p / "bn", c, bn_cfg()),
+            },
+            "avg_pool_3" => Op::AvgPool {
+                stride,
+                bn: nn::batch_norm1d(p / "bn", c, bn_cfg()),
+            },
+            "conv_3" | "conv_5" => Op::Conv(ReluConvBn::new(p, c, c, kernel(name), stride)),
+            "sep_conv_3" | "sep_conv_5" => {
+                let k = kernel(name);
+                Op::SepConv {
+                    dw1: conv1d(p / "dw1", c, c, k, stride, (k - 1) / 2, 1, c),
+                    pw1: conv1d(p / "pw1", c, c, 1, 1, 0, 1, 1),
+                    bn1: nn::batch_norm1d(p / "bn1", c, bn_cfg()),
+                    dw2: conv1d(p / "dw2", c, c, k, 1, (k - 1) / 2, 1, c),
+                    pw2: conv1d(p / "pw2", c, c, 1, 1, 0, 1, 1),
+                    bn2: nn::batch_norm1d(p / "bn2", c, bn_cfg()),
+                }
+            }
+            "dil_conv_3" | "dil_conv_5" => {
+                let k = kernel(name);
+                Op::DilConv {
+                    dw: conv1d(p / "dw", c, c, k, stride, k - 1, 2, c),
+                    pw: conv1d(p / "pw", c, c, 1, 1, 0, 1, 1),
+                    bn: nn::batch_norm1d(p / "bn", c, bn_cfg()),
+                }
+            }
+            "disjoint_cnn_3x1" | "disjoint_cnn_5x1" => {
+                let k = kernel(name);
+                let temporal = nn::ConvConfigND::<[i64; 2]> {
+                    stride: [1, stride],
+                    padding: [0, (k - 1) / 2],
+                    bias: false,
+                    ..Default::default()
+                };
+                let spatial = nn::ConvConfigND::<[i64; 2]> {
+                    bias: false,
+                    ..Default::default()
+                };
+                Op::Disjoint {
+                    temporal: nn::conv(p / "temporal", 1, c, [1, k], temporal),
+                    bn1: nn::batch_norm2d(p / "bn1", c, bn_cfg()),
+                    spatial: nn::conv(p / "spatial", c, c, [c, 1], spatial),
+                    bn2: nn::batch_norm2d(p / "bn2", c, bn_cfg()),
+                }
+            }
+            "lstm" => {
+                let hidden = (c + 1) / 2;
+                let cfg = nn::RNNConfig {
+                    bidirectional: true,
+                    batch_first: true,
+                    ..Default::default()
+                };
+                Op::Lstm {
+                    stride,
+                    channels: c,
+                    lstm: nn::lstm(p / "lstm", c, hidden, cfg),
+                    bn: nn::batch_norm1d(p / "bn", c, bn_cfg()),
+                }
+            }
+            "attention" | "attention_light" => {
+                let heads = if name == "attention" { 4 } else { 2 };
+                if c % heads != 0 {
+                    bail!("op \"{name}\" splits {c} channels into {heads} heads; use an init_channels that is a multiple of 4")
+                }
+                Op::Attention {
+                    stride,
+                    att: Attention {
+                        heads,
+                        qkv: nn::linear(p / "qkv", c, 3 * c, Default::default()),
+                        proj: nn::linear(p / "proj", c, c, Default::default()),
+                        bn: nn::batch_norm1d(p / "bn", c, bn_cfg()),
+                    },
+                }
+            }
+            other => bail!("unknown DARTS operation \"{other}\"; known: {}", KNOWN_OPS.join(", ")),
+        })
+    }
+
+    fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
+        match self {
+            Op::Identity => x.shallow_clone(),
+            Op::Reduce(r) => r.forward_t(x, train),
+            Op::MaxPool { stride, bn } => bn.forward_t(&x.max_pool1d([3], [*stride], [1], [1], false), train),
+            Op::AvgPool { stride, bn } => bn.forward_t(&avg_pool_3(x, *stride), train),
+            Op::Conv(c) => c.forward_t(x, train),
+            Op::SepConv {
+                dw1,
+                pw1,
+                bn1,
+                dw2,
+                pw2,
+                bn2,
+            } => {
+                let y = bn1.forward_t(&pw1.forward(&dw1.forward(&x.relu())), train);
+                bn2.forward_t(&pw2.forward(&dw2.forward(&y.relu())), train)
+            }
+            Op::DilConv { dw, pw, bn } => bn.forward_t(&pw.forward(&dw.forward(&x.relu())), train),
+            Op::Disjoint {
+                temporal,
+                bn1,
+                spatial,
+                bn2,
+            } => {
+                // [N, C, L] -> [N, 1, C, L] -> [N, C, C, L'] -> [N, C, 1, L'] -> [N, C, L']
+                let y = bn1.forward_t(&temporal.forward(&x.relu().unsqueeze(1)), train);
+                bn2.forward_t(&spatial.forward(&y.relu()), train).squeeze_dim(2)
+            }
+            Op::Lstm {
+                stride,
+                channels,
+                lstm,
+                bn,
+            } => {
+                let x = if *stride > 1 {
+                    avg_pool_3(x, *stride)
+                } else {
+                    x.shallow_clone()
+                };
+                let (y, _) = lstm.seq(&x.transpose(1, 2));
+                let y = y.transpose(1, 2);
+                let y = if y.size()[1] > *channels {
+                    y.narrow(1, 0, *channels)
+                } else {
+                    y
+                };
+                bn.forward_t(&y, train)
+            }
+            Op::Attention { stride, att } => {
+                if *stride > 1 {
+                    att.forward_t(&avg_pool_3(x, *stride), train)
+                } else {
+                    att.forward_t(x, train)
+                }
+            }
+        }
+    }
+}
+
+/// A MixedOp: the softmax(α)-weighted sum of every op but "none" (whose term is zero).
+#[derive(Debug)]
+struct Edge {
+    /// (column of α, op)
+    ops: Vec<(usize, Op)>,
+}
+
+impl Edge {
+    /// `w`: this edge's softmax weights, one 0-d tensor per column of α.
+    fn forward_t(&self, x: &Tensor, w: &[Tensor], train: bool) -> Tensor {
+        let mut acc: Option<Tensor> = None;
+        for (k, op) in &self.ops {
+            let y = op.forward_t(x, train) * &w[*k];
+            acc = Some(match acc {
+                None => y,
+                Some(a) => a + y,
+            });
+        }
+        acc.expect("an edge has at least one op besides \"none\"")
+    }
+}
+
+#[derive(Debug)]
+enum Pre0 {
+    Plain(ReluConvBn),
+    Reduce(FactorizedReduce),
+}
+
+#[derive(Debug)]
+struct Cell {
+    reduction: bool,
+    pre0: Pre0,
+    pre1: ReluConvBn,
+    edges: Vec<Edge>,
+    num_nodes: usize,
+}
+
+impl Cell {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        p: &nn::Path,
+        ops: &[String],
+        num_nodes: usize,
+        c_pp: i64,
+        c_p: i64,
+        c: i64,
+        reduction: bool,
+        reduction_prev: bool,
+    ) -> Result<Cell> {
+        let pre0 = if reduction_prev {
+            Pre0::Reduce(FactorizedReduce::new(&(p / "pre0"), c_pp, c))
+        } else {
+            Pre0::Plain(ReluConvBn::new(&(p / "pre0"), c_pp, c, 1, 1))
+        };
+        let pre1 = ReluConvBn::new(&(p / "pre1"), c_p, c, 1, 1);
+        let mut edges = Vec::with_capacity(num_edges(num_nodes));
+        for i in 0..num_nodes {
+            for j in 0..2 + i {
+                let e = edges.len();
+                let stride = if reduction && j < 2 { 2 } else { 1 };
+                let ep = p / "edges" / e;
+                let mut edge_ops = Vec::new();
+                for (k, name) in ops.iter().enumerate() {
+                    if name != "none" {
+                        edge_ops.push((k, Op::new(&(&ep / name.as_str()), name, c, stride)?));
+                    }
+                }
+                edges.push(Edge { ops: edge_ops });
+            }
+        }
+        Ok(Cell {
+            reduction,
+            pre0,
+            pre1,
+            edges,
+            num_nodes,
+        })
+    }
+
+    /// `w`: softmax(α) split per edge and per op.
+    fn forward_t(&self, s0: &Tensor, s1: &Tensor, w: &[Vec<Tensor>], train: bool) -> Tensor {
+        let s0 = match &self.pre0 {
+            Pre0::Plain(p) => p.forward_t(s0, train),
+            Pre0::Reduce(r) => r.forward_t(s0, train),
+        };
+        let mut states = vec![s0, self.pre1.forward_t(s1, train)];
+        let mut e = 0;
+        for i in 0..self.num_nodes {
+            let mut node: Option<Tensor> = None;
+            for j in 0..2 + i {
+                let y = self.edges[e].forward_t(&states[j], &w[e], train);
+                node = Some(match node {
+                    None => y,
+                    Some(a) => a + y,
+                });
+                e += 1;
+            }
+            states.push(node.expect("a node has at least two inputs"));
+        }
+        Tensor::cat(&states[2..], 1)
+    }
+}
+
+/// The DARTS supernet.
+#[derive(Debug)]
+pub struct Darts {
+    stem_conv: nn::Conv1D,
+    stem_bn: nn::BatchNorm,
+    cells: Vec<Cell>,
+    classifier: nn::Linear,
+    alpha_normal: Tensor,
+    alpha_reduce: Tensor,
+    ops: Vec<String>,
+    num_nodes: usize,
+}
+
+impl Darts {
+    pub fn new(root: &nn::Path, o: &DartsOptions) -> Result<Self> {
+        for (name, v, min) in [
+            ("in_channels", o.in_channels, 1),
+            ("num_classes", o.num_classes, 1),
+            ("init_channels", o.init_channels, 1),
+            ("num_cells", o.num_cells, 1),
+            ("num_nodes", o.num_nodes, 1),
+        ] {
+            if v < min {
+                bail!("darts: {name} must be at least {min}, got {v}");
+            }
+        }
+        for (i, op) in o.ops.iter().enumerate() {
+            if !KNOWN_OPS.contains(&op.as_str()) {
+                bail!("darts: unknown operation \"{op}\"; known: {}", KNOWN_OPS.join(", "));
+            }
+            if o.ops[..i].contains(op) {
+                bail!("darts: operation \"{op}\" is listed twice in ops");
+            }
+        }
+        if !o.ops.iter().any(|op| op != "none") {
+            bail!(
+                "darts: ops must list at least one operation besides \"none\", got {:?}",
+                o.ops
+            );
+        }
+        let reductions: Vec<i64> = {
+            let mut r = vec![o.num_cells / 3, 2 * o.num_cells / 3];
+            r.dedup();
+            r
+        };
+        let mut len = o.input_length;
+        for _ in &reductions {
+            len = (len + 1) / 2;
+        }
+        if len < 2 {
+            bail!(
+                "darts: input_length {} is too short: after {} reduction cell(s) the length is {len}, and batch \
+                 norm needs at least 2 values per channel with batch size 1",
+                o.input_length,
+                reductions.len()
+            );
+        }
+        let num_nodes = o.num_nodes as usize;
+        let mult = o.num_nodes;
+
+        let c_stem = STEM_MULTIPLIER * o.init_channels;
+        let stem_conv = conv1d(root / "stem" / "conv", o.in_channels, c_stem, 3, 1, 1, 1, 1);
+        let stem_bn = nn::batch_norm1d(root / "stem" / "bn", c_stem, Default::default());
+
+        let (mut c_pp, mut c_p, mut c) = (c_stem, c_stem, o.init_channels);
+        let mut reduction_prev = false;
+        let mut cells = Vec::with_capacity(o.num_cells as usize);
+        for i in 0..o.num_cells {
+            let reduction = reductions.contains(&i);
+            if reduction {
+                c *= 2;
+            }
+            let p = root / "cells" / i;
+            cells.push(
+                Cell::new(&p, &o.ops, num_nodes, c_pp, c_p, c, reduction, reduction_prev)
+                    .map_err(|e| anyhow::anyhow!("darts: cell {i}: {e}"))?,
+            );
+            reduction_prev = reduction;
+            (c_pp, c_p) = (c_p, mult * c);
+        }
+        let classifier = nn::linear(root / "classifier", c_p, o.num_classes, Default::default());
+
+        let arch = root / "arch";
+        let shape = [num_edges(num_nodes) as i64, o.ops.len() as i64];
+        let init = nn::Init::Randn { mean: 0.0, stdev: 1e-3 };
+        let alpha_normal = arch.var("alpha_normal", &shape, init);
+        let alpha_reduce = arch.var("alpha_reduce", &shape, init);
+
+        Ok(Darts {
+            stem_conv,
+            stem_bn,
+            cells,
+            classifier,
+            alpha_normal,
+            alpha_reduce,
+            ops: o.ops.clone(),
+            num_nodes,
+        })
+    }
+}
+
+/// softmax(α) per row, split into one 0-d tensor per (edge, op).
+fn edge_weights(alpha: &Tensor) -> Vec<Vec<Tensor>> {
+    alpha
+        .softmax(-1, alpha.kind())
+        .unbind(0)
+        .iter()
+        .map(|row| row.unbind(0))
+        .collect()
+}
+
+impl Net for Darts {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        let w_normal = edge_weights(&self.alpha_normal);
+        let w_reduce = edge_weights(&self.alpha_reduce);
+        let s = self.stem_bn.forward_t(&self.stem_conv.forward(xs), train);
+        let (mut s0, mut s1) = (s.shallow_clone(), s);
+        for cell in &self.cells {
+            let w = if cell.reduction { &w_reduce } else { &w_normal };
+            let out = cell.forward_t(&s0, &s1, w, train);
+            (s0, s1) = (s1, out);
+        }
+        self.classifier.forward(&s1.mean_dim(-1, false, s1.kind()))
+    }
+
+    fn genotype(&self) -> Option<Genotype> {
+        Some(Genotype {
+            normal: derive_genotype(&self.alpha_normal, &self.ops, self.num_nodes),
+            reduce: derive_genotype(&self.alpha_reduce, &self.ops, self.num_nodes),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::{nn::VarStore, Device};
+
+    fn opts(ops: &[&str]) -> DartsOptions {
+        DartsOptions {
+            in_channels: 2,
+            input_length: 32,
+            num_classes: 3,
+            init_channels: 8,
+            num_cells: 3,
+            num_nodes: 2,
+            ops: ops.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        }
+    }
+
+    fn strings(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn genotype_from_hand_set_alpha() {
+        let ops = strings(&["none", "skip_connect", "conv_3"]);
+        // 2 nodes: node 0 has edges 0 (s0), 1 (s1); node 1 has edges 2 (s0), 3 (s1), 4 (node 0).
+        #[rustfmt::skip]
+        let alpha = Tensor::from_slice(&[
+            // none  skip  conv
+            5.0f32, 1.0, 2.0, // e0: "none" strongest (ignored); conv 2.0
+            0.0,   3.0, 0.0,  // e1: skip 3.0 (strongest)
+            0.0,   0.5, 0.0,  // e2: skip, weak
+            9.0,   0.0, 1.0,  // e3: "none" dominates; conv, but its softmax share is tiny
+            0.0,   0.0, 4.0,  // e4: conv 4.0
+        ])
+        .view([5, 3]);
+        let g = derive_genotype(&alpha, &ops, 2);
+        // Node 0: e1 (skip, p≈0.9) then e0 (conv, p≈0.26).
+        // Node 1: e4 (conv, p≈0.96), e2 (skip, p≈0.45) over e3 (conv, p≈0.0003).
+        assert_eq!(
+            g,
+            vec![
+                vec![("skip_connect".to_string(), 1), ("conv_3".to_string(), 0)],
+                vec![("conv_3".to_string(), 2), ("skip_connect".to_string(), 0)],
+            ]
+        );
+        // One node: two edges, both kept, strongest first.
+        let alpha = Tensor::from_slice(&[0.0f32, 1.0, 0.0, 0.0, 0.0, 2.0]).view([2, 3]);
+        assert_eq!(
+            derive_genotype(&alpha, &ops, 1),
+            vec![vec![("conv_3".to_string(), 1), ("skip_connect".to_string(), 0)]]
+        );
+    }
+
+    fn check_forward_backward(ops: &[&str], batch: i64) {
+        let vs = VarStore::new(Device::Cpu);
+        let o = opts(ops);
+        let net = Darts::new(&vs.root(), &o).unwrap();
+        let x = Tensor::randn([batch, o.in_channels, o.input_length], (Kind::Float, Device::Cpu));
+        let logits = net.forward_t(&x, true);
+        assert_eq!(logits.size(), [batch, o.num_classes], "ops {ops:?}, batch {batch}");
+        assert!(
+            bool::try_from(logits.isfinite().all()).unwrap(),
+            "ops {ops:?}: non-finite logits"
+        );
+        let target = Tensor::zeros([batch], (Kind::Int64, Device::Cpu));
+        logits.cross_entropy_for_logits(&target).backward();
+        for a in [&net.alpha_normal, &net.alpha_reduce] {
+            let g = a.grad();
+            assert!(g.defined(), "ops {ops:?}: no gradient on alpha");
+            assert!(
+                bool::try_from(g.isfinite().all()).unwrap(),
+                "ops {ops:?}: non-finite alpha gradient"
+            );
+        }
+        let eval = tch::no_grad(|| net.forward_t(&x, false));
+        assert_eq!(eval.size(), [batch, o.num_classes]);
+        assert!(bool::try_from(eval.isfinite().all()).unwrap());
+        assert!(net.genotype().is_some());
+    }
+
+    #[test]
+    fn every_op_forward_and_backward() {
+        for op in KNOWN_OPS.iter().filter(|o| **o != "none") {
+            for batch in [2, 1] {
+                check_forward_backward(&["none", op], batch);
+            }
+        }
+    }
+
+    #[test]
+    fn all_ops_together_and_odd_lengths() {
+        let vs = VarStore::new(Device::Cpu);
+        for (cells, len) in [(1, 9), (2, 11), (4, 13), (5, 17)] {
+            let o = DartsOptions {
+                num_cells: cells,
+                input_length: len,
+                ops: KNOWN_OPS.iter().map(|s| s.to_string()).collect(),
+                ..opts(&[])
+            };
+            let net = Darts::new(&(vs.root() / format!("net{cells}")), &o).unwrap();
+            let x = Tensor::randn([1, o.in_channels, len], (Kind::Float, Device::Cpu));
+            assert_eq!(net.forward_t(&x, true).size(), [1, o.num_classes]);
+        }
+    }
+
+    #[test]
+    fn arch_variable_names() {
+        let vs = VarStore::new(Device::Cpu);
+        let o = opts(&["none", "skip_connect", "sep_conv_3", "attention_light"]);
+        let _net = Darts::new(&vs.root(), &o).unwrap();
+        let vars = vs.variables();
+        let arch: Vec<&String> = vars.keys().filter(|k| k.starts_with("arch.")).collect();
+        assert_eq!(arch.len(), 2, "{arch:?}");
+        for name in ["arch.alpha_normal", "arch.alpha_reduce"] {
+            assert_eq!(vars[name].size(), [5, 4], "{name}");
+            assert!(vars[name].requires_grad());
+        }
+        assert!(
+            vars.keys().all(|k| !k.contains("__")),
+            "duplicate names: {:?}",
+            vars.keys()
+        );
+    }
+
+    #[test]
+    fn deterministic_build() {
+        let o = opts(&[
+            "none",
+            "skip_connect",
+            "sep_conv_3",
+            "dil_conv_3",
+            "lstm",
+            "attention",
+            "disjoint_cnn_3x1",
+        ]);
+        let build = || {
+            tch::manual_seed(0);
+            let vs = VarStore::new(Device::Cpu);
+            let _net = Darts::new(&vs.root(), &o).unwrap();
+            vs
+        };
+        // The global RNG may be drawn from by tests running in parallel threads; retry a few times
+        // before calling the build nondeterministic.
+        let same = |a: &VarStore, b: &VarStore| {
+            let (va, vb) = (a.variables(), b.variables());
+            va.len() == vb.len() && va.iter().all(|(k, t)| vb.get(k).is_some_and(|u| t.equal(u)))
+        };
+        let ok = (0..5).any(|_| same(&build(), &build()));
+        assert!(ok, "two builds after manual_seed(0) differ");
+        let a = build();
+        let mut names: Vec<String> = a.variables().into_keys().collect();
+        names.sort();
+        assert!(
+            names.contains(&"cells.0.edges.0.sep_conv_3.dw1.weight".to_string()),
+            "{names:?}"
+        );
+        assert!(names.contains(&"stem.conv.weight".to_string()));
+        assert!(names.contains(&"classifier.weight".to_string()));
+    }
+
+    #[test]
+    fn bad_options_are_errors() {
+        let vs = VarStore::new(Device::Cpu);
+        for (o, needle) in [
+            (opts(&["none"]), "besides"),
+            (opts(&["none", "bogus"]), "unknown"),
+            (opts(&["none", "conv_3", "conv_3"]), "twice"),
+            (
+                DartsOptions {
+                    init_channels: 6,
+                    ..opts(&["none", "attention"])
+                },
+                "heads",
+            ),
+            (
+                DartsOptions {
+                    input_length: 2,
+                    ..opts(&["none", "conv_3"])
+                },
+                "too short",
+            ),
+            (
+                DartsOptions {
+                    num_nodes: 0,
+                    ..opts(&["none", "conv_3"])
+                },
+                "num_nodes",
+            ),
+        ] {
+            let e = Darts::new(&vs.root(), &o).unwrap_err().to_string();
+            assert!(e.contains(needle), "{e}");
+        }
+    }
+}

@@ -1,0 +1,221 @@
+//! The bridge to the libtorch calls tch lacks (see shim.cpp): memory statistics, cache control,
+//! device memory info, versions and the allocator snapshot. Everything C++ stays behind this module.
+use std::ffi::{c_char, CStr};
+
+use anyhow::{bail, Result};
+use serde::Serialize;
+
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+struct MtStat {
+    current: i64,
+    peak: i64,
+}
+
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+struct MtDeviceStats {
+    allocated: MtStat,
+    reserved: MtStat,
+    active: MtStat,
+    inactive_split: MtStat,
+    num_alloc_retries: i64,
+    num_ooms: i64,
+}
+
+extern "C" {
+    fn mt_free_error(e: *mut c_char);
+    fn mt_accelerator_available() -> i32;
+    fn mt_accelerator_device_count(out: *mut i64) -> *mut c_char;
+    fn mt_device_stats(device: i64, out: *mut MtDeviceStats) -> *mut c_char;
+    fn mt_empty_cache() -> *mut c_char;
+    fn mt_synchronize(device: i64) -> *mut c_char;
+    fn mt_reset_peak_stats(device: i64) -> *mut c_char;
+    fn mt_memory_info(device: i64, free: *mut u64, total: *mut u64) -> *mut c_char;
+    fn mt_versions(major: *mut i64, minor: *mut i64, patch: *mut i64, cuda: *mut i64, cudnn: *mut i64);
+    fn mt_has_cuda_snapshot() -> i32;
+    fn mt_record_memory_history(enabled: i32, max_entries: u64) -> *mut c_char;
+    fn mt_memory_snapshot(data: *mut *mut c_char, len: *mut u64) -> *mut c_char;
+    fn mt_free_buffer(b: *mut c_char);
+}
+
+/// Turns the shim's error convention (null = ok, else a malloc'd message) into a Result.
+fn check(err: *mut c_char) -> Result<()> {
+    if err.is_null() {
+        return Ok(());
+    }
+    // SAFETY: non-null errors are NUL-terminated strings allocated by the shim.
+    let msg = unsafe { CStr::from_ptr(err) }.to_string_lossy().into_owned();
+    unsafe { mt_free_error(err) };
+    bail!("libtorch: {}", first_line(&msg))
+}
+
+/// libtorch messages carry a C++ backtrace after the first lines; users need only the reason.
+fn first_line(msg: &str) -> &str {
+    msg.split("\nException raised from").next().unwrap_or(msg).trim_end()
+}
+
+/// Allocator statistics of one device, in bytes (current and peak since the last reset).
+#[derive(Debug, Default, Clone, Copy, Serialize, PartialEq, Eq)]
+pub struct DeviceStats {
+    pub allocated: u64,
+    pub peak_allocated: u64,
+    pub reserved: u64,
+    pub peak_reserved: u64,
+    pub active: u64,
+    pub peak_active: u64,
+    pub inactive_split: u64,
+    pub peak_inactive_split: u64,
+    pub num_alloc_retries: u64,
+    pub num_ooms: u64,
+}
+
+/// Whether libtorch sees an accelerator (CUDA here) with at least one device.
+pub fn accelerator_available() -> bool {
+    unsafe { mt_accelerator_available() == 1 }
+}
+
+pub fn device_count() -> Result<usize> {
+    let mut n = 0i64;
+    check(unsafe { mt_accelerator_device_count(&mut n) })?;
+    Ok(n.max(0) as usize)
+}
+
+fn no_accelerator<T>() -> Result<Option<T>> {
+    Ok(None)
+}
+
+/// Allocator statistics; `None` when there is no accelerator.
+pub fn device_stats(device: usize) -> Result<Option<DeviceStats>> {
+    if !accelerator_available() {
+        return no_accelerator();
+    }
+    let mut s = MtDeviceStats::default();
+    check(unsafe { mt_device_stats(device as i64, &mut s) })?;
+    let u = |v: i64| v.max(0) as u64;
+    Ok(Some(DeviceStats {
+        allocated: u(s.allocated.current),
+        peak_allocated: u(s.allocated.peak),
+        reserved: u(s.reserved.current),
+        peak_reserved: u(s.reserved.peak),
+        active: u(s.active.current),
+        peak_active: u(s.active.peak),
+        inactive_split: u(s.inactive_split.current),
+        peak_inactive_split: u(s.inactive_split.peak),
+        num_alloc_retries: u(s.num_alloc_retries),
+        num_ooms: u(s.num_ooms),
+    }))
+}
+
+/// Releases cached, unused blocks back to the driver. Returns false when there is no accelerator.
+pub fn empty_cache() -> Result<bool> {
+    if !accelerator_available() {
+        return Ok(false);
+    }
+    check(unsafe { mt_empty_cache() })?;
+    Ok(true)
+}
+
+pub fn synchronize(device: usize) -> Result<bool> {
+    if !accelerator_available() {
+        return Ok(false);
+    }
+    check(unsafe { mt_synchronize(device as i64) })?;
+    Ok(true)
+}
+
+pub fn reset_peak_stats(device: usize) -> Result<bool> {
+    if !accelerator_available() {
+        return Ok(false);
+    }
+    check(unsafe { mt_reset_peak_stats(device as i64) })?;
+    Ok(true)
+}
+
+/// (free, total) bytes of the device as the driver sees them; `None` without an accelerator.
+pub fn memory_info(device: usize) -> Result<Option<(u64, u64)>> {
+    if !accelerator_available() {
+        return no_accelerator();
+    }
+    let (mut free, mut total) = (0u64, 0u64);
+    check(unsafe { mt_memory_info(device as i64, &mut free, &mut total) })?;
+    Ok(Some((free, total)))
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Versions {
+    pub libtorch: String,
+    /// e.g. "13.0"; None on a build or machine without CUDA.
+    pub cuda: Option<String>,
+    /// e.g. "9.10.2"; None without cuDNN.
+    pub cudnn: Option<String>,
+}
+
+pub fn versions() -> Versions {
+    let (mut a, mut b, mut c, mut cuda, mut cudnn) = (0, 0, 0, 0, 0);
+    unsafe { mt_versions(&mut a, &mut b, &mut c, &mut cuda, &mut cudnn) };
+    Versions {
+        libtorch: format!("{a}.{b}.{c}"),
+        // CUDA runtime encodes major*1000 + minor*10; cuDNN (9.x) major*10000 + minor*100 + patch.
+        cuda: (cuda > 0).then(|| format!("{}.{}", cuda / 1000, (cuda % 1000) / 10)),
+        cudnn: (cudnn > 0).then(|| format!("{}.{}.{}", cudnn / 10000, (cudnn % 10000) / 100, cudnn % 100)),
+    }
+}
+
+/// Whether this binary was built with the CUDA allocator's snapshot support.
+pub fn has_snapshot_support() -> bool {
+    unsafe { mt_has_cuda_snapshot() == 1 }
+}
+
+/// Starts (or stops) recording allocator history so a later snapshot has stack traces and events.
+pub fn record_memory_history(enabled: bool, max_entries: u64) -> Result<()> {
+    if !accelerator_available() {
+        bail!("recording memory history needs a CUDA device, and none is available");
+    }
+    check(unsafe { mt_record_memory_history(enabled as i32, max_entries) })
+}
+
+/// The allocator snapshot as the pickle PyTorch's memory_viz page loads.
+pub fn memory_snapshot() -> Result<Vec<u8>> {
+    if !accelerator_available() {
+        bail!("a memory snapshot needs a CUDA device, and none is available");
+    }
+    let mut data: *mut c_char = std::ptr::null_mut();
+    let mut len = 0u64;
+    check(unsafe { mt_memory_snapshot(&mut data, &mut len) })?;
+    // SAFETY: on success the shim hands over a malloc'd buffer of `len` bytes.
+    let out = unsafe { std::slice::from_raw_parts(data as *const u8, len as usize) }.to_vec();
+    unsafe { mt_free_buffer(data) };
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backtrace_is_cut_from_errors() {
+        let msg = "CUDA out of memory. Tried to allocate 2 GiB\nException raised from malloc at x.cpp:1";
+        assert_eq!(first_line(msg), "CUDA out of memory. Tried to allocate 2 GiB");
+    }
+
+    #[test]
+    fn versions_name_libtorch_2_11() {
+        assert_eq!(versions().libtorch, "2.11.0");
+    }
+
+    #[test]
+    fn cpu_only_answers_are_clean() {
+        if accelerator_available() {
+            return; // the CPU answers below are what this test is about
+        }
+        assert_eq!(device_count().unwrap(), 0);
+        assert_eq!(device_stats(0).unwrap(), None);
+        assert_eq!(memory_info(0).unwrap(), None);
+        assert!(!empty_cache().unwrap());
+        assert!(!reset_peak_stats(0).unwrap());
+        assert!(!synchronize(0).unwrap());
+        let err = memory_snapshot().unwrap_err().to_string();
+        assert!(err.contains("needs a CUDA device"), "{err}");
+    }
+}

@@ -1,0 +1,304 @@
+//! Job specs: TOML files, `--set` overrides, and errors that point at the file, line and key.
+//!
+//! Every problem is first expressed as a dotted key path (`train.batch_size`), then placed:
+//! in an override if `--set` supplied that key, else at the key's line:column in the file.
+mod schema;
+mod validate;
+
+use std::fmt;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+pub use schema::*;
+
+/// A spec problem the user must fix; always exit code 2.
+#[derive(Debug)]
+pub struct SpecError {
+    pub problems: Vec<String>,
+}
+
+impl fmt::Display for SpecError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.problems.join("\n"))
+    }
+}
+
+impl std::error::Error for SpecError {}
+
+/// One `--set key=value` from the command line.
+#[derive(Debug, Clone)]
+pub struct Override {
+    pub key: String,
+    pub raw: String,
+    value: toml_edit::Value,
+}
+
+impl Override {
+    /// Values are typed as TOML (`8`, `true`, `[\"a\"]`, `\"x\"`); anything that is not valid TOML
+    /// is taken as a string, so `--set job.device=cpu` works without quotes.
+    pub fn parse(arg: &str) -> Result<Self, String> {
+        let (key, raw) = arg
+            .split_once('=')
+            .ok_or_else(|| format!("--set {arg}: expected KEY=VALUE, e.g. --set train.batch_size=8"))?;
+        let key = key.trim();
+        if key.is_empty() || key.split('.').any(|p| p.trim().is_empty()) {
+            return Err(format!(
+                "--set {arg}: \"{key}\" is not a dotted key like train.batch_size"
+            ));
+        }
+        let value = format!("v = {raw}")
+            .parse::<toml_edit::DocumentMut>()
+            .ok()
+            .and_then(|d| d.get("v").and_then(|i| i.as_value().cloned()))
+            .unwrap_or_else(|| toml_edit::Value::from(raw));
+        Ok(Override {
+            key: key.to_owned(),
+            raw: raw.to_owned(),
+            value,
+        })
+    }
+}
+
+/// A parsed, overridden and validated spec, with where it came from.
+#[derive(Debug, Clone)]
+pub struct LoadedSpec {
+    pub spec: Spec,
+    pub path: PathBuf,
+}
+
+/// Reads, overrides, deserialises and validates a spec.
+pub fn load(path: &Path, overrides: &[Override]) -> Result<LoadedSpec, SpecError> {
+    let shown = path.display().to_string();
+    let one = |m: String| SpecError { problems: vec![m] };
+    let text = std::fs::read_to_string(path).map_err(|e| one(format!("{shown}: cannot read spec file: {e}")))?;
+    let original = toml_edit::ImDocument::parse(text.as_str()).map_err(|e| {
+        let at = e.span().map(|s| line_col(&text, s.start)).unwrap_or((1, 1));
+        one(format!(
+            "{shown}:{}:{}: invalid TOML: {}",
+            at.0,
+            at.1,
+            first_sentence(e.message())
+        ))
+    })?;
+    let mut doc = original.clone().into_mut();
+    for o in overrides {
+        set_path(&mut doc, &o.key, o.value.clone()).map_err(|m| one(format!("--set {}={}: {m}", o.key, o.raw)))?;
+    }
+    let merged = doc.to_string();
+    let places = Places {
+        file: &shown,
+        text: &text,
+        original: &original,
+        overrides,
+    };
+
+    let mut spec: Spec = toml::from_str(&merged).map_err(|e| {
+        let key = e
+            .span()
+            .and_then(|s| {
+                toml_edit::ImDocument::parse(merged.as_str())
+                    .ok()
+                    .map(|d| key_at(&d, s))
+            })
+            .unwrap_or_default();
+        one(places.describe(&key, &clean_serde_message(e.message(), &key)))
+    })?;
+    if spec.job.name.is_empty() {
+        spec.job.name = path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| "job".into());
+    }
+    let problems = validate::validate(&spec);
+    if !problems.is_empty() {
+        return Err(SpecError {
+            problems: problems
+                .iter()
+                .map(|(k, m)| places.describe(k, &format!("{k} {m}")))
+                .collect(),
+        });
+    }
+    Ok(LoadedSpec {
+        spec,
+        path: path.to_owned(),
+    })
+}
+
+/// Resolved spec as TOML, as `check` prints it and runs record it.
+pub fn to_toml(spec: &Spec) -> String {
+    toml::to_string_pretty(spec).expect("a spec always serialises")
+}
+
+struct Places<'a> {
+    file: &'a str,
+    text: &'a str,
+    original: &'a toml_edit::ImDocument<&'a str>,
+    overrides: &'a [Override],
+}
+
+impl Places<'_> {
+    /// "file:line:col: msg" for a key in the file, "--set k=v: msg" for an overridden one.
+    fn describe(&self, key: &str, msg: &str) -> String {
+        let overridden =
+            self.overrides.iter().rev().find(|o| {
+                key == o.key || key.starts_with(&format!("{}.", o.key)) || o.key.starts_with(&format!("{key}."))
+            });
+        if let Some(o) = overridden {
+            return format!("--set {}={}: {msg}", o.key, o.raw);
+        }
+        match span_of(self.original, key) {
+            Some(s) => {
+                let (l, c) = line_col(self.text, s.start);
+                format!("{}:{l}:{c}: {msg}", self.file)
+            }
+            None => format!("{}: {msg}", self.file),
+        }
+    }
+}
+
+/// 1-based line and column of a byte offset.
+fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let col = before.rsplit('\n').next().map(|l| l.chars().count()).unwrap_or(0) + 1;
+    (line, col)
+}
+
+fn first_sentence(msg: &str) -> String {
+    msg.lines().next().unwrap_or(msg).trim().to_owned()
+}
+
+/// serde says "unknown field `x`, expected one of ..." without the table; add the full key and
+/// a hint so the message stands on its own.
+fn clean_serde_message(msg: &str, key: &str) -> String {
+    let msg = first_sentence(msg);
+    if msg.starts_with("unknown field") {
+        return format!("{msg} (in {})", if key.is_empty() { "the top level" } else { key });
+    }
+    if msg.starts_with("missing field") {
+        return format!("{msg} in {}", if key.is_empty() { "the top level" } else { key });
+    }
+    if key.is_empty() {
+        msg
+    } else {
+        format!("{key}: {msg}")
+    }
+}
+
+/// Where `key` (dotted) sits in the document: the value's key if present, else the nearest table.
+fn span_of(doc: &toml_edit::ImDocument<&str>, key: &str) -> Option<Range<usize>> {
+    let mut item: &toml_edit::Item = doc.as_item();
+    let mut best = None;
+    for part in key.split('.') {
+        let (k, next) = match item {
+            toml_edit::Item::Table(t) => t.get_key_value(part)?,
+            toml_edit::Item::Value(toml_edit::Value::InlineTable(t)) => {
+                let (k, v) = t.get_key_value(part)?;
+                return k.span().or_else(|| v.span()).or(best);
+            }
+            toml_edit::Item::Value(v) => return v.span().or(best),
+            _ => return best,
+        };
+        best = k.span().or_else(|| next.span()).or(best);
+        item = next;
+    }
+    best
+}
+
+/// The dotted key whose key or value encloses the error span in `doc` (deepest wins).
+fn key_at(doc: &toml_edit::ImDocument<&str>, span: Range<usize>) -> String {
+    fn walk(table: &toml_edit::Table, pos: usize, prefix: &str, found: &mut (usize, String)) {
+        for (name, item) in table.iter() {
+            let path = if prefix.is_empty() {
+                name.to_owned()
+            } else {
+                format!("{prefix}.{name}")
+            };
+            let key_span = table.key(name).and_then(|k| k.span());
+            let inside = |s: Option<Range<usize>>| {
+                s.map(|s| s.start <= pos && pos <= s.end.max(s.start + 1))
+                    .unwrap_or(false)
+            };
+            let depth = path.matches('.').count() + 1;
+            if (inside(key_span.clone()) || inside(item.span())) && depth >= found.0 {
+                *found = (depth, path.clone());
+            }
+            match item {
+                toml_edit::Item::Table(t) => walk(t, pos, &path, found),
+                toml_edit::Item::Value(toml_edit::Value::InlineTable(t)) => {
+                    walk(&t.clone().into_table(), pos, &path, found)
+                }
+                _ => {}
+            }
+        }
+    }
+    let mut found = (0, String::new());
+    walk(doc.as_table(), span.start, "", &mut found);
+    found.1
+}
+
+fn set_path(doc: &mut toml_edit::DocumentMut, key: &str, value: toml_edit::Value) -> Result<(), String> {
+    let parts: Vec<&str> = key.split('.').map(str::trim).collect();
+    let (last, tables) = parts.split_last().expect("keys are non-empty");
+    let mut table: &mut dyn toml_edit::TableLike = doc.as_table_mut();
+    for (i, part) in tables.iter().enumerate() {
+        if table.get(part).is_none() {
+            table.insert(part, toml_edit::Item::Table(toml_edit::Table::new()));
+        }
+        let item = table.get_mut(part).expect("just inserted");
+        table = item
+            .as_table_like_mut()
+            .ok_or_else(|| format!("{} is a value, not a table", parts[..=i].join(".")))?;
+    }
+    table.insert(last, toml_edit::Item::Value(value));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load_str(text: &str, sets: &[&str]) -> Result<Spec, String> {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("x.toml");
+        std::fs::write(&p, text).unwrap();
+        let o: Vec<Override> = sets.iter().map(|s| Override::parse(s).unwrap()).collect();
+        load(&p, &o)
+            .map(|l| l.spec)
+            .map_err(|e| e.to_string().replace(&p.display().to_string(), "x.toml"))
+    }
+
+    #[test]
+    fn validation_errors_point_at_the_key() {
+        let err = load_str(
+            "[model]\npreset = \"mlp\"\n\n[train]\nepochs = 1\nbatch_size = 0\n",
+            &[],
+        )
+        .unwrap_err();
+        assert_eq!(err, "x.toml:6:1: train.batch_size must be at least 1, got 0");
+    }
+
+    #[test]
+    fn unknown_keys_are_rejected_with_their_line() {
+        let err = load_str("[model]\npreset = \"mlp\"\n[train]\nbatchsize = 3\n", &[]).unwrap_err();
+        assert!(err.starts_with("x.toml:4:1: unknown field `batchsize`"), "{err}");
+    }
+
+    #[test]
+    fn overrides_are_typed_and_blamed() {
+        let spec = load_str("[model]\npreset = \"mlp\"\n", &["train.batch_size=8", "job.device=cpu"]).unwrap();
+        assert_eq!(spec.train.batch_size, 8);
+        assert_eq!(spec.job.device, Device::Cpu);
+        let err = load_str("[model]\npreset = \"mlp\"\n", &["train.batch_size=0"]).unwrap_err();
+        assert_eq!(
+            err,
+            "--set train.batch_size=0: train.batch_size must be at least 1, got 0"
+        );
+    }
+
+    #[test]
+    fn line_col_counts_from_one() {
+        assert_eq!(line_col("ab\ncd", 4), (2, 2));
+        assert_eq!(line_col("ab", 0), (1, 1));
+    }
+}

@@ -1,0 +1,517 @@
+//! The job spec's schema: every key, its type and its default. Validation lives in `validate.rs`.
+use std::fmt;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Spec {
+    #[serde(default)]
+    pub job: Job,
+    pub model: Model,
+    #[serde(default)]
+    pub data: Data,
+    #[serde(default)]
+    pub train: Train,
+    #[serde(default)]
+    pub memory: Memory,
+    #[serde(default)]
+    pub checkpoint: Checkpoint,
+    #[serde(default)]
+    pub log: Log,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Job {
+    /// Names the run directory; empty means the spec file's stem.
+    pub name: String,
+    pub seed: i64,
+    pub output_dir: PathBuf,
+    pub device: Device,
+    /// CPU threads for libtorch; 0 keeps libtorch's default.
+    pub threads: i64,
+}
+
+impl Default for Job {
+    fn default() -> Self {
+        Job {
+            name: String::new(),
+            seed: 0,
+            output_dir: "runs".into(),
+            device: Device::Auto,
+            threads: 0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    Auto,
+    Cpu,
+    Cuda(usize),
+}
+
+impl fmt::Display for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Device::Auto => write!(f, "auto"),
+            Device::Cpu => write!(f, "cpu"),
+            Device::Cuda(i) => write!(f, "cuda:{i}"),
+        }
+    }
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Device::Auto),
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|i| i.parse().ok())
+                .map(Device::Cuda)
+                .ok_or_else(|| format!("expected \"auto\", \"cpu\", \"cuda\" or \"cuda:N\", got \"{s}\"")),
+        }
+    }
+}
+
+impl Serialize for Device {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Device {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// A byte count written as an integer or with a unit ("4GiB", "512MiB", "1.5GB").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub struct ByteSize(pub u64);
+
+impl ByteSize {
+    pub fn parse(s: &str) -> Result<Self, String> {
+        parse_size::Config::new()
+            .with_binary()
+            .parse_size(s.trim())
+            .map(ByteSize)
+            .map_err(|e| format!("\"{s}\" is not a size ({e}); write it like \"4GiB\", \"512MiB\" or a byte count"))
+    }
+}
+
+impl fmt::Display for ByteSize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&crate::report::human_bytes(self.0))
+    }
+}
+
+impl Serialize for ByteSize {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Int(i64),
+            Text(String),
+        }
+        match Raw::deserialize(d).map_err(|_| {
+            serde::de::Error::custom("expected a size: a byte count or a string like \"4GiB\" or \"512MiB\"")
+        })? {
+            Raw::Int(n) if n < 0 => Err(serde::de::Error::custom(format!("a size cannot be negative, got {n}"))),
+            Raw::Int(n) => Ok(ByteSize(n as u64)),
+            Raw::Text(t) => ByteSize::parse(&t).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Preset {
+    Mlp,
+    Darts,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Model {
+    pub preset: Preset,
+    /// Initial weights by name from a safetensors file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init_from: Option<PathBuf>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mlp: Option<MlpOptions>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub darts: Option<DartsOptions>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MlpOptions {
+    pub inputs: i64,
+    pub hidden: Vec<i64>,
+    pub num_classes: i64,
+}
+
+impl Default for MlpOptions {
+    fn default() -> Self {
+        MlpOptions {
+            inputs: 64,
+            hidden: vec![128],
+            num_classes: 10,
+        }
+    }
+}
+
+pub const DARTS_OPS: &[&str] = &[
+    "none",
+    "skip_connect",
+    "max_pool_3",
+    "avg_pool_3",
+    "conv_3",
+    "conv_5",
+    "sep_conv_3",
+    "sep_conv_5",
+    "dil_conv_3",
+    "dil_conv_5",
+    "disjoint_cnn_3x1",
+    "disjoint_cnn_5x1",
+    "lstm",
+    "attention",
+    "attention_light",
+];
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DartsOptions {
+    pub in_channels: i64,
+    pub input_length: i64,
+    pub num_classes: i64,
+    pub init_channels: i64,
+    pub num_cells: i64,
+    pub num_nodes: i64,
+    pub ops: Vec<String>,
+    /// Learning rate of the Adam that trains the architecture weights α.
+    pub arch_lr: f64,
+    pub arch_weight_decay: f64,
+}
+
+impl Default for DartsOptions {
+    fn default() -> Self {
+        DartsOptions {
+            in_channels: 1,
+            input_length: 3000,
+            num_classes: 5,
+            init_channels: 24,
+            num_cells: 3,
+            num_nodes: 2,
+            ops: [
+                "none",
+                "skip_connect",
+                "max_pool_3",
+                "avg_pool_3",
+                "sep_conv_3",
+                "dil_conv_3",
+                "attention_light",
+            ]
+            .map(String::from)
+            .to_vec(),
+            arch_lr: 3e-4,
+            arch_weight_decay: 1e-3,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DataSource {
+    Synthetic,
+    Npz,
+    Safetensors,
+    Mnist,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Data {
+    pub source: DataSource,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<PathBuf>,
+    /// A separate validation file; without it `val_fraction` of `path` is held out.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_path: Option<PathBuf>,
+    pub val_fraction: f64,
+    /// Synthetic only: number of samples (training plus validation).
+    pub samples: i64,
+    /// Synthetic only: standard deviation of the noise added to the class signal.
+    pub noise: f64,
+}
+
+impl Default for Data {
+    fn default() -> Self {
+        Data {
+            source: DataSource::Synthetic,
+            path: None,
+            val_path: None,
+            val_fraction: 0.2,
+            samples: 512,
+            noise: 1.0,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OptimizerKind {
+    Sgd,
+    Adam,
+    Adamw,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Precision {
+    Fp32,
+    Bf16,
+}
+
+impl Precision {
+    pub fn bytes(self) -> u64 {
+        match self {
+            Precision::Fp32 => 4,
+            Precision::Bf16 => 2,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Schedule {
+    Constant,
+    Step,
+    Cosine,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Train {
+    pub epochs: i64,
+    /// Micro-batch: samples per forward/backward.
+    pub batch_size: i64,
+    /// Micro-batches whose gradients are summed before one optimizer step.
+    pub accumulation_steps: i64,
+    pub optimizer: OptimizerKind,
+    pub lr: f64,
+    pub momentum: f64,
+    pub nesterov: bool,
+    pub weight_decay: f64,
+    pub betas: [f64; 2],
+    pub eps: f64,
+    /// Clip the global gradient norm to this value; 0 turns clipping off.
+    pub grad_clip_norm: f64,
+    pub precision: Precision,
+    pub schedule: Schedule,
+    /// Optimizer steps of linear warmup from 0 to `lr`.
+    pub warmup_steps: i64,
+    /// Step schedule: multiply by `lr_gamma` every `lr_step_epochs` epochs.
+    pub lr_step_epochs: i64,
+    pub lr_gamma: f64,
+    /// Cosine schedule: the rate it decays to.
+    pub min_lr: f64,
+}
+
+impl Default for Train {
+    fn default() -> Self {
+        Train {
+            epochs: 10,
+            batch_size: 32,
+            accumulation_steps: 1,
+            optimizer: OptimizerKind::Adam,
+            lr: 1e-3,
+            momentum: 0.0,
+            nesterov: false,
+            weight_decay: 0.0,
+            betas: [0.9, 0.999],
+            eps: 1e-8,
+            grad_clip_norm: 0.0,
+            precision: Precision::Fp32,
+            schedule: Schedule::Constant,
+            warmup_steps: 0,
+            lr_step_epochs: 10,
+            lr_gamma: 0.1,
+            min_lr: 0.0,
+        }
+    }
+}
+
+/// `memory.cache_clear_every`: a step count (0 = never) or "auto".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CacheClear {
+    Every(u64),
+    Auto,
+}
+
+impl Serialize for CacheClear {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            CacheClear::Every(n) => s.serialize_u64(*n),
+            CacheClear::Auto => s.serialize_str("auto"),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for CacheClear {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Int(i64),
+            Text(String),
+        }
+        let bad = || serde::de::Error::custom("expected a step count (0 = never) or \"auto\"");
+        match Raw::deserialize(d).map_err(|_| bad())? {
+            Raw::Int(n) if n >= 0 => Ok(CacheClear::Every(n as u64)),
+            Raw::Int(n) => Err(serde::de::Error::custom(format!(
+                "must be 0 (never), a positive step count or \"auto\", got {n}"
+            ))),
+            Raw::Text(t) if t == "auto" => Ok(CacheClear::Auto),
+            Raw::Text(_) => Err(bad()),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OomAction {
+    Backoff,
+    Cpu,
+    Fail,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Memory {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub limit: Option<ByteSize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fraction: Option<f64>,
+    pub cache_clear_every: CacheClear,
+    /// "auto" clears when reserved-but-unallocated bytes exceed this.
+    pub auto_clear_threshold: ByteSize,
+    pub clear_on_epoch_end: bool,
+    pub clear_after_checkpoint: bool,
+    /// Synchronise the device every N steps (0 = never).
+    pub sync_every: i64,
+    pub on_oom: Vec<OomAction>,
+    pub min_batch_size: i64,
+    /// Double the micro-batch again after this many clean optimizer steps (0 = never).
+    pub grow_back_after: i64,
+    pub record_history: bool,
+    pub preflight: bool,
+    pub allocator: Allocator,
+}
+
+impl Default for Memory {
+    fn default() -> Self {
+        Memory {
+            limit: None,
+            fraction: None,
+            cache_clear_every: CacheClear::Every(0),
+            auto_clear_threshold: ByteSize(512 << 20),
+            clear_on_epoch_end: false,
+            clear_after_checkpoint: true,
+            sync_every: 0,
+            on_oom: vec![OomAction::Backoff, OomAction::Fail],
+            min_batch_size: 1,
+            grow_back_after: 0,
+            record_history: false,
+            preflight: true,
+            allocator: Allocator::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Allocator {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expandable_segments: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_split_size_mb: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub garbage_collection_threshold: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub roundup_power2_divisions: Option<i64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Monitor {
+    ValLoss,
+    ValAcc,
+    TrainLoss,
+}
+
+impl Monitor {
+    /// Whether a larger value is better.
+    pub fn maximize(self) -> bool {
+        matches!(self, Monitor::ValAcc)
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Checkpoint {
+    /// Save every N epochs (0 = only at the end and on interruption).
+    pub every_epochs: i64,
+    pub keep_last: i64,
+    pub keep_best: bool,
+    pub monitor: Monitor,
+}
+
+impl Default for Checkpoint {
+    fn default() -> Self {
+        Checkpoint {
+            every_epochs: 1,
+            keep_last: 2,
+            keep_best: true,
+            monitor: Monitor::ValLoss,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Progress {
+    Auto,
+    Bars,
+    Lines,
+    Off,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Log {
+    /// A per-step record in metrics.jsonl every N optimizer steps (0 = none).
+    pub every_steps: i64,
+    pub progress: Progress,
+}
+
+impl Default for Log {
+    fn default() -> Self {
+        Log {
+            every_steps: 10,
+            progress: Progress::Auto,
+        }
+    }
+}

@@ -1,0 +1,309 @@
+//! Checks that serde's types cannot express. Each problem is (dotted key, what is wrong).
+use std::path::Path;
+
+use super::schema::*;
+
+type Problems = Vec<(String, String)>;
+
+fn at_least(p: &mut Problems, key: &str, v: i64, min: i64) {
+    if v < min {
+        p.push((key.into(), format!("must be at least {min}, got {v}")));
+    }
+}
+
+fn positive(p: &mut Problems, key: &str, v: f64) {
+    if !(v.is_finite() && v > 0.0) {
+        p.push((key.into(), format!("must be a positive number, got {v}")));
+    }
+}
+
+fn in_range(p: &mut Problems, key: &str, v: f64, lo: f64, hi: f64, shown: &str) {
+    if !(v.is_finite() && v >= lo && v <= hi) {
+        p.push((key.into(), format!("must be in {shown}, got {v}")));
+    }
+}
+
+fn file_exists(p: &mut Problems, key: &str, path: &Path, what: &str) {
+    if !path.exists() {
+        p.push((
+            key.into(),
+            format!(
+                "names {}, which does not exist (paths are relative to the current directory; {what})",
+                path.display()
+            ),
+        ));
+    }
+}
+
+pub fn validate(s: &Spec) -> Problems {
+    let mut p = Problems::new();
+    job(&mut p, &s.job);
+    model(&mut p, &s.model);
+    data(&mut p, &s.data);
+    train(&mut p, &s.train);
+    memory(&mut p, &s.memory, &s.train);
+    checkpoint(&mut p, s);
+    at_least(&mut p, "log.every_steps", s.log.every_steps, 0);
+    p
+}
+
+fn job(p: &mut Problems, j: &Job) {
+    if j.name.contains(['/', '\\']) || j.name == "." || j.name == ".." {
+        p.push((
+            "job.name".into(),
+            format!("must be a plain name (it names the run directory), got \"{}\"", j.name),
+        ));
+    }
+    at_least(p, "job.threads", j.threads, 0);
+}
+
+fn model(p: &mut Problems, m: &Model) {
+    if let Some(f) = &m.init_from {
+        file_exists(
+            p,
+            "model.init_from",
+            f,
+            "it must be a .safetensors file of initial weights",
+        );
+    }
+    match m.preset {
+        Preset::Mlp => {
+            if m.darts.is_some() {
+                p.push((
+                    "model.darts".into(),
+                    "is set but model.preset is \"mlp\"; remove [model.darts] or set preset = \"darts\"".into(),
+                ));
+            }
+            let o = m.mlp.clone().unwrap_or_default();
+            at_least(p, "model.mlp.inputs", o.inputs, 1);
+            at_least(p, "model.mlp.num_classes", o.num_classes, 2);
+            for (i, h) in o.hidden.iter().enumerate() {
+                if *h < 1 {
+                    p.push((
+                        "model.mlp.hidden".into(),
+                        format!("entries must be at least 1, got {h} at position {i}"),
+                    ));
+                }
+            }
+        }
+        Preset::Darts => {
+            if m.mlp.is_some() {
+                p.push((
+                    "model.mlp".into(),
+                    "is set but model.preset is \"darts\"; remove [model.mlp] or set preset = \"mlp\"".into(),
+                ));
+            }
+            let o = m.darts.clone().unwrap_or_default();
+            at_least(p, "model.darts.in_channels", o.in_channels, 1);
+            at_least(p, "model.darts.input_length", o.input_length, 8);
+            at_least(p, "model.darts.num_classes", o.num_classes, 2);
+            at_least(p, "model.darts.init_channels", o.init_channels, 2);
+            at_least(p, "model.darts.num_cells", o.num_cells, 1);
+            at_least(p, "model.darts.num_nodes", o.num_nodes, 1);
+            positive(p, "model.darts.arch_lr", o.arch_lr);
+            in_range(
+                p,
+                "model.darts.arch_weight_decay",
+                o.arch_weight_decay,
+                0.0,
+                f64::MAX,
+                "[0, ∞)",
+            );
+            if o.ops.is_empty() || o.ops.iter().all(|op| op == "none") {
+                p.push((
+                    "model.darts.ops".into(),
+                    "must list at least one operation besides \"none\"".into(),
+                ));
+            }
+            for op in &o.ops {
+                if !DARTS_OPS.contains(&op.as_str()) {
+                    p.push((
+                        "model.darts.ops".into(),
+                        format!("has unknown operation \"{op}\"; known: {}", DARTS_OPS.join(", ")),
+                    ));
+                }
+            }
+            if o.ops.iter().any(|op| op.starts_with("attention")) && o.init_channels % 4 != 0 {
+                p.push((
+                    "model.darts.init_channels".into(),
+                    format!(
+                        "must be a multiple of 4 when attention ops are used (heads split the channels), got {}",
+                        o.init_channels
+                    ),
+                ));
+            }
+        }
+    }
+}
+
+fn data(p: &mut Problems, d: &Data) {
+    match d.source {
+        DataSource::Synthetic => {
+            if d.path.is_some() {
+                p.push((
+                    "data.path".into(),
+                    "is set but data.source is \"synthetic\"; remove it or choose npz, safetensors or mnist".into(),
+                ));
+            }
+            at_least(p, "data.samples", d.samples, 4);
+            in_range(p, "data.noise", d.noise, 0.0, f64::MAX, "[0, ∞)");
+        }
+        src => match &d.path {
+            None => p.push((
+                "data.path".into(),
+                format!("is required when data.source is \"{}\"", source_name(src)),
+            )),
+            Some(path) => file_exists(
+                p,
+                "data.path",
+                path,
+                match src {
+                    DataSource::Mnist => "it must be a directory with the MNIST IDX files",
+                    _ => "it must be a file with arrays x and y",
+                },
+            ),
+        },
+    }
+    if let Some(v) = &d.val_path {
+        if d.source == DataSource::Synthetic {
+            p.push((
+                "data.val_path".into(),
+                "is only read for npz, safetensors and mnist sources".into(),
+            ));
+        } else {
+            file_exists(p, "data.val_path", v, "it must hold validation arrays x and y");
+        }
+    } else if !(d.val_fraction > 0.0 && d.val_fraction < 1.0) {
+        p.push((
+            "data.val_fraction".into(),
+            format!(
+                "must be in (0, 1) when data.val_path is not set, got {}",
+                d.val_fraction
+            ),
+        ));
+    }
+}
+
+fn source_name(s: DataSource) -> &'static str {
+    match s {
+        DataSource::Synthetic => "synthetic",
+        DataSource::Npz => "npz",
+        DataSource::Safetensors => "safetensors",
+        DataSource::Mnist => "mnist",
+    }
+}
+
+fn train(p: &mut Problems, t: &Train) {
+    at_least(p, "train.epochs", t.epochs, 1);
+    at_least(p, "train.batch_size", t.batch_size, 1);
+    at_least(p, "train.accumulation_steps", t.accumulation_steps, 1);
+    positive(p, "train.lr", t.lr);
+    in_range(p, "train.momentum", t.momentum, 0.0, 0.999_999, "[0, 1)");
+    if t.nesterov && !(t.optimizer == OptimizerKind::Sgd && t.momentum > 0.0) {
+        p.push((
+            "train.nesterov".into(),
+            "needs optimizer = \"sgd\" and momentum > 0".into(),
+        ));
+    }
+    in_range(p, "train.weight_decay", t.weight_decay, 0.0, f64::MAX, "[0, ∞)");
+    for (i, b) in t.betas.iter().enumerate() {
+        if !(*b >= 0.0 && *b < 1.0) {
+            p.push((
+                "train.betas".into(),
+                format!("must both be in [0, 1), got {b} at position {i}"),
+            ));
+        }
+    }
+    positive(p, "train.eps", t.eps);
+    in_range(
+        p,
+        "train.grad_clip_norm",
+        t.grad_clip_norm,
+        0.0,
+        f64::MAX,
+        "[0, ∞) (0 turns clipping off)",
+    );
+    at_least(p, "train.warmup_steps", t.warmup_steps, 0);
+    at_least(p, "train.lr_step_epochs", t.lr_step_epochs, 1);
+    in_range(p, "train.lr_gamma", t.lr_gamma, f64::MIN_POSITIVE, 1.0, "(0, 1]");
+    in_range(p, "train.min_lr", t.min_lr, 0.0, t.lr, "[0, train.lr]");
+}
+
+fn memory(p: &mut Problems, m: &Memory, t: &Train) {
+    if let Some(l) = m.limit {
+        if l.0 == 0 {
+            p.push(("memory.limit".into(), "must be more than 0 bytes, e.g. \"4GiB\"".into()));
+        }
+        if m.fraction.is_some() {
+            p.push((
+                "memory.fraction".into(),
+                "cannot be set together with memory.limit; keep one".into(),
+            ));
+        }
+    }
+    if let Some(f) = m.fraction {
+        if !(f > 0.0 && f <= 1.0) {
+            p.push(("memory.fraction".into(), format!("must be in (0, 1], got {f}")));
+        }
+    }
+    at_least(p, "memory.sync_every", m.sync_every, 0);
+    at_least(p, "memory.grow_back_after", m.grow_back_after, 0);
+    at_least(p, "memory.min_batch_size", m.min_batch_size, 1);
+    if m.min_batch_size > t.batch_size && t.batch_size >= 1 {
+        p.push((
+            "memory.min_batch_size".into(),
+            format!(
+                "must not exceed train.batch_size ({}), got {}",
+                t.batch_size, m.min_batch_size
+            ),
+        ));
+    }
+    if m.on_oom.is_empty() {
+        p.push((
+            "memory.on_oom".into(),
+            "must list at least one of \"backoff\", \"cpu\", \"fail\"".into(),
+        ));
+    }
+    for (i, a) in m.on_oom.iter().enumerate() {
+        if m.on_oom[..i].contains(a) {
+            p.push(("memory.on_oom".into(), format!("lists {a:?} twice").to_lowercase()));
+        }
+        if *a == OomAction::Fail && i + 1 < m.on_oom.len() {
+            p.push((
+                "memory.on_oom".into(),
+                "has entries after \"fail\", which would never run; put \"fail\" last".into(),
+            ));
+        }
+    }
+    let a = &m.allocator;
+    if let Some(v) = a.max_split_size_mb {
+        if v <= 20 {
+            p.push((
+                "memory.allocator.max_split_size_mb".into(),
+                format!("must be more than 20 (PyTorch's minimum), got {v}"),
+            ));
+        }
+    }
+    if let Some(v) = a.garbage_collection_threshold {
+        if !(v > 0.0 && v < 1.0) {
+            p.push((
+                "memory.allocator.garbage_collection_threshold".into(),
+                format!("must be in (0, 1), got {v}"),
+            ));
+        }
+    }
+    if let Some(v) = a.roundup_power2_divisions {
+        if v < 1 || v > 64 || (v & (v - 1)) != 0 {
+            p.push((
+                "memory.allocator.roundup_power2_divisions".into(),
+                format!("must be a power of 2 from 1 to 64, got {v}"),
+            ));
+        }
+    }
+}
+
+fn checkpoint(p: &mut Problems, s: &Spec) {
+    let c = &s.checkpoint;
+    at_least(p, "checkpoint.every_epochs", c.every_epochs, 0);
+    at_least(p, "checkpoint.keep_last", c.keep_last, 1);
+}
