@@ -1,1 +1,968 @@
-//! PLACEHOLDER: being written by the data helper.
+//! Data sets: synthetic, `.npz`, `.safetensors` and MNIST IDX files, all loaded into memory on the
+//! CPU and checked against the model's per-sample shape and class count before training starts.
+//!
+//! Sources (`data.source`):
+//! - `synthetic`: `data.samples` samples of a learnable task, deterministic from the seed: every
+//!   class has a fixed random template (smooth sums of sinusoids for `[C, L]` signals with
+//!   `L >= 16`, random values otherwise) and a sample is its class's template plus
+//!   `data.noise` × N(0, 1). Classes are balanced in both splits.
+//! - `npz`: a NumPy `.npz` with arrays `x` (any float or integer dtype, converted to float32;
+//!   shape `[N, ..]`) and `y` (integer class indices, shape `[N]`), as written by
+//!   `numpy.savez(path, x=x, y=y)` or `numpy.savez_compressed`.
+//! - `safetensors`: the same two tensors `x` and `y` in a `.safetensors` file.
+//! - `mnist`: a directory with the (gunzipped) IDX files `train-images-idx3-ubyte`,
+//!   `train-labels-idx1-ubyte`, `t10k-images-idx3-ubyte` and `t10k-labels-idx1-ubyte`; pixels are
+//!   scaled to [0, 1]. The train files are the training split and the t10k files the validation
+//!   split, so `data.val_fraction` is ignored; `data.val_path`, if set, names another directory
+//!   whose t10k files are used instead.
+//!
+//! Without `data.val_path`, npz and safetensors hold out `round(N × val_fraction)` samples (at
+//! least one, leaving at least one for training), chosen by a seeded shuffle.
+//!
+//! Samples whose number of values matches the model's input are reshaped to its shape (8×8
+//! images feed an mlp with 64 inputs; `[N, L]` signals feed a darts model expecting `[1, L]`).
+//!
+//! All randomness here comes from a SplitMix64 keyed by the seed, never from torch's global
+//! generator, so splits, synthetic data and epoch orders replay exactly on resume.
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use tch::{Kind, Tensor};
+
+use crate::spec::{Data, DataSource};
+
+/// All samples in memory: `x` float32 `[N, ..sample_shape]` and `y` int64 `[N]` class indices,
+/// both on the CPU.
+#[derive(Debug)]
+pub struct Dataset {
+    pub x: Tensor,
+    pub y: Tensor,
+}
+
+impl Dataset {
+    /// Number of samples.
+    pub fn len(&self) -> i64 {
+        self.y.size()[0]
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The samples at `idx` (a CPU int64 tensor of indices), as `(x, y)` on the CPU.
+    pub fn batch(&self, idx: &Tensor) -> (Tensor, Tensor) {
+        (self.x.index_select(0, idx), self.y.index_select(0, idx))
+    }
+}
+
+/// The training and validation sets.
+#[derive(Debug)]
+pub struct Splits {
+    pub train: Dataset,
+    pub val: Dataset,
+}
+
+/// Loads the configured source and checks it against the model: each sample of `x` must have
+/// shape `input_shape` (the model's per-sample shape) or as many values (then it is reshaped),
+/// and `y` must lie in `0..num_classes`. Errors name the file, both shapes and what to change.
+pub fn load(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) -> Result<Splits> {
+    let model = ModelKeys::new(input_shape, num_classes);
+    match data.source {
+        DataSource::Synthetic => synthetic(data, input_shape, num_classes, seed),
+        DataSource::Npz | DataSource::Safetensors => {
+            let path = required_path(data)?;
+            let read = |key: &str, p: &Path| -> Result<Dataset> {
+                let what = format!("{key} {}", p.display());
+                let (x, y) = match data.source {
+                    DataSource::Npz => read_npz(p, &what)?,
+                    _ => read_safetensors(p, &what)?,
+                };
+                checked(x, y, &what, &model)
+            };
+            let all = read("data.path", path)?;
+            match &data.val_path {
+                Some(v) => Ok(Splits {
+                    train: all,
+                    val: read("data.val_path", v)?,
+                }),
+                None => holdout(all, data.val_fraction, seed, &format!("data.path {}", path.display())),
+            }
+        }
+        DataSource::Mnist => {
+            let dir = required_path(data)?;
+            let (vkey, vdir) = match &data.val_path {
+                Some(v) => ("data.val_path", v.as_path()),
+                None => ("data.path", dir),
+            };
+            // Look for every file first, so one error lists all that are missing.
+            let (train_files, val_files) = if vdir == dir {
+                let mut f = mnist_files(dir, &["train", "t10k"], "data.path")?;
+                let v = f.split_off(2);
+                (f, v)
+            } else {
+                (
+                    mnist_files(dir, &["train"], "data.path")?,
+                    mnist_files(vdir, &["t10k"], vkey)?,
+                )
+            };
+            let (x, y) = read_mnist_pair(&train_files, "data.path")?;
+            let train = checked(x, y, &format!("data.path {} (train files)", dir.display()), &model)?;
+            let (x, y) = read_mnist_pair(&val_files, vkey)?;
+            let val = checked(x, y, &format!("{vkey} {} (t10k files)", vdir.display()), &model)?;
+            Ok(Splits { train, val })
+        }
+    }
+}
+
+/// Deterministic permutation of `0..n` for `(seed, epoch)`, independent of torch's RNG, so a
+/// resumed run replays exactly the same order. Empty for `n <= 0`.
+pub fn epoch_order(n: i64, seed: i64, epoch: i64) -> Vec<i64> {
+    permutation(n, &mut stream(seed, TAG_EPOCH, epoch))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Randomness
+
+const TAG_EPOCH: u64 = 0x6570_6f63_685f_6f72; // "epoch_or"
+const TAG_HOLDOUT: u64 = 0x686f_6c64_6f75_7400; // "holdout"
+const TAG_TEMPLATES: u64 = 0x7465_6d70_6c61_7465; // "template"
+const TAG_SAMPLES: u64 = 0x7361_6d70_6c65_7300; // "samples"
+
+/// SplitMix64 (Steele, Lea & Flood 2014): tiny, fast, and good enough for shuffles and noise.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [0, 1) with 53 bits.
+    fn unit(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
+    }
+
+    /// Uniform in `0..n` (n > 0), without modulo bias.
+    fn below(&mut self, n: u64) -> u64 {
+        let limit = u64::MAX - u64::MAX % n;
+        loop {
+            let r = self.next_u64();
+            if r < limit {
+                return r % n;
+            }
+        }
+    }
+
+    /// Two independent N(0, 1) values (Box–Muller).
+    fn normal_pair(&mut self) -> (f64, f64) {
+        let u1 = 1.0 - self.unit(); // (0, 1]: ln is finite
+        let u2 = self.unit();
+        let r = (-2.0 * u1.ln()).sqrt();
+        let (s, c) = (std::f64::consts::TAU * u2).sin_cos();
+        (r * c, r * s)
+    }
+}
+
+/// An independent generator for (seed, purpose, index).
+fn stream(seed: i64, tag: u64, index: i64) -> SplitMix64 {
+    let mut a = SplitMix64(seed as u64 ^ tag);
+    let mut b = SplitMix64(a.next_u64() ^ (index as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
+    SplitMix64(b.next_u64())
+}
+
+/// Fisher–Yates shuffle of `0..n`.
+fn permutation(n: i64, rng: &mut SplitMix64) -> Vec<i64> {
+    let mut v: Vec<i64> = (0..n.max(0)).collect();
+    for i in (1..v.len()).rev() {
+        let j = rng.below(i as u64 + 1) as usize;
+        v.swap(i, j);
+    }
+    v
+}
+
+/// Validation count for `n` samples: round(n × fraction), at least 1, leaving at least 1.
+fn val_count(n: i64, fraction: f64) -> i64 {
+    ((n as f64 * fraction).round() as i64).clamp(1, n - 1)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Synthetic
+
+fn synthetic(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) -> Result<Splits> {
+    let n = data.samples;
+    if n < 2 {
+        bail!("data.samples = {n}: synthetic data needs at least 2 samples (one to train, one to validate)");
+    }
+    if num_classes < 1 || input_shape.iter().any(|&d| d < 1) {
+        bail!(
+            "synthetic data needs num_classes >= 1 and a positive input shape, got {num_classes} and {input_shape:?}"
+        );
+    }
+    let n_val = val_count(n, data.val_fraction);
+    let templates = templates(input_shape, num_classes, seed);
+    let make = |count: i64, index: i64| -> Dataset {
+        let mut rng = stream(seed, TAG_SAMPLES, index);
+        // Balanced: label i % K, then shuffled.
+        let labels: Vec<i64> = permutation(count, &mut rng)
+            .into_iter()
+            .map(|i| i % num_classes)
+            .collect();
+        let d = templates.len() / num_classes as usize;
+        let mut xs = vec![0f32; count as usize * d];
+        let noise = data.noise;
+        for (row, &label) in xs.chunks_exact_mut(d).zip(&labels) {
+            let t = &templates[label as usize * d..(label as usize + 1) * d];
+            for (pair, tp) in row.chunks_mut(2).zip(t.chunks(2)) {
+                let (a, b) = rng.normal_pair();
+                pair[0] = tp[0] + (noise * a) as f32;
+                if pair.len() > 1 {
+                    pair[1] = tp[1] + (noise * b) as f32;
+                }
+            }
+        }
+        let mut shape = vec![count];
+        shape.extend_from_slice(input_shape);
+        Dataset {
+            x: Tensor::from_slice(&xs).reshape(&shape),
+            y: Tensor::from_slice(&labels),
+        }
+    };
+    Ok(Splits {
+        train: make(n - n_val, 0),
+        val: make(n_val, 1),
+    })
+}
+
+/// One template per class, flattened: `[num_classes × prod(input_shape)]`, each of unit RMS.
+fn templates(input_shape: &[i64], num_classes: i64, seed: i64) -> Vec<f32> {
+    let d: usize = input_shape.iter().product::<i64>() as usize;
+    let len = *input_shape.last().unwrap_or(&1) as usize;
+    let mut rng = stream(seed, TAG_TEMPLATES, 0);
+    let mut out = vec![0f32; num_classes as usize * d];
+    if input_shape.len() >= 2 && len >= 16 {
+        // Smooth signals: per class and channel, three sinusoids with random frequencies (1 to
+        // L/8 cycles, at most 16), phases and amplitudes.
+        let max_cycles = (len as f64 / 8.0).min(16.0);
+        for row in out.chunks_exact_mut(len) {
+            let waves: Vec<(f64, f64, f64)> = (0..3)
+                .map(|_| {
+                    let cycles = 1.0 + rng.unit() * (max_cycles - 1.0);
+                    let phase = rng.unit() * std::f64::consts::TAU;
+                    let amp = 0.5 + rng.unit();
+                    (std::f64::consts::TAU * cycles / len as f64, phase, amp)
+                })
+                .collect();
+            let mut sq = 0.0;
+            for (t, v) in row.iter_mut().enumerate() {
+                let s: f64 = waves.iter().map(|&(w, p, a)| a * (w * t as f64 + p).sin()).sum();
+                sq += s * s;
+                *v = s as f32;
+            }
+            let scale = 1.0 / (sq / len as f64).sqrt().max(1e-6);
+            row.iter_mut().for_each(|v| *v = (*v as f64 * scale) as f32);
+        }
+    } else {
+        for pair in out.chunks_mut(2) {
+            let (a, b) = rng.normal_pair();
+            pair[0] = a as f32;
+            if pair.len() > 1 {
+                pair[1] = b as f32;
+            }
+        }
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------------
+// Files
+
+fn required_path(data: &Data) -> Result<&Path> {
+    data.path
+        .as_deref()
+        .ok_or_else(|| anyhow!("data.path is required for this data.source"))
+}
+
+/// The config keys that set the model's input shape and class count, for error messages.
+struct ModelKeys<'a> {
+    input_shape: &'a [i64],
+    num_classes: i64,
+}
+
+impl<'a> ModelKeys<'a> {
+    fn new(input_shape: &'a [i64], num_classes: i64) -> Self {
+        ModelKeys {
+            input_shape,
+            num_classes,
+        }
+    }
+
+    /// What expects the input, e.g. "model.mlp.inputs".
+    fn input_key(&self) -> &'static str {
+        match self.input_shape.len() {
+            1 => "model.mlp.inputs",
+            2 => "model.darts (in_channels, input_length)",
+            _ => "the model",
+        }
+    }
+
+    /// What to set so that the model takes samples of shape `sample`.
+    fn input_fix(&self, sample: &[i64]) -> String {
+        let numel: i64 = sample.iter().product();
+        match self.input_shape.len() {
+            1 => format!("set model.mlp.inputs = {numel}"),
+            2 => {
+                let (c, l) = match sample {
+                    [] => (1, 1),
+                    [l] => (1, *l),
+                    [c, ..] => (*c, numel / c.max(&1)),
+                };
+                format!("set model.darts.in_channels = {c} and model.darts.input_length = {l}")
+            }
+            _ => format!("give the model an input of {numel} values"),
+        }
+    }
+
+    fn classes_key(&self) -> &'static str {
+        match self.input_shape.len() {
+            1 => "model.mlp.num_classes",
+            2 => "model.darts.num_classes",
+            _ => "the model's num_classes",
+        }
+    }
+}
+
+/// Converts and checks `x` and `y` from a file described by `what` ("data.path foo.npz").
+fn checked(x: Tensor, y: Tensor, what: &str, model: &ModelKeys) -> Result<Dataset> {
+    let xs = x.size();
+    let ys = y.size();
+    if xs.is_empty() {
+        bail!("{what}: x is a scalar; it must be an array of samples, shape [N, ..]");
+    }
+    if !is_real_number(x.kind()) {
+        bail!(
+            "{what}: x has dtype {}; it must be a float or integer array",
+            dtype(x.kind())
+        );
+    }
+    if !is_integer(y.kind()) {
+        bail!(
+            "{what}: y has dtype {}; it must hold integer class indices (e.g. y.astype(numpy.int64))",
+            dtype(y.kind())
+        );
+    }
+    if ys.len() != 1 {
+        let hint = if ys.len() == 2 && ys[1] > 1 {
+            " (one-hot labels? use y.argmax(1))"
+        } else {
+            ""
+        };
+        bail!("{what}: y has shape {ys:?}; it must be 1-D, one class index per sample{hint}");
+    }
+    let n = xs[0];
+    if ys[0] != n {
+        bail!(
+            "{what}: x has {n} samples (shape {xs:?}) but y has {} labels; they must have the same length",
+            ys[0]
+        );
+    }
+    if n == 0 {
+        bail!("{what}: has no samples (x has shape {xs:?})");
+    }
+    let sample = &xs[1..];
+    let want = model.input_shape;
+    let x = if sample == want {
+        x.to_kind(Kind::Float)
+    } else {
+        let numel: i64 = sample.iter().product();
+        let want_numel: i64 = want.iter().product();
+        if numel != want_numel {
+            bail!(
+                "{what}: x has samples of shape {sample:?} ({numel} values) but {} expects {want:?} ({want_numel} values); {}",
+                model.input_key(),
+                model.input_fix(sample)
+            );
+        }
+        let mut shape = vec![n];
+        shape.extend_from_slice(want);
+        x.to_kind(Kind::Float).reshape(&shape)
+    };
+    let finite = x.isfinite().all().int64_value(&[]) != 0;
+    if !finite {
+        bail!("{what}: x contains NaN or infinite values");
+    }
+    let y = y.to_kind(Kind::Int64);
+    let (lo, hi) = (y.min().int64_value(&[]), y.max().int64_value(&[]));
+    let k = model.num_classes;
+    if lo < 0 {
+        bail!("{what}: y has a negative label ({lo}); labels must be class indices in 0..{k}");
+    }
+    if hi >= k {
+        bail!(
+            "{what}: y has labels up to {hi} but the model has num_classes = {k} (labels must lie in 0..{k}); set {} = {}",
+            model.classes_key(),
+            hi + 1
+        );
+    }
+    Ok(Dataset {
+        x: x.contiguous(),
+        y: y.contiguous(),
+    })
+}
+
+/// NumPy's name for a dtype, as users wrote it.
+fn dtype(k: Kind) -> String {
+    match k {
+        Kind::Uint8 => "uint8".into(),
+        Kind::Int8 => "int8".into(),
+        Kind::Int16 => "int16".into(),
+        Kind::Int => "int32".into(),
+        Kind::Int64 => "int64".into(),
+        Kind::Half => "float16".into(),
+        Kind::BFloat16 => "bfloat16".into(),
+        Kind::Float => "float32".into(),
+        Kind::Double => "float64".into(),
+        Kind::Bool => "bool".into(),
+        Kind::ComplexFloat => "complex64".into(),
+        Kind::ComplexDouble => "complex128".into(),
+        k => format!("{k:?}"),
+    }
+}
+
+fn is_integer(k: Kind) -> bool {
+    matches!(k, Kind::Uint8 | Kind::Int8 | Kind::Int16 | Kind::Int | Kind::Int64)
+}
+
+fn is_real_number(k: Kind) -> bool {
+    is_integer(k) || matches!(k, Kind::Half | Kind::BFloat16 | Kind::Float | Kind::Double)
+}
+
+/// Splits `all` into a seeded, shuffled holdout of `round(N × fraction)` samples and the rest;
+/// both keep the file's order.
+fn holdout(all: Dataset, fraction: f64, seed: i64, what: &str) -> Result<Splits> {
+    let n = all.len();
+    if n < 2 {
+        bail!("{what}: has {n} sample; holding out a validation split needs at least 2 (or set data.val_path)");
+    }
+    let n_val = val_count(n, fraction);
+    let perm = permutation(n, &mut stream(seed, TAG_HOLDOUT, 0));
+    let mut val_idx = perm[..n_val as usize].to_vec();
+    let mut train_idx = perm[n_val as usize..].to_vec();
+    val_idx.sort_unstable();
+    train_idx.sort_unstable();
+    let pick = |idx: &[i64]| {
+        let (x, y) = all.batch(&Tensor::from_slice(idx));
+        Dataset { x, y }
+    };
+    Ok(Splits {
+        train: pick(&train_idx),
+        val: pick(&val_idx),
+    })
+}
+
+/// Finds `x` and `y` among named tensors, or says what the file has.
+fn take_xy(named: Vec<(String, Tensor)>, what: &str, how: &str) -> Result<(Tensor, Tensor)> {
+    let names: Vec<String> = named.iter().map(|(n, _)| n.clone()).collect();
+    let mut x = None;
+    let mut y = None;
+    for (name, t) in named {
+        match name.as_str() {
+            "x" => x = Some(t),
+            "y" => y = Some(t),
+            _ => {}
+        }
+    }
+    let missing: Vec<&str> = [("x", x.is_none()), ("y", y.is_none())]
+        .iter()
+        .filter(|m| m.1)
+        .map(|m| m.0)
+        .collect();
+    match (x, y) {
+        (Some(x), Some(y)) => Ok((x, y)),
+        _ => bail!(
+            "{what}: has no {} named {}; it has {}; it must hold x (samples) and y (class indices), {how}",
+            if missing.len() == 1 { "array" } else { "arrays" },
+            missing
+                .iter()
+                .map(|m| format!("\"{m}\""))
+                .collect::<Vec<_>>()
+                .join(" or "),
+            if names.is_empty() {
+                "none".to_owned()
+            } else {
+                format!("{names:?}")
+            }
+        ),
+    }
+}
+
+fn read_npz(path: &Path, what: &str) -> Result<(Tensor, Tensor)> {
+    const HOW: &str = "as written by numpy.savez(path, x=x, y=y)";
+    let named = Tensor::read_npz(path).map_err(|e| {
+        let e = e.to_string();
+        let hint = if e.contains("fortran") {
+            " (save C-ordered arrays: numpy.ascontiguousarray)"
+        } else {
+            ""
+        };
+        anyhow!("{what}: cannot read it as an .npz: {e}{hint}; it must be a NumPy .npz with arrays x and y, {HOW}")
+    })?;
+    take_xy(named, what, HOW)
+}
+
+fn read_safetensors(path: &Path, what: &str) -> Result<(Tensor, Tensor)> {
+    const HOW: &str = "as written by safetensors.torch.save_file({\"x\": x, \"y\": y}, path)";
+    let named = Tensor::read_safetensors(path).map_err(|e| {
+        anyhow!(
+            "{what}: cannot read it as .safetensors: {e}; it must be a safetensors file with tensors x and y, {HOW}"
+        )
+    })?;
+    take_xy(named, what, HOW)
+}
+
+// ---------------------------------------------------------------------------------------------
+// MNIST
+
+/// The canonical IDX file names of a split ("train" or "t10k"): images, labels.
+fn mnist_names(split: &str) -> [String; 2] {
+    [
+        format!("{split}-images-idx3-ubyte"),
+        format!("{split}-labels-idx1-ubyte"),
+    ]
+}
+
+/// Paths of the images and labels files of each split in `splits`, in that order. The dotted
+/// names some mirrors use (`train-images.idx3-ubyte`) are accepted too; gzipped files are not.
+fn mnist_files(dir: &Path, splits: &[&str], key: &str) -> Result<Vec<PathBuf>> {
+    let mut found = vec![];
+    let mut missing = vec![];
+    let mut gz = vec![];
+    for name in splits.iter().flat_map(|s| mnist_names(s)) {
+        let dotted = name.replacen("-idx", ".idx", 1);
+        let hit = [&name, &dotted].into_iter().map(|n| dir.join(n)).find(|p| p.is_file());
+        match hit {
+            Some(p) => found.push(p),
+            None => {
+                gz.extend(
+                    [&name, &dotted]
+                        .into_iter()
+                        .map(|n| format!("{n}.gz"))
+                        .filter(|n| dir.join(n).exists()),
+                );
+                missing.push(name);
+            }
+        }
+    }
+    if missing.is_empty() {
+        return Ok(found);
+    }
+    let d = dir.display();
+    let needed: Vec<String> = splits.iter().flat_map(|s| mnist_names(s)).collect();
+    let mut msg = format!(
+        "{key} {d}: the MNIST directory lacks {}; data.source = \"mnist\" reads {}",
+        missing.join(", "),
+        needed.join(", ")
+    );
+    if !gz.is_empty() {
+        msg.push_str(&format!(
+            "; it has {}, which must be gunzipped first (gunzip -k {d}/*.gz)",
+            gz.join(", ")
+        ));
+    }
+    bail!(msg)
+}
+
+/// Images `[N, rows, cols]` in [0, 1] and labels `[N]` (uint8) from `[images, labels]` files.
+fn read_mnist_pair(files: &[PathBuf], key: &str) -> Result<(Tensor, Tensor)> {
+    let (idims, pixels) = read_idx(&files[0], 3, key)?;
+    let (ldims, labels) = read_idx(&files[1], 1, key)?;
+    if idims[0] != ldims[0] {
+        bail!(
+            "{key} {}: has {} images but {} has {} labels",
+            files[0].display(),
+            idims[0],
+            files[1].display(),
+            ldims[0]
+        );
+    }
+    let x = (Tensor::from_slice(&pixels).reshape(&idims).to_kind(Kind::Float) / 255.0).contiguous();
+    let y = Tensor::from_slice(&labels);
+    Ok((x, y))
+}
+
+/// Reads an IDX file of unsigned bytes with `ndim` dimensions: (dims, data).
+fn read_idx(path: &Path, ndim: usize, key: &str) -> Result<(Vec<i64>, Vec<u8>)> {
+    let what = format!("{key} {}", path.display());
+    let mut bytes = fs::read(path).with_context(|| format!("{what}: cannot read it"))?;
+    let header = 4 + 4 * ndim;
+    if bytes.len() >= 2 && bytes[0] == 0x1f && bytes[1] == 0x8b {
+        bail!("{what}: is gzip-compressed; gunzip it first");
+    }
+    if bytes.len() < header || bytes[0] != 0 || bytes[1] != 0 {
+        bail!("{what}: is not an MNIST IDX file (bad header)");
+    }
+    if bytes[2] != 0x08 {
+        bail!(
+            "{what}: IDX data type 0x{:02x} is not supported; only unsigned bytes (0x08) are",
+            bytes[2]
+        );
+    }
+    if bytes[3] as usize != ndim {
+        bail!(
+            "{what}: has {} dimensions, expected {ndim} (is it the right file?)",
+            bytes[3]
+        );
+    }
+    let dims: Vec<i64> = bytes[4..header]
+        .chunks_exact(4)
+        .map(|c| u32::from_be_bytes([c[0], c[1], c[2], c[3]]) as i64)
+        .collect();
+    let expected: i64 = dims.iter().product();
+    let have = (bytes.len() - header) as i64;
+    if have != expected {
+        bail!("{what}: header says {dims:?} ({expected} bytes of data) but the file has {have}; is it truncated?");
+    }
+    bytes.drain(..header);
+    Ok((dims, bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(source: DataSource, path: Option<PathBuf>) -> Data {
+        Data {
+            source,
+            path,
+            ..Default::default()
+        }
+    }
+
+    fn synth(samples: i64, noise: f64) -> Data {
+        Data {
+            samples,
+            noise,
+            ..Default::default()
+        }
+    }
+
+    fn equal(a: &Tensor, b: &Tensor) -> bool {
+        a.size() == b.size() && a.equal(b)
+    }
+
+    fn err_of(r: Result<Splits>) -> String {
+        format!("{:#}", r.expect_err("expected an error"))
+    }
+
+    fn digits_path() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("data/digits.npz")
+    }
+
+    #[test]
+    fn synthetic_is_deterministic_by_seed() {
+        let d = synth(64, 1.0);
+        let a = load(&d, &[2, 32], 4, 7).unwrap();
+        let b = load(&d, &[2, 32], 4, 7).unwrap();
+        let c = load(&d, &[2, 32], 4, 8).unwrap();
+        assert!(equal(&a.train.x, &b.train.x) && equal(&a.train.y, &b.train.y));
+        assert!(equal(&a.val.x, &b.val.x) && equal(&a.val.y, &b.val.y));
+        assert!(!equal(&a.train.x, &c.train.x));
+        // Torch's global RNG plays no part.
+        tch::manual_seed(1);
+        let e = load(&d, &[2, 32], 4, 7).unwrap();
+        tch::manual_seed(2);
+        let f = load(&d, &[2, 32], 4, 7).unwrap();
+        assert!(equal(&e.train.x, &f.train.x) && equal(&e.train.x, &a.train.x));
+    }
+
+    #[test]
+    fn synthetic_shapes_sizes_and_balance() {
+        let s = load(&synth(100, 1.0), &[3, 20], 5, 0).unwrap();
+        assert_eq!(s.val.len(), 20);
+        assert_eq!(s.train.len(), 80);
+        assert_eq!(s.train.x.size(), vec![80, 3, 20]);
+        assert_eq!(s.train.x.kind(), Kind::Float);
+        assert_eq!(s.train.y.kind(), Kind::Int64);
+        let counts = Vec::<i64>::try_from(s.train.y.bincount::<Tensor>(None, 5)).unwrap();
+        assert_eq!(counts, vec![16; 5]);
+        let counts = Vec::<i64>::try_from(s.val.y.bincount::<Tensor>(None, 5)).unwrap();
+        assert_eq!(counts, vec![4; 5]);
+        // Tiny: val is still at least 1 and train keeps at least 1.
+        let s = load(
+            &Data {
+                samples: 4,
+                val_fraction: 0.01,
+                ..synth(4, 1.0)
+            },
+            &[8],
+            2,
+            0,
+        )
+        .unwrap();
+        assert_eq!((s.train.len(), s.val.len()), (3, 1));
+    }
+
+    /// Nearest class mean (from train) classifies val well at noise 1.0, for both template kinds.
+    #[test]
+    fn synthetic_is_learnable() {
+        for shape in [vec![32i64], vec![1, 64]] {
+            let k = 4;
+            let s = load(&synth(400, 1.0), &shape, k, 3).unwrap();
+            let tx = s.train.x.flatten(1, -1);
+            let means = Tensor::stack(
+                &(0..k)
+                    .map(|c| {
+                        tx.index_select(0, &s.train.y.eq(c).nonzero().squeeze_dim(1))
+                            .mean_dim(0, false, Kind::Float)
+                    })
+                    .collect::<Vec<_>>(),
+                0,
+            );
+            let vx = s.val.x.flatten(1, -1);
+            let dist = (vx.unsqueeze(1) - means.unsqueeze(0))
+                .square()
+                .sum_dim_intlist(2, false, Kind::Float);
+            let pred = dist.argmin(1, false);
+            let acc = pred
+                .eq_tensor(&s.val.y)
+                .to_kind(Kind::Float)
+                .mean(Kind::Float)
+                .double_value(&[]);
+            assert!(acc > 0.9, "shape {shape:?}: accuracy {acc}");
+        }
+    }
+
+    #[test]
+    fn synthetic_darts_size_is_fast_enough() {
+        let t = std::time::Instant::now();
+        let s = load(&synth(512, 1.0), &[1, 3000], 5, 0).unwrap();
+        assert_eq!(s.train.x.size(), vec![410, 1, 3000]);
+        assert_eq!(s.val.x.size(), vec![102, 1, 3000]);
+        // Generous for unoptimised test builds on a busy machine; release takes a few ms.
+        assert!(t.elapsed().as_secs_f64() < 5.0, "{:?}", t.elapsed());
+    }
+
+    #[test]
+    fn npz_round_trip_and_holdout() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("d.npz");
+        let x = Tensor::arange(10 * 6, (Kind::Int, tch::Device::Cpu)).reshape([10, 2, 3]);
+        let y = Tensor::from_slice(&[0i64, 1, 2, 0, 1, 2, 0, 1, 2, 0]);
+        Tensor::write_npz(&[("x", &x), ("y", &y)], &p).unwrap();
+        let d = Data {
+            val_fraction: 0.3,
+            ..spec(DataSource::Npz, Some(p.clone()))
+        };
+        let s = load(&d, &[2, 3], 3, 0).unwrap();
+        assert_eq!((s.train.len(), s.val.len()), (7, 3));
+        assert_eq!(s.train.x.kind(), Kind::Float);
+        assert_eq!(s.train.x.size(), vec![7, 2, 3]);
+        // Every sample lands in exactly one split, intact (x[i] starts at 6i, y[i] = i % 3).
+        let mut seen: Vec<i64> = vec![];
+        for part in [&s.train, &s.val] {
+            for i in 0..part.len() {
+                let first = part.x.get(i).flatten(0, -1).get(0).double_value(&[]) as i64;
+                assert_eq!(first % 6, 0);
+                assert_eq!(part.y.get(i).int64_value(&[]), (first / 6) % 3);
+                seen.push(first / 6);
+            }
+        }
+        seen.sort();
+        assert_eq!(seen, (0..10).collect::<Vec<_>>());
+        // Same seed, same split; other seeds, other splits.
+        assert!(equal(&s.val.x, &load(&d, &[2, 3], 3, 0).unwrap().val.x));
+        assert!((1..20).any(|seed| !equal(&load(&d, &[2, 3], 3, seed).unwrap().val.x, &s.val.x)));
+        // A separate validation file replaces the holdout.
+        let v = dir.path().join("v.npz");
+        Tensor::write_npz(&[("x", &x.narrow(0, 0, 4)), ("y", &y.narrow(0, 0, 4))], &v).unwrap();
+        let s = load(
+            &Data {
+                val_path: Some(v),
+                ..d.clone()
+            },
+            &[6],
+            3,
+            0,
+        )
+        .unwrap();
+        assert_eq!((s.train.len(), s.val.len()), (10, 4));
+        assert_eq!(s.val.x.size(), vec![4, 6]);
+    }
+
+    #[test]
+    fn npz_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let x = Tensor::zeros([5, 4], (Kind::Float, tch::Device::Cpu));
+        let y = Tensor::from_slice(&[0i64, 1, 0, 1, 0]);
+        let write = |name: &str, items: &[(&str, &Tensor)]| {
+            let p = dir.path().join(name);
+            Tensor::write_npz(items, &p).unwrap();
+            spec(DataSource::Npz, Some(p))
+        };
+        let e = err_of(load(&write("noy.npz", &[("x", &x), ("labels", &y)]), &[4], 2, 0));
+        assert!(e.contains("no array named \"y\"") && e.contains("labels"), "{e}");
+        let e = err_of(load(&write("ok.npz", &[("x", &x), ("y", &y)]), &[100], 2, 0));
+        assert!(
+            e.contains("[4]") && e.contains("[100]") && e.contains("model.mlp.inputs = 4"),
+            "{e}"
+        );
+        let e = err_of(load(
+            &write("short.npz", &[("x", &x), ("y", &y.narrow(0, 0, 3))]),
+            &[4],
+            2,
+            0,
+        ));
+        assert!(e.contains("5 samples") && e.contains("3 labels"), "{e}");
+        let e = err_of(load(&write("range.npz", &[("x", &x), ("y", &(&y * 7))]), &[4], 2, 0));
+        assert!(e.contains("up to 7") && e.contains("model.mlp.num_classes = 8"), "{e}");
+        let e = err_of(load(
+            &write("fy.npz", &[("x", &x), ("y", &y.to_kind(Kind::Float))]),
+            &[4],
+            2,
+            0,
+        ));
+        assert!(e.contains("integer class indices"), "{e}");
+        let p = dir.path().join("junk.npz");
+        fs::write(&p, b"not a zip").unwrap();
+        let e = err_of(load(&spec(DataSource::Npz, Some(p)), &[4], 2, 0));
+        assert!(e.contains("numpy.savez") && e.contains("junk.npz"), "{e}");
+    }
+
+    #[test]
+    fn safetensors_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("d.safetensors");
+        let x = Tensor::ones([6, 1, 5], (Kind::Double, tch::Device::Cpu));
+        let y = Tensor::from_slice(&[0u8, 1, 2, 0, 1, 2]);
+        Tensor::write_safetensors(&[("x", &x), ("y", &y)], &p).unwrap();
+        let s = load(
+            &Data {
+                val_fraction: 0.5,
+                ..spec(DataSource::Safetensors, Some(p))
+            },
+            &[1, 5],
+            3,
+            0,
+        )
+        .unwrap();
+        assert_eq!((s.train.len(), s.val.len()), (3, 3));
+        assert_eq!((s.train.x.kind(), s.train.y.kind()), (Kind::Float, Kind::Int64));
+        let p = dir.path().join("nox.safetensors");
+        Tensor::write_safetensors(&[("inputs", &x), ("y", &y)], &p).unwrap();
+        let e = err_of(load(&spec(DataSource::Safetensors, Some(p)), &[1, 5], 3, 0));
+        assert!(e.contains("no array named \"x\"") && e.contains("inputs"), "{e}");
+    }
+
+    #[test]
+    fn digits_reshape_to_mlp_inputs() {
+        let d = spec(DataSource::Npz, Some(digits_path()));
+        let s = load(&d, &[64], 10, 0).unwrap();
+        assert_eq!(s.train.len() + s.val.len(), 1797);
+        assert_eq!(s.val.len(), 359); // round(1797 * 0.2)
+        assert_eq!(s.train.x.size(), vec![1438, 64]);
+        for part in [&s.train, &s.val] {
+            assert!(part.y.min().int64_value(&[]) >= 0 && part.y.max().int64_value(&[]) < 10);
+            assert!(part.x.min().double_value(&[]) >= 0.0 && part.x.max().double_value(&[]) <= 1.0);
+        }
+        // Signals the other way round: 8×8 as 8 channels of length 8 works unchanged.
+        let s = load(&d, &[8, 8], 10, 0).unwrap();
+        assert_eq!(s.val.x.size(), vec![359, 8, 8]);
+        let e = err_of(load(&d, &[100], 10, 0));
+        assert!(
+            e.contains("samples of shape [8, 8] (64 values)")
+                && e.contains("model.mlp.inputs expects [100]")
+                && e.contains("set model.mlp.inputs = 64"),
+            "{e}"
+        );
+        let e = err_of(load(&d, &[1, 100], 10, 0));
+        assert!(
+            e.contains("model.darts.in_channels = 8 and model.darts.input_length = 8"),
+            "{e}"
+        );
+        let e = err_of(load(&d, &[64], 5, 0));
+        assert!(e.contains("up to 9") && e.contains("num_classes = 10"), "{e}");
+    }
+
+    #[test]
+    fn epoch_order_is_a_deterministic_permutation() {
+        let a = epoch_order(1000, 5, 0);
+        let mut sorted = a.clone();
+        sorted.sort();
+        assert_eq!(sorted, (0..1000).collect::<Vec<_>>());
+        assert_eq!(a, epoch_order(1000, 5, 0));
+        assert_ne!(a, epoch_order(1000, 5, 1));
+        assert_ne!(a, epoch_order(1000, 6, 0));
+        assert_ne!(a, (0..1000).collect::<Vec<_>>());
+        assert!(epoch_order(0, 1, 1).is_empty());
+        assert_eq!(epoch_order(1, 1, 1), vec![0]);
+    }
+
+    fn write_idx(path: &Path, dims: &[u32], data: &[u8]) {
+        let mut b = vec![0, 0, 0x08, dims.len() as u8];
+        for d in dims {
+            b.extend_from_slice(&d.to_be_bytes());
+        }
+        b.extend_from_slice(data);
+        fs::write(path, b).unwrap();
+    }
+
+    #[test]
+    fn mnist_idx_fixture() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path();
+        let images: Vec<u8> = (0..3 * 4 * 4).map(|i| (i * 5) as u8).collect();
+        write_idx(&p.join("train-images-idx3-ubyte"), &[3, 4, 4], &images);
+        write_idx(&p.join("train-labels-idx1-ubyte"), &[3], &[7, 0, 9]);
+        write_idx(&p.join("t10k-images-idx3-ubyte"), &[2, 4, 4], &[255; 32]);
+        write_idx(&p.join("t10k-labels-idx1-ubyte"), &[2], &[1, 2]);
+        let d = spec(DataSource::Mnist, Some(p.to_path_buf()));
+        let s = load(&d, &[16], 10, 0).unwrap();
+        assert_eq!(s.train.x.size(), vec![3, 16]);
+        assert_eq!(Vec::<i64>::try_from(&s.train.y).unwrap(), vec![7, 0, 9]);
+        assert_eq!(Vec::<i64>::try_from(&s.val.y).unwrap(), vec![1, 2]);
+        let px = s.train.x.get(1).get(3).double_value(&[]);
+        assert!((px - (19.0 * 5.0) / 255.0).abs() < 1e-6, "{px}");
+        assert_eq!(s.val.x.min().double_value(&[]), 1.0);
+        // As images with a channel: [1, 4, 4] has the same 16 values.
+        let s = load(&d, &[1, 4, 4], 10, 0).unwrap();
+        assert_eq!(s.train.x.size(), vec![3, 1, 4, 4]);
+        // Truncated file.
+        fs::write(p.join("t10k-labels-idx1-ubyte"), [0, 0, 8, 1, 0, 0, 0, 2, 1]).unwrap();
+        let e = err_of(load(&d, &[16], 10, 0));
+        assert!(e.contains("truncated"), "{e}");
+        // Gzipped files only.
+        let gz = tempfile::tempdir().unwrap();
+        for n in ["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"] {
+            fs::write(gz.path().join(n), [0x1f, 0x8b]).unwrap();
+        }
+        let e = err_of(load(
+            &spec(DataSource::Mnist, Some(gz.path().to_path_buf())),
+            &[16],
+            10,
+            0,
+        ));
+        assert!(e.contains("train-images-idx3-ubyte.gz") && e.contains("gunzip"), "{e}");
+        assert!(
+            e.contains("lacks train-images-idx3-ubyte, train-labels-idx1-ubyte, t10k-images-idx3-ubyte"),
+            "{e}"
+        );
+        // Validation from another directory (dotted names, as some mirrors ship them).
+        let v = tempfile::tempdir().unwrap();
+        write_idx(&v.path().join("t10k-images.idx3-ubyte"), &[1, 4, 4], &[0; 16]);
+        write_idx(&v.path().join("t10k-labels.idx1-ubyte"), &[1], &[3]);
+        let s = load(
+            &Data {
+                val_path: Some(v.path().to_path_buf()),
+                ..d.clone()
+            },
+            &[16],
+            10,
+            0,
+        )
+        .unwrap();
+        assert_eq!((s.train.len(), s.val.len()), (3, 1));
+    }
+}

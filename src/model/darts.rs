@@ -140,17 +140,9 @@ fn bn_cfg() -> nn::BatchNormConfig {
     }
 }
 
-/// 1-D convolution without bias.
-fn conv1d(
-    p: nn::Path,
-    cin: i64,
-    cout: i64,
-    k: i64,
-    stride: i64,
-    padding: i64,
-    dilation: i64,
-    groups: i64,
-) -> nn::Conv1D {
+/// 1-D convolution without bias, padded so that the length becomes `ceil(L / stride)` (odd `k`).
+fn conv1d(p: nn::Path, cin: i64, cout: i64, k: i64, stride: i64, dilation: i64, groups: i64) -> nn::Conv1D {
+    let padding = dilation * (k - 1) / 2;
     let cfg = nn::ConvConfig {
         stride,
         padding,
@@ -177,7 +169,7 @@ struct ReluConvBn {
 impl ReluConvBn {
     fn new(p: &nn::Path, cin: i64, cout: i64, k: i64, stride: i64) -> Self {
         ReluConvBn {
-            conv: conv1d(p / "conv", cin, cout, k, stride, (k - 1) / 2, 1, 1),
+            conv: conv1d(p / "conv", cin, cout, k, stride, 1, 1),
             bn: nn::batch_norm1d(p / "bn", cout, bn_cfg()),
         }
     }
@@ -200,8 +192,8 @@ impl FactorizedReduce {
     fn new(p: &nn::Path, cin: i64, cout: i64) -> Self {
         let half = cout / 2;
         FactorizedReduce {
-            conv1: conv1d(p / "conv1", cin, half, 1, 2, 0, 1, 1),
-            conv2: conv1d(p / "conv2", cin, cout - half, 1, 2, 0, 1, 1),
+            conv1: conv1d(p / "conv1", cin, half, 1, 2, 1, 1),
+            conv2: conv1d(p / "conv2", cin, cout - half, 1, 2, 1, 1),
             bn: nn::batch_norm1d(p / "bn", cout, bn_cfg()),
         }
     }
@@ -255,8 +247,10 @@ impl Attention {
     }
 }
 
-/// One candidate operation on an edge.
+/// One candidate operation on an edge. (Variants differ in size; there are only a few hundred ops
+/// in a net, so boxing them would buy nothing.)
 #[derive(Debug)]
+#[allow(clippy::large_enum_variant)]
 enum Op {
     Identity,
     Reduce(FactorizedReduce),
@@ -325,19 +319,19 @@ impl Op {
             "sep_conv_3" | "sep_conv_5" => {
                 let k = kernel(name);
                 Op::SepConv {
-                    dw1: conv1d(p / "dw1", c, c, k, stride, (k - 1) / 2, 1, c),
-                    pw1: conv1d(p / "pw1", c, c, 1, 1, 0, 1, 1),
+                    dw1: conv1d(p / "dw1", c, c, k, stride, 1, c),
+                    pw1: conv1d(p / "pw1", c, c, 1, 1, 1, 1),
                     bn1: nn::batch_norm1d(p / "bn1", c, bn_cfg()),
-                    dw2: conv1d(p / "dw2", c, c, k, 1, (k - 1) / 2, 1, c),
-                    pw2: conv1d(p / "pw2", c, c, 1, 1, 0, 1, 1),
+                    dw2: conv1d(p / "dw2", c, c, k, 1, 1, c),
+                    pw2: conv1d(p / "pw2", c, c, 1, 1, 1, 1),
                     bn2: nn::batch_norm1d(p / "bn2", c, bn_cfg()),
                 }
             }
             "dil_conv_3" | "dil_conv_5" => {
                 let k = kernel(name);
                 Op::DilConv {
-                    dw: conv1d(p / "dw", c, c, k, stride, k - 1, 2, c),
-                    pw: conv1d(p / "pw", c, c, 1, 1, 0, 1, 1),
+                    dw: conv1d(p / "dw", c, c, k, stride, 2, c),
+                    pw: conv1d(p / "pw", c, c, 1, 1, 1, 1),
                     bn: nn::batch_norm1d(p / "bn", c, bn_cfg()),
                 }
             }
@@ -433,7 +427,7 @@ impl Op {
                 } else {
                     x.shallow_clone()
                 };
-                let (y, _) = lstm.seq(&x.transpose(1, 2));
+                let (y, _) = lstm.seq(&x.transpose(1, 2).contiguous());
                 let y = y.transpose(1, 2);
                 let y = if y.size()[1] > *channels {
                     y.narrow(1, 0, *channels)
@@ -541,16 +535,16 @@ impl Cell {
         let mut states = vec![s0, self.pre1.forward_t(s1, train)];
         let mut e = 0;
         for i in 0..self.num_nodes {
-            let mut node: Option<Tensor> = None;
-            for j in 0..2 + i {
-                let y = self.edges[e].forward_t(&states[j], &w[e], train);
-                node = Some(match node {
-                    None => y,
-                    Some(a) => a + y,
-                });
-                e += 1;
-            }
-            states.push(node.expect("a node has at least two inputs"));
+            let n_in = 2 + i;
+            let node = states
+                .iter()
+                .zip(&self.edges[e..e + n_in])
+                .zip(&w[e..e + n_in])
+                .map(|((x, edge), w)| edge.forward_t(x, w, train))
+                .reduce(|a, b| a + b)
+                .expect("a node has at least two inputs");
+            states.push(node);
+            e += n_in;
         }
         Tensor::cat(&states[2..], 1)
     }
@@ -617,7 +611,7 @@ impl Darts {
         let mult = o.num_nodes;
 
         let c_stem = STEM_MULTIPLIER * o.init_channels;
-        let stem_conv = conv1d(root / "stem" / "conv", o.in_channels, c_stem, 3, 1, 1, 1, 1);
+        let stem_conv = conv1d(root / "stem" / "conv", o.in_channels, c_stem, 3, 1, 1, 1);
         let stem_bn = nn::batch_norm1d(root / "stem" / "bn", c_stem, Default::default());
 
         let (mut c_pp, mut c_p, mut c) = (c_stem, c_stem, o.init_channels);

@@ -1,0 +1,282 @@
+//! Checkpoints: written atomically (temporary directory, fsync, rename), kept by retention
+//! (the last N plus the best), and read back for `--resume`.
+//!
+//! Layout: `checkpoints/step-000000120/{model.safetensors, optimizer.safetensors, state.json,
+//! spec.toml}` and `checkpoints/best.json` naming the best one. Tensors are copied to the CPU one
+//! at a time while the file is written, so saving never doubles device memory.
+use std::fs::{self, File};
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use tch::{Device, Kind, Tensor};
+
+/// Everything besides tensors that an exact resume needs.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct TrainState {
+    /// 0-based epoch the run is in (equal to epochs done when `groups_done` is 0).
+    pub epoch: i64,
+    /// Optimizer steps already taken within `epoch`.
+    pub groups_done: i64,
+    pub global_step: i64,
+    pub weight_steps: i64,
+    pub arch_steps: i64,
+    /// Validation samples the architecture steps have consumed (their stream position).
+    pub val_cursor: i64,
+    pub micro_batch: i64,
+    pub accumulation_steps: i64,
+    pub clean_steps: i64,
+    /// Running sums of the epoch in progress, so a mid-epoch resume reports the same epoch loss.
+    pub epoch_loss_sum: f64,
+    pub epoch_correct: i64,
+    pub epoch_seen: i64,
+    pub on_cpu_fallback: bool,
+    /// The monitored metric at this checkpoint, when validation ran.
+    pub monitored: Option<f64>,
+    pub finished: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Best {
+    step: String,
+    value: f64,
+}
+
+fn dtype(k: Kind) -> Result<&'static str> {
+    Ok(match k {
+        Kind::Float => "F32",
+        Kind::Double => "F64",
+        Kind::Half => "F16",
+        Kind::BFloat16 => "BF16",
+        Kind::Int64 => "I64",
+        Kind::Int => "I32",
+        Kind::Int16 => "I16",
+        Kind::Int8 => "I8",
+        Kind::Uint8 => "U8",
+        Kind::Bool => "BOOL",
+        k => bail!("cannot save tensors of kind {k:?}"),
+    })
+}
+
+/// Writes a safetensors file, copying one tensor at a time to the CPU.
+pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()> {
+    let mut header = serde_json::Map::new();
+    let mut offset = 0u64;
+    for (name, t) in tensors {
+        let bytes = (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+        header.insert(
+            name.clone(),
+            serde_json::json!({"dtype": dtype(t.kind())?, "shape": t.size(), "data_offsets": [offset, offset + bytes]}),
+        );
+        offset += bytes;
+    }
+    let mut h = serde_json::to_vec(&header)?;
+    while h.len() % 8 != 0 {
+        h.push(b' ');
+    }
+    let mut out = BufWriter::new(File::create(path).with_context(|| format!("creating {}", path.display()))?);
+    out.write_all(&(h.len() as u64).to_le_bytes())?;
+    out.write_all(&h)?;
+    let mut buf = Vec::new();
+    for (_, t) in tensors {
+        let cpu = t.detach().to_device(Device::Cpu).contiguous();
+        let n = cpu.numel();
+        buf.resize(n * cpu.kind().elt_size_in_bytes(), 0);
+        cpu.copy_data_u8(&mut buf, n);
+        out.write_all(&buf)?;
+    }
+    let f = out.into_inner().map_err(|e| e.into_error())?;
+    f.sync_all()?;
+    Ok(())
+}
+
+pub fn read_safetensors(path: &Path) -> Result<Vec<(String, Tensor)>> {
+    Tensor::read_safetensors(path).with_context(|| format!("reading {}", path.display()))
+}
+
+fn sync_dir(dir: &Path) {
+    if let Ok(d) = File::open(dir) {
+        let _ = d.sync_all();
+    }
+}
+
+fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut f = File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    Ok(())
+}
+
+/// What to write into one checkpoint.
+pub struct Contents<'a> {
+    pub model: Vec<(String, Tensor)>,
+    pub optimizer: Vec<(String, Tensor)>,
+    pub state: &'a TrainState,
+    pub spec_toml: &'a str,
+}
+
+pub struct Store {
+    dir: PathBuf,
+    keep_last: usize,
+    keep_best: bool,
+    maximize: bool,
+}
+
+pub struct Loaded {
+    pub dir: PathBuf,
+    pub model: Vec<(String, Tensor)>,
+    pub optimizer: Vec<(String, Tensor)>,
+    pub state: TrainState,
+}
+
+impl Store {
+    pub fn new(run_dir: &Path, keep_last: usize, keep_best: bool, maximize: bool) -> Self {
+        Store { dir: run_dir.join("checkpoints"), keep_last: keep_last.max(1), keep_best, maximize }
+    }
+
+    /// Writes a checkpoint atomically and applies retention. Returns its directory and size.
+    pub fn save(&self, c: &Contents) -> Result<(PathBuf, u64)> {
+        fs::create_dir_all(&self.dir).with_context(|| format!("creating {}", self.dir.display()))?;
+        let name = format!("step-{:09}", c.state.global_step);
+        let tmp = self.dir.join(format!(".tmp-{name}"));
+        let _ = fs::remove_dir_all(&tmp);
+        fs::create_dir(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        write_safetensors(&tmp.join("model.safetensors"), &c.model)?;
+        write_safetensors(&tmp.join("optimizer.safetensors"), &c.optimizer)?;
+        write_file(&tmp.join("state.json"), &serde_json::to_vec_pretty(c.state)?)?;
+        write_file(&tmp.join("spec.toml"), c.spec_toml.as_bytes())?;
+        sync_dir(&tmp);
+        let fin = self.dir.join(&name);
+        if fin.exists() {
+            fs::remove_dir_all(&fin)?;
+        }
+        fs::rename(&tmp, &fin).with_context(|| format!("renaming {} to {}", tmp.display(), fin.display()))?;
+        sync_dir(&self.dir);
+        let size = fs::read_dir(&fin)?.filter_map(|e| e.ok()?.metadata().ok()).map(|m| m.len()).sum();
+        if let Some(v) = c.state.monitored {
+            self.update_best(&name, v)?;
+        }
+        self.retain()?;
+        Ok((fin, size))
+    }
+
+    fn best(&self) -> Option<Best> {
+        serde_json::from_slice(&fs::read(self.dir.join("best.json")).ok()?).ok()
+    }
+
+    fn update_best(&self, name: &str, value: f64) -> Result<()> {
+        if !self.keep_best {
+            return Ok(());
+        }
+        let better = match self.best() {
+            None => true,
+            Some(b) if !self.dir.join(&b.step).exists() => true,
+            Some(b) => (self.maximize && value > b.value) || (!self.maximize && value < b.value),
+        };
+        if better {
+            crate::metrics::write_json_atomic(&self.dir.join("best.json"), &Best { step: name.into(), value })?;
+        }
+        Ok(())
+    }
+
+    /// Finished checkpoint directories, oldest first.
+    pub fn list(&self) -> Vec<PathBuf> {
+        let mut v: Vec<PathBuf> = fs::read_dir(&self.dir)
+            .into_iter()
+            .flatten()
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.is_dir() && p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("step-")))
+            .collect();
+        v.sort();
+        v
+    }
+
+    fn retain(&self) -> Result<()> {
+        let all = self.list();
+        let best = self.best().map(|b| self.dir.join(b.step));
+        let cut = all.len().saturating_sub(self.keep_last);
+        for old in &all[..cut] {
+            if Some(old) != best.as_ref() {
+                fs::remove_dir_all(old).with_context(|| format!("removing old checkpoint {}", old.display()))?;
+            }
+        }
+        // Leftovers of a save that was killed half-way.
+        for e in fs::read_dir(&self.dir)?.flatten() {
+            if e.file_name().to_string_lossy().starts_with(".tmp-") {
+                let _ = fs::remove_dir_all(e.path());
+            }
+        }
+        Ok(())
+    }
+
+    pub fn latest(&self) -> Option<PathBuf> {
+        self.list().pop()
+    }
+
+    pub fn load(dir: &Path) -> Result<Loaded> {
+        let state: TrainState = serde_json::from_slice(
+            &fs::read(dir.join("state.json")).with_context(|| format!("reading {}/state.json", dir.display()))?,
+        )
+        .with_context(|| format!("parsing {}/state.json", dir.display()))?;
+        Ok(Loaded {
+            dir: dir.to_owned(),
+            model: read_safetensors(&dir.join("model.safetensors"))?,
+            optimizer: read_safetensors(&dir.join("optimizer.safetensors"))?,
+            state,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn state(step: i64, monitored: Option<f64>) -> TrainState {
+        TrainState {
+            epoch: step,
+            groups_done: 0,
+            global_step: step,
+            weight_steps: step,
+            arch_steps: 0,
+            val_cursor: 0,
+            micro_batch: 4,
+            accumulation_steps: 1,
+            clean_steps: 0,
+            epoch_loss_sum: 0.0,
+            epoch_correct: 0,
+            epoch_seen: 0,
+            on_cpu_fallback: false,
+            monitored,
+            finished: false,
+        }
+    }
+
+    #[test]
+    fn safetensors_round_trip_of_mixed_kinds() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t.safetensors");
+        let a = Tensor::from_slice(&[1.5f32, -2.0, 3.25]).reshape([3, 1]);
+        let b = Tensor::from_slice(&[7i64, 8]);
+        write_safetensors(&p, &[("a".into(), a.shallow_clone()), ("b".into(), b.shallow_clone())]).unwrap();
+        let back = read_safetensors(&p).unwrap();
+        let get = |n: &str| back.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
+        assert!(get("a").equal(&a));
+        assert!(get("b").equal(&b));
+    }
+
+    #[test]
+    fn retention_keeps_last_n_and_the_best() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::new(dir.path(), 2, true, false);
+        let w = vec![("w".to_string(), Tensor::from_slice(&[1f32]))];
+        for (step, loss) in [(1, 0.5), (2, 0.1), (3, 0.4), (4, 0.3)] {
+            let s = state(step, Some(loss));
+            store.save(&Contents { model: w.clone(), optimizer: vec![], state: &s, spec_toml: "" }).unwrap();
+        }
+        let names: Vec<String> =
+            store.list().iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
+        assert_eq!(names, ["step-000000002", "step-000000003", "step-000000004"]);
+        assert_eq!(Store::load(&store.latest().unwrap()).unwrap().state.global_step, 4);
+    }
+}

@@ -1,0 +1,198 @@
+//! Memory as the run sees it: per-epoch samples (device allocator and host RSS), the cache
+//! policy with what it cost, and the caps that emulate a smaller device.
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::shim;
+use crate::spec::CacheClear;
+use crate::sysmem;
+
+/// One reading. Device fields are absent on the CPU.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct MemorySample {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub allocated_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reserved_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_allocated_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_reserved_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_free_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_total_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub num_alloc_retries: Option<u64>,
+    pub rss_bytes: u64,
+    pub peak_rss_bytes: u64,
+}
+
+/// Where tensors live for memory purposes: a CUDA device index, or the host.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Place {
+    Cpu,
+    Cuda(usize),
+}
+
+impl Place {
+    pub fn of(d: tch::Device) -> Self {
+        match d {
+            tch::Device::Cuda(i) => Place::Cuda(i),
+            _ => Place::Cpu,
+        }
+    }
+}
+
+pub fn sample(place: Place) -> MemorySample {
+    let (rss, peak_rss) = sysmem::rss();
+    let mut m = MemorySample { rss_bytes: rss, peak_rss_bytes: peak_rss, ..Default::default() };
+    if let Place::Cuda(i) = place {
+        if let Ok(Some(s)) = shim::device_stats(i) {
+            m.allocated_bytes = Some(s.allocated);
+            m.reserved_bytes = Some(s.reserved);
+            m.peak_allocated_bytes = Some(s.peak_allocated);
+            m.peak_reserved_bytes = Some(s.peak_reserved);
+            m.num_alloc_retries = Some(s.num_alloc_retries);
+        }
+        if let Ok(Some((free, total))) = shim::memory_info(i) {
+            m.device_free_bytes = Some(free);
+            m.device_total_bytes = Some(total);
+        }
+    }
+    m
+}
+
+/// Starts a new peak window (device peak counters and the kernel's RSS high-water mark).
+pub fn reset_peaks(place: Place) {
+    if let Place::Cuda(i) = place {
+        let _ = shim::reset_peak_stats(i);
+    }
+    sysmem::reset_peak_rss();
+}
+
+/// The peak the current window saw: device peak allocated on CUDA, peak RSS on the CPU.
+pub fn window_peak(place: Place) -> u64 {
+    let s = sample(place);
+    match place {
+        Place::Cuda(_) => s.peak_allocated_bytes.unwrap_or(0),
+        Place::Cpu => s.peak_rss_bytes,
+    }
+}
+
+/// Why the cache was cleared; counted separately in the summary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClearReason {
+    Every,
+    Auto,
+    EpochEnd,
+    Checkpoint,
+    Oom,
+}
+
+/// `memory.cache_clear_every` and friends, with the time spent so users see what it costs.
+#[derive(Debug, Clone, Serialize)]
+pub struct CachePolicy {
+    #[serde(skip)]
+    every: CacheClear,
+    #[serde(skip)]
+    auto_threshold: u64,
+    #[serde(skip)]
+    sync_every: u64,
+    #[serde(skip)]
+    last_retries: u64,
+    pub clears: u64,
+    pub auto_clears: u64,
+    pub clear_seconds: f64,
+    pub syncs: u64,
+    pub sync_seconds: f64,
+}
+
+impl CachePolicy {
+    pub fn new(every: CacheClear, auto_threshold: u64, sync_every: u64) -> Self {
+        CachePolicy {
+            every,
+            auto_threshold,
+            sync_every,
+            last_retries: 0,
+            clears: 0,
+            auto_clears: 0,
+            clear_seconds: 0.0,
+            syncs: 0,
+            sync_seconds: 0.0,
+        }
+    }
+
+    /// Whether "auto" sees allocator pressure: retries rose since the last look, or more than
+    /// the threshold is reserved but not allocated.
+    pub fn pressure(&mut self, place: Place) -> bool {
+        let Place::Cuda(i) = place else { return false };
+        let Ok(Some(s)) = shim::device_stats(i) else { return false };
+        let retried = s.num_alloc_retries > self.last_retries;
+        self.last_retries = s.num_alloc_retries;
+        retried || s.reserved.saturating_sub(s.allocated) > self.auto_threshold
+    }
+
+    /// Called after every optimizer step (1-based count).
+    pub fn after_step(&mut self, place: Place, step: u64) {
+        if self.sync_every > 0 && step % self.sync_every == 0 {
+            if let Place::Cuda(i) = place {
+                let t = Instant::now();
+                if shim::synchronize(i).unwrap_or(false) {
+                    self.syncs += 1;
+                    self.sync_seconds += t.elapsed().as_secs_f64();
+                }
+            }
+        }
+        let every = self.every;
+        let reason = match every {
+            CacheClear::Every(n) if n > 0 && step % n == 0 => Some(ClearReason::Every),
+            CacheClear::Auto if self.pressure(place) => Some(ClearReason::Auto),
+            _ => None,
+        };
+        if let Some(r) = reason {
+            self.clear(place, r);
+        }
+    }
+
+    /// Empties the device cache and accounts for the time. A no-op on the CPU (libtorch's CPU
+    /// allocator keeps no cache), so nothing is counted there.
+    pub fn clear(&mut self, place: Place, reason: ClearReason) {
+        if place == Place::Cpu {
+            return;
+        }
+        let t = Instant::now();
+        if shim::empty_cache().unwrap_or(false) {
+            self.clears += 1;
+            if reason == ClearReason::Auto {
+                self.auto_clears += 1;
+            }
+            self.clear_seconds += t.elapsed().as_secs_f64();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_clears_cost_nothing_and_count_nothing() {
+        let mut p = CachePolicy::new(CacheClear::Every(1), 0, 1);
+        for s in 1..=5 {
+            p.after_step(Place::Cpu, s);
+        }
+        assert_eq!((p.clears, p.syncs), (0, 0));
+        assert!(!p.pressure(Place::Cpu));
+    }
+
+    #[test]
+    fn cpu_sample_has_rss_only() {
+        let m = sample(Place::Cpu);
+        assert!(m.rss_bytes > 0);
+        assert!(m.allocated_bytes.is_none());
+        let v = serde_json::to_value(&m).unwrap();
+        assert!(v.get("allocated_bytes").is_none());
+    }
+}

@@ -1,0 +1,89 @@
+//! Progress while training: an indicatif bar per epoch on a terminal, plain periodic lines
+//! when stderr is a pipe or file (CI, scripts), nothing with `-q` or `log.progress = "off"`.
+use std::io::IsTerminal;
+use std::time::Instant;
+
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+
+use crate::spec::Progress as Mode;
+
+pub struct Progress {
+    mode: Resolved,
+    bar: Option<ProgressBar>,
+    total: u64,
+    last_time: Instant,
+    quiet: bool,
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Resolved {
+    Bars,
+    Lines,
+    Off,
+}
+
+impl Progress {
+    pub fn new(mode: Mode, quiet: bool) -> Self {
+        let mode = match (mode, quiet) {
+            (_, true) | (Mode::Off, _) => Resolved::Off,
+            (Mode::Bars, _) => Resolved::Bars,
+            (Mode::Lines, _) => Resolved::Lines,
+            (Mode::Auto, _) if std::io::stderr().is_terminal() => Resolved::Bars,
+            (Mode::Auto, _) => Resolved::Lines,
+        };
+        Progress { mode, bar: None, total: 0, last_time: Instant::now(), quiet }
+    }
+
+    pub fn start_epoch(&mut self, epoch: i64, epochs: i64, steps: u64, done: u64) {
+        self.total = steps;
+        self.last_time = Instant::now();
+        if self.mode == Resolved::Bars {
+            let bar = ProgressBar::with_draw_target(Some(steps), ProgressDrawTarget::stderr());
+            bar.set_style(
+                ProgressStyle::with_template("epoch {prefix} [{bar:30}] {pos}/{len} {msg} ({elapsed}<{eta})")
+                    .expect("valid template")
+                    .progress_chars("=> "),
+            );
+            bar.set_prefix(format!("{}/{}", epoch + 1, epochs));
+            bar.set_position(done);
+            self.bar = Some(bar);
+        }
+    }
+
+    /// `msg` is built lazily: only when something will be shown.
+    pub fn step(&mut self, done: u64, msg: impl FnOnce() -> String) {
+        match self.mode {
+            Resolved::Bars => {
+                if let Some(b) = &self.bar {
+                    b.set_position(done);
+                    if done % 5 == 0 || done == self.total {
+                        b.set_message(msg());
+                    }
+                }
+            }
+            Resolved::Lines => {
+                // A line every ten seconds at most: logs stay short, long epochs still show life.
+                if self.last_time.elapsed().as_secs_f64() >= 10.0 && done < self.total {
+                    self.last_time = Instant::now();
+                    eprintln!("  step {done}/{}  {}", self.total, msg());
+                }
+            }
+            Resolved::Off => {}
+        }
+    }
+
+    pub fn finish_epoch(&mut self) {
+        if let Some(b) = self.bar.take() {
+            b.finish_and_clear();
+        }
+    }
+
+    /// Prints a line without tearing the bar; silent under `-q`.
+    pub fn println(&self, line: &str) {
+        match &self.bar {
+            _ if self.quiet => {}
+            Some(b) => b.println(line),
+            None => eprintln!("{line}"),
+        }
+    }
+}
