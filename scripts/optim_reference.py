@@ -4,7 +4,8 @@
 Usage: ~/.cache/memtrain/venv-torch-2.11.0/bin/python scripts/optim_reference.py
 
 Runs torch.optim.SGD / Adam / AdamW (single-tensor path: foreach=False, fused=False) for 3 steps
-with lr 0.1 on a fixed 2x3 float32 parameter and a fixed sequence of 3 gradients, and
+with lr 0.1 on a fixed 2x3 float32 parameter and a fixed sequence of 3 gradients (and two of
+them again in bfloat16), and
 torch.nn.utils.clip_grad_norm_ on fixed gradients, then prints the results as Rust constants.
 Every float32 is printed in its shortest round-trip form, so the Rust literals are the exact
 same float32 values PyTorch produced. Paste the output into the tests of src/optim.rs.
@@ -35,6 +36,8 @@ CASES = {
     ),
 }
 
+BF16_CASES = ["SGD_MOMENTUM", "ADAM"]
+
 # clip_grad_norm_: two params with grads, one without (skipped).
 CLIP_GRADS = [
     [[0.1, -0.2, 0.3], [-0.4, 0.5, -0.6]],
@@ -53,16 +56,23 @@ def rust_array(name: str, values) -> str:
     return f"const {name}: [f32; {len(flat)}] = [{', '.join(f32(v) for v in flat)}];"
 
 
+def run(make, dtype: torch.dtype) -> torch.Tensor:
+    p = torch.tensor(PARAM, dtype=dtype, requires_grad=True)
+    opt = make(p)
+    for g in GRADS:
+        opt.zero_grad()
+        p.grad = torch.tensor(g, dtype=dtype)
+        opt.step()
+    return p.detach()
+
+
 def main() -> None:
     print(f"// torch {torch.__version__}, produced by scripts/optim_reference.py")
     for name, make in CASES.items():
-        p = torch.tensor(PARAM, dtype=torch.float32, requires_grad=True)
-        opt = make(p)
-        for g in GRADS:
-            opt.zero_grad()
-            p.grad = torch.tensor(g, dtype=torch.float32)
-            opt.step()
-        print(rust_array(name, p.detach()))
+        print(rust_array(name, run(make, torch.float32)))
+    # bfloat16 parameters (precision = "bf16"): state and grads in bf16 too, as PyTorch does.
+    for name in BF16_CASES:
+        print(rust_array(f"{name}_BF16", run(CASES[name], torch.bfloat16).float()))
 
     params = [
         torch.zeros(2, 3, requires_grad=True),

@@ -78,13 +78,23 @@ pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()
     let mut out = BufWriter::new(File::create(path).with_context(|| format!("creating {}", path.display()))?);
     out.write_all(&(h.len() as u64).to_le_bytes())?;
     out.write_all(&h)?;
-    let mut buf = Vec::new();
+    // A fixed 4 MiB staging buffer: a checkpoint of a large model under a tight memory cap
+    // must not need a second copy of its largest tensor.
+    const CHUNK_BYTES: usize = 4 << 20;
+    let mut buf = vec![0u8; CHUNK_BYTES];
     for (_, t) in tensors {
-        let cpu = t.detach().to_device(Device::Cpu).contiguous();
-        let n = cpu.numel();
-        buf.resize(n * cpu.kind().elt_size_in_bytes(), 0);
-        cpu.copy_data_u8(&mut buf, n);
-        out.write_all(&buf)?;
+        let flat = t.detach().to_device(Device::Cpu).contiguous().view([-1]);
+        let n = flat.numel();
+        let elt = flat.kind().elt_size_in_bytes();
+        let per_chunk = (CHUNK_BYTES / elt).max(1);
+        let mut start = 0;
+        while start < n {
+            let len = per_chunk.min(n - start);
+            let part = flat.narrow(0, start as i64, len as i64);
+            part.copy_data_u8(&mut buf[..len * elt], len);
+            out.write_all(&buf[..len * elt])?;
+            start += len;
+        }
     }
     let f = out.into_inner().map_err(|e| e.into_error())?;
     f.sync_all()?;
@@ -132,7 +142,12 @@ pub struct Loaded {
 
 impl Store {
     pub fn new(run_dir: &Path, keep_last: usize, keep_best: bool, maximize: bool) -> Self {
-        Store { dir: run_dir.join("checkpoints"), keep_last: keep_last.max(1), keep_best, maximize }
+        Store {
+            dir: run_dir.join("checkpoints"),
+            keep_last: keep_last.max(1),
+            keep_best,
+            maximize,
+        }
     }
 
     /// Writes a checkpoint atomically and applies retention. Returns its directory and size.
@@ -153,7 +168,10 @@ impl Store {
         }
         fs::rename(&tmp, &fin).with_context(|| format!("renaming {} to {}", tmp.display(), fin.display()))?;
         sync_dir(&self.dir);
-        let size = fs::read_dir(&fin)?.filter_map(|e| e.ok()?.metadata().ok()).map(|m| m.len()).sum();
+        let size = fs::read_dir(&fin)?
+            .filter_map(|e| e.ok()?.metadata().ok())
+            .map(|m| m.len())
+            .sum();
         if let Some(v) = c.state.monitored {
             self.update_best(&name, v)?;
         }
@@ -175,7 +193,13 @@ impl Store {
             Some(b) => (self.maximize && value > b.value) || (!self.maximize && value < b.value),
         };
         if better {
-            crate::metrics::write_json_atomic(&self.dir.join("best.json"), &Best { step: name.into(), value })?;
+            crate::metrics::write_json_atomic(
+                &self.dir.join("best.json"),
+                &Best {
+                    step: name.into(),
+                    value,
+                },
+            )?;
         }
         Ok(())
     }
@@ -186,7 +210,12 @@ impl Store {
             .into_iter()
             .flatten()
             .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.is_dir() && p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with("step-")))
+            .filter(|p| {
+                p.is_dir()
+                    && p.file_name()
+                        .and_then(|n| n.to_str())
+                        .is_some_and(|n| n.starts_with("step-"))
+            })
             .collect();
         v.sort();
         v
@@ -269,13 +298,22 @@ mod tests {
     fn retention_keeps_last_n_and_the_best() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::new(dir.path(), 2, true, false);
-        let w = vec![("w".to_string(), Tensor::from_slice(&[1f32]))];
         for (step, loss) in [(1, 0.5), (2, 0.1), (3, 0.4), (4, 0.3)] {
             let s = state(step, Some(loss));
-            store.save(&Contents { model: w.clone(), optimizer: vec![], state: &s, spec_toml: "" }).unwrap();
+            store
+                .save(&Contents {
+                    model: vec![("w".to_string(), Tensor::from_slice(&[1f32]))],
+                    optimizer: vec![],
+                    state: &s,
+                    spec_toml: "",
+                })
+                .unwrap();
         }
-        let names: Vec<String> =
-            store.list().iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
+        let names: Vec<String> = store
+            .list()
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
         assert_eq!(names, ["step-000000002", "step-000000003", "step-000000004"]);
         assert_eq!(Store::load(&store.latest().unwrap()).unwrap().state.global_step, 4);
     }

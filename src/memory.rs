@@ -47,7 +47,11 @@ impl Place {
 
 pub fn sample(place: Place) -> MemorySample {
     let (rss, peak_rss) = sysmem::rss();
-    let mut m = MemorySample { rss_bytes: rss, peak_rss_bytes: peak_rss, ..Default::default() };
+    let mut m = MemorySample {
+        rss_bytes: rss,
+        peak_rss_bytes: peak_rss,
+        ..Default::default()
+    };
     if let Place::Cuda(i) = place {
         if let Ok(Some(s)) = shim::device_stats(i) {
             m.allocated_bytes = Some(s.allocated);
@@ -128,7 +132,9 @@ impl CachePolicy {
     /// the threshold is reserved but not allocated.
     pub fn pressure(&mut self, place: Place) -> bool {
         let Place::Cuda(i) = place else { return false };
-        let Ok(Some(s)) = shim::device_stats(i) else { return false };
+        let Ok(Some(s)) = shim::device_stats(i) else {
+            return false;
+        };
         let retried = s.num_alloc_retries > self.last_retries;
         self.last_retries = s.num_alloc_retries;
         retried || s.reserved.saturating_sub(s.allocated) > self.auto_threshold

@@ -19,10 +19,14 @@ pub enum OomKind {
 }
 
 pub fn classify(text: &str) -> Option<OomKind> {
-    if text.contains("CUDA out of memory") || text.contains("OutOfMemoryError") || text.contains("CUBLAS_STATUS_ALLOC_FAILED")
+    if text.contains("CUDA out of memory")
+        || text.contains("OutOfMemoryError")
+        || text.contains("CUBLAS_STATUS_ALLOC_FAILED")
     {
         Some(OomKind::Cuda)
-    } else if text.contains("DefaultCPUAllocator: can't allocate memory") || text.contains("DefaultCPUAllocator: not enough memory") {
+    } else if text.contains("DefaultCPUAllocator: can't allocate memory")
+        || text.contains("DefaultCPUAllocator: not enough memory")
+    {
         Some(OomKind::Cpu)
     } else if text.contains("CUDNN_STATUS_NOT_SUPPORTED") {
         Some(OomKind::Cudnn)
@@ -43,13 +47,15 @@ thread_local! {
 }
 
 /// Installs a panic hook that stays silent inside `guarded` (the error is reported properly by
-/// the caller) and behaves as usual everywhere else.
-fn install_hook() {
+/// the caller) and behaves as usual everywhere else, after lifting a CPU memory cap: printing a
+/// panic allocates, and under an exhausted RLIMIT_DATA that would hang the process.
+pub fn install_hook() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         let default = panic::take_hook();
         panic::set_hook(Box::new(move |info| {
             if !GUARDED.with(|g| *g.borrow()) {
+                crate::sysmem::lift_data_limit();
                 default(info);
             }
         }));
@@ -70,8 +76,16 @@ fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
 pub fn short_message(text: &str) -> String {
     let t = text.split("\nException raised from").next().unwrap_or(text);
     let t = t.trim_start_matches("called `Result::unwrap()` on an `Err` value: ");
-    let t = t.strip_prefix("Torch(\"").map(|s| s.trim_end_matches("\")")).unwrap_or(t);
-    t.replace("\\n", "\n").split("\nException raised from").next().unwrap_or("").trim().to_owned()
+    let t = t
+        .strip_prefix("Torch(\"")
+        .map(|s| s.trim_end_matches("\")"))
+        .unwrap_or(t);
+    t.replace("\\n", "\n")
+        .split("\nException raised from")
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_owned()
 }
 
 /// Runs `f`, turning a libtorch panic into a `StepError`. Every tensor `f` created is dropped
@@ -106,7 +120,7 @@ impl BatchShape {
     /// Half the micro-batch, twice the accumulation; None below `min`.
     pub fn halved(&self, min: i64) -> Option<BatchShape> {
         let half = self.micro_batch / 2;
-        (half >= min && half >= 1).then_some(BatchShape {
+        (half >= min && half >= 1).then(|| BatchShape {
             micro_batch: half,
             accumulation_steps: (self.effective() + half - 1) / half,
         })
@@ -161,32 +175,56 @@ mod tests {
 
     #[test]
     fn classifies_the_three_oom_texts() {
-        assert_eq!(classify("CUDA out of memory. Tried to allocate 2.35 GiB."), Some(OomKind::Cuda));
+        assert_eq!(
+            classify("CUDA out of memory. Tried to allocate 2.35 GiB."),
+            Some(OomKind::Cuda)
+        );
         assert_eq!(
             classify("[enforce fail at alloc_cpu.cpp:118] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate 4 bytes."),
             Some(OomKind::Cpu)
         );
-        assert_eq!(classify("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED"), Some(OomKind::Cudnn));
+        assert_eq!(
+            classify("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED"),
+            Some(OomKind::Cudnn)
+        );
         assert_eq!(classify("shape mismatch"), None);
     }
 
     #[test]
     fn halving_keeps_the_effective_batch() {
-        let s = BatchShape { micro_batch: 32, accumulation_steps: 1 };
+        let s = BatchShape {
+            micro_batch: 32,
+            accumulation_steps: 1,
+        };
         let h = s.halved(1).unwrap();
         assert_eq!((h.micro_batch, h.accumulation_steps), (16, 2));
         assert_eq!(h.halved(16), None);
-        let odd = BatchShape { micro_batch: 3, accumulation_steps: 2 };
-        assert_eq!(odd.halved(1), Some(BatchShape { micro_batch: 1, accumulation_steps: 6 }));
+        let odd = BatchShape {
+            micro_batch: 3,
+            accumulation_steps: 2,
+        };
+        assert_eq!(
+            odd.halved(1),
+            Some(BatchShape {
+                micro_batch: 1,
+                accumulation_steps: 6
+            })
+        );
     }
 
     #[test]
     fn policy_walks_its_list() {
         let p = Policy::new(vec![OomAction::Backoff, OomAction::Cpu, OomAction::Fail], 4);
         let mut skipped = vec![];
-        let big = BatchShape { micro_batch: 8, accumulation_steps: 1 };
+        let big = BatchShape {
+            micro_batch: 8,
+            accumulation_steps: 1,
+        };
         assert!(matches!(p.decide(big, false, &mut skipped), Decision::Backoff { .. }));
-        let small = BatchShape { micro_batch: 4, accumulation_steps: 2 };
+        let small = BatchShape {
+            micro_batch: 4,
+            accumulation_steps: 2,
+        };
         assert_eq!(p.decide(small, false, &mut skipped), Decision::MoveToCpu);
         skipped.clear();
         assert_eq!(p.decide(small, true, &mut skipped), Decision::Fail);
@@ -195,7 +233,9 @@ mod tests {
 
     #[test]
     fn guarded_turns_a_libtorch_error_into_a_step_error() {
-        let r = guarded(|| tch::Tensor::zeros([2, 3], tch::kind::FLOAT_CPU).matmul(&tch::Tensor::zeros([2, 3], tch::kind::FLOAT_CPU)));
+        let r = guarded(|| {
+            tch::Tensor::zeros([2, 3], tch::kind::FLOAT_CPU).matmul(&tch::Tensor::zeros([2, 3], tch::kind::FLOAT_CPU))
+        });
         match r {
             Err(StepError::Other(m)) => assert!(m.contains("cannot be multiplied") || m.contains("shapes"), "{m}"),
             other => panic!("expected an error, got {other:?}"),

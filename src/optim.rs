@@ -22,15 +22,23 @@
 //! * `a.addcmul_(b, c, value=v)`: on CPU the kernel evaluates `a + (v*b)*c`, reproduced as
 //!   `a.addcmul_(b*v, c)`; on CUDA it evaluates `fma(v, b*c, a)`, reproduced as
 //!   `a.addcmul_(b*c, v_t)`.
-//! * `a.addcdiv_(b, c, value=v)`: on CPU `a + (v*b)/c`, reproduced as `a.add_((b*v).div_(c))`;
+//! * `a.addcdiv_(b, c, value=v)`: on CPU `a + (v*b)/c`, reproduced as `a.addcdiv_(b*v, c)`;
 //!   on CUDA `fma(v, b/c, a)`, reproduced as `a.addcmul_(b/c, v_t)`.
 //!
 //! The scalar tensors live on the parameter's device (created once, refilled with `fill_`, which
 //! launches a kernel but never synchronises), so `step` never waits for the device. The CPU
-//! forms were checked bitwise against PyTorch on a million elements (AVX2 and default kernels);
-//! the CUDA forms follow the 2.11 kernel sources (`DeviceAddCmulCdiv.cuh`) but were not run here.
-//! Parameters in reduced precision (bf16/f16) round the scalars to the parameter dtype, where
-//! PyTorch keeps them in f32, so they can differ from PyTorch in the last bit.
+//! forms were checked bitwise against PyTorch (a million elements per op, and multi-step runs of
+//! every optimizer variant on 1003 elements, with both the AVX2 and the default kernels); the
+//! CUDA forms follow the 2.11 kernel sources (`DeviceAddCmulCdiv.cuh`) but were not run here.
+//!
+//! Reduced-precision parameters (bf16/f16, e.g. `precision = "bf16"`) are not bit-exact, only
+//! within a few bf16 ulps of PyTorch, for lack of the `value` argument: PyTorch evaluates
+//! `a + v*b*c` and `a + v*b/c` in f32 and rounds once, where the forms above round `v*b` to
+//! bf16 first. On the CPU, `add(alpha)` is reproduced exactly as above (PyTorch's CPU kernel
+//! rounds `alpha` to the tensor's dtype, like the 0-dim tensor does). On CUDA PyTorch keeps
+//! `alpha` in f32, so a bf16 0-dim tensor would bias every step (momentum 0.9 would become
+//! 0.8984); there `a + round(b*s)` is used instead (the multiply kernel keeps `s` in f32), and
+//! the CPU forms of addcmul/addcdiv.
 //!
 //! # Step count
 //!
@@ -38,7 +46,7 @@
 //! the steps in which that parameter had a gradient). The two agree whenever every parameter
 //! gets a gradient from the first step on, which is the case for the models here; the shared
 //! count is what makes a restored optimizer continue exactly.
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use anyhow::{bail, Result};
 use tch::{Device, Kind, Tensor};
@@ -226,7 +234,8 @@ impl Optimizer {
                 let sc = scalars_for(scalars, &h, param.device(), param.kind(), steps, &consts);
                 match h.kind {
                     OptimizerKind::Sgd => {
-                        sgd_update(&h, param, &grad, state[i].first_mut().map(|b| (b, &mut buffer_ready[i])), sc)
+                        let buf = state[i].first_mut().map(|b| (b, &mut buffer_ready[i]));
+                        sgd_update(&h, &consts, param, &grad, buf, sc)
                     }
                     OptimizerKind::Adam | OptimizerKind::Adamw => {
                         let (exp_avg, rest) = state[i].split_first_mut().expect("adam has two state slots");
@@ -272,55 +281,55 @@ impl Optimizer {
             bail!("optimizer state: negative step count {steps_taken}");
         }
         let slots = self.hyper.state_slots();
-        let expected: Vec<String> = self
-            .params
-            .iter()
-            .flat_map(|(name, _)| slots.iter().map(move |slot| format!("{slot}/{name}")))
-            .collect();
-        let expected_set: HashSet<&str> = expected.iter().map(String::as_str).collect();
-        let mut given: HashSet<&str> = HashSet::with_capacity(tensors.len());
+        let mut given: HashMap<&str, &Tensor> = HashMap::with_capacity(tensors.len());
         let mut duplicated = BTreeSet::new();
-        for (name, _) in tensors {
-            if !given.insert(name.as_str()) {
+        for (name, t) in tensors {
+            if given.insert(name.as_str(), t).is_some() {
                 duplicated.insert(name.as_str());
             }
         }
-        let missing: Vec<&str> = expected
-            .iter()
-            .map(String::as_str)
-            .filter(|n| !given.contains(n))
-            .collect();
-        let unexpected: BTreeSet<&str> = given.iter().copied().filter(|n| !expected_set.contains(n)).collect();
-        if !missing.is_empty() || !unexpected.is_empty() || !duplicated.is_empty() {
-            let mut msg = format!("optimizer state does not match this {:?} optimizer:", self.hyper.kind);
-            if !missing.is_empty() {
-                msg += &format!(" missing {}", missing.join(", "));
-            }
-            if !unexpected.is_empty() {
-                if !missing.is_empty() {
-                    msg += ";";
-                }
-                msg += &format!(" unexpected {}", unexpected.into_iter().collect::<Vec<_>>().join(", "));
-            }
-            if !duplicated.is_empty() {
-                msg += &format!(" (duplicated: {})", duplicated.into_iter().collect::<Vec<_>>().join(", "));
-            }
-            bail!(msg);
-        }
-        // Pair every slot with its source, checking shapes before anything is written.
+        // Pair every slot with its source, in state order, checking names and shapes before
+        // anything is written.
+        let mut missing = Vec::new();
         let mut sources: Vec<Vec<&Tensor>> = Vec::with_capacity(self.params.len());
+        let mut shape_errors = Vec::new();
+        let mut known = HashSet::with_capacity(self.params.len() * slots.len());
         for (name, p) in &self.params {
             let want = p.size();
             let mut row = Vec::with_capacity(slots.len());
             for slot in slots {
                 let full = format!("{slot}/{name}");
-                let src = &tensors.iter().find(|(n, _)| *n == full).expect("checked above").1;
-                if src.size() != want {
-                    bail!("optimizer state {full}: shape {:?}, but the parameter has {:?}", src.size(), want);
+                match given.get(full.as_str()) {
+                    Some(src) => {
+                        if src.size() != want {
+                            shape_errors.push(format!("{full} has shape {:?}, the parameter {want:?}", src.size()));
+                        }
+                        row.push(*src);
+                    }
+                    None => missing.push(full.clone()),
                 }
-                row.push(src);
+                known.insert(full);
             }
             sources.push(row);
+        }
+        let unexpected: BTreeSet<&str> = given.keys().copied().filter(|n| !known.contains(*n)).collect();
+        let mut problems = Vec::new();
+        if !missing.is_empty() {
+            problems.push(format!("missing {}", missing.join(", ")));
+        }
+        if !unexpected.is_empty() {
+            problems.push(format!("unexpected {}", Vec::from_iter(unexpected).join(", ")));
+        }
+        if !duplicated.is_empty() {
+            problems.push(format!("duplicated {}", Vec::from_iter(duplicated).join(", ")));
+        }
+        problems.extend(shape_errors);
+        if !problems.is_empty() {
+            bail!(
+                "optimizer state does not fit this {:?} optimizer: {}",
+                self.hyper.kind,
+                problems.join("; ")
+            );
         }
         tch::no_grad(|| {
             for (st, row) in self.state.iter_mut().zip(sources) {
@@ -348,7 +357,8 @@ impl Optimizer {
     }
 }
 
-/// The scalar tensors for (device, kind), created on first use and refilled once per step.
+/// The scalar tensors for (device, kind), created on first use and refilled once per step;
+/// `None` for reduced-precision kinds off the CPU, which take the unfused forms (module docs).
 fn scalars_for<'a>(
     cache: &'a mut Vec<Scalars>,
     h: &Hyper,
@@ -356,7 +366,10 @@ fn scalars_for<'a>(
     kind: Kind,
     step: i64,
     c: &StepConsts,
-) -> &'a Scalars {
+) -> Option<&'a Scalars> {
+    if !matches!(kind, Kind::Float | Kind::Double) && device != Device::Cpu {
+        return None;
+    }
     let i = match cache.iter().position(|s| s.device == device && s.kind == kind) {
         Some(i) => i,
         None => {
@@ -370,19 +383,71 @@ fn scalars_for<'a>(
         let _ = s.neg_step_size.fill_(-c.step_size);
         s.filled_for = step;
     }
-    &cache[i]
+    Some(&cache[i])
+}
+
+/// A multiplier `s` of `a + s * b`: its value and, where `scalars_for` provides one, the same
+/// value as a 0-dim tensor of the parameter's kind and device.
+#[derive(Clone, Copy)]
+struct Coef<'a> {
+    value: f64,
+    tensor: Option<&'a Tensor>,
+}
+
+impl<'a> Coef<'a> {
+    fn new(value: f64, sc: Option<&'a Scalars>, pick: fn(&Scalars) -> &Tensor) -> Self {
+        Coef {
+            value,
+            tensor: sc.map(pick),
+        }
+    }
+}
+
+/// `a.add(b, alpha=s)`, out of place. With the scalar tensor this is PyTorch's single fused
+/// multiply-add; without (bf16/f16 off the CPU) `s` stays in f32, as in PyTorch's CUDA kernel,
+/// but the product is rounded once more.
+fn add_scaled(a: &Tensor, b: &Tensor, s: Coef) -> Tensor {
+    match s.tensor {
+        Some(t) => a.addcmul(b, t),
+        None => a.g_add(&b.g_mul_scalar(s.value)),
+    }
+}
+
+/// `a.add_(b, alpha=s)`, in place; see `add_scaled`.
+fn add_scaled_(a: &mut Tensor, b: &Tensor, s: Coef) {
+    let _ = match s.tensor {
+        Some(t) => a.addcmul_(b, t),
+        None => a.g_add_(&b.g_mul_scalar(s.value)),
+    };
+}
+
+/// `x.mul_(s)` as Python runs it (`mul_.Tensor` with `s` as a wrapped number). tch's
+/// `g_mul_scalar_` is `mul_.Scalar`, which on bf16/f16 rounds `s` to the tensor's dtype first;
+/// `mul.Scalar_out` into `x` itself keeps `s` in f32 like Python. Same result for f32/f64.
+fn mul_(x: &Tensor, s: f64) {
+    let _ = x.mul_scalar_out(x, s);
 }
 
 /// `_single_tensor_sgd` for one parameter (dampening 0, maximize off).
-fn sgd_update(h: &Hyper, param: &mut Tensor, grad: &Tensor, buf: Option<(&mut Tensor, &mut bool)>, sc: &Scalars) {
+fn sgd_update(
+    h: &Hyper,
+    c: &StepConsts,
+    param: &mut Tensor,
+    grad: &Tensor,
+    buf: Option<(&mut Tensor, &mut bool)>,
+    sc: Option<&Scalars>,
+) {
+    let neg_lr = Coef::new(-c.lr, sc, |s| &s.neg_lr);
+    let momentum = Coef::new(h.momentum, sc, |s| &s.momentum);
     // grad = grad.add(param, alpha=weight_decay)
-    let mut d_p = (h.weight_decay != 0.0).then(|| grad.addcmul(param, &sc.weight_decay));
+    let mut d_p =
+        (h.weight_decay != 0.0).then(|| add_scaled(grad, param, Coef::new(h.weight_decay, sc, |s| &s.weight_decay)));
     match buf {
         Some((buf, ready)) if h.momentum != 0.0 => {
             let g = d_p.as_ref().unwrap_or(grad);
             if *ready {
                 // buf.mul_(momentum).add_(grad, alpha=1 - dampening)
-                let _ = buf.g_mul_scalar_(h.momentum);
+                mul_(buf, h.momentum);
                 let _ = buf.g_add_(g);
             } else {
                 // buf = torch.clone(grad).detach()
@@ -392,20 +457,16 @@ fn sgd_update(h: &Hyper, param: &mut Tensor, grad: &Tensor, buf: Option<(&mut Te
             if h.nesterov {
                 // grad = grad.add(buf, alpha=momentum); our own temporary can be updated in place.
                 match d_p.as_mut() {
-                    Some(d) => {
-                        let _ = d.addcmul_(buf, &sc.momentum);
-                    }
-                    None => d_p = Some(grad.addcmul(buf, &sc.momentum)),
+                    Some(d) => add_scaled_(d, buf, momentum),
+                    None => d_p = Some(add_scaled(grad, buf, momentum)),
                 }
                 // param.add_(grad, alpha=-lr)
-                let _ = param.addcmul_(d_p.as_ref().expect("set above"), &sc.neg_lr);
+                add_scaled_(param, d_p.as_ref().expect("set above"), neg_lr);
             } else {
-                let _ = param.addcmul_(buf, &sc.neg_lr);
+                add_scaled_(param, buf, neg_lr);
             }
         }
-        _ => {
-            let _ = param.addcmul_(d_p.as_ref().unwrap_or(grad), &sc.neg_lr);
-        }
+        _ => add_scaled_(param, d_p.as_ref().unwrap_or(grad), neg_lr),
     }
 }
 
@@ -418,53 +479,69 @@ fn adam_update(
     grad: &Tensor,
     exp_avg: &mut Tensor,
     exp_avg_sq: &mut Tensor,
-    sc: &Scalars,
+    sc: Option<&Scalars>,
 ) {
     let [beta1, beta2] = h.betas;
-    let on_cpu = param.device() == Device::Cpu;
+    // Which kernel's rounding of addcmul/addcdiv with a `value` to reproduce (module docs);
+    // reduced-precision parameters always take the CPU forms, which need no scalar tensor.
+    let cuda_forms = match sc {
+        Some(sc) if param.device() != Device::Cpu => Some(sc),
+        _ => None,
+    };
     let mut own_grad = None;
     if h.weight_decay != 0.0 {
         match h.kind {
             // param.mul_(1 - lr * weight_decay)
             OptimizerKind::Adamw => {
-                let _ = param.g_mul_scalar_(1.0 - c.lr * h.weight_decay);
+                mul_(param, 1.0 - c.lr * h.weight_decay);
             }
             // grad = grad.add(param, alpha=weight_decay)
-            _ => own_grad = Some(grad.addcmul(param, &sc.weight_decay)),
+            _ => {
+                own_grad = Some(add_scaled(
+                    grad,
+                    param,
+                    Coef::new(h.weight_decay, sc, |s| &s.weight_decay),
+                ))
+            }
         }
     }
     let g = own_grad.as_ref().unwrap_or(grad);
     // exp_avg.lerp_(grad, 1 - beta1)
     let _ = exp_avg.lerp_(g, 1.0 - beta1);
     // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    let _ = exp_avg_sq.g_mul_scalar_(beta2);
-    let mut tmp = if on_cpu {
-        let t = g.g_mul_scalar(1.0 - beta2);
-        let _ = exp_avg_sq.addcmul_(&t, g);
-        t
-    } else {
-        let t = g.g_mul(g);
-        let _ = exp_avg_sq.addcmul_(&t, &sc.one_minus_beta2);
-        t
+    mul_(exp_avg_sq, beta2);
+    let mut tmp = match cuda_forms {
+        None => {
+            let t = g.g_mul_scalar(1.0 - beta2);
+            let _ = exp_avg_sq.addcmul_(&t, g);
+            t
+        }
+        Some(sc) => {
+            let t = g.g_mul(g);
+            let _ = exp_avg_sq.addcmul_(&t, &sc.one_minus_beta2);
+            t
+        }
     };
     // denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps), built in `tmp`
     let _ = exp_avg_sq.sqrt_out(&tmp);
     let _ = tmp.g_div_scalar_(c.bias_correction2_sqrt);
     let _ = tmp.g_add_scalar_(h.eps);
     // param.addcdiv_(exp_avg, denom, value=-step_size)
-    if on_cpu {
-        let mut upd = match own_grad {
-            Some(buf) => {
-                let _ = exp_avg.mul_scalar_out(&buf, -c.step_size);
-                buf
-            }
-            None => exp_avg.g_mul_scalar(-c.step_size),
-        };
-        let _ = upd.g_div_(&tmp);
-        let _ = param.g_add_(&upd);
-    } else {
-        let _ = exp_avg.div_out(&tmp, &tmp);
-        let _ = param.addcmul_(&tmp, &sc.neg_step_size);
+    match cuda_forms {
+        None => {
+            let upd = match own_grad {
+                Some(buf) => {
+                    let _ = exp_avg.mul_scalar_out(&buf, -c.step_size);
+                    buf
+                }
+                None => exp_avg.g_mul_scalar(-c.step_size),
+            };
+            let _ = param.addcdiv_(&upd, &tmp);
+        }
+        Some(sc) => {
+            let _ = exp_avg.div_out(&tmp, &tmp);
+            let _ = param.addcmul_(&tmp, &sc.neg_step_size);
+        }
     }
 }
 
@@ -498,7 +575,11 @@ pub fn clip_grad_norm(params: &[(String, Tensor)], max_norm: f64) -> f64 {
         let total = Tensor::stack(&norms, 0).norm();
         // clip_coef = max_norm / (total_norm + 1e-6), which Python evaluates as
         // (total_norm + 1e-6).reciprocal() * max_norm; then clamp(max=1.0).
-        let coef = total.g_add_scalar(1e-6).reciprocal().g_mul_scalar(max_norm).clamp_max(1.0);
+        let coef = total
+            .g_add_scalar(1e-6)
+            .reciprocal()
+            .g_mul_scalar(max_norm)
+            .clamp_max(1.0);
         for g in grads.iter_mut() {
             if g.device() == device {
                 let _ = g.g_mul_(&coef);
@@ -588,6 +669,9 @@ mod tests {
     const SGD_NESTEROV: [f32; 6] = [0.50516343, -1.2499778, 0.28138798, 2.0263546, -0.79152334, 0.20146933];
     const ADAM: [f32; 6] = [0.339019, -1.1630648, 0.20731245, 2.0902748, -0.81890184, 0.18155235];
     const ADAMW: [f32; 6] = [0.340299, -1.1720663, 0.2084967, 2.0962877, -0.8199715, 0.18159024];
+    // The same for SGD_MOMENTUM and ADAM with bfloat16 parameters and grads (values widened to f32).
+    const SGD_MOMENTUM_BF16: [f32; 6] = [0.49023438, -1.234375, 0.27539062, 2.03125, -0.7734375, 0.15820312];
+    const ADAM_BF16: [f32; 6] = [0.33984375, -1.1640625, 0.20703125, 2.09375, -0.8203125, 0.18066406];
     // torch.nn.utils.clip_grad_norm_(max_norm=1.0) on CLIP_GRADS (and a param without grad).
     const CLIP_TOTAL_NORM: [f32; 1] = [2.7789388];
     const CLIP_GRAD0: [f32; 6] = [0.03598495, -0.0719699, 0.10795485, -0.1439398, 0.17992474, -0.2159097];
@@ -649,7 +733,10 @@ mod tests {
         for (i, (g, w)) in got.iter().zip(want).enumerate() {
             let d = (g - w).abs();
             max = max.max(d);
-            assert!(d <= 2e-7 * w.abs().max(1e-3), "{what}[{i}]: got {g:e}, PyTorch {w:e} (diff {d:e})");
+            assert!(
+                d <= 2e-7 * w.abs().max(1e-3),
+                "{what}[{i}]: got {g:e}, PyTorch {w:e} (diff {d:e})"
+            );
         }
         eprintln!("{what}: max abs diff vs PyTorch {max:e}");
         max
@@ -691,12 +778,44 @@ mod tests {
         assert_close("adamw", &values(&p), &ADAMW);
     }
 
+    /// bf16 parameters take the unfused forms (module docs): within one bf16 ulp of PyTorch.
+    #[test]
+    fn bf16_params_stay_within_one_ulp_of_pytorch() {
+        for (h, want) in [(sgd(), SGD_MOMENTUM_BF16), (adam(), ADAM_BF16)] {
+            let p = Tensor::from_slice(&PARAM)
+                .reshape([2, 3])
+                .to_kind(Kind::BFloat16)
+                .set_requires_grad(true);
+            let mut opt = Optimizer::new(h, vec![("w".into(), p.shallow_clone())]);
+            for g in &GRADS {
+                opt.zero_grad();
+                let g = Tensor::from_slice(g).reshape([2, 3]).to_kind(Kind::BFloat16);
+                (&p * g).sum(Kind::BFloat16).backward();
+                opt.step(LR);
+            }
+            assert_eq!(p.kind(), Kind::BFloat16);
+            assert!(opt.state_tensors().iter().all(|(_, t)| t.kind() == Kind::BFloat16));
+            let got = values(&p.to_kind(Kind::Float));
+            let mut max = 0f32;
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let d = (g - w).abs();
+                max = max.max(d);
+                // One bf16 ulp is 2^-7 relative at worst.
+                assert!(d <= w.abs() / 128.0, "{:?}[{i}]: got {g}, PyTorch {w}", h.kind);
+            }
+            eprintln!("{:?} bf16: max abs diff vs PyTorch {max:e}", h.kind);
+        }
+    }
+
     #[test]
     fn params_without_grad_are_skipped() {
         for h in [sgd(), adam(), adamw(), hyper(OptimizerKind::Sgd, 0.0, false)] {
             let a = leaf(&PARAM, &[2, 3]);
             let b = leaf(&[1.0, 2.0, 3.0], &[3]);
-            let mut opt = Optimizer::new(h, vec![("a".into(), a.shallow_clone()), ("b".into(), b.shallow_clone())]);
+            let mut opt = Optimizer::new(
+                h,
+                vec![("a".into(), a.shallow_clone()), ("b".into(), b.shallow_clone())],
+            );
             set_grad(&a, &GRADS[0]);
             opt.step(LR);
             assert_eq!(values(&b), vec![1.0, 2.0, 3.0], "{:?}", h.kind);
@@ -719,11 +838,20 @@ mod tests {
     #[test]
     fn state_names() {
         let named = |h: Hyper| {
-            let opt = Optimizer::new(h, vec![("a".into(), leaf(&PARAM, &[2, 3])), ("b".into(), leaf(&[1.0], &[1]))]);
+            let opt = Optimizer::new(
+                h,
+                vec![("a".into(), leaf(&PARAM, &[2, 3])), ("b".into(), leaf(&[1.0], &[1]))],
+            );
             opt.state_tensors().into_iter().map(|(n, _)| n).collect::<Vec<_>>()
         };
-        assert_eq!(named(adam()), ["exp_avg/a", "exp_avg_sq/a", "exp_avg/b", "exp_avg_sq/b"]);
-        assert_eq!(named(adamw()), ["exp_avg/a", "exp_avg_sq/a", "exp_avg/b", "exp_avg_sq/b"]);
+        assert_eq!(
+            named(adam()),
+            ["exp_avg/a", "exp_avg_sq/a", "exp_avg/b", "exp_avg_sq/b"]
+        );
+        assert_eq!(
+            named(adamw()),
+            ["exp_avg/a", "exp_avg_sq/a", "exp_avg/b", "exp_avg_sq/b"]
+        );
         assert_eq!(named(sgd()), ["momentum_buffer/a", "momentum_buffer/b"]);
         assert!(named(hyper(OptimizerKind::Sgd, 0.0, false)).is_empty());
     }
@@ -739,8 +867,11 @@ mod tests {
                 opt_a.step(LR);
             }
             // What a checkpoint holds: deep copies on the CPU.
-            let saved: Vec<(String, Tensor)> =
-                opt_a.state_tensors().into_iter().map(|(n, t)| (n, t.to_device(Device::Cpu).copy())).collect();
+            let saved: Vec<(String, Tensor)> = opt_a
+                .state_tensors()
+                .into_iter()
+                .map(|(n, t)| (n, t.to_device(Device::Cpu).copy()))
+                .collect();
             let b = a.detach().copy().set_requires_grad(true);
             let mut opt_b = Optimizer::new(h, vec![("w".into(), b.shallow_clone())]);
             opt_b.load_state(&saved, opt_a.steps_taken()).unwrap();
@@ -765,22 +896,32 @@ mod tests {
         set_grad(&p, &GRADS[0]);
         opt.step(LR);
         let before = values(&opt.state_tensors()[0].1);
-        let saved: Vec<(String, Tensor)> =
-            opt.state_tensors().into_iter().map(|(n, t)| (n, t.copy().zero_())).collect();
+        let saved: Vec<(String, Tensor)> = opt
+            .state_tensors()
+            .into_iter()
+            .map(|(n, t)| (n, t.copy().zero_()))
+            .collect();
 
-        let missing: Vec<_> = saved.iter().filter(|(n, _)| n != "exp_avg_sq/w").map(|(n, t)| (n.clone(), t.copy())).collect();
+        let missing: Vec<_> = saved
+            .iter()
+            .filter(|(n, _)| n != "exp_avg_sq/w")
+            .map(|(n, t)| (n.clone(), t.copy()))
+            .collect();
         let err = opt.load_state(&missing, 1).unwrap_err().to_string();
         assert!(err.contains("missing exp_avg_sq/w"), "{err}");
 
         let mut extra: Vec<_> = saved.iter().map(|(n, t)| (n.clone(), t.copy())).collect();
-        extra.push(("momentum_buffer/w".into(), Tensor::zeros([2, 3], (Kind::Float, Device::Cpu))));
+        extra.push((
+            "momentum_buffer/w".into(),
+            Tensor::zeros([2, 3], (Kind::Float, Device::Cpu)),
+        ));
         let err = opt.load_state(&extra, 1).unwrap_err().to_string();
         assert!(err.contains("unexpected momentum_buffer/w"), "{err}");
 
         let mut wrong_shape: Vec<_> = saved.iter().map(|(n, t)| (n.clone(), t.copy())).collect();
         wrong_shape[0].1 = Tensor::zeros([3, 2], (Kind::Float, Device::Cpu));
         let err = opt.load_state(&wrong_shape, 1).unwrap_err().to_string();
-        assert!(err.contains("exp_avg/w") && err.contains("shape"), "{err}");
+        assert!(err.contains("exp_avg/w has shape [3, 2]"), "{err}");
 
         // A rejected load leaves the state and step count alone.
         assert_eq!(values(&opt.state_tensors()[0].1), before);
@@ -791,7 +932,10 @@ mod tests {
     fn load_state_converts_kind() {
         let p = leaf(&PARAM, &[2, 3]);
         let mut opt = Optimizer::new(sgd(), vec![("w".into(), p.shallow_clone())]);
-        let saved = vec![("momentum_buffer/w".to_string(), Tensor::ones([2, 3], (Kind::Double, Device::Cpu)))];
+        let saved = vec![(
+            "momentum_buffer/w".to_string(),
+            Tensor::ones([2, 3], (Kind::Double, Device::Cpu)),
+        )];
         opt.load_state(&saved, 5).unwrap();
         let (_, buf) = &opt.state_tensors()[0];
         assert_eq!(buf.kind(), Kind::Float);
@@ -818,7 +962,11 @@ mod tests {
         let c = leaf(&[0.0; 4], &[4]); // no grad: skipped
         set_grad(&a, &CLIP_GRADS.0);
         set_grad(&b, &CLIP_GRADS.1);
-        let params = vec![("a".to_string(), a.shallow_clone()), ("b".into(), b.shallow_clone()), ("c".into(), c)];
+        let params = vec![
+            ("a".to_string(), a.shallow_clone()),
+            ("b".into(), b.shallow_clone()),
+            ("c".into(), c),
+        ];
         let total = clip_grad_norm(&params, 1.0);
         assert_close("clip total norm", &[total as f32], &CLIP_TOTAL_NORM);
         assert_close("clip grad a", &values(&a.grad()), &CLIP_GRAD0);
@@ -889,10 +1037,17 @@ mod tests {
         for (step, w) in [(0, 0.1), (7, 0.055), (14, 0.01), (20, 0.01)] {
             assert!(close(s.lr_at(step), w), "step {step}: {}", s.lr_at(step));
         }
-        // Quarter way (t = 3.5 of 14 isn't an integer, so use T = 12 with warmup 2: t = 3 is pi/4):
+        // Warmup 2: steps 0, 1 warm up; then T = 12, so step 5 (t = 3) is a quarter of the way:
         // 0.01 + 0.09 * (1 + cos(pi/4)) / 2 = 0.01 + 0.045 * (1 + 0.70710678...) = 0.0868198051533946.
         let s = schedule(Schedule::Cosine, 2);
-        for (step, w) in [(0, 0.05), (1, 0.1), (2, 0.1), (5, 0.0868198051533946), (8, 0.055), (14, 0.01)] {
+        for (step, w) in [
+            (0, 0.05),
+            (1, 0.1),
+            (2, 0.1),
+            (5, 0.0868198051533946),
+            (8, 0.055),
+            (14, 0.01),
+        ] {
             assert!(close(s.lr_at(step), w), "step {step}: {}", s.lr_at(step));
         }
     }

@@ -31,7 +31,13 @@ impl Progress {
             (Mode::Auto, _) if std::io::stderr().is_terminal() => Resolved::Bars,
             (Mode::Auto, _) => Resolved::Lines,
         };
-        Progress { mode, bar: None, total: 0, last_time: Instant::now(), quiet }
+        Progress {
+            mode,
+            bar: None,
+            total: 0,
+            last_time: Instant::now(),
+            quiet,
+        }
     }
 
     pub fn start_epoch(&mut self, epoch: i64, epochs: i64, steps: u64, done: u64) {

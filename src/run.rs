@@ -37,6 +37,7 @@ pub struct Cap {
 
 pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
     let t_start = Instant::now();
+    oom::install_hook();
     let loaded = load_spec(&args.spec)?;
     let spec = loaded.spec;
     let run_dir = match (&args.resume, &args.out) {
@@ -110,7 +111,10 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
         };
         Optimizer::new(h, arch)
     });
-    let configured = BatchShape { micro_batch: t.batch_size, accumulation_steps: t.accumulation_steps };
+    let configured = BatchShape {
+        micro_batch: t.batch_size,
+        accumulation_steps: t.accumulation_steps,
+    };
     let effective = configured.effective();
     let steps_per_epoch = (data.train.len() + effective - 1) / effective;
     let sched = LrSchedule {
@@ -169,7 +173,10 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
             state.micro_batch
         );
     }
-    let shape = BatchShape { micro_batch: state.micro_batch, accumulation_steps: state.accumulation_steps };
+    let shape = BatchShape {
+        micro_batch: state.micro_batch,
+        accumulation_steps: state.accumulation_steps,
+    };
 
     let m = &spec.memory;
     let mut trainer = Trainer {
@@ -231,7 +238,10 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
             human_bytes(c.bytes),
             c.fraction.unwrap_or(1.0)
         ),
-        Some(c) => format!("Memory cap: {} of process data memory (RLIMIT_DATA above the baseline)", human_bytes(c.bytes)),
+        Some(c) => format!(
+            "Memory cap: {} of process data memory (RLIMIT_DATA above the baseline)",
+            human_bytes(c.bytes)
+        ),
         None => "Memory cap: none".into(),
     });
     if let Some(conf) = &applied.conf {
@@ -243,7 +253,10 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
     let status = trainer.train()?;
     if status == Status::Completed {
         if let Some(r) = &trainer.last {
-            let val = r.val_acc.map(|a| format!(", val acc {:.1}%", a * 100.0)).unwrap_or_default();
+            let val = r
+                .val_acc
+                .map(|a| format!(", val acc {:.1}%", a * 100.0))
+                .unwrap_or_default();
             trainer.progress.println(&format!(
                 "done: {} epochs, final train loss {:.4}{val}; summary in {}",
                 r.epoch,
@@ -300,7 +313,9 @@ fn cuda_fraction(spec: &Spec) -> Result<Option<f64>> {
     if let Some(f) = spec.memory.fraction {
         return Ok(Some(f));
     }
-    let Some(limit) = spec.memory.limit else { return Ok(None) };
+    let Some(limit) = spec.memory.limit else {
+        return Ok(None);
+    };
     let index = match spec.job.device {
         spec::Device::Cuda(i) => i,
         _ => 0,
@@ -323,9 +338,17 @@ fn nvml_total(cuda_index: usize) -> Option<u64> {
 fn resolve_device(spec: &Spec) -> Result<Device> {
     match spec.job.device {
         spec::Device::Cpu => Ok(Device::Cpu),
-        spec::Device::Auto => Ok(if shim::accelerator_available() { Device::Cuda(0) } else { Device::Cpu }),
+        spec::Device::Auto => Ok(if shim::accelerator_available() {
+            Device::Cuda(0)
+        } else {
+            Device::Cpu
+        }),
         spec::Device::Cuda(i) => {
-            let n = if shim::accelerator_available() { shim::device_count()? } else { 0 };
+            let n = if shim::accelerator_available() {
+                shim::device_count()?
+            } else {
+                0
+            };
             if i < n {
                 Ok(Device::Cuda(i))
             } else {
@@ -349,7 +372,11 @@ fn apply_cap(spec: &Spec, device: Device, fraction: Option<f64>) -> Result<Optio
                 )
                 .into());
             }
-            Ok(fraction.map(|f| Cap { kind: "cuda_fraction", bytes: (f * total as f64) as u64, fraction: Some(f) }))
+            Ok(fraction.map(|f| Cap {
+                kind: "cuda_fraction",
+                bytes: (f * total as f64) as u64,
+                fraction: Some(f),
+            }))
         }
         _ => {
             let bytes = match (m.limit, m.fraction) {
@@ -357,9 +384,14 @@ fn apply_cap(spec: &Spec, device: Device, fraction: Option<f64>) -> Result<Optio
                 (None, Some(f)) => (f * sysmem::host_memory()?.ram_total_bytes as f64) as u64,
                 (None, None) => return Ok(None),
             };
+            sysmem::tighten_malloc();
             let baseline = sysmem::data_in_use();
             sysmem::set_data_limit(baseline + bytes).context("setting the CPU memory cap")?;
-            Ok(Some(Cap { kind: "rlimit_data", bytes, fraction: m.fraction }))
+            Ok(Some(Cap {
+                kind: "rlimit_data",
+                bytes,
+                fraction: m.fraction,
+            }))
         }
     }
 }
@@ -368,9 +400,10 @@ fn apply_cap(spec: &Spec, device: Device, fraction: Option<f64>) -> Result<Optio
 /// and a clear message instead of a panic.
 fn setup_step<T>(what: &str, f: impl FnOnce() -> T) -> Result<T> {
     oom::guarded(f).map_err(|e| match e {
-        StepError::Oom { message, .. } => {
-            OomExit(format!("out of memory while {what}: {message}; the model does not fit under the cap")).into()
-        }
+        StepError::Oom { message, .. } => OomExit(format!(
+            "out of memory while {what}: {message}; the model does not fit under the cap"
+        ))
+        .into(),
         StepError::Other(m) => anyhow::anyhow!("{what} failed: {m}"),
     })
 }
@@ -378,14 +411,20 @@ fn setup_step<T>(what: &str, f: impl FnOnce() -> T) -> Result<T> {
 /// Copies named tensors into the VarStore, insisting that names and shapes match exactly.
 fn copy_into(vs: &nn::VarStore, tensors: &[(String, Tensor)], what: &str) -> Result<()> {
     let vars = vs.variables();
-    let mut missing: Vec<&str> = vars.keys().map(String::as_str).filter(|k| !tensors.iter().any(|(n, _)| n == k)).collect();
+    let mut missing: Vec<&str> = vars
+        .keys()
+        .map(String::as_str)
+        .filter(|k| !tensors.iter().any(|(n, _)| n == k))
+        .collect();
     missing.sort();
     let mut unexpected = vec![];
     let mut misshaped = vec![];
     for (name, t) in tensors {
         match vars.get(name) {
             None => unexpected.push(name.as_str()),
-            Some(v) if v.size() != t.size() => misshaped.push(format!("{name}: file {:?}, model {:?}", t.size(), v.size())),
+            Some(v) if v.size() != t.size() => {
+                misshaped.push(format!("{name}: file {:?}, model {:?}", t.size(), v.size()))
+            }
             Some(_) => {}
         }
     }
@@ -395,7 +434,10 @@ fn copy_into(vs: &nn::VarStore, tensors: &[(String, Tensor)], what: &str) -> Res
             msg += &format!("\n  missing (in the model, not in the file): {}", missing.join(", "));
         }
         if !unexpected.is_empty() {
-            msg += &format!("\n  unexpected (in the file, not in the model): {}", unexpected.join(", "));
+            msg += &format!(
+                "\n  unexpected (in the file, not in the model): {}",
+                unexpected.join(", ")
+            );
         }
         if !misshaped.is_empty() {
             msg += &format!("\n  mis-shaped: {}", misshaped.join("; "));
@@ -413,7 +455,10 @@ fn copy_into(vs: &nn::VarStore, tensors: &[(String, Tensor)], what: &str) -> Res
 
 fn init_from(vs: &nn::VarStore, path: &Path) -> Result<()> {
     let tensors = Tensor::read_safetensors(path).map_err(|e| {
-        UsageError(format!("model.init_from: cannot read {} as safetensors: {e}", path.display()))
+        UsageError(format!(
+            "model.init_from: cannot read {} as safetensors: {e}",
+            path.display()
+        ))
     })?;
     copy_into(vs, &tensors, &format!("model.init_from {}", path.display()))
 }
@@ -429,7 +474,10 @@ pub fn write_oom_report(t: &Trainer, phase: &str, shape: &[i64], message: &str) 
     let dir = t.run_dir.join("oom");
     fs::create_dir_all(&dir)?;
     let stats = match Place::of(t.device) {
-        Place::Cuda(i) => shim::device_stats(i).ok().flatten().map(|s| serde_json::to_value(s).unwrap_or_default()),
+        Place::Cuda(i) => shim::device_stats(i)
+            .ok()
+            .flatten()
+            .map(|s| serde_json::to_value(s).unwrap_or_default()),
         Place::Cpu => None,
     };
     let mut snapshot = None;

@@ -80,6 +80,32 @@ pub fn set_data_limit(bytes: u64) -> Result<()> {
     Ok(())
 }
 
+/// Raises the data-segment soft limit back to the hard limit.
+pub fn lift_data_limit() {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: plain syscalls on a struct we own.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_DATA, &mut r) == 0 {
+            r.rlim_cur = r.rlim_max;
+            libc::setrlimit(libc::RLIMIT_DATA, &r);
+        }
+    }
+}
+
+/// Makes freed memory leave the data segment promptly: allocations from 128 KiB up get their
+/// own mappings, returned to the kernel on free, instead of staying in malloc's heap where
+/// they would keep counting against RLIMIT_DATA. Without it a CPU cap fires on fragmentation
+/// long before live tensors reach it.
+pub fn tighten_malloc() {
+    // SAFETY: mallopt only adjusts glibc's allocator parameters.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024);
+    }
+}
+
 /// Data-segment bytes in use now (VmData), the quantity RLIMIT_DATA limits.
 pub fn data_in_use() -> u64 {
     let text = fs::read_to_string("/proc/self/status").unwrap_or_default();

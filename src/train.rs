@@ -138,7 +138,10 @@ impl Trainer {
             }
             self.opt.step(lr);
             // One read per optimizer step; progress and records need the loss.
-            GroupOut { loss_sum: loss_sum.double_value(&[]), correct: correct.int64_value(&[]) }
+            GroupOut {
+                loss_sum: loss_sum.double_value(&[]),
+                correct: correct.int64_value(&[]),
+            }
         })
     }
 
@@ -248,7 +251,10 @@ impl Trainer {
                 Ok(())
             }
             Decision::Fail => {
-                tracing::error!("out of memory in {phase} ({}); memory.on_oom has nothing left to try", first_line(&message));
+                tracing::error!(
+                    "out of memory in {phase} ({}); memory.on_oom has nothing left to try",
+                    first_line(&message)
+                );
                 let saved = self.save_checkpoint("oom").map(|(p, _)| p.display().to_string());
                 let note = match &saved {
                     Ok(p) => format!("last good state saved to {p}; resume with --resume after lowering train.batch_size or adding \"backoff\" to memory.on_oom"),
@@ -338,7 +344,11 @@ impl Trainer {
             }
         });
         let headroom = cap.map(|c| c as i64 - peak as i64);
-        let what = if self.device == Device::Cpu { "peak RSS" } else { "peak allocated" };
+        let what = if self.device == Device::Cpu {
+            "peak RSS"
+        } else {
+            "peak allocated"
+        };
         let line = match headroom {
             Some(h) if h >= 0 => format!(
                 "Preflight: one step at micro-batch {} peaks at {} ({what}); {} headroom under the {} cap",
@@ -353,7 +363,11 @@ impl Trainer {
                 human_bytes(peak),
                 human_bytes((-h) as u64)
             ),
-            None => format!("Preflight: one step at micro-batch {} peaks at {} ({what}); no cap set", self.shape.micro_batch, human_bytes(peak)),
+            None => format!(
+                "Preflight: one step at micro-batch {} peaks at {} ({what}); no cap set",
+                self.shape.micro_batch,
+                human_bytes(peak)
+            ),
         };
         self.progress.println(&line);
         self.record(
@@ -393,8 +407,12 @@ impl Trainer {
     fn checkpoint_contents(&self) -> (Vec<(String, Tensor)>, Vec<(String, Tensor)>) {
         let mut model: Vec<(String, Tensor)> = self.vs.variables().into_iter().collect();
         model.sort_by(|a, b| a.0.cmp(&b.0));
-        let mut optim: Vec<(String, Tensor)> =
-            self.opt.state_tensors().into_iter().map(|(n, t)| (format!("weight/{n}"), t)).collect();
+        let mut optim: Vec<(String, Tensor)> = self
+            .opt
+            .state_tensors()
+            .into_iter()
+            .map(|(n, t)| (format!("weight/{n}"), t))
+            .collect();
         if let Some(a) = &self.arch_opt {
             optim.extend(a.state_tensors().into_iter().map(|(n, t)| (format!("arch/{n}"), t)));
         }
@@ -442,11 +460,22 @@ impl Trainer {
         }
         let before = self.shape;
         let micro = (before.micro_batch * 2).min(self.configured.micro_batch);
-        self.shape = BatchShape { micro_batch: micro, accumulation_steps: (self.effective() + micro - 1) / micro };
+        self.shape = BatchShape {
+            micro_batch: micro,
+            accumulation_steps: (self.effective() + micro - 1) / micro,
+        };
         self.state.clean_steps = 0;
         self.ooms.grow_backs += 1;
-        tracing::info!("{} clean steps: growing the micro-batch back {} -> {}", after, before.micro_batch, micro);
-        self.record("grow_back", json!({"step": self.state.global_step, "micro_batch_before": before.micro_batch, "micro_batch": micro}))
+        tracing::info!(
+            "{} clean steps: growing the micro-batch back {} -> {}",
+            after,
+            before.micro_batch,
+            micro
+        );
+        self.record(
+            "grow_back",
+            json!({"step": self.state.global_step, "micro_batch_before": before.micro_batch, "micro_batch": micro}),
+        )
     }
 
     pub fn train(&mut self) -> Result<Status> {
@@ -461,11 +490,16 @@ impl Trainer {
             memory::reset_peaks(self.place());
             let t0 = Instant::now();
             let mut seen_this_session = 0u64;
-            self.progress.start_epoch(epoch, epochs, steps_per_epoch as u64, self.state.groups_done as u64);
+            self.progress
+                .start_epoch(epoch, epochs, steps_per_epoch as u64, self.state.groups_done as u64);
             for gi in self.state.groups_done as usize..groups.len() {
                 let group = groups[gi].to_vec();
                 if self.arch_opt.is_some() {
-                    self.with_policy("architecture step", |t| t.arch_step(), |t| t.input_shape(t.shape.micro_batch))?;
+                    self.with_policy(
+                        "architecture step",
+                        |t| t.arch_step(),
+                        |t| t.input_shape(t.shape.micro_batch),
+                    )?;
                 }
                 let lr = self.sched.lr_at(self.opt.steps_taken());
                 let out = self.with_policy(
@@ -531,7 +565,10 @@ impl Trainer {
             };
             let genotype = self.net.genotype();
             if let Some(g) = &genotype {
-                write_json_atomic(&self.run_dir.join("genotype.json"), &json!({"epoch": epoch + 1, "genotype": g}))?;
+                write_json_atomic(
+                    &self.run_dir.join("genotype.json"),
+                    &json!({"epoch": epoch + 1, "genotype": g}),
+                )?;
             }
             self.record(
                 "epoch",
@@ -543,7 +580,8 @@ impl Trainer {
             )?;
             self.progress.println(&epoch_line(&result, &mem, epochs));
             if let Some(g) = &genotype {
-                self.progress.println(&format!("  genotype: {}", serde_json::to_string(g)?));
+                self.progress
+                    .println(&format!("  genotype: {}", serde_json::to_string(g)?));
             }
             self.state.monitored = match self.spec.checkpoint.monitor {
                 crate::spec::Monitor::ValLoss => result.val_loss,
@@ -584,7 +622,12 @@ fn epoch_line(r: &EpochResult, m: &memory::MemorySample, epochs: i64) -> String 
         (Some(l), Some(a)) => format!("  val loss {l:.4} acc {:.1}%", a * 100.0),
         _ => String::new(),
     };
-    let mem = match (m.allocated_bytes, m.reserved_bytes, m.peak_allocated_bytes, m.peak_reserved_bytes) {
+    let mem = match (
+        m.allocated_bytes,
+        m.reserved_bytes,
+        m.peak_allocated_bytes,
+        m.peak_reserved_bytes,
+    ) {
         (Some(a), Some(r), Some(pa), Some(pr)) => format!(
             "GPU {} allocated / {} reserved (peak {} / {}); RSS {}",
             human_bytes(a),
@@ -593,7 +636,11 @@ fn epoch_line(r: &EpochResult, m: &memory::MemorySample, epochs: i64) -> String 
             human_bytes(pr),
             human_bytes(m.rss_bytes)
         ),
-        _ => format!("RSS {} (epoch peak {})", human_bytes(m.rss_bytes), human_bytes(m.peak_rss_bytes)),
+        _ => format!(
+            "RSS {} (epoch peak {})",
+            human_bytes(m.rss_bytes),
+            human_bytes(m.peak_rss_bytes)
+        ),
     };
     format!(
         "epoch {}/{}  train loss {:.4} acc {:.1}%{val}  {}  {:.1} samples/s  | {mem}",
