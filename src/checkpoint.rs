@@ -12,6 +12,9 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
+/// Tensors by name, in the order they are written.
+pub type NamedTensors = Vec<(String, Tensor)>;
+
 /// Everything besides tensors that an exact resume needs.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct TrainState {

@@ -142,7 +142,7 @@ impl CachePolicy {
 
     /// Called after every optimizer step (1-based count).
     pub fn after_step(&mut self, place: Place, step: u64) {
-        if self.sync_every > 0 && step % self.sync_every == 0 {
+        if self.sync_every > 0 && step.is_multiple_of(self.sync_every) {
             if let Place::Cuda(i) = place {
                 let t = Instant::now();
                 if shim::synchronize(i).unwrap_or(false) {
@@ -153,7 +153,7 @@ impl CachePolicy {
         }
         let every = self.every;
         let reason = match every {
-            CacheClear::Every(n) if n > 0 && step % n == 0 => Some(ClearReason::Every),
+            CacheClear::Every(n) if n > 0 && step.is_multiple_of(n) => Some(ClearReason::Every),
             CacheClear::Auto if self.pressure(place) => Some(ClearReason::Auto),
             _ => None,
         };

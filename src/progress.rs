@@ -62,7 +62,7 @@ impl Progress {
             Resolved::Bars => {
                 if let Some(b) = &self.bar {
                     b.set_position(done);
-                    if done % 5 == 0 || done == self.total {
+                    if done.is_multiple_of(5) || done == self.total {
                         b.set_message(msg());
                     }
                 }

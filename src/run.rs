@@ -33,6 +33,9 @@ pub struct Cap {
     pub bytes: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fraction: Option<f64>,
+    /// CPU: the process's RSS when the cap was set; the cap limits growth above it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub baseline_rss_bytes: Option<u64>,
 }
 
 pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
@@ -209,6 +212,7 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
         alloc_conf: applied.conf.clone(),
         t_start,
         peaks: Default::default(),
+        preflight_pending: spec.memory.preflight,
     };
     trainer.metrics.record(
         "start",
@@ -246,9 +250,6 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
     });
     if let Some(conf) = &applied.conf {
         p.println(&format!("Allocator: {conf}"));
-    }
-    if spec.memory.preflight {
-        trainer.preflight(cap.as_ref().map(|c| c.bytes))?;
     }
     let status = trainer.train()?;
     if status == Status::Completed {
@@ -376,6 +377,7 @@ fn apply_cap(spec: &Spec, device: Device, fraction: Option<f64>) -> Result<Optio
                 kind: "cuda_fraction",
                 bytes: (f * total as f64) as u64,
                 fraction: Some(f),
+                baseline_rss_bytes: None,
             }))
         }
         _ => {
@@ -391,6 +393,7 @@ fn apply_cap(spec: &Spec, device: Device, fraction: Option<f64>) -> Result<Optio
                 kind: "rlimit_data",
                 bytes,
                 fraction: m.fraction,
+                baseline_rss_bytes: Some(sysmem::rss().0),
             }))
         }
     }

@@ -12,7 +12,7 @@ use anyhow::{Context, Result};
 use serde_json::json;
 use tch::{nn, Device, Kind, Reduction, Tensor};
 
-use crate::checkpoint::{self, Store, TrainState};
+use crate::checkpoint::{self, NamedTensors, Store, TrainState};
 use crate::data::{self, Dataset, Splits};
 use crate::exit::{Interrupted, OomExit};
 use crate::memory::{self, CachePolicy, ClearReason, Place};
@@ -76,6 +76,8 @@ pub struct Trainer {
     pub alloc_conf: Option<String>,
     pub t_start: Instant,
     pub peaks: crate::run::Peaks,
+    /// Measure and report the first step of this session (memory.preflight).
+    pub preflight_pending: bool,
 }
 
 /// How a run ended, for summary.json and the exit code.
@@ -307,72 +309,44 @@ impl Trainer {
         s
     }
 
-    /// One real forward and backward at the configured micro-batch before epoch 1, so a batch
-    /// that cannot fit is found (and the policy applied) before any time is spent.
-    pub fn preflight(&mut self, cap: Option<u64>) -> Result<()> {
-        let buffers: Vec<(String, Tensor)> = self
-            .vs
-            .variables()
-            .into_iter()
-            .filter(|(_, t)| !t.requires_grad())
-            .map(|(n, t)| (n, t.copy()))
-            .collect();
-        let n = self.data.train.len();
-        let peak = self.with_policy(
-            "preflight",
-            |t| {
-                let b = t.shape.micro_batch.min(n);
-                let idx: Vec<i64> = (0..b).collect();
-                memory::reset_peaks(t.place());
-                oom::guarded(|| {
-                    t.opt.zero_grad();
-                    let (loss, _) = t.forward_loss(&t.data.train, &idx, true);
-                    (loss / b as f64).backward();
-                    t.opt.zero_grad();
-                })?;
-                Ok(memory::window_peak(t.place()))
-            },
-            |t| t.input_shape(t.shape.micro_batch),
-        )?;
-        // The preflight must not change what training sees: put BatchNorm statistics back.
-        let vars = self.vs.variables();
-        tch::no_grad(|| {
-            for (name, saved) in &buffers {
-                if let Some(v) = vars.get(name) {
-                    v.shallow_clone().copy_(&saved.to_device(v.device()));
-                }
-            }
-        });
-        let headroom = cap.map(|c| c as i64 - peak as i64);
-        let what = if self.device == Device::Cpu {
-            "peak RSS"
-        } else {
-            "peak allocated"
+    /// Reports the preflight: the first optimizer step of this session, measured. It is a real
+    /// step (not a rehearsal), so it costs nothing and an OOM in it meets the policy at once.
+    fn report_preflight(&mut self, peak: u64) -> Result<()> {
+        let cap = self.cap.as_ref().map(|c| c.bytes);
+        // On the CPU the cap limits growth above the process's baseline, so compare growth.
+        let used = match (self.device, &self.cap) {
+            (Device::Cpu, Some(c)) => peak.saturating_sub(c.baseline_rss_bytes.unwrap_or(0)),
+            _ => peak,
         };
-        let line = match headroom {
+        let what = match (self.device, &self.cap) {
+            (Device::Cpu, Some(_)) => "RSS growth above the baseline",
+            (Device::Cpu, None) => "peak RSS",
+            _ => "peak allocated",
+        };
+        let headroom = cap.map(|c| c as i64 - used as i64);
+        let head = match headroom {
             Some(h) if h >= 0 => format!(
-                "Preflight: one step at micro-batch {} peaks at {} ({what}); {} headroom under the {} cap",
-                self.shape.micro_batch,
-                human_bytes(peak),
+                "{} headroom under the {} cap",
                 human_bytes(h as u64),
                 human_bytes(cap.unwrap_or(0))
             ),
             Some(h) => format!(
-                "Preflight: one step at micro-batch {} peaks at {} ({what}), {} over the cap",
-                self.shape.micro_batch,
-                human_bytes(peak),
-                human_bytes((-h) as u64)
+                "{} over the {} cap",
+                human_bytes((-h) as u64),
+                human_bytes(cap.unwrap_or(0))
             ),
-            None => format!(
-                "Preflight: one step at micro-batch {} peaks at {} ({what}); no cap set",
-                self.shape.micro_batch,
-                human_bytes(peak)
-            ),
+            None => "no cap set".into(),
         };
-        self.progress.println(&line);
+        self.progress.println(&format!(
+            "Preflight: the first step at micro-batch {} used {} ({what}); {head}",
+            self.shape.micro_batch,
+            human_bytes(used)
+        ));
         self.record(
             "preflight",
-            json!({"micro_batch": self.shape.micro_batch, "peak_bytes": peak, "cap_bytes": cap, "headroom_bytes": headroom, "device": self.device_name()}),
+            json!({"micro_batch": self.shape.micro_batch, "accumulation_steps": self.shape.accumulation_steps,
+                   "peak_bytes": used, "measure": what, "cap_bytes": cap, "headroom_bytes": headroom,
+                   "device": self.device_name()}),
         )
     }
 
@@ -404,7 +378,7 @@ impl Trainer {
         Ok(Some((loss / n as f64, correct as f64 / n as f64)))
     }
 
-    fn checkpoint_contents(&self) -> (Vec<(String, Tensor)>, Vec<(String, Tensor)>) {
+    fn checkpoint_contents(&self) -> (NamedTensors, NamedTensors) {
         let mut model: Vec<(String, Tensor)> = self.vs.variables().into_iter().collect();
         model.sort_by(|a, b| a.0.cmp(&b.0));
         let mut optim: Vec<(String, Tensor)> = self
@@ -492,8 +466,12 @@ impl Trainer {
             let mut seen_this_session = 0u64;
             self.progress
                 .start_epoch(epoch, epochs, steps_per_epoch as u64, self.state.groups_done as u64);
-            for gi in self.state.groups_done as usize..groups.len() {
-                let group = groups[gi].to_vec();
+            for group in &groups[self.state.groups_done as usize..] {
+                let group = group.to_vec();
+                let measure = self.preflight_pending;
+                if measure {
+                    memory::reset_peaks(self.place());
+                }
                 if self.arch_opt.is_some() {
                     self.with_policy(
                         "architecture step",
@@ -504,9 +482,19 @@ impl Trainer {
                 let lr = self.sched.lr_at(self.opt.steps_taken());
                 let out = self.with_policy(
                     "training step",
-                    |t| t.weight_group(&group, lr),
+                    |t| {
+                        if measure {
+                            memory::reset_peaks(t.place());
+                        }
+                        t.weight_group(&group, lr)
+                    },
                     |t| t.input_shape(t.shape.micro_batch),
                 )?;
+                if measure {
+                    self.preflight_pending = false;
+                    let peak = memory::window_peak(self.place());
+                    self.report_preflight(peak)?;
+                }
                 self.state.groups_done += 1;
                 self.state.global_step += 1;
                 self.state.clean_steps += 1;
@@ -655,7 +643,7 @@ fn epoch_line(r: &EpochResult, m: &memory::MemorySample, epochs: i64) -> String 
 
 /// Weight-optimizer parameters: every trainable variable that is not an architecture weight,
 /// in name order so optimizer state lines up across runs.
-pub fn split_params(vs: &nn::VarStore) -> (Vec<(String, Tensor)>, Vec<(String, Tensor)>) {
+pub fn split_params(vs: &nn::VarStore) -> (NamedTensors, NamedTensors) {
     let mut all: Vec<(String, Tensor)> = vs.variables().into_iter().filter(|(_, t)| t.requires_grad()).collect();
     all.sort_by(|a, b| a.0.cmp(&b.0));
     all.into_iter().partition(|(n, _)| !n.starts_with(ARCH_PREFIX))

@@ -293,7 +293,7 @@ fn memory(p: &mut Problems, m: &Memory, t: &Train) {
         }
     }
     if let Some(v) = a.roundup_power2_divisions {
-        if v < 1 || v > 64 || (v & (v - 1)) != 0 {
+        if !(1..=64).contains(&v) || (v & (v - 1)) != 0 {
             p.push((
                 "memory.allocator.roundup_power2_divisions".into(),
                 format!("must be a power of 2 from 1 to 64, got {v}"),
