@@ -14,6 +14,8 @@ pub struct Estimate {
     pub preset: String,
     pub weights: u64,
     pub arch_weights: u64,
+    /// Non-trained state such as BatchNorm running statistics.
+    pub buffers: u64,
     pub bytes_per_value: u64,
     /// Optimizer state tensors per weight (SGD with momentum 1, Adam/AdamW 2).
     pub state_per_weight: u64,
@@ -23,11 +25,12 @@ pub struct Estimate {
 }
 
 impl Estimate {
+    /// Trained values plus buffers, all of which live on the device.
     pub fn parameter_bytes(&self) -> u64 {
-        (self.weights + self.arch_weights) * self.bytes_per_value
+        (self.weights + self.arch_weights + self.buffers) * self.bytes_per_value
     }
     pub fn gradient_bytes(&self) -> u64 {
-        self.parameter_bytes()
+        (self.weights + self.arch_weights) * self.bytes_per_value
     }
     /// Weight optimizer state plus, for DARTS, the architecture Adam's two moments.
     pub fn optimizer_bytes(&self) -> u64 {
@@ -42,13 +45,15 @@ pub fn estimate(spec: &Spec) -> Result<Estimate> {
     let vs = nn::VarStore::new(Device::Cpu);
     let built = tch::no_grad(|| model::build(&vs.root(), &spec.model))?;
     drop(built);
-    let (mut weights, mut arch) = (0u64, 0u64);
+    let (mut weights, mut arch, mut buffers) = (0u64, 0u64, 0u64);
     for (name, t) in vs.variables() {
         let n = t.numel() as u64;
         if name.starts_with(ARCH_PREFIX) {
             arch += n;
-        } else {
+        } else if t.requires_grad() {
             weights += n;
+        } else {
+            buffers += n;
         }
     }
     let t = &spec.train;
@@ -61,6 +66,7 @@ pub fn estimate(spec: &Spec) -> Result<Estimate> {
         preset: format!("{:?}", spec.model.preset).to_lowercase(),
         weights,
         arch_weights: arch,
+        buffers,
         bytes_per_value: t.precision.bytes(),
         state_per_weight,
         optimizer: format!("{:?}", t.optimizer).to_lowercase(),
@@ -83,6 +89,9 @@ impl fmt::Display for Estimate {
         )?;
         if self.arch_weights > 0 {
             write!(f, " + {} architecture weights", human_count(self.arch_weights))?;
+        }
+        if self.buffers > 0 {
+            write!(f, " + {} buffer values", human_count(self.buffers))?;
         }
         writeln!(f)?;
         writeln!(f, "parameters       {}", human_bytes(self.parameter_bytes()))?;

@@ -101,7 +101,14 @@ pub fn load(path: &Path, overrides: &[Override]) -> Result<LoadedSpec, SpecError
                     .map(|d| key_at(&d, s))
             })
             .unwrap_or_default();
-        one(places.describe(&key, &clean_serde_message(e.message(), &key)))
+        let msg = clean_serde_message(e.message(), &key);
+        // A missing key has no place in the file; naming the nearest key would mislead.
+        let key = if msg.starts_with("missing field") {
+            String::new()
+        } else {
+            key
+        };
+        one(places.describe(&key, &msg))
     })?;
     if spec.job.name.is_empty() {
         spec.job.name = path
@@ -173,10 +180,15 @@ fn first_sentence(msg: &str) -> String {
 fn clean_serde_message(msg: &str, key: &str) -> String {
     let msg = first_sentence(msg);
     if msg.starts_with("unknown field") {
-        return format!("{msg} (in {})", if key.is_empty() { "the top level" } else { key });
+        // The span is the unknown key itself; name the table it was found in.
+        let table = key
+            .rsplit_once('.')
+            .map(|(t, _)| format!("[{t}]"))
+            .unwrap_or_else(|| "the top level".into());
+        return format!("{msg} (in {table}); check the spelling against README's key reference");
     }
     if msg.starts_with("missing field") {
-        return format!("{msg} in {}", if key.is_empty() { "the top level" } else { key });
+        return format!("{msg}; the spec must have it (see README's key reference)");
     }
     if key.is_empty() {
         msg
@@ -191,9 +203,15 @@ fn span_of(doc: &toml_edit::ImDocument<&str>, key: &str) -> Option<Range<usize>>
     let mut best = None;
     for part in key.split('.') {
         let (k, next) = match item {
-            toml_edit::Item::Table(t) => t.get_key_value(part)?,
+            // A key that is not written (a missing required key) is placed at its table.
+            toml_edit::Item::Table(t) => match t.get_key_value(part) {
+                Some(kv) => kv,
+                None => return best,
+            },
             toml_edit::Item::Value(toml_edit::Value::InlineTable(t)) => {
-                let (k, v) = t.get_key_value(part)?;
+                let Some((k, v)) = t.get_key_value(part) else {
+                    return best;
+                };
                 return k.span().or_else(|| v.span()).or(best);
             }
             toml_edit::Item::Value(v) => return v.span().or(best),
