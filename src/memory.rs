@@ -128,13 +128,18 @@ impl CachePolicy {
         }
     }
 
-    /// Whether "auto" sees allocator pressure: retries rose since the last look, or more than
-    /// the threshold is reserved but not allocated.
+    /// Whether "auto" sees allocator pressure on the device.
     pub fn pressure(&mut self, place: Place) -> bool {
         let Place::Cuda(i) = place else { return false };
         let Ok(Some(s)) = shim::device_stats(i) else {
             return false;
         };
+        self.pressure_in(&s)
+    }
+
+    /// Pressure: allocation retries rose since the last look (the allocator had to free cached
+    /// blocks and try again), or more than the threshold is reserved but not allocated.
+    fn pressure_in(&mut self, s: &shim::DeviceStats) -> bool {
         let retried = s.num_alloc_retries > self.last_retries;
         self.last_retries = s.num_alloc_retries;
         retried || s.reserved.saturating_sub(s.allocated) > self.auto_threshold
@@ -151,11 +156,9 @@ impl CachePolicy {
                 }
             }
         }
-        let every = self.every;
-        let reason = match every {
-            CacheClear::Every(n) if n > 0 && step.is_multiple_of(n) => Some(ClearReason::Every),
-            CacheClear::Auto if self.pressure(place) => Some(ClearReason::Auto),
-            _ => None,
+        let reason = match self.every {
+            CacheClear::Every(n) => due(n, step).then_some(ClearReason::Every),
+            CacheClear::Auto => self.pressure(place).then_some(ClearReason::Auto),
         };
         if let Some(r) = reason {
             self.clear(place, r);
@@ -179,9 +182,42 @@ impl CachePolicy {
     }
 }
 
+/// A step-count policy fires on multiples of its period; 0 never fires.
+fn due(every: u64, step: u64) -> bool {
+    every > 0 && step.is_multiple_of(every)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_n_fires_on_multiples_only() {
+        let fired: Vec<u64> = (1..=25).filter(|&s| due(10, s)).collect();
+        assert_eq!(fired, [10, 20]);
+        assert!(!(1..=100).any(|s| due(0, s)));
+    }
+
+    #[test]
+    fn auto_fires_on_new_retries_or_idle_reserved_memory() {
+        let mut p = CachePolicy::new(CacheClear::Auto, 100, 0);
+        let stats = |allocated, reserved, retries| shim::DeviceStats {
+            allocated,
+            reserved,
+            num_alloc_retries: retries,
+            ..Default::default()
+        };
+        assert!(
+            !p.pressure_in(&stats(1000, 1050, 0)),
+            "50 idle bytes is under the threshold"
+        );
+        assert!(p.pressure_in(&stats(1000, 1200, 0)), "200 idle bytes is over it");
+        assert!(p.pressure_in(&stats(1000, 1000, 1)), "a new retry");
+        assert!(
+            !p.pressure_in(&stats(1000, 1000, 1)),
+            "the same retry count again is no news"
+        );
+    }
 
     #[test]
     fn cpu_clears_cost_nothing_and_count_nothing() {
