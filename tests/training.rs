@@ -311,3 +311,19 @@ fn darts_search_logs_its_genotype() {
     let model = tensors(&final_model(&out));
     assert!(model.iter().any(|(n, _)| n == "arch.alpha_normal"));
 }
+
+#[test]
+fn bf16_trains_and_checkpoints_in_bf16() {
+    let dir = tempfile::tempdir().unwrap();
+    let (r, out) = run_spec(
+        dir.path(),
+        "bf16",
+        &digits_spec(""),
+        &["--set", "train.precision=\"bf16\""],
+    );
+    r.ok();
+    let acc = json(&out.join("summary.json"))["final"]["val_acc"].as_f64().unwrap();
+    assert!(acc > 0.8, "bf16 validation accuracy {acc}");
+    let model = tensors(&final_model(&out));
+    assert!(model.iter().all(|(_, t)| t.kind() == tch::Kind::BFloat16));
+}
