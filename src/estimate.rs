@@ -6,8 +6,9 @@ use anyhow::Result;
 use tch::{nn, Device};
 
 use crate::model::{self, ARCH_PREFIX};
+use crate::optim::Hyper;
 use crate::report::{human_bytes, human_count};
-use crate::spec::{OptimizerKind, Spec};
+use crate::spec::Spec;
 
 #[derive(Debug, Clone)]
 pub struct Estimate {
@@ -57,11 +58,7 @@ pub fn estimate(spec: &Spec) -> Result<Estimate> {
         }
     }
     let t = &spec.train;
-    let state_per_weight = match t.optimizer {
-        OptimizerKind::Sgd if t.momentum > 0.0 => 1,
-        OptimizerKind::Sgd => 0,
-        OptimizerKind::Adam | OptimizerKind::Adamw => 2,
-    };
+    let state_per_weight = Hyper::from_train(t).state_slots().len() as u64;
     Ok(Estimate {
         preset: format!("{:?}", spec.model.preset).to_lowercase(),
         weights,

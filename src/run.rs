@@ -92,14 +92,7 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
 
     let t = &spec.train;
     let (weights, arch) = split_params(&vs);
-    let hyper = Hyper {
-        kind: t.optimizer,
-        momentum: t.momentum,
-        nesterov: t.nesterov,
-        weight_decay: t.weight_decay,
-        betas: t.betas,
-        eps: t.eps,
-    };
+    let hyper = Hyper::from_train(t);
     let mut opt = Optimizer::new(hyper, weights);
     let mut arch_opt = built.has_arch.then(|| {
         let o = spec.model.darts.clone().unwrap_or_default();
@@ -120,16 +113,7 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
     };
     let effective = configured.effective();
     let steps_per_epoch = (data.train.len() + effective - 1) / effective;
-    let sched = LrSchedule {
-        base_lr: t.lr,
-        schedule: t.schedule,
-        warmup_steps: t.warmup_steps,
-        step_epochs: t.lr_step_epochs,
-        gamma: t.lr_gamma,
-        min_lr: t.min_lr,
-        total_steps: steps_per_epoch * t.epochs,
-        steps_per_epoch,
-    };
+    let sched = LrSchedule::from_train(t, steps_per_epoch * t.epochs, steps_per_epoch);
 
     let store = Store::new(
         &run_dir,

@@ -19,11 +19,7 @@ fn wide_spec(memory: &str) -> String {
 const CAP: &str = "limit = \"100MiB\"\n";
 
 fn run_wide(dir: &Path, name: &str, memory: &str, extra: &[&str]) -> (Run, PathBuf) {
-    let p = write(dir, &format!("{name}.toml"), &wide_spec(memory));
-    let out = dir.join(name);
-    let mut args = vec!["run", p.to_str().unwrap(), "--out", out.to_str().unwrap()];
-    args.extend_from_slice(extra);
-    (run(&args), out)
+    run_spec(dir, name, &wide_spec(memory), extra)
 }
 
 #[test]

@@ -8,14 +8,6 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-fn run_spec(dir: &Path, name: &str, spec: &str, extra: &[&str]) -> (Run, std::path::PathBuf) {
-    let p = write(dir, &format!("{name}.toml"), spec);
-    let out = dir.join(name);
-    let mut args = vec!["run", p.to_str().unwrap(), "--out", out.to_str().unwrap()];
-    args.extend_from_slice(extra);
-    (run(&args), out)
-}
-
 #[test]
 fn digits_mlp_learns_and_leaves_complete_records() {
     let dir = tempfile::tempdir().unwrap();
@@ -176,7 +168,7 @@ fn ctrl_c_saves_exits_130_and_resumes_exactly() {
     let (_, straight) = run_spec(dir.path(), "straight", &spec, &["--set", "train.epochs=4"]);
     let p = write(dir.path(), "int.toml", &spec);
     let out = dir.path().join("int");
-    let mut child = memtrain()
+    let child = memtrain()
         .args([
             "run",
             p.to_str().unwrap(),

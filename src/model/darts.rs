@@ -49,24 +49,8 @@ use crate::spec::DartsOptions;
 /// Channels of the stem, as a multiple of `init_channels` (3 in DARTS).
 const STEM_MULTIPLIER: i64 = 3;
 
-/// Every operation name this module can build.
-const KNOWN_OPS: &[&str] = &[
-    "none",
-    "skip_connect",
-    "max_pool_3",
-    "avg_pool_3",
-    "conv_3",
-    "conv_5",
-    "sep_conv_3",
-    "sep_conv_5",
-    "dil_conv_3",
-    "dil_conv_5",
-    "disjoint_cnn_3x1",
-    "disjoint_cnn_5x1",
-    "lstm",
-    "attention",
-    "attention_light",
-];
+/// Every operation name this module can build (the spec validates against the same list).
+use crate::spec::DARTS_OPS as KNOWN_OPS;
 
 /// Per node, the two strongest incoming edges as (operation, input index).
 ///

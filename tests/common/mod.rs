@@ -128,3 +128,12 @@ pub fn max_abs_diff(a: &Path, b: &Path) -> f64 {
         .map(|((_, x), (_, y))| (x - y).abs().max().double_value(&[]))
         .fold(0.0, f64::max)
 }
+
+/// Writes `spec` as `<name>.toml` in `dir` and runs it into `<dir>/<name>`.
+pub fn run_spec(dir: &Path, name: &str, spec: &str, extra: &[&str]) -> (Run, PathBuf) {
+    let p = write(dir, &format!("{name}.toml"), spec);
+    let out = dir.join(name);
+    let mut args = vec!["run", p.to_str().unwrap(), "--out", out.to_str().unwrap()];
+    args.extend_from_slice(extra);
+    (run(&args), out)
+}
