@@ -152,6 +152,17 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
             opt.to_device(vs.device());
         }
         state = ck.state;
+        if state.epoch >= t.epochs {
+            // Nothing to train; leave the finished run's records exactly as they are.
+            eprintln!(
+                "{} already finished {} epoch(s), which train.epochs ({}) does not exceed; raise it (e.g. --set train.epochs={}) to train further",
+                run_dir.display(),
+                state.epoch,
+                t.epochs,
+                state.epoch + 1
+            );
+            return Ok(());
+        }
         tracing::info!(
             "resuming from {} (epoch {}, step {}, micro-batch {})",
             latest.display(),

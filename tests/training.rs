@@ -139,6 +139,19 @@ fn k_epochs_then_resume_equals_a_straight_run() {
     .ok();
     assert!(r.stderr.contains("resuming from"), "{}", r.stderr);
     assert_eq!(json(&part.join("summary.json"))["epochs_completed"], 3);
+    // Resuming a finished run without more epochs trains nothing and keeps its records.
+    let summary = std::fs::read(part.join("summary.json")).unwrap();
+    let r = run(&[
+        "run",
+        p.to_str().unwrap(),
+        "--resume",
+        part.to_str().unwrap(),
+        "--set",
+        "train.epochs=3",
+    ])
+    .ok();
+    assert!(r.stderr.contains("already finished 3 epoch(s)"), "{}", r.stderr);
+    assert_eq!(std::fs::read(part.join("summary.json")).unwrap(), summary);
     let (a, b) = (final_model(&straight), final_model(&part));
     assert_eq!(
         std::fs::read(&a).unwrap(),
