@@ -190,6 +190,7 @@ def cmd_pytorch(a):
         torch.cuda.reset_peak_memory_stats(dev)
 
     epochs, train_seconds, samples = [], 0.0, 0
+    cpu0 = time.process_time()
     for epoch in range(a.epochs):
         order = torch.randperm(n_train, generator=g)
         model.train()
@@ -229,6 +230,7 @@ def cmd_pytorch(a):
             "val_loss": vloss / len(y_va), "val_acc": vcorrect / len(y_va),
         })
     sync()
+    cpu_train_val = time.process_time() - cpu0
     peak_train = proc_status_bytes("VmHWM")
     import resource
 
@@ -236,6 +238,7 @@ def cmd_pytorch(a):
         "side": "pytorch", "device": str(dev), "torch": torch.__version__, "threads": torch.get_num_threads(),
         "train_samples": n_train, "val_samples": len(y_va), "samples_trained": samples,
         "train_seconds": train_seconds, "samples_per_s": samples / max(train_seconds, 1e-9),
+        "cpu_seconds_train_val": cpu_train_val,
         "final": epochs[-1], "epochs": epochs,
         "baseline_rss_bytes": baseline_rss, "rss_before_training_bytes": rss_before_training,
         "peak_rss_train_bytes": peak_train, "peak_rss_train_window": "training" if hwm_reset else "lifetime",
@@ -296,12 +299,51 @@ def machine_lines(device):
     return lines
 
 
-def run_timed(cmd, env=None, log=None):
-    """Runs cmd to completion; returns (wall seconds, returncode)."""
+def proc_cpu_seconds(pid):
+    """user + system CPU seconds of a live process (all threads), from /proc/PID/stat."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def run_timed(cmd, log, watch=None):
+    """Runs cmd to completion; returns (wall seconds, CPU seconds (user + system, all threads), exit code).
+
+    watch: (metrics.jsonl path, number of epochs): also returns the CPU seconds the process spent
+    between its "start" record and its last "epoch" record (training and validation), polled."""
     t0 = time.perf_counter()
-    with open(log, "w") if log else open(os.devnull, "w") as out:
-        p = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-    return time.perf_counter() - t0, p.returncode
+    window = {}
+    with open(log, "w") as out:
+        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        f, buf, epochs = None, "", 0
+        while True:
+            pid, status, ru = os.wait4(p.pid, os.WNOHANG if watch else 0)
+            if pid:
+                break
+            if f is None and os.path.exists(watch[0]):
+                f = open(watch[0])
+            if f is not None:
+                buf += f.read()
+                *lines, buf = buf.split("\n")
+                for line in lines:
+                    kind = json.loads(line).get("type") if line.strip() else None
+                    if kind == "start":
+                        window["start"] = proc_cpu_seconds(p.pid)
+                    elif kind == "epoch":
+                        epochs += 1
+                        if epochs == watch[1]:
+                            window["end"] = proc_cpu_seconds(p.pid)
+            time.sleep(0.005)
+        if f is not None:
+            f.close()
+        p.returncode = os.waitstatus_to_exitcode(status)
+    cpu_window = None
+    if window.get("start") is not None and window.get("end") is not None:
+        cpu_window = window["end"] - window["start"]
+    return time.perf_counter() - t0, ru.ru_utime + ru.ru_stime, p.returncode, cpu_window
 
 
 def memtrain_spec(a, data_path, init_path):
@@ -340,21 +382,25 @@ every_epochs = 0
 def run_memtrain(a, work, spec, rep):
     out = os.path.join(work, f"memtrain-{rep}")
     log = os.path.join(work, f"memtrain-{rep}.log")
-    wall, rc = run_timed([a.memtrain, "-q", "run", spec, "--out", out], log=log)
+    wall, cpu, rc, cpu_window = run_timed([a.memtrain, "-q", "run", spec, "--out", out], log=log,
+                                          watch=(os.path.join(out, "metrics.jsonl"), a.epochs))
     if rc != 0:
         sys.exit(f"memtrain failed (exit {rc}); log: {log}\n" + open(log).read()[-3000:])
     with open(os.path.join(out, "summary.json")) as f:
         s = json.load(f)
-    start = {}
+    start, epochs = {}, []
     with open(os.path.join(out, "metrics.jsonl")) as f:
         for line in f:
             r = json.loads(line)
             if r.get("type") == "start":
                 start = r
-                break
+            elif r.get("type") == "epoch":
+                epochs.append(r["seconds"])
     m = s.get("memory", {})
     return {
-        "wall_seconds": wall, "train_seconds": s["train_seconds"], "samples_per_s": s["samples_per_s"],
+        "wall_seconds": wall, "process_cpu_seconds": cpu, "train_seconds": s["train_seconds"],
+        "cpu_seconds_train_val": cpu_window,
+        "epoch_seconds": epochs, "fastest_epoch_seconds": min(epochs) if epochs else None, "samples_per_s": s["samples_per_s"],
         "samples_trained": s["samples_trained"], "train_samples": start.get("train_samples"),
         "peak_rss_train_bytes": m.get("peak_rss_bytes"), "val_acc": (s.get("final") or {}).get("val_acc"),
         "peak_allocated_bytes": m.get("peak_allocated_bytes"), "peak_reserved_bytes": m.get("peak_reserved_bytes"),
@@ -367,12 +413,15 @@ def run_pytorch(a, work, init_path, data_path, rep):
     log = os.path.join(work, f"pytorch-{rep}.log")
     cmd = [sys.executable, os.path.abspath(__file__), "pytorch", "--result", res, "--init", init_path,
            "--data", data_path] + job_args(a)
-    wall, rc = run_timed(cmd, log=log)
+    wall, cpu, rc, _ = run_timed(cmd, log=log)
     if rc != 0:
         sys.exit(f"the PyTorch run failed (exit {rc}); log: {log}\n" + open(log).read()[-3000:])
     with open(res) as f:
         r = json.load(f)
     r["wall_seconds"] = wall
+    r["process_cpu_seconds"] = cpu
+    r["epoch_seconds"] = [e["seconds"] for e in r["epochs"]]
+    r["fastest_epoch_seconds"] = min(r["epoch_seconds"])
     r["val_acc"] = r["final"]["val_acc"]
     return r
 
@@ -461,15 +510,26 @@ def print_table(a, mt, pt, base_mt):
     add("train seconds (sum of epochs)", col(mt, "train_seconds"), col(pt, "train_seconds"), f3,
         note=">1: memtrain slower")
     add("samples/s", col(mt, "samples_per_s"), col(pt, "samples_per_s"), f1, note="<1: memtrain slower")
+    add("fastest epoch, seconds", col(mt, "fastest_epoch_seconds"), col(pt, "fastest_epoch_seconds"), f3,
+        note="least disturbed by other load")
+    add("CPU seconds, training + validation", col(mt, "cpu_seconds_train_val"), col(pt, "cpu_seconds_train_val"),
+        f3, note="user+sys, all threads; less sensitive to time-slicing")
     add("process wall seconds", col(mt, "wall_seconds"), col(pt, "wall_seconds"), f3,
-        note="startup, data, validation, checkpoint included")
+        note="whole process: startup, imports, data, validation, checkpoint")
+    add("process CPU seconds", col(mt, "process_cpu_seconds"), col(pt, "process_cpu_seconds"), f3,
+        note="user+sys, all threads, whole process")
     add("peak RSS in training, MiB", col(mt, "peak_rss_train_bytes"), col(pt, "peak_rss_train_bytes"), fmib,
         note=">1: memtrain uses more")
     add("baseline RSS, MiB", base_mt, base_pt, fmib, note="memtrain info / after import torch")
     gm = [r["peak_rss_train_bytes"] - base_mt for r in mt if r.get("peak_rss_train_bytes") and base_mt]
     gp = [r["peak_rss_train_bytes"] - r["baseline_rss_bytes"] for r in pt
           if r.get("peak_rss_train_bytes") and r.get("baseline_rss_bytes")]
-    add("RSS growth over baseline, MiB", median(gm), median(gp), fmib)
+    add("RSS growth over baseline, MiB", median(gm), median(gp), fmib, note="peak in training - baseline")
+    gt = [r["peak_rss_train_bytes"] - r["rss_before_training_bytes"] for r in pt
+          if r.get("peak_rss_train_bytes") and r.get("rss_before_training_bytes")]
+    add("PyTorch RSS at training start, MiB", None, col(pt, "rss_before_training_bytes"), fmib, ratio=False,
+        note="after model, Adam (imports torch._dynamo), data")
+    add("PyTorch RSS growth in training, MiB", None, median(gt), fmib, ratio=False)
     add("PyTorch lifetime ru_maxrss, MiB", None, col(pt, "ru_maxrss_bytes"), fmib, ratio=False)
     if a.device.startswith("cuda"):
         add("CUDA peak allocated, MiB", col(mt, "peak_allocated_bytes"), col(pt, "peak_allocated_bytes"), fmib)
@@ -485,11 +545,25 @@ def print_table(a, mt, pt, base_mt):
     print("-" * (sum(w[:4]) + 8))
     for r in rows:
         print(line(r))
-    t = [m["train_seconds"] for m in mt], [p["train_seconds"] for p in pt]
-    print(f"\ntrain seconds, every rep: memtrain {', '.join(f'{v:.3f}' for v in t[0])}; "
-          f"pytorch {', '.join(f'{v:.3f}' for v in t[1])}")
+    print()
+    for name, rs in (("memtrain", mt), ("pytorch", pt)):
+        eps = "; ".join(" ".join(f"{v:.2f}" for v in r["epoch_seconds"]) for r in rs)
+        print(f"{name} epoch seconds per rep: {eps}")
     print(f"PyTorch Adam: {pt[0].get('adam_impl') if pt else '?'}; memtrain Adam: its own single-tensor "
           f"implementation (src/optim.rs).")
+
+    # A one-line answer, with the noise stated next to it.
+    tm, tp = col(mt, "train_seconds"), col(pt, "train_seconds")
+    rm, rp = col(mt, "peak_rss_train_bytes"), col(pt, "peak_rss_train_bytes")
+    spread = max(max(r["train_seconds"] for r in rs) / min(r["train_seconds"] for r in rs) for rs in (mt, pt))
+    if tm and tp:
+        speed = "slower" if tm > tp else "faster"
+        mem = ""
+        if rm and rp:
+            mem = f"; peak RSS in training {'more' if rm > rp else 'less'} by {abs(rm / rp - 1) * 100:.0f}%"
+        print(f"\nanswer: memtrain is {abs(tm / tp - 1) * 100:.0f}% {speed} than plain PyTorch in median train "
+              f"time{mem}. Largest max/min train time over reps of one side: {spread:.2f}x"
+              + (" -- the machine is noisy; differences under that spread are not meaningful." if spread > 1.15 else "."))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -36,9 +36,11 @@ fn init_logging(quiet: bool, verbose: u8) {
     };
     let filter = tracing_subscriber::EnvFilter::try_from_env("MEMTRAIN_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("memtrain={level}")));
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_target(false)
         .without_time()
         .init();

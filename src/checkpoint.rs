@@ -29,6 +29,9 @@ pub struct TrainState {
     pub val_cursor: i64,
     pub micro_batch: i64,
     pub accumulation_steps: i64,
+    /// The configured effective batch (samples per optimizer step) the run was started with.
+    #[serde(default)]
+    pub effective_batch: i64,
     pub clean_steps: i64,
     /// Running sums of the epoch in progress, so a mid-epoch resume reports the same epoch loss.
     pub epoch_loss_sum: f64,
@@ -84,7 +87,11 @@ pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()
     // A fixed 4 MiB staging buffer: a checkpoint of a large model under a tight memory cap
     // must not need a second copy of its largest tensor.
     const CHUNK_BYTES: usize = 4 << 20;
-    let mut buf = vec![0u8; CHUNK_BYTES];
+    // Fallible, because under a CPU memory cap an infallible allocation would abort the process.
+    let mut buf = Vec::new();
+    buf.try_reserve_exact(CHUNK_BYTES)
+        .map_err(|_| anyhow::anyhow!("no memory left for the checkpoint writer's 4 MiB buffer"))?;
+    buf.resize(CHUNK_BYTES, 0);
     for (_, t) in tensors {
         let flat = t.detach().to_device(Device::Cpu).contiguous().view([-1]);
         let n = flat.numel();
@@ -282,6 +289,7 @@ mod tests {
             val_cursor: 0,
             micro_batch: 4,
             accumulation_steps: 1,
+            effective_batch: 4,
             clean_steps: 0,
             epoch_loss_sum: 0.0,
             epoch_correct: 0,

@@ -47,6 +47,6 @@ pub struct RunArgs {
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
     /// Continue from the latest checkpoint of the run directory (or of DIR).
-    #[arg(long, value_name = "DIR", num_args = 0..=1, default_missing_value = "")]
-    pub resume: Option<PathBuf>,
+    #[arg(long, value_name = "DIR", num_args = 0..=1)]
+    pub resume: Option<Option<PathBuf>>,
 }

@@ -72,29 +72,41 @@ fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
+/// Sets autograd's grad mode and returns the previous one (tch does not expose this).
+fn set_grad_enabled(on: bool) -> bool {
+    // SAFETY: a plain call into libtorch's C API that toggles a thread-local flag.
+    unsafe { torch_sys::at_grad_set_enabled(on as i32) != 0 }
+}
+
+fn grad_enabled() -> bool {
+    let prev = set_grad_enabled(true);
+    set_grad_enabled(prev);
+    prev
+}
+
 /// tch's libtorch messages end in a C++ backtrace; keep the reason.
 pub fn short_message(text: &str) -> String {
-    let t = text.split("\nException raised from").next().unwrap_or(text);
-    let t = t.trim_start_matches("called `Result::unwrap()` on an `Err` value: ");
+    let t = text.trim_start_matches("called `Result::unwrap()` on an `Err` value: ");
     let t = t
         .strip_prefix("Torch(\"")
         .map(|s| s.trim_end_matches("\")"))
         .unwrap_or(t);
-    t.replace("\\n", "\n")
-        .split("\nException raised from")
-        .next()
-        .unwrap_or("")
-        .trim()
-        .to_owned()
+    crate::shim::first_line(&t.replace("\\n", "\n")).to_owned()
 }
 
 /// Runs `f`, turning a libtorch panic into a `StepError`. Every tensor `f` created is dropped
 /// while unwinding, so an OOM leaves nothing of the failed step behind.
 pub fn guarded<T>(f: impl FnOnce() -> T) -> Result<T, StepError> {
     install_hook();
+    let grad_mode = grad_enabled();
     GUARDED.with(|g| *g.borrow_mut() = true);
     let r = panic::catch_unwind(AssertUnwindSafe(f));
     GUARDED.with(|g| *g.borrow_mut() = false);
+    if r.is_err() {
+        // tch's `no_grad` restores the grad mode only when its closure returns; an error inside
+        // (an OOM in the optimizer step or validation) would leave gradients off for the retry.
+        set_grad_enabled(grad_mode);
+    }
     r.map_err(|p| {
         let text = panic_text(p.as_ref());
         let message = short_message(&text);
@@ -240,5 +252,21 @@ mod tests {
             Err(StepError::Other(m)) => assert!(m.contains("cannot be multiplied") || m.contains("shapes"), "{m}"),
             other => panic!("expected an error, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn an_error_inside_no_grad_does_not_leave_gradients_off() {
+        assert!(grad_enabled());
+        let r = guarded(|| {
+            tch::no_grad(|| {
+                tch::Tensor::zeros([2, 3], tch::kind::FLOAT_CPU)
+                    .matmul(&tch::Tensor::zeros([2, 3], tch::kind::FLOAT_CPU))
+            })
+        });
+        assert!(r.is_err());
+        assert!(grad_enabled(), "grad mode must be restored for the retry");
+        let w = tch::Tensor::ones([2], tch::kind::FLOAT_CPU).set_requires_grad(true);
+        (&w * 3.0).sum(tch::Kind::Float).backward();
+        assert_eq!(w.grad().double_value(&[0]), 3.0);
     }
 }

@@ -44,7 +44,7 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
     let loaded = load_spec(&args.spec)?;
     let spec = loaded.spec;
     let run_dir = match (&args.resume, &args.out) {
-        (Some(d), _) if !d.as_os_str().is_empty() => d.clone(),
+        (Some(Some(d)), _) => d.clone(),
         (_, Some(out)) => out.clone(),
         _ => spec.job.output_dir.join(&spec.job.name),
     };
@@ -88,12 +88,14 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
     if let Some(path) = &spec.model.init_from {
         init_from(&vs, path)?;
     }
-    let data = crate::data::load(&spec.data, &built.input_shape, built.num_classes, spec.job.seed)?;
+    // A data file that does not fit the model is bad input, like a bad spec: exit 2.
+    let data = crate::data::load(&spec.data, &built.input_shape, built.num_classes, spec.job.seed)
+        .map_err(|e| UsageError(format!("{e:#}")))?;
 
     let t = &spec.train;
     let (weights, arch) = split_params(&vs);
     let hyper = Hyper::from_train(t);
-    let mut opt = Optimizer::new(hyper, weights);
+    let mut opt = setup_step("creating the optimizer state", || Optimizer::new(hyper, weights))?;
     let mut arch_opt = built.has_arch.then(|| {
         let o = spec.model.darts.clone().unwrap_or_default();
         // DARTS trains α with Adam(β = (0.5, 0.999)), weight decay on α.
@@ -152,6 +154,26 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
             opt.to_device(vs.device());
         }
         state = ck.state;
+        if state.effective_batch > 0 && state.effective_batch != configured.effective() {
+            if state.groups_done > 0 {
+                return Err(UsageError(format!(
+                    "the checkpoint stopped mid-epoch with an effective batch of {}, but the spec now asks for {} ({} x {}); keep {} to resume, or resume from an end-of-epoch checkpoint",
+                    state.effective_batch,
+                    configured.effective(),
+                    t.batch_size,
+                    t.accumulation_steps,
+                    state.effective_batch
+                ))
+                .into());
+            }
+            state.effective_batch = configured.effective();
+            state.micro_batch = configured.micro_batch;
+            state.accumulation_steps = configured.accumulation_steps;
+        } else if t.batch_size < state.micro_batch {
+            // A smaller micro-batch asked for at resume (e.g. after an OOM exit) is honoured.
+            state.micro_batch = t.batch_size;
+            state.accumulation_steps = (configured.effective() + t.batch_size - 1) / t.batch_size;
+        }
         if state.epoch >= t.epochs {
             // Nothing to train; leave the finished run's records exactly as they are.
             eprintln!(
@@ -274,6 +296,7 @@ fn fresh_state(shape: BatchShape) -> TrainState {
         val_cursor: 0,
         micro_batch: shape.micro_batch,
         accumulation_steps: shape.accumulation_steps,
+        effective_batch: shape.effective(),
         clean_steps: 0,
         epoch_loss_sum: 0.0,
         epoch_correct: 0,

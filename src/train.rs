@@ -217,7 +217,7 @@ impl Trainer {
         self.record(
             "oom",
             json!({
-                "epoch": self.state.epoch, "step": self.state.global_step, "phase": phase, "kind": kind,
+                "epoch": self.state.epoch + 1, "step": self.state.global_step, "phase": phase, "kind": kind,
                 "error": message, "batch_shape": batch_shape, "device": self.device_name(),
                 "micro_batch_before": before.micro_batch, "accumulation_before": before.accumulation_steps,
                 "decision": decision, "skipped": skipped,
@@ -257,9 +257,11 @@ impl Trainer {
                     "out of memory in {phase} ({}); memory.on_oom has nothing left to try",
                     first_line(&message)
                 );
+                // The run ends here: lift a CPU cap so the last good state can be written.
+                crate::sysmem::lift_data_limit();
                 let saved = self.save_checkpoint("oom").map(|(p, _)| p.display().to_string());
                 let note = match &saved {
-                    Ok(p) => format!("last good state saved to {p}; resume with --resume after lowering train.batch_size or adding \"backoff\" to memory.on_oom"),
+                    Ok(p) => format!("last good state saved to {p}; resume with --resume after adding \"backoff\" to memory.on_oom, or with a smaller train.batch_size"),
                     Err(e) => format!("no checkpoint could be written: {e:#}"),
                 };
                 self.write_summary(Status::Oom)?;
@@ -422,7 +424,7 @@ impl Trainer {
         self.record(
             "checkpoint",
             json!({"reason": why, "path": path, "bytes": size, "seconds": t0.elapsed().as_secs_f64(),
-                   "spike_bytes": spike, "epoch": self.state.epoch, "step": self.state.global_step}),
+                   "spike_bytes": spike, "epochs_completed": self.state.epoch, "step": self.state.global_step}),
         )?;
         Ok((path, size))
     }
@@ -511,7 +513,7 @@ impl Trainer {
                     let mem = memory::sample(self.place());
                     self.record(
                         "step",
-                        json!({"epoch": epoch, "step": self.state.global_step, "loss": loss, "lr": lr,
+                        json!({"epoch": epoch + 1, "step": self.state.global_step, "loss": loss, "lr": lr,
                                "micro_batch": self.shape.micro_batch, "samples_per_s": rate, "memory": mem}),
                     )?;
                 }

@@ -34,10 +34,8 @@ fn info_json_agrees_with_proc_meminfo() {
         assert!(v["cuda"].get(key).is_some(), "cuda.{key} missing");
     }
     assert!(v["allocator"].get("PYTORCH_CUDA_ALLOC_CONF").is_some());
-    assert_eq!(
-        v["gpus"].as_array().unwrap().len() as u64,
-        v["cuda"]["device_count"].as_u64().unwrap()
-    );
+    // NVML lists every GPU; libtorch counts those CUDA_VISIBLE_DEVICES leaves it.
+    assert!(v["gpus"].as_array().unwrap().len() as u64 >= v["cuda"]["device_count"].as_u64().unwrap());
 }
 
 #[test]
@@ -319,7 +317,7 @@ fn check_prints_the_resolved_spec_and_a_static_estimate() {
     for want in [
         "[checkpoint]",
         "keep_last = 2",
-        "limit = \"512 MiB\"",
+        "limit = \"512MiB\"",
         "accumulation_steps = 4",
     ] {
         assert!(r.stdout.contains(want), "missing {want:?} in\n{}", r.stdout);

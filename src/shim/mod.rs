@@ -50,9 +50,15 @@ fn check(err: *mut c_char) -> Result<()> {
     bail!("libtorch: {}", first_line(&msg))
 }
 
-/// libtorch messages carry a C++ backtrace after the first lines; users need only the reason.
-fn first_line(msg: &str) -> &str {
-    msg.split("\nException raised from").next().unwrap_or(msg).trim_end()
+/// libtorch messages carry a C++ backtrace after the reason ("Exception raised from ..." or
+/// "frame #0: ..."); users need only the reason.
+pub fn first_line(msg: &str) -> &str {
+    let cut = ["\nException raised from", "\nframe #0:"]
+        .iter()
+        .filter_map(|m| msg.find(m))
+        .min()
+        .unwrap_or(msg.len());
+    msg[..cut].trim()
 }
 
 /// Allocator statistics of one device, in bytes (current and peak since the last reset).
@@ -197,6 +203,11 @@ mod tests {
     fn backtrace_is_cut_from_errors() {
         let msg = "CUDA out of memory. Tried to allocate 2 GiB\nException raised from malloc at x.cpp:1";
         assert_eq!(first_line(msg), "CUDA out of memory. Tried to allocate 2 GiB");
+        let cpu = "[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory\nframe #0: c10::ThrowEnforceNotMet";
+        assert_eq!(
+            first_line(cpu),
+            "[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory"
+        );
     }
 
     #[test]

@@ -112,8 +112,16 @@ impl fmt::Display for ByteSize {
 }
 
 impl Serialize for ByteSize {
+    /// Exact, so a resolved spec reads back as the same number of bytes.
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(self)
+        let b = self.0;
+        match [("GiB", 1u64 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)]
+            .iter()
+            .find(|(_, u)| b > 0 && b.is_multiple_of(*u))
+        {
+            Some((unit, u)) => s.collect_str(&format_args!("{}{unit}", b / u)),
+            None => s.serialize_u64(b),
+        }
     }
 }
 
