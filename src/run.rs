@@ -449,6 +449,8 @@ fn copy_into(vs: &nn::VarStore, tensors: &[(String, Tensor)], what: &str) -> Res
             Some(_) => {}
         }
     }
+    unexpected.sort();
+    misshaped.sort();
     if !missing.is_empty() || !unexpected.is_empty() || !misshaped.is_empty() {
         let mut msg = format!("{what} does not match the model:");
         if !missing.is_empty() {

@@ -209,11 +209,13 @@ fn ctrl_c_saves_exits_130_and_resumes_exactly() {
     );
     assert!(!records(&out, "checkpoint").iter().all(|c| c["reason"] != "interrupted"));
 
+    // A bare --resume continues the run directory the command names (here through --out).
     let r = run(&[
         "run",
         p.to_str().unwrap(),
-        "--resume",
+        "--out",
         out.to_str().unwrap(),
+        "--resume",
         "--set",
         "train.epochs=4",
     ])
