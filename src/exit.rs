@@ -11,38 +11,35 @@ pub const OOM: i32 = 3;
 /// Stopped by Ctrl-C or SIGTERM after saving a checkpoint.
 pub const INTERRUPTED: i32 = 130;
 
-/// A usage problem found after parsing (e.g. a bad `--set`, a run directory conflict).
-#[derive(Debug)]
-pub struct UsageError(pub String);
+/// A typed error that carries only its message; the type alone picks the exit code.
+macro_rules! message_error {
+    ($(#[$doc:meta])* $name:ident) => {
+        $(#[$doc])*
+        #[derive(Debug)]
+        pub struct $name(pub String);
 
-impl fmt::Display for UsageError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl std::error::Error for $name {}
+    };
 }
-impl std::error::Error for UsageError {}
 
-/// The run ended on an OOM its policy could not absorb.
-#[derive(Debug)]
-pub struct OomExit(pub String);
-
-impl fmt::Display for OomExit {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-impl std::error::Error for OomExit {}
-
-/// The run was interrupted and stopped cleanly.
-#[derive(Debug)]
-pub struct Interrupted(pub String);
-
-impl fmt::Display for Interrupted {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-impl std::error::Error for Interrupted {}
+message_error!(
+    /// A usage problem found after parsing (e.g. a bad `--set`, a run directory conflict).
+    UsageError
+);
+message_error!(
+    /// The run ended on an OOM its policy could not absorb.
+    OomExit
+);
+message_error!(
+    /// The run was interrupted and stopped cleanly.
+    Interrupted
+);
 
 pub fn code_for(e: &anyhow::Error) -> i32 {
     if e.downcast_ref::<crate::spec::SpecError>().is_some() || e.downcast_ref::<UsageError>().is_some() {
