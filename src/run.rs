@@ -230,6 +230,7 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
         t_start,
         peaks: Default::default(),
         preflight_pending: spec.memory.preflight,
+        val_order: None,
     };
     trainer.metrics.record(
         "start",

@@ -23,7 +23,7 @@ use crate::optim::{clip_grad_norm, LrSchedule, Optimizer};
 use crate::progress::Progress;
 use crate::report::{human_bytes, human_duration};
 use crate::signals::StopFlag;
-use crate::spec::{Precision, Spec};
+use crate::spec::{DartsOptions, Precision, Spec};
 
 /// Counts for summary.json.
 #[derive(Debug, Default, Clone, serde::Serialize)]
@@ -78,6 +78,8 @@ pub struct Trainer {
     pub peaks: crate::run::Peaks,
     /// Measure and report the first step of this session (memory.preflight).
     pub preflight_pending: bool,
+    /// The architecture steps' current validation round and its order.
+    pub val_order: Option<(i64, Vec<i64>)>,
 }
 
 /// How a run ended, for summary.json and the exit code.
@@ -152,8 +154,14 @@ impl Trainer {
         let Some(_) = &self.arch_opt else { return Ok(()) };
         let nval = self.data.val.len();
         let b = self.shape.micro_batch.min(nval);
-        let idx: Vec<i64> = (0..b).map(|k| self.val_index(self.state_val_cursor() + k)).collect();
-        let lr = self.spec.model.darts.clone().unwrap_or_default().arch_lr;
+        let start = self.state.val_cursor;
+        let idx: Vec<i64> = (0..b).map(|k| self.val_index(start + k)).collect();
+        let lr = self
+            .spec
+            .model
+            .darts
+            .as_ref()
+            .map_or(DartsOptions::default().arch_lr, |d| d.arch_lr);
         oom::guarded(|| {
             self.opt.zero_grad();
             let arch = self.arch_opt.as_mut().expect("checked above");
@@ -172,14 +180,18 @@ impl Trainer {
         Ok(())
     }
 
-    fn state_val_cursor(&self) -> i64 {
-        self.state.val_cursor
-    }
-
     /// The k-th validation sample of the endless, per-round shuffled stream the arch step reads.
-    fn val_index(&self, k: i64) -> i64 {
+    /// The permutation of each round is computed once and kept until the stream moves on.
+    fn val_index(&mut self, k: i64) -> i64 {
         let n = self.data.val.len();
-        let order = data::epoch_order(n, self.spec.job.seed.wrapping_add(7919), k / n);
+        let round = k / n;
+        if self.val_order.as_ref().is_none_or(|(r, _)| *r != round) {
+            self.val_order = Some((
+                round,
+                data::epoch_order(n, self.spec.job.seed.wrapping_add(7919), round),
+            ));
+        }
+        let (_, order) = self.val_order.as_ref().expect("just filled");
         order[(k % n) as usize]
     }
 
