@@ -76,8 +76,6 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
     }
 
     let spec_toml = spec::to_toml(&spec);
-    fs::create_dir_all(&run_dir).with_context(|| format!("creating run directory {}", run_dir.display()))?;
-    write_atomic(&run_dir.join("config.resolved.toml"), spec_toml.as_bytes())?;
 
     tch::manual_seed(spec.job.seed);
     let mut vs = nn::VarStore::new(device);
@@ -198,6 +196,9 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
         accumulation_steps: state.accumulation_steps,
     };
 
+    // Only now, with model and data known to be good, does the run directory appear.
+    fs::create_dir_all(&run_dir).with_context(|| format!("creating run directory {}", run_dir.display()))?;
+    write_atomic(&run_dir.join("config.resolved.toml"), spec_toml.as_bytes())?;
     let m = &spec.memory;
     let mut trainer = Trainer {
         spec: spec.clone(),
