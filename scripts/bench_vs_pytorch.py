@@ -484,6 +484,11 @@ def cmd_bench(a):
     if mt and pt and mt[0]["train_samples"] != pt[0]["train_samples"]:
         print(f"WARNING: training samples per epoch differ: memtrain {mt[0]['train_samples']}, "
               f"PyTorch {pt[0]['train_samples']}")
+    try:
+        with open("/proc/loadavg") as f:
+            print("load average at end: " + " ".join(f.read().split()[:3]))
+    except OSError:
+        pass
     print_table(a, mt, pt, base_mt)
     if a.json_out:
         with open(a.json_out, "w") as f:

@@ -425,7 +425,16 @@ fn add_scaled_(a: &mut Tensor, b: &Tensor, s: Coef) {
 /// `g_mul_scalar_` is `mul_.Scalar`, which on bf16/f16 rounds `s` to the tensor's dtype first;
 /// `mul.Scalar_out` into `x` itself keeps `s` in f32 like Python. Same result for f32/f64.
 fn mul_(x: &Tensor, s: f64) {
-    let _ = x.mul_scalar_out(x, s);
+    match x.kind() {
+        // The in-place kernel saves a temporary and a copy per parameter and step (measured by
+        // scripts/bench-vs-pytorch), and rounds identically in f32/f64.
+        Kind::Float | Kind::Double => {
+            let _ = x.shallow_clone().g_mul_scalar_(s);
+        }
+        _ => {
+            let _ = x.mul_scalar_out(x, s);
+        }
+    }
 }
 
 /// `_single_tensor_sgd` for one parameter (dampening 0, maximize off).
