@@ -80,16 +80,40 @@ fn digits_mlp_learns_and_leaves_complete_records() {
     assert_eq!(std::fs::read(out.join("summary.json")).unwrap(), before);
 }
 
+/// A tiny synthetic MLP job for comparing the same groups split into different micro-batches.
+struct Split {
+    samples: i64,
+    val_fraction: f64,
+    hidden: i64,
+    epochs: i64,
+    lr: f64,
+}
+
+fn split_spec(s: Split, batch: i64, accumulation: i64) -> String {
+    format!(
+        "[job]\nthreads = 1\ndevice = \"cpu\"\n[model]\npreset = \"mlp\"\n[model.mlp]\ninputs = 16\nhidden = [{}]\n\
+         num_classes = 3\n[data]\nsamples = {}\nval_fraction = {}\n[train]\nepochs = {}\nbatch_size = {batch}\n\
+         accumulation_steps = {accumulation}\noptimizer = \"sgd\"\nlr = {:?}\n",
+        s.hidden, s.samples, s.val_fraction, s.epochs, s.lr
+    )
+}
+
 #[test]
 fn accumulation_gives_the_gradient_of_the_whole_batch() {
     // 10 samples, 2 for validation: one group of 8. SGD with lr 1 makes the weight change equal
     // to the gradient, so comparing weights after one step compares gradients.
     let dir = tempfile::tempdir().unwrap();
-    let spec = |b: i64, a: i64| {
-        format!(
-            "[job]\nthreads = 1\ndevice = \"cpu\"\n[model]\npreset = \"mlp\"\n[model.mlp]\ninputs = 16\nhidden = [32]\nnum_classes = 3\n\
-             [data]\nsamples = 10\nval_fraction = 0.2\n[train]\nepochs = 1\nbatch_size = {b}\naccumulation_steps = {a}\n\
-             optimizer = \"sgd\"\nlr = 1.0\n[memory]\nmin_batch_size = 1\n"
+    let spec = |b, a| {
+        split_spec(
+            Split {
+                samples: 10,
+                val_fraction: 0.2,
+                hidden: 32,
+                epochs: 1,
+                lr: 1.0,
+            },
+            b,
+            a,
         )
     };
     let (_, whole) = run_spec(dir.path(), "whole", &spec(8, 1), &[]);
@@ -105,13 +129,19 @@ fn accumulation_gives_the_gradient_of_the_whole_batch() {
 
 #[test]
 fn uneven_last_group_is_weighted_by_its_own_size() {
-    // 13 training samples in groups of 4: the last group has 1 sample; 3 x 4 splits it the same.
+    // 13 training samples in groups of 4: the last group has 1 sample; 1 x 4 splits it the same.
     let dir = tempfile::tempdir().unwrap();
-    let spec = |b: i64, a: i64| {
-        format!(
-            "[job]\nthreads = 1\ndevice = \"cpu\"\n[model]\npreset = \"mlp\"\n[model.mlp]\ninputs = 16\nhidden = [8]\nnum_classes = 3\n\
-             [data]\nsamples = 16\nval_fraction = 0.1875\n[train]\nepochs = 2\nbatch_size = {b}\naccumulation_steps = {a}\n\
-             optimizer = \"sgd\"\nlr = 0.5\n"
+    let spec = |b, a| {
+        split_spec(
+            Split {
+                samples: 16,
+                val_fraction: 0.1875,
+                hidden: 8,
+                epochs: 2,
+                lr: 0.5,
+            },
+            b,
+            a,
         )
     };
     let (_, a) = run_spec(dir.path(), "a", &spec(4, 1), &[]);
