@@ -8,7 +8,7 @@ use crate::spec::Allocator;
 pub const CUDA_VAR: &str = "PYTORCH_CUDA_ALLOC_CONF";
 pub const GENERIC_VAR: &str = "PYTORCH_ALLOC_CONF";
 
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, PartialEq)]
 pub struct EnvSettings {
     #[serde(rename = "PYTORCH_CUDA_ALLOC_CONF")]
     pub cuda_alloc_conf: Option<String>,
@@ -96,34 +96,6 @@ pub fn merge(existing: Option<&str>, ours: &[(String, String)]) -> (String, Vec<
         .collect::<Vec<_>>()
         .join(",");
     (s, conflicts)
-}
-
-/// What `apply` did: the string in force and the conflicts it resolved in the spec's favour.
-#[derive(Debug, Clone, Serialize)]
-pub struct Applied {
-    pub conf: Option<String>,
-    pub conflicts: Vec<Conflict>,
-}
-
-/// Sets both variables before CUDA initialises. With nothing from the spec, the environment
-/// is left exactly as it is.
-pub fn apply(ours: &[(String, String)]) -> Applied {
-    let env = EnvSettings::from_env();
-    if ours.is_empty() {
-        return Applied {
-            conf: env.effective().map(str::to_owned),
-            conflicts: vec![],
-        };
-    }
-    let (conf, conflicts) = merge(env.effective(), ours);
-    // SAFETY (edition 2021: safe fn): called from the main thread before libtorch starts threads
-    // that read the environment.
-    std::env::set_var(CUDA_VAR, &conf);
-    std::env::set_var(GENERIC_VAR, &conf);
-    Applied {
-        conf: Some(conf),
-        conflicts,
-    }
 }
 
 #[cfg(test)]

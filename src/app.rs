@@ -2,8 +2,8 @@
 use anyhow::Result;
 
 use crate::cli::{Cli, Command, SpecArgs};
-use crate::exit::{self, UsageError};
-use crate::spec::{self, LoadedSpec, Override};
+use crate::exit;
+use crate::spec;
 
 pub fn main(cli: Cli) -> i32 {
     init_logging(cli.quiet, cli.verbose);
@@ -46,17 +46,6 @@ fn init_logging(quiet: bool, verbose: u8) {
         .init();
 }
 
-/// Parses `--set` arguments and loads the spec; every failure is a usage error (exit 2).
-pub fn load_spec(args: &SpecArgs) -> Result<LoadedSpec> {
-    let overrides = args
-        .set
-        .iter()
-        .map(|s| Override::parse(s))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(UsageError)?;
-    Ok(spec::load(&args.file, &overrides)?)
-}
-
 fn info(json: bool) -> Result<()> {
     let info = crate::info::collect()?;
     if json {
@@ -68,7 +57,7 @@ fn info(json: bool) -> Result<()> {
 }
 
 fn check(args: &SpecArgs) -> Result<()> {
-    let loaded = load_spec(args)?;
+    let loaded = spec::load_args(&args.file, &args.set, &crate::model::validate)?;
     let est = crate::estimate::estimate(&loaded.spec)?;
     println!("# {}: valid. Resolved spec:", loaded.path.display());
     print!("{}", spec::to_toml(&loaded.spec));

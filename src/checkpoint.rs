@@ -211,7 +211,7 @@ impl Store {
             Some(b) => (self.maximize && value > b.value) || (!self.maximize && value < b.value),
         };
         if better {
-            crate::metrics::write_json_atomic(
+            crate::atomic::write_json(
                 &self.dir.join("best.json"),
                 &Best {
                     step: name.into(),
@@ -261,11 +261,21 @@ impl Store {
         self.list().pop()
     }
 
-    pub fn load(dir: &Path) -> Result<Loaded> {
-        let state: TrainState = serde_json::from_slice(
+    /// The newest finished checkpoint of a run directory.
+    pub fn latest_in(run_dir: &Path) -> Option<PathBuf> {
+        Store::new(run_dir, 1, false, false).latest()
+    }
+
+    /// A checkpoint's state alone (small; read while planning, before any tensor is loaded).
+    pub fn load_state(dir: &Path) -> Result<TrainState> {
+        serde_json::from_slice(
             &fs::read(dir.join("state.json")).with_context(|| format!("reading {}/state.json", dir.display()))?,
         )
-        .with_context(|| format!("parsing {}/state.json", dir.display()))?;
+        .with_context(|| format!("parsing {}/state.json", dir.display()))
+    }
+
+    pub fn load(dir: &Path) -> Result<Loaded> {
+        let state = Store::load_state(dir)?;
         Ok(Loaded {
             dir: dir.to_owned(),
             model: read_safetensors(&dir.join("model.safetensors"))?,

@@ -3,11 +3,10 @@
 use std::fmt;
 
 use anyhow::Result;
-use tch::{nn, Device};
 
-use crate::model::{self, ARCH_PREFIX};
+use crate::human::{human_bytes, human_count};
+use crate::model;
 use crate::optim::Hyper;
-use crate::report::{human_bytes, human_count};
 use crate::spec::Spec;
 
 #[derive(Debug, Clone)]
@@ -43,20 +42,8 @@ impl Estimate {
 }
 
 pub fn estimate(spec: &Spec) -> Result<Estimate> {
-    let vs = nn::VarStore::new(Device::Cpu);
-    let built = tch::no_grad(|| model::build(&vs.root(), &spec.model))?;
-    drop(built);
-    let (mut weights, mut arch, mut buffers) = (0u64, 0u64, 0u64);
-    for (name, t) in vs.variables() {
-        let n = t.numel() as u64;
-        if name.starts_with(ARCH_PREFIX) {
-            arch += n;
-        } else if t.requires_grad() {
-            weights += n;
-        } else {
-            buffers += n;
-        }
-    }
+    let c = model::counts(&spec.model)?;
+    let (weights, arch, buffers) = (c.weights, c.arch_weights, c.buffers);
     let t = &spec.train;
     let state_per_weight = Hyper::from_train(t).state_slots().len() as u64;
     Ok(Estimate {

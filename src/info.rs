@@ -1,7 +1,7 @@
 //! `memtrain info`: versions, host memory, GPUs and who holds their memory, allocator settings.
 use serde::Serialize;
 
-use crate::report::human_bytes;
+use crate::human::human_bytes;
 use crate::{alloc_conf, shim, sysmem};
 
 /// The `info --json` object. Its field names are a stable interface (documented in README).

@@ -1,5 +1,6 @@
-//! Memory as the run sees it: per-epoch samples (device allocator and host RSS), the cache
-//! policy with what it cost, and the caps that emulate a smaller device.
+//! Memory as the run sees it: samples (the device allocator's figures on CUDA, the counting CPU
+//! allocator's on the CPU, and host RSS on both), peak windows, OOM counters, and the cache
+//! policy with what it cost.
 use std::time::Instant;
 
 use serde::Serialize;
@@ -8,7 +9,8 @@ use crate::shim;
 use crate::spec::CacheClear;
 use crate::sysmem;
 
-/// One reading. Device fields are absent on the CPU.
+/// One reading. `allocated`/`peak_allocated` are tensor bytes on the run's device (the CUDA
+/// allocator's, or the counting CPU allocator's); the reserved and device fields are CUDA-only.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct MemorySample {
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -27,6 +29,17 @@ pub struct MemorySample {
     pub num_alloc_retries: Option<u64>,
     pub rss_bytes: u64,
     pub peak_rss_bytes: u64,
+}
+
+/// The memory limit in force for a run.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Cap {
+    /// "cuda_fraction" (the CUDA allocator's per-process fraction) or "cpu_tensor_bytes" (the
+    /// counting CPU allocator's cap on live tensor bytes).
+    pub kind: &'static str,
+    pub bytes: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fraction: Option<f64>,
 }
 
 /// Where tensors live for memory purposes: a CUDA device index, or the host.
@@ -52,6 +65,13 @@ pub fn sample(place: Place) -> MemorySample {
         peak_rss_bytes: peak_rss,
         ..Default::default()
     };
+    if place == Place::Cpu {
+        let s = shim::cpu_alloc_stats();
+        if s.installed {
+            m.allocated_bytes = Some(s.allocated);
+            m.peak_allocated_bytes = Some(s.peak_allocated);
+        }
+    }
     if let Place::Cuda(i) = place {
         if let Ok(Some(s)) = shim::device_stats(i) {
             m.allocated_bytes = Some(s.allocated);
@@ -68,20 +88,29 @@ pub fn sample(place: Place) -> MemorySample {
     m
 }
 
-/// Starts a new peak window (device peak counters and the kernel's RSS high-water mark).
+/// Starts a new peak window (allocator peak counters and the kernel's RSS high-water mark).
 pub fn reset_peaks(place: Place) {
-    if let Place::Cuda(i) = place {
-        let _ = shim::reset_peak_stats(i);
+    match place {
+        Place::Cuda(i) => {
+            let _ = shim::reset_peak_stats(i);
+        }
+        Place::Cpu => shim::cpu_alloc_reset_peak(),
     }
     sysmem::reset_peak_rss();
 }
 
-/// The peak the current window saw: device peak allocated on CUDA, peak RSS on the CPU.
+/// The peak allocated tensor bytes the current window saw (peak RSS where nothing counts them).
 pub fn window_peak(place: Place) -> u64 {
     let s = sample(place);
+    s.peak_allocated_bytes.unwrap_or(s.peak_rss_bytes)
+}
+
+/// How many allocations the run's allocator has refused so far; a rise during a step marks
+/// its failure as an OOM whatever the message says.
+pub fn oom_count(place: Place) -> u64 {
     match place {
-        Place::Cuda(_) => s.peak_allocated_bytes.unwrap_or(0),
-        Place::Cpu => s.peak_rss_bytes,
+        Place::Cuda(i) => shim::device_stats(i).ok().flatten().map_or(0, |s| s.num_ooms),
+        Place::Cpu => shim::cpu_alloc_stats().num_ooms,
     }
 }
 
@@ -230,11 +259,14 @@ mod tests {
     }
 
     #[test]
-    fn cpu_sample_has_rss_only() {
+    fn cpu_sample_has_tensor_bytes_once_counted_and_no_device_fields() {
+        shim::cpu_alloc_install().unwrap();
+        let _t = tch::Tensor::zeros([1024], tch::kind::FLOAT_CPU);
         let m = sample(Place::Cpu);
         assert!(m.rss_bytes > 0);
-        assert!(m.allocated_bytes.is_none());
+        assert!(m.allocated_bytes.unwrap() >= 4096);
+        assert!(m.peak_allocated_bytes.unwrap() >= m.allocated_bytes.unwrap());
         let v = serde_json::to_value(&m).unwrap();
-        assert!(v.get("allocated_bytes").is_none());
+        assert!(v.get("reserved_bytes").is_none() && v.get("device_total_bytes").is_none());
     }
 }

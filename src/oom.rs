@@ -1,12 +1,11 @@
-//! Out-of-memory: recognising it in libtorch's errors, catching it where tch panics, and the
-//! policy state (micro-batch, accumulation, fallbacks) that `memory.on_oom` drives.
+//! Out-of-memory: recognising it in libtorch's errors (by text, and by the allocator's OOM
+//! counter rising), catching it where tch panics, and the batch shape that backoff changes.
+//! What to do about one is `run::recovery`'s business.
 use std::cell::RefCell;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Once;
 
 use serde::Serialize;
-
-use crate::spec::OomAction;
 
 /// What kind of allocation failure an error text describes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -18,20 +17,43 @@ pub enum OomKind {
     Cudnn,
 }
 
+/// The error texts that are out-of-memory conditions, whatever layer reports them.
+const CUDA_TEXTS: &[&str] = &[
+    "CUDA out of memory",
+    "OutOfMemoryError",
+    // A kernel launch or cudaMalloc outside the caching allocator (C10_CUDA_CHECK).
+    "CUDA error: out of memory",
+    // cuBLAS: its workspace, and its handle at first use, which fails when nothing is left.
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUBLAS_STATUS_NOT_INITIALIZED",
+    "CUDNN_STATUS_ALLOC_FAILED",
+    // PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync under a per-process fraction.
+    "would exceed allowed memory",
+];
+
 pub fn classify(text: &str) -> Option<OomKind> {
-    if text.contains("CUDA out of memory")
-        || text.contains("OutOfMemoryError")
-        || text.contains("CUBLAS_STATUS_ALLOC_FAILED")
-    {
+    if CUDA_TEXTS.iter().any(|t| text.contains(t)) {
         Some(OomKind::Cuda)
-    } else if text.contains("DefaultCPUAllocator: can't allocate memory")
+    } else if text.contains("CPU out of memory")
+        || text.contains("DefaultCPUAllocator: can't allocate memory")
         || text.contains("DefaultCPUAllocator: not enough memory")
     {
         Some(OomKind::Cpu)
-    } else if text.contains("CUDNN_STATUS_NOT_SUPPORTED") {
-        Some(OomKind::Cudnn)
     } else {
         None
+    }
+}
+
+/// `classify`, knowing whether the allocator's OOM counter rose while the failed work ran. A
+/// rise makes any failure an OOM (the allocator ran out, whatever the message became on the
+/// way up); cuDNN's NOT_SUPPORTED is one only then, since it also means a genuinely unsupported
+/// configuration.
+pub fn classify_step(text: &str, allocator_ooms_rose: bool) -> Option<OomKind> {
+    match classify(text) {
+        Some(k) => Some(k),
+        None if allocator_ooms_rose && text.contains("CUDNN_STATUS_NOT_SUPPORTED") => Some(OomKind::Cudnn),
+        None if allocator_ooms_rose => Some(OomKind::Cuda),
+        None => None,
     }
 }
 
@@ -47,15 +69,13 @@ thread_local! {
 }
 
 /// Installs a panic hook that stays silent inside `guarded` (the error is reported properly by
-/// the caller) and behaves as usual everywhere else, after lifting a CPU memory cap: printing a
-/// panic allocates, and under an exhausted RLIMIT_DATA that would hang the process.
+/// the caller) and behaves as usual everywhere else.
 pub fn install_hook() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
         let default = panic::take_hook();
         panic::set_hook(Box::new(move |info| {
             if !GUARDED.with(|g| *g.borrow()) {
-                crate::sysmem::lift_data_limit();
                 default(info);
             }
         }));
@@ -97,7 +117,14 @@ pub fn short_message(text: &str) -> String {
 /// Runs `f`, turning a libtorch panic into a `StepError`. Every tensor `f` created is dropped
 /// while unwinding, so an OOM leaves nothing of the failed step behind.
 pub fn guarded<T>(f: impl FnOnce() -> T) -> Result<T, StepError> {
+    guarded_counting(|| 0, f)
+}
+
+/// `guarded`, with `ooms` reading the allocator's OOM counter of the device the work runs on
+/// (`memory::oom_count`), so that an OOM whose message lost its wording is still one.
+pub fn guarded_counting<T>(ooms: impl Fn() -> u64, f: impl FnOnce() -> T) -> Result<T, StepError> {
     install_hook();
+    let ooms_before = ooms();
     let grad_mode = grad_enabled();
     GUARDED.with(|g| *g.borrow_mut() = true);
     let r = panic::catch_unwind(AssertUnwindSafe(f));
@@ -110,7 +137,7 @@ pub fn guarded<T>(f: impl FnOnce() -> T) -> Result<T, StepError> {
     r.map_err(|p| {
         let text = panic_text(p.as_ref());
         let message = short_message(&text);
-        match classify(&text) {
+        match classify_step(&text, ooms() > ooms_before) {
             Some(kind) => StepError::Oom { kind, message },
             None => StepError::Other(message),
         }
@@ -139,46 +166,25 @@ impl BatchShape {
     }
 }
 
-/// What the policy decided for one OOM.
+/// What to do about one OOM (decided by `run::recovery`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case", tag = "action")]
 pub enum Decision {
+    /// Retry the failed work with this shape (same effective batch).
     Backoff { to: BatchShape },
+    /// Move the run to the CPU and retry.
     MoveToCpu,
+    /// Nothing left to try: save and end the run.
     Fail,
 }
 
-/// Walks `memory.on_oom` in order for each OOM: the first action that still applies wins.
-#[derive(Debug, Clone)]
-pub struct Policy {
-    actions: Vec<OomAction>,
-    min_batch: i64,
-}
-
-impl Policy {
-    pub fn new(actions: Vec<OomAction>, min_batch: i64) -> Self {
-        Policy { actions, min_batch }
-    }
-
-    /// `on_cpu`: the run is already on the CPU, where "cpu" cannot help. `skipped` collects the
-    /// actions that did not apply, for the notice.
-    pub fn decide(&self, shape: BatchShape, on_cpu: bool, skipped: &mut Vec<String>) -> Decision {
-        for a in &self.actions {
-            match a {
-                OomAction::Backoff => match shape.halved(self.min_batch) {
-                    Some(to) => return Decision::Backoff { to },
-                    None => skipped.push(format!(
-                        "backoff: micro-batch {} cannot be halved without going below memory.min_batch_size {}",
-                        shape.micro_batch, self.min_batch
-                    )),
-                },
-                OomAction::Cpu if on_cpu => skipped.push("cpu: the run is already on the CPU".into()),
-                OomAction::Cpu => return Decision::MoveToCpu,
-                OomAction::Fail => return Decision::Fail,
-            }
-        }
-        Decision::Fail
-    }
+/// OOM counts over a run, for summary.json.
+#[derive(Debug, Default, Clone, PartialEq, Eq, Serialize)]
+pub struct OomCounts {
+    pub events: u64,
+    pub backoffs: u64,
+    pub cpu_fallbacks: u64,
+    pub grow_backs: u64,
 }
 
 #[cfg(test)]
@@ -195,11 +201,33 @@ mod tests {
             classify("[enforce fail at alloc_cpu.cpp:118] data. DefaultCPUAllocator: can't allocate memory: you tried to allocate 4 bytes."),
             Some(OomKind::Cpu)
         );
-        assert_eq!(
-            classify("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED"),
-            Some(OomKind::Cudnn)
-        );
+        assert_eq!(classify("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED"), None);
         assert_eq!(classify("shape mismatch"), None);
+        for t in [
+            "CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported",
+            "CUDA error: CUBLAS_STATUS_NOT_INITIALIZED when calling `cublasCreate(handle)`",
+            "cuDNN error: CUDNN_STATUS_ALLOC_FAILED",
+            "Allocation on device 0 would exceed allowed memory. (out of memory)",
+        ] {
+            assert_eq!(classify(t), Some(OomKind::Cuda), "{t}");
+        }
+        assert_eq!(
+            classify("CPU out of memory: can't allocate memory: tried to allocate 32.00 MiB"),
+            Some(OomKind::Cpu)
+        );
+    }
+
+    #[test]
+    fn the_allocator_counter_decides_what_the_text_cannot() {
+        let nsup =
+            "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input.";
+        assert_eq!(classify_step(nsup, false), None, "not every NOT_SUPPORTED is an OOM");
+        assert_eq!(classify_step(nsup, true), Some(OomKind::Cudnn));
+        assert_eq!(
+            classify_step("CUDA error: an illegal memory access", true),
+            Some(OomKind::Cuda)
+        );
+        assert_eq!(classify_step("shape mismatch", false), None);
     }
 
     #[test]
@@ -222,25 +250,6 @@ mod tests {
                 accumulation_steps: 6
             })
         );
-    }
-
-    #[test]
-    fn policy_walks_its_list() {
-        let p = Policy::new(vec![OomAction::Backoff, OomAction::Cpu, OomAction::Fail], 4);
-        let mut skipped = vec![];
-        let big = BatchShape {
-            micro_batch: 8,
-            accumulation_steps: 1,
-        };
-        assert!(matches!(p.decide(big, false, &mut skipped), Decision::Backoff { .. }));
-        let small = BatchShape {
-            micro_batch: 4,
-            accumulation_steps: 2,
-        };
-        assert_eq!(p.decide(small, false, &mut skipped), Decision::MoveToCpu);
-        skipped.clear();
-        assert_eq!(p.decide(small, true, &mut skipped), Decision::Fail);
-        assert_eq!(skipped.len(), 2);
     }
 
     #[test]

@@ -80,6 +80,14 @@ impl Hyper {
         }
     }
 
+    /// Parameter-sized temporaries one update needs at once (the workspace's slots).
+    fn temporaries(&self) -> usize {
+        match self.kind {
+            OptimizerKind::Sgd => 1,
+            OptimizerKind::Adam | OptimizerKind::Adamw => 2,
+        }
+    }
+
     /// Names of the per-parameter state tensors, in the order `state_tensors` lists them.
     pub fn state_slots(&self) -> &'static [&'static str] {
         match self.kind {
@@ -196,9 +204,15 @@ impl Optimizer {
     /// One update with learning rate `lr` from the parameters' current `.grad()`. Parameters
     /// whose grad is undefined are skipped, as PyTorch does; the step count advances regardless.
     /// Runs under `no_grad`, in place on the parameters, and never synchronises with the device.
+    ///
+    /// Transactional with respect to memory: everything the update allocates (the per-device
+    /// scalars and a workspace for the largest parameter's temporaries) is allocated before the
+    /// first parameter is touched, and the step is counted last. An out-of-memory error (a tch
+    /// panic) therefore leaves parameters, state and step count exactly as they were, and the
+    /// step can be retried.
     pub fn step(&mut self, lr: f64) {
-        self.steps += 1;
         let h = self.hyper;
+        let next = self.steps + 1;
         let consts = match h.kind {
             OptimizerKind::Sgd => StepConsts {
                 lr,
@@ -207,7 +221,7 @@ impl Optimizer {
             },
             OptimizerKind::Adam | OptimizerKind::Adamw => {
                 // As in _single_tensor_adam (non-capturable): Python floats, i.e. f64 and libm pow.
-                let step = self.steps as f64;
+                let step = next as f64;
                 let bias_correction1 = 1.0 - h.betas[0].powf(step);
                 let bias_correction2 = 1.0 - h.betas[1].powf(step);
                 StepConsts {
@@ -217,7 +231,6 @@ impl Optimizer {
                 }
             }
         };
-        let steps = self.steps;
         let Optimizer {
             params,
             state,
@@ -226,24 +239,39 @@ impl Optimizer {
             ..
         } = self;
         tch::no_grad(|| {
-            for (i, (_, param)) in params.iter_mut().enumerate() {
-                let grad = param.grad();
-                if !grad.defined() {
-                    continue;
-                }
-                let sc = scalars_for(scalars, &h, param.device(), param.kind(), steps, &consts);
+            // Phase 1: every allocation of the step.
+            let live: Vec<(usize, Tensor)> = params
+                .iter()
+                .enumerate()
+                .map(|(i, (_, p))| (i, p.grad()))
+                .filter(|(_, g)| g.defined())
+                .collect();
+            let mut workspace = Workspace::default();
+            for (i, _) in &live {
+                let p = &params[*i].1;
+                prepare_scalars(scalars, &h, p.device(), p.kind());
+                workspace.reserve(p, h.temporaries());
+            }
+            workspace.allocate();
+            // Phase 2: in place only; nothing here allocates tensor memory.
+            for (i, grad) in &live {
+                let i = *i;
+                let param = &mut params[i].1;
+                let sc = scalars_for(scalars, &h, param.device(), param.kind(), next, &consts);
+                let mut tmp = workspace.views(param);
                 match h.kind {
                     OptimizerKind::Sgd => {
                         let buf = state[i].first_mut().map(|b| (b, &mut buffer_ready[i]));
-                        sgd_update(&h, &consts, param, &grad, buf, sc)
+                        sgd_update(&h, &consts, param, grad, buf, sc, &mut tmp)
                     }
                     OptimizerKind::Adam | OptimizerKind::Adamw => {
                         let (exp_avg, rest) = state[i].split_first_mut().expect("adam has two state slots");
-                        adam_update(&h, &consts, param, &grad, exp_avg, &mut rest[0], sc)
+                        adam_update(&h, &consts, param, grad, exp_avg, &mut rest[0], sc, &mut tmp)
                     }
                 }
             }
         });
+        self.steps = next;
     }
 
     /// Zeroes every defined grad in place (detached first, like PyTorch's
@@ -357,8 +385,21 @@ impl Optimizer {
     }
 }
 
-/// The scalar tensors for (device, kind), created on first use and refilled once per step;
-/// `None` for reduced-precision kinds off the CPU, which take the unfused forms (module docs).
+/// Whether (device, kind) uses scalar tensors: not reduced-precision kinds off the CPU, which
+/// take the unfused forms (module docs).
+fn uses_scalars(device: Device, kind: Kind) -> bool {
+    matches!(kind, Kind::Float | Kind::Double) || device == Device::Cpu
+}
+
+/// Creates the scalar tensors for (device, kind) if they do not exist yet (they allocate).
+fn prepare_scalars(cache: &mut Vec<Scalars>, h: &Hyper, device: Device, kind: Kind) {
+    if uses_scalars(device, kind) && !cache.iter().any(|s| s.device == device && s.kind == kind) {
+        cache.push(Scalars::new(h, device, kind));
+    }
+}
+
+/// The scalar tensors for (device, kind), created by `prepare_scalars` and refilled once per
+/// step (in place); `None` where `uses_scalars` says the unfused forms apply.
 fn scalars_for<'a>(
     cache: &'a mut Vec<Scalars>,
     h: &Hyper,
@@ -367,16 +408,14 @@ fn scalars_for<'a>(
     step: i64,
     c: &StepConsts,
 ) -> Option<&'a Scalars> {
-    if !matches!(kind, Kind::Float | Kind::Double) && device != Device::Cpu {
+    if !uses_scalars(device, kind) {
         return None;
     }
-    let i = match cache.iter().position(|s| s.device == device && s.kind == kind) {
-        Some(i) => i,
-        None => {
-            cache.push(Scalars::new(h, device, kind));
-            cache.len() - 1
-        }
-    };
+    prepare_scalars(cache, h, device, kind);
+    let i = cache
+        .iter()
+        .position(|s| s.device == device && s.kind == kind)
+        .expect("prepared above");
     let s = &mut cache[i];
     if s.filled_for != step {
         let _ = s.neg_lr.fill_(-c.lr);
@@ -384,6 +423,46 @@ fn scalars_for<'a>(
         s.filled_for = step;
     }
     Some(&cache[i])
+}
+
+/// Flat buffers, per (device, kind), for the temporaries of one parameter's update, sized for
+/// the largest parameter so that one allocation before the update loop serves every parameter.
+#[derive(Default)]
+struct Workspace {
+    /// (device, kind, slots, numel) wanted, then the allocated buffers.
+    wanted: Vec<(Device, Kind, usize, i64)>,
+    buffers: Vec<(Device, Kind, Vec<Tensor>)>,
+}
+
+impl Workspace {
+    fn reserve(&mut self, p: &Tensor, slots: usize) {
+        let (d, k, n) = (p.device(), p.kind(), p.numel() as i64);
+        match self.wanted.iter_mut().find(|w| w.0 == d && w.1 == k) {
+            Some(w) => w.3 = w.3.max(n),
+            None => self.wanted.push((d, k, slots, n)),
+        }
+    }
+
+    fn allocate(&mut self) {
+        self.buffers = self
+            .wanted
+            .iter()
+            .map(|&(d, k, slots, n)| (d, k, (0..slots).map(|_| Tensor::empty([n], (k, d))).collect()))
+            .collect();
+    }
+
+    /// Views of the buffers shaped like `p` (views allocate no tensor memory).
+    fn views(&self, p: &Tensor) -> Vec<Tensor> {
+        let (d, k) = (p.device(), p.kind());
+        let (_, _, bufs) = self
+            .buffers
+            .iter()
+            .find(|b| b.0 == d && b.1 == k)
+            .expect("reserved for every parameter");
+        let n = p.numel() as i64;
+        let shape = p.size();
+        bufs.iter().map(|b| b.narrow(0, 0, n).view(shape.as_slice())).collect()
+    }
 }
 
 /// A multiplier `s` of `a + s * b`: its value and, where `scalars_for` provides one, the same
@@ -403,17 +482,22 @@ impl<'a> Coef<'a> {
     }
 }
 
-/// `a.add(b, alpha=s)`, out of place. With the scalar tensor this is PyTorch's single fused
+/// `a.add(b, alpha=s)` into `out`. With the scalar tensor this is PyTorch's single fused
 /// multiply-add; without (bf16/f16 off the CPU) `s` stays in f32, as in PyTorch's CUDA kernel,
 /// but the product is rounded once more.
-fn add_scaled(a: &Tensor, b: &Tensor, s: Coef) -> Tensor {
+fn add_scaled_into(out: &Tensor, a: &Tensor, b: &Tensor, s: Coef) {
     match s.tensor {
-        Some(t) => a.addcmul(b, t),
-        None => a.g_add(&b.g_mul_scalar(s.value)),
+        Some(t) => {
+            let _ = a.addcmul_out(out, b, t);
+        }
+        None => {
+            let _ = b.mul_scalar_out(out, s.value);
+            let _ = out.shallow_clone().g_add_(a);
+        }
     }
 }
 
-/// `a.add_(b, alpha=s)`, in place; see `add_scaled`.
+/// `a.add_(b, alpha=s)`, in place; see `add_scaled_into`.
 fn add_scaled_(a: &mut Tensor, b: &Tensor, s: Coef) {
     let _ = match s.tensor {
         Some(t) => a.addcmul_(b, t),
@@ -445,12 +529,15 @@ fn sgd_update(
     grad: &Tensor,
     buf: Option<(&mut Tensor, &mut bool)>,
     sc: Option<&Scalars>,
+    tmp: &mut [Tensor],
 ) {
     let neg_lr = Coef::new(-c.lr, sc, |s| &s.neg_lr);
     let momentum = Coef::new(h.momentum, sc, |s| &s.momentum);
-    // grad = grad.add(param, alpha=weight_decay)
-    let mut d_p =
-        (h.weight_decay != 0.0).then(|| add_scaled(grad, param, Coef::new(h.weight_decay, sc, |s| &s.weight_decay)));
+    // grad = grad.add(param, alpha=weight_decay), in the workspace
+    let mut d_p = (h.weight_decay != 0.0).then(|| {
+        add_scaled_into(&tmp[0], grad, param, Coef::new(h.weight_decay, sc, |s| &s.weight_decay));
+        tmp[0].shallow_clone()
+    });
     match buf {
         Some((buf, ready)) if h.momentum != 0.0 => {
             let g = d_p.as_ref().unwrap_or(grad);
@@ -467,7 +554,10 @@ fn sgd_update(
                 // grad = grad.add(buf, alpha=momentum); our own temporary can be updated in place.
                 match d_p.as_mut() {
                     Some(d) => add_scaled_(d, buf, momentum),
-                    None => d_p = Some(add_scaled(grad, buf, momentum)),
+                    None => {
+                        add_scaled_into(&tmp[0], grad, buf, momentum);
+                        d_p = Some(tmp[0].shallow_clone());
+                    }
                 }
                 // param.add_(grad, alpha=-lr)
                 add_scaled_(param, d_p.as_ref().expect("set above"), neg_lr);
@@ -481,6 +571,7 @@ fn sgd_update(
 
 /// `_single_tensor_adam` for one parameter (amsgrad and maximize off; AdamW is the decoupled
 /// weight decay variant).
+#[allow(clippy::too_many_arguments)]
 fn adam_update(
     h: &Hyper,
     c: &StepConsts,
@@ -489,6 +580,7 @@ fn adam_update(
     exp_avg: &mut Tensor,
     exp_avg_sq: &mut Tensor,
     sc: Option<&Scalars>,
+    ws: &mut [Tensor],
 ) {
     let [beta1, beta2] = h.betas;
     // Which kernel's rounding of addcmul/addcdiv with a `value` to reproduce (module docs);
@@ -497,7 +589,7 @@ fn adam_update(
         Some(sc) if param.device() != Device::Cpu => Some(sc),
         _ => None,
     };
-    let mut own_grad = None;
+    let mut own_grad: Option<Tensor> = None;
     if h.weight_decay != 0.0 {
         match h.kind {
             // param.mul_(1 - lr * weight_decay)
@@ -506,11 +598,8 @@ fn adam_update(
             }
             // grad = grad.add(param, alpha=weight_decay)
             _ => {
-                own_grad = Some(add_scaled(
-                    grad,
-                    param,
-                    Coef::new(h.weight_decay, sc, |s| &s.weight_decay),
-                ))
+                add_scaled_into(&ws[0], grad, param, Coef::new(h.weight_decay, sc, |s| &s.weight_decay));
+                own_grad = Some(ws[0].shallow_clone());
             }
         }
     }
@@ -519,18 +608,17 @@ fn adam_update(
     let _ = exp_avg.lerp_(g, 1.0 - beta1);
     // exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
     mul_(exp_avg_sq, beta2);
-    let mut tmp = match cuda_forms {
+    let mut tmp = ws[1].shallow_clone();
+    match cuda_forms {
         None => {
-            let t = g.g_mul_scalar(1.0 - beta2);
-            let _ = exp_avg_sq.addcmul_(&t, g);
-            t
+            let _ = g.mul_scalar_out(&tmp, 1.0 - beta2);
+            let _ = exp_avg_sq.addcmul_(&tmp, g);
         }
         Some(sc) => {
-            let t = g.g_mul(g);
-            let _ = exp_avg_sq.addcmul_(&t, &sc.one_minus_beta2);
-            t
+            let _ = g.mul_out(&tmp, g);
+            let _ = exp_avg_sq.addcmul_(&tmp, &sc.one_minus_beta2);
         }
-    };
+    }
     // denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps), built in `tmp`
     let _ = exp_avg_sq.sqrt_out(&tmp);
     let _ = tmp.g_div_scalar_(c.bias_correction2_sqrt);
@@ -538,13 +626,9 @@ fn adam_update(
     // param.addcdiv_(exp_avg, denom, value=-step_size)
     match cuda_forms {
         None => {
-            let upd = match own_grad {
-                Some(buf) => {
-                    let _ = exp_avg.mul_scalar_out(&buf, -c.step_size);
-                    buf
-                }
-                None => exp_avg.g_mul_scalar(-c.step_size),
-            };
+            // Slot 0 holds the decayed grad, which is dead by now.
+            let upd = ws[0].shallow_clone();
+            let _ = exp_avg.mul_scalar_out(&upd, -c.step_size);
             let _ = param.addcdiv_(&upd, &tmp);
         }
         Some(sc) => {

@@ -43,8 +43,9 @@ use serde::Serialize;
 use tch::nn::{self, Module, ModuleT, RNN};
 use tch::{Kind, Tensor};
 
-use super::Net;
-use crate::spec::DartsOptions;
+use super::{Built, ExtraStep, Net, Preset};
+use crate::optim::Hyper;
+use crate::spec::{DartsOptions, Model, OptimizerKind};
 
 /// Channels of the stem, as a multiple of `init_channels` (3 in DARTS).
 const STEM_MULTIPLIER: i64 = 3;
@@ -528,6 +529,94 @@ impl Cell {
             e += n_in;
         }
         Tensor::cat(&states[2..], 1)
+    }
+}
+
+/// The `darts` preset.
+pub struct DartsPreset;
+
+impl Preset for DartsPreset {
+    fn validate(&self, m: &Model) -> Vec<(String, String)> {
+        let mut p: Vec<(String, String)> = vec![];
+        let o = m.darts.clone().unwrap_or_default();
+        for (key, v, min) in [
+            ("in_channels", o.in_channels, 1),
+            ("input_length", o.input_length, 8),
+            ("num_classes", o.num_classes, 2),
+            ("init_channels", o.init_channels, 2),
+            ("num_cells", o.num_cells, 1),
+            ("num_nodes", o.num_nodes, 1),
+        ] {
+            if v < min {
+                p.push((format!("model.darts.{key}"), format!("must be at least {min}, got {v}")));
+            }
+        }
+        if o.arch_lr <= 0.0 || !o.arch_lr.is_finite() {
+            p.push((
+                "model.darts.arch_lr".into(),
+                format!("must be positive, got {}", o.arch_lr),
+            ));
+        }
+        if o.arch_weight_decay < 0.0 || !o.arch_weight_decay.is_finite() {
+            p.push((
+                "model.darts.arch_weight_decay".into(),
+                format!("must be in [0, ∞), got {}", o.arch_weight_decay),
+            ));
+        }
+        if o.ops.is_empty() || o.ops.iter().all(|op| op == "none") {
+            p.push((
+                "model.darts.ops".into(),
+                "must list at least one operation besides \"none\"".into(),
+            ));
+        }
+        for (i, op) in o.ops.iter().enumerate() {
+            if !KNOWN_OPS.contains(&op.as_str()) {
+                p.push((
+                    "model.darts.ops".into(),
+                    format!("has unknown operation \"{op}\"; known: {}", KNOWN_OPS.join(", ")),
+                ));
+            } else if o.ops[..i].contains(op) {
+                p.push((
+                    "model.darts.ops".into(),
+                    format!("lists \"{op}\" twice; each operation may appear once"),
+                ));
+            }
+        }
+        if o.ops.iter().any(|op| op.starts_with("attention")) && o.init_channels % 4 != 0 {
+            p.push((
+                "model.darts.init_channels".into(),
+                format!(
+                    "must be a multiple of 4 when attention ops are used (heads split the channels), got {}",
+                    o.init_channels
+                ),
+            ));
+        }
+        p
+    }
+
+    fn build(&self, root: &nn::Path, m: &Model) -> Result<Built> {
+        let o = m.darts.clone().unwrap_or_default();
+        Ok(Built {
+            input_shape: vec![o.in_channels, o.input_length],
+            num_classes: o.num_classes,
+            net: Box::new(Darts::new(root, &o)?),
+        })
+    }
+
+    /// First-order DARTS: α trains with Adam(β = (0.5, 0.999)) and weight decay on held-out data.
+    fn extra_step(&self, m: &Model) -> Option<ExtraStep> {
+        let o = m.darts.clone().unwrap_or_default();
+        Some(ExtraStep {
+            lr: o.arch_lr,
+            hyper: Hyper {
+                kind: OptimizerKind::Adam,
+                momentum: 0.0,
+                nesterov: false,
+                weight_decay: o.arch_weight_decay,
+                betas: [0.5, 0.999],
+                eps: 1e-8,
+            },
+        })
     }
 }
 

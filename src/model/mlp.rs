@@ -1,8 +1,42 @@
 //! `mlp`: Linear → ReLU layers; small, for tests and tabular data.
 use tch::{nn, nn::Module, Tensor};
 
-use super::Net;
-use crate::spec::MlpOptions;
+use anyhow::Result;
+
+use super::{Built, Net, Preset};
+use crate::spec::{MlpOptions, Model};
+
+pub struct MlpPreset;
+
+impl Preset for MlpPreset {
+    fn validate(&self, m: &Model) -> Vec<(String, String)> {
+        let mut p = vec![];
+        let o = m.mlp.clone().unwrap_or_default();
+        for (key, v, min) in [("inputs", o.inputs, 1), ("num_classes", o.num_classes, 2)] {
+            if v < min {
+                p.push((format!("model.mlp.{key}"), format!("must be at least {min}, got {v}")));
+            }
+        }
+        for (i, h) in o.hidden.iter().enumerate() {
+            if *h < 1 {
+                p.push((
+                    "model.mlp.hidden".into(),
+                    format!("entries must be at least 1, got {h} at position {i}"),
+                ));
+            }
+        }
+        p
+    }
+
+    fn build(&self, root: &tch::nn::Path, m: &Model) -> Result<Built> {
+        let o = m.mlp.clone().unwrap_or_default();
+        Ok(Built {
+            input_shape: vec![o.inputs],
+            num_classes: o.num_classes,
+            net: Box::new(Mlp::new(root, &o)),
+        })
+    }
+}
 
 #[derive(Debug)]
 pub struct Mlp {

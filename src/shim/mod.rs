@@ -1,5 +1,6 @@
 //! The bridge to the libtorch calls tch lacks (see shim.cpp): memory statistics, cache control,
-//! device memory info, versions and the allocator snapshot. Everything C++ stays behind this module.
+//! device memory info, versions, the allocator snapshot and the counting CPU allocator.
+//! Everything C++ stays behind this module.
 use std::ffi::{c_char, CStr};
 
 use anyhow::{bail, Result};
@@ -23,7 +24,22 @@ struct MtDeviceStats {
     num_ooms: i64,
 }
 
+#[repr(C)]
+#[derive(Debug, Default, Clone, Copy)]
+struct MtCpuStats {
+    allocated: i64,
+    peak: i64,
+    cap: i64,
+    num_ooms: i64,
+    installed: i32,
+}
+
 extern "C" {
+    fn mt_cpu_alloc_install() -> *mut c_char;
+    fn mt_cpu_alloc_set_cap(cap: i64);
+    fn mt_cpu_alloc_stats(out: *mut MtCpuStats);
+    fn mt_cpu_alloc_reset_peak();
+    fn mt_cuda_mem_get_info(device: i64, free: *mut u64, total: *mut u64) -> *mut c_char;
     fn mt_free_error(e: *mut c_char);
     fn mt_accelerator_available() -> i32;
     fn mt_accelerator_device_count(out: *mut i64) -> *mut c_char;
@@ -193,6 +209,58 @@ pub fn memory_snapshot() -> Result<Vec<u8>> {
     let out = unsafe { std::slice::from_raw_parts(data as *const u8, len as usize) }.to_vec();
     unsafe { mt_free_buffer(data) };
     Ok(out)
+}
+
+/// Tensor bytes on the CPU as the counting allocator sees them.
+#[derive(Debug, Default, Clone, Copy, Serialize, PartialEq, Eq)]
+pub struct CpuStats {
+    pub allocated: u64,
+    pub peak_allocated: u64,
+    /// None: no cap.
+    pub cap: Option<u64>,
+    pub num_ooms: u64,
+    /// False until `cpu_alloc_install`; then every CPU tensor allocated from here on is counted.
+    pub installed: bool,
+}
+
+/// Makes libtorch's CPU allocator the counting one (idempotent). Call before loading anything.
+pub fn cpu_alloc_install() -> Result<()> {
+    check(unsafe { mt_cpu_alloc_install() })
+}
+
+/// Caps live CPU tensor bytes; an allocation past it fails with PyTorch's out-of-memory error.
+/// `None` removes the cap.
+pub fn cpu_alloc_set_cap(bytes: Option<u64>) {
+    let v = bytes.map_or(0, |b| b.min(i64::MAX as u64) as i64);
+    unsafe { mt_cpu_alloc_set_cap(v) }
+}
+
+pub fn cpu_alloc_stats() -> CpuStats {
+    let mut s = MtCpuStats::default();
+    unsafe { mt_cpu_alloc_stats(&mut s) };
+    CpuStats {
+        allocated: s.allocated.max(0) as u64,
+        peak_allocated: s.peak.max(0) as u64,
+        cap: (s.cap > 0).then_some(s.cap as u64),
+        num_ooms: s.num_ooms.max(0) as u64,
+        installed: s.installed == 1,
+    }
+}
+
+/// Starts a new peak window: the peak becomes what is allocated now.
+pub fn cpu_alloc_reset_peak() {
+    unsafe { mt_cpu_alloc_reset_peak() }
+}
+
+/// (free, total) bytes of CUDA device `device` from the CUDA runtime itself, without starting
+/// the caching allocator (whose settings must still be open to change); `None` without CUDA.
+pub fn cuda_mem_get_info(device: usize) -> Result<Option<(u64, u64)>> {
+    if !accelerator_available() {
+        return Ok(None);
+    }
+    let (mut free, mut total) = (0u64, 0u64);
+    check(unsafe { mt_cuda_mem_get_info(device as i64, &mut free, &mut total) })?;
+    Ok(Some((free, total)))
 }
 
 #[cfg(test)]

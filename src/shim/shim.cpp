@@ -1,5 +1,6 @@
 // The few libtorch calls tch does not bind: accelerator memory statistics, cache control,
-// device memory info, version strings and the allocator's memory snapshot.
+// device memory info, version strings, the allocator's memory snapshot, and the counting CPU
+// allocator that gives CPU runs exact tensor-byte accounting and a cap.
 //
 // Every entry point is `extern "C"`, catches every C++ exception and returns it as a
 // malloc'd message (freed with mt_free_error), so nothing unwinds into Rust and nothing
@@ -9,6 +10,12 @@
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/version.h>
 #include <c10/core/CachingDeviceAllocator.h>
+#include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <dlfcn.h>
+#include <cstdio>
 
 #include <cstdint>
 #include <cstdlib>
@@ -22,10 +29,15 @@
 
 namespace {
 
+// Returned when even the error message cannot be allocated: a failure must never read as
+// success (nullptr). mt_free_error knows not to free it. The wording classifies as an OOM.
+char kNoMemoryForMessage[] = "CPU out of memory: the shim could not allocate its error message";
+
 char *dup_error(const char *msg) {
   size_t n = std::strlen(msg);
   char *out = static_cast<char *>(std::malloc(n + 1));
-  if (out) std::memcpy(out, msg, n + 1);
+  if (!out) return kNoMemoryForMessage;
+  std::memcpy(out, msg, n + 1);
   return out;
 }
 
@@ -38,6 +50,89 @@ template <typename F> char *guarded(F &&f) {
   } catch (...) {
     return dup_error("unknown C++ exception");
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Counting CPU allocator
+//
+// Wraps libtorch's default CPU allocator. Every allocation carries a 64-byte header in front of
+// the data (keeping the default's 64-byte alignment) with its size and the inner deleter, so the
+// deleter can subtract exactly what was added without a lookup table. data == context, so
+// raw_allocate/raw_deallocate keep working. An allocation that would pass the cap throws
+// c10::OutOfMemoryError before anything is allocated: the semantics of CUDA's per-process
+// memory fraction, on tensor bytes rather than on RSS.
+
+constexpr size_t kHeader = 64;
+
+struct Header {
+  uint64_t size;
+  c10::DeleterFnPtr inner_deleter;
+  void *inner_context;
+};
+static_assert(sizeof(Header) <= kHeader, "header must fit in front of the data");
+
+std::string mib(int64_t b) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.2f MiB", static_cast<double>(b) / (1024.0 * 1024.0));
+  return buf;
+}
+
+struct CountingCpuAllocator final : c10::Allocator {
+  c10::Allocator *inner = nullptr;
+  std::atomic<int64_t> current{0};
+  std::atomic<int64_t> peak{0};
+  std::atomic<int64_t> cap{0}; // 0: no cap
+  std::atomic<int64_t> num_ooms{0};
+
+  static void counted_delete(void *data);
+
+  c10::DataPtr allocate(size_t n) override {
+    if (n == 0) return inner->allocate(0);
+    const int64_t want = static_cast<int64_t>(n);
+    const int64_t now = current.fetch_add(want) + want;
+    const int64_t limit = cap.load();
+    if (limit > 0 && now > limit) {
+      current.fetch_sub(want);
+      num_ooms.fetch_add(1);
+      TORCH_CHECK_WITH(OutOfMemoryError, false, "CPU out of memory: can't allocate memory: tried to allocate ",
+                       mib(want), " with ", mib(now - want), " of tensors already allocated under the run's ",
+                       mib(limit), " cap (memory.limit / memory.fraction)");
+    }
+    int64_t seen = peak.load();
+    while (now > seen && !peak.compare_exchange_weak(seen, now)) {
+    }
+    c10::DataPtr raw;
+    try {
+      raw = inner->allocate(n + kHeader);
+    } catch (...) {
+      current.fetch_sub(want);
+      num_ooms.fetch_add(1);
+      throw;
+    }
+    char *base = static_cast<char *>(raw.get());
+    Header h{static_cast<uint64_t>(n), raw.get_deleter(), nullptr};
+    h.inner_context = raw.release_context();
+    std::memcpy(base, &h, sizeof h);
+    void *data = base + kHeader;
+    return {data, data, &counted_delete, c10::Device(c10::DeviceType::CPU)};
+  }
+
+  c10::DeleterFnPtr raw_deleter() const override { return &counted_delete; }
+
+  void copy_data(void *dest, const void *src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+
+CountingCpuAllocator g_counting;
+
+void CountingCpuAllocator::counted_delete(void *data) {
+  if (!data) return;
+  char *base = static_cast<char *>(data) - kHeader;
+  Header h;
+  std::memcpy(&h, base, sizeof h);
+  g_counting.current.fetch_sub(static_cast<int64_t>(h.size));
+  if (h.inner_deleter) h.inner_deleter(h.inner_context);
 }
 
 // Accelerator calls throw when no accelerator is present; callers check this first so that
@@ -63,7 +158,43 @@ struct MtDeviceStats {
   int64_t num_ooms;
 };
 
-void mt_free_error(char *e) { std::free(e); }
+void mt_free_error(char *e) {
+  if (e != kNoMemoryForMessage) std::free(e);
+}
+
+// Mirrors MtCpuStats in src/shim/mod.rs.
+struct MtCpuStats {
+  int64_t allocated;
+  int64_t peak;
+  int64_t cap;
+  int64_t num_ooms;
+  int installed;
+};
+
+// Installs the counting allocator as libtorch's CPU allocator (idempotent). Tensors allocated
+// before keep their own deleters and are simply not counted.
+char *mt_cpu_alloc_install() {
+  return guarded([] {
+    static bool done = false;
+    if (done) return;
+    g_counting.inner = c10::GetDefaultCPUAllocator();
+    c10::SetCPUAllocator(&g_counting, /*priority=*/1);
+    done = true;
+  });
+}
+
+// cap <= 0 removes the cap.
+void mt_cpu_alloc_set_cap(int64_t cap) { g_counting.cap.store(cap > 0 ? cap : 0); }
+
+void mt_cpu_alloc_stats(MtCpuStats *out) {
+  out->allocated = g_counting.current.load();
+  out->peak = g_counting.peak.load();
+  out->cap = g_counting.cap.load();
+  out->num_ooms = g_counting.num_ooms.load();
+  out->installed = g_counting.inner != nullptr ? 1 : 0;
+}
+
+void mt_cpu_alloc_reset_peak() { g_counting.peak.store(g_counting.current.load()); }
 
 int mt_accelerator_available() {
   try {
@@ -179,5 +310,30 @@ char *mt_memory_snapshot(char **data, uint64_t *len) {
 }
 
 void mt_free_buffer(char *b) { std::free(b); }
+
+// Free and total memory of a CUDA device straight from the CUDA runtime (cudaMemGetInfo), which
+// libtorch_cuda has loaded. Unlike the caching allocator's view this needs no allocator, so a
+// memory.limit can become a fraction before the allocator reads its settings; it is right under
+// MIG slices and any CUDA_VISIBLE_DEVICES order, and needs no NVML.
+char *mt_cuda_mem_get_info(int64_t device, uint64_t *free_bytes, uint64_t *total_bytes) {
+  return guarded([&] {
+    using GetDevice = int (*)(int *);
+    using SetDevice = int (*)(int);
+    using MemGetInfo = int (*)(size_t *, size_t *);
+    auto get = reinterpret_cast<GetDevice>(dlsym(RTLD_DEFAULT, "cudaGetDevice"));
+    auto set = reinterpret_cast<SetDevice>(dlsym(RTLD_DEFAULT, "cudaSetDevice"));
+    auto info = reinterpret_cast<MemGetInfo>(dlsym(RTLD_DEFAULT, "cudaMemGetInfo"));
+    if (!get || !set || !info) throw std::runtime_error("the CUDA runtime (libcudart) is not loaded");
+    int prev = 0;
+    if (get(&prev) != 0) throw std::runtime_error("cudaGetDevice failed");
+    if (set(static_cast<int>(device)) != 0) throw std::runtime_error("cudaSetDevice failed");
+    size_t f = 0, t = 0;
+    int rc = info(&f, &t);
+    set(prev);
+    if (rc != 0) throw std::runtime_error("cudaMemGetInfo failed with CUDA error " + std::to_string(rc));
+    *free_bytes = f;
+    *total_bytes = t;
+  });
+}
 
 } // extern "C"

@@ -66,8 +66,27 @@ pub struct LoadedSpec {
     pub path: PathBuf,
 }
 
+/// Problems a layer below the spec finds in it (a preset's options), as (dotted key, message).
+pub type MoreChecks<'a> = &'a dyn Fn(&Spec) -> Vec<(String, String)>;
+
+/// Parses `--set` arguments and loads the spec with `more` checks (the presets'); every
+/// failure is a spec error (exit 2) placed at its `file:line:col` or override.
+pub fn load_args(file: &Path, sets: &[String], more: MoreChecks) -> Result<LoadedSpec, SpecError> {
+    let overrides = sets
+        .iter()
+        .map(|s| Override::parse(s))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|m| SpecError { problems: vec![m] })?;
+    load_with(file, &overrides, more)
+}
+
 /// Reads, overrides, deserialises and validates a spec.
 pub fn load(path: &Path, overrides: &[Override]) -> Result<LoadedSpec, SpecError> {
+    load_with(path, overrides, &|_| vec![])
+}
+
+/// `load`, with `more` checks run after the spec's own.
+pub fn load_with(path: &Path, overrides: &[Override], more: MoreChecks) -> Result<LoadedSpec, SpecError> {
     let shown = path.display().to_string();
     let one = |m: String| SpecError { problems: vec![m] };
     let text = std::fs::read_to_string(path).map_err(|e| one(format!("{shown}: cannot read spec file: {e}")))?;
@@ -116,7 +135,10 @@ pub fn load(path: &Path, overrides: &[Override]) -> Result<LoadedSpec, SpecError
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "job".into());
     }
-    let problems = validate::validate(&spec);
+    let mut problems = validate::validate(&spec);
+    if problems.is_empty() {
+        problems = more(&spec);
+    }
     if !problems.is_empty() {
         return Err(SpecError {
             problems: problems

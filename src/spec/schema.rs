@@ -107,7 +107,7 @@ impl ByteSize {
 
 impl fmt::Display for ByteSize {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&crate::report::human_bytes(self.0))
+        f.write_str(&crate::human::human_bytes(self.0))
     }
 }
 

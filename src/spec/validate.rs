@@ -74,62 +74,12 @@ fn model(p: &mut Problems, m: &Model) {
                     "is set but model.preset is \"mlp\"; remove [model.darts] or set preset = \"darts\"".into(),
                 ));
             }
-            let o = m.mlp.clone().unwrap_or_default();
-            at_least(p, "model.mlp.inputs", o.inputs, 1);
-            at_least(p, "model.mlp.num_classes", o.num_classes, 2);
-            for (i, h) in o.hidden.iter().enumerate() {
-                if *h < 1 {
-                    p.push((
-                        "model.mlp.hidden".into(),
-                        format!("entries must be at least 1, got {h} at position {i}"),
-                    ));
-                }
-            }
         }
         Preset::Darts => {
             if m.mlp.is_some() {
                 p.push((
                     "model.mlp".into(),
                     "is set but model.preset is \"darts\"; remove [model.mlp] or set preset = \"mlp\"".into(),
-                ));
-            }
-            let o = m.darts.clone().unwrap_or_default();
-            at_least(p, "model.darts.in_channels", o.in_channels, 1);
-            at_least(p, "model.darts.input_length", o.input_length, 8);
-            at_least(p, "model.darts.num_classes", o.num_classes, 2);
-            at_least(p, "model.darts.init_channels", o.init_channels, 2);
-            at_least(p, "model.darts.num_cells", o.num_cells, 1);
-            at_least(p, "model.darts.num_nodes", o.num_nodes, 1);
-            positive(p, "model.darts.arch_lr", o.arch_lr);
-            in_range(
-                p,
-                "model.darts.arch_weight_decay",
-                o.arch_weight_decay,
-                0.0,
-                f64::MAX,
-                "[0, ∞)",
-            );
-            if o.ops.is_empty() || o.ops.iter().all(|op| op == "none") {
-                p.push((
-                    "model.darts.ops".into(),
-                    "must list at least one operation besides \"none\"".into(),
-                ));
-            }
-            for op in &o.ops {
-                if !DARTS_OPS.contains(&op.as_str()) {
-                    p.push((
-                        "model.darts.ops".into(),
-                        format!("has unknown operation \"{op}\"; known: {}", DARTS_OPS.join(", ")),
-                    ));
-                }
-            }
-            if o.ops.iter().any(|op| op.starts_with("attention")) && o.init_channels % 4 != 0 {
-                p.push((
-                    "model.darts.init_channels".into(),
-                    format!(
-                        "must be a multiple of 4 when attention ops are used (heads split the channels), got {}",
-                        o.init_channels
-                    ),
                 ));
             }
         }

@@ -1,0 +1,539 @@
+//! The plan: everything `memtrain run` decides from the spec, the command line and the
+//! environment, resolved before anything happens. `Facts::probe` reads the world (GPUs, host
+//! memory, environment variables, the run directory and its latest checkpoint); `Plan::resolve`
+//! is a pure function of spec, request and facts. Setting limits and environment variables,
+//! loading and training all come after, from the plan.
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use crate::alloc_conf::{self, Conflict, EnvSettings};
+use crate::checkpoint::{Store, TrainState};
+use crate::exit::UsageError;
+pub use crate::memory::Cap;
+use crate::oom::BatchShape;
+use crate::spec::{self, Spec};
+use crate::{shim, sysmem};
+
+/// What the command line asks of `run`.
+#[derive(Debug, Clone, Default)]
+pub struct Request {
+    pub out: Option<PathBuf>,
+    /// `--resume` (None: not resuming; Some(None): the run directory; Some(Some(d)): d).
+    pub resume: Option<Option<PathBuf>>,
+}
+
+impl Request {
+    pub fn resuming(&self) -> bool {
+        self.resume.is_some()
+    }
+
+    /// The run directory: `--resume DIR`, else `--out`, else `<job.output_dir>/<job.name>`.
+    pub fn run_dir(&self, spec: &Spec) -> PathBuf {
+        match (&self.resume, &self.out) {
+            (Some(Some(d)), _) => d.clone(),
+            (_, Some(out)) => out.clone(),
+            _ => spec.job.output_dir.join(&spec.job.name),
+        }
+    }
+}
+
+/// The environment as probed before planning.
+#[derive(Debug, Clone, Default)]
+pub struct Facts {
+    pub cuda_devices: usize,
+    /// Total memory of the CUDA device the spec names (cudaMemGetInfo), when there is one.
+    pub cuda_total_bytes: Option<u64>,
+    pub host_ram_bytes: u64,
+    pub alloc_env: EnvSettings,
+    /// TORCH_SYMBOLIZE_MODE as the user set it.
+    pub symbolize_mode: Option<String>,
+    pub run_dir_exists: bool,
+    pub run_dir_has_run: bool,
+    pub run_dir_has_oom_report: bool,
+    /// The newest checkpoint of the run directory and its state (read only when resuming).
+    pub checkpoint: Option<(PathBuf, TrainState)>,
+}
+
+impl Facts {
+    pub fn probe(spec: &Spec, request: &Request) -> anyhow::Result<Facts> {
+        let run_dir = request.run_dir(spec);
+        let cuda_devices = if spec.job.device != spec::Device::Cpu && shim::accelerator_available() {
+            shim::device_count()?
+        } else {
+            0
+        };
+        let index = match spec.job.device {
+            spec::Device::Cuda(i) => i,
+            _ => 0,
+        };
+        let cuda_total_bytes = if index < cuda_devices {
+            shim::cuda_mem_get_info(index)?.map(|(_, total)| total)
+        } else {
+            None
+        };
+        let checkpoint = match request.resuming() {
+            true => match Store::latest_in(&run_dir) {
+                Some(dir) => Some((dir.clone(), Store::load_state(&dir)?)),
+                None => None,
+            },
+            false => None,
+        };
+        Ok(Facts {
+            cuda_devices,
+            cuda_total_bytes,
+            host_ram_bytes: sysmem::host_memory()?.ram_total_bytes,
+            alloc_env: EnvSettings::from_env(),
+            symbolize_mode: std::env::var("TORCH_SYMBOLIZE_MODE").ok().filter(|v| !v.is_empty()),
+            run_dir_exists: run_dir.exists(),
+            run_dir_has_run: run_dir.join("metrics.jsonl").exists() || run_dir.join("checkpoints").exists(),
+            run_dir_has_oom_report: run_dir.join("oom").exists(),
+            checkpoint,
+        })
+    }
+}
+
+/// Where the run trains.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DevicePlan {
+    Cpu,
+    Cuda(usize),
+}
+
+impl DevicePlan {
+    pub fn tch(self) -> tch::Device {
+        match self {
+            DevicePlan::Cpu => tch::Device::Cpu,
+            DevicePlan::Cuda(i) => tch::Device::Cuda(i),
+        }
+    }
+}
+
+/// Allocator settings: the string in force and the environment variables to set for it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct AllocPlan {
+    pub conf: Option<String>,
+    pub conflicts: Vec<Conflict>,
+}
+
+/// Where a resumed run picks up.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Resume {
+    pub checkpoint: PathBuf,
+    /// The checkpoint's state reconciled with the spec (batch shape, effective batch).
+    pub state: TrainState,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    pub run_dir: PathBuf,
+    pub device: DevicePlan,
+    pub cap: Option<Cap>,
+    pub alloc: AllocPlan,
+    /// Variables to set before CUDA starts (allocator settings, symbolizer).
+    pub env: Vec<(String, String)>,
+    /// libtorch CPU threads; None keeps libtorch's default.
+    pub threads: Option<i32>,
+    pub record_history: bool,
+    /// The spec's batch shape (its product is the effective batch, which never changes).
+    pub configured: BatchShape,
+    /// The state training starts from: fresh, or the reconciled checkpoint's.
+    pub start: TrainState,
+    pub resume: Option<Resume>,
+    /// An earlier session already wrote `oom/`.
+    pub oom_reported: bool,
+    /// Set when a resumed run has nothing left to train; `run` says so and stops.
+    pub nothing_to_do: Option<String>,
+}
+
+impl Plan {
+    pub fn resolve(spec: &Spec, request: &Request, facts: &Facts) -> Result<Plan, UsageError> {
+        let run_dir = request.run_dir(spec);
+        check_run_dir(&run_dir, request.resuming(), facts)?;
+        let configured = BatchShape {
+            micro_batch: spec.train.batch_size,
+            accumulation_steps: spec.train.accumulation_steps,
+        };
+        let mut device = resolve_device(spec.job.device, facts.cuda_devices)?;
+        let mut start = fresh_state(configured);
+        let mut resume = None;
+        let mut nothing_to_do = None;
+        if request.resuming() {
+            let Some((checkpoint, state)) = &facts.checkpoint else {
+                return Err(UsageError(format!(
+                    "--resume: {} has no checkpoint to resume from (looked in {}/checkpoints)",
+                    run_dir.display(),
+                    run_dir.display()
+                )));
+            };
+            start = reconcile(state.clone(), configured, spec.train.batch_size)?;
+            if start.on_cpu_fallback {
+                // The run fell back to the CPU before this checkpoint; it continues there.
+                device = DevicePlan::Cpu;
+            }
+            if start.epoch >= spec.train.epochs {
+                nothing_to_do = Some(format!(
+                    "{} already finished {} epoch(s), which train.epochs ({}) does not exceed; raise it (e.g. --set train.epochs={}) to train further",
+                    run_dir.display(),
+                    start.epoch,
+                    spec.train.epochs,
+                    start.epoch + 1
+                ));
+            }
+            resume = Some(Resume {
+                checkpoint: checkpoint.clone(),
+                state: start.clone(),
+            });
+        }
+        let cap = resolve_cap(spec, device, facts)?;
+        let fraction = cap
+            .as_ref()
+            .filter(|c| c.kind == "cuda_fraction")
+            .and_then(|c| c.fraction);
+        let ours = alloc_conf::from_spec(&spec.memory.allocator, fraction);
+        let mut env = vec![];
+        let alloc = if ours.is_empty() {
+            AllocPlan {
+                conf: facts.alloc_env.effective().map(str::to_owned),
+                conflicts: vec![],
+            }
+        } else {
+            let (conf, conflicts) = alloc_conf::merge(facts.alloc_env.effective(), &ours);
+            env.push((alloc_conf::CUDA_VAR.to_owned(), conf.clone()));
+            env.push((alloc_conf::GENERIC_VAR.to_owned(), conf.clone()));
+            AllocPlan {
+                conf: Some(conf),
+                conflicts,
+            }
+        };
+        let record_history = spec.memory.record_history && matches!(device, DevicePlan::Cuda(_));
+        if record_history && facts.symbolize_mode.is_none() {
+            // 2.11 symbolizes recorded stacks by forking addr2line; without binutils the forked
+            // child carries on as a second memtrain holding a CUDA context. dladdr stays in-process.
+            env.push(("TORCH_SYMBOLIZE_MODE".to_owned(), "dladdr".to_owned()));
+        }
+        Ok(Plan {
+            run_dir,
+            device,
+            cap,
+            alloc,
+            env,
+            threads: (spec.job.threads > 0).then_some(spec.job.threads as i32),
+            record_history,
+            configured,
+            start,
+            resume,
+            oom_reported: facts.run_dir_has_oom_report,
+            nothing_to_do,
+        })
+    }
+}
+
+/// A run directory that already holds a run is never overwritten silently.
+fn check_run_dir(dir: &Path, resuming: bool, facts: &Facts) -> Result<(), UsageError> {
+    if facts.run_dir_has_run && !resuming {
+        return Err(UsageError(format!(
+            "{} already holds a run; pass --resume to continue it, --out DIR to start a new run elsewhere, or remove the directory",
+            dir.display()
+        )));
+    }
+    if resuming && !facts.run_dir_exists {
+        return Err(UsageError(format!(
+            "--resume: run directory {} does not exist",
+            dir.display()
+        )));
+    }
+    Ok(())
+}
+
+fn resolve_device(wanted: spec::Device, cuda_devices: usize) -> Result<DevicePlan, UsageError> {
+    match wanted {
+        spec::Device::Cpu => Ok(DevicePlan::Cpu),
+        spec::Device::Auto if cuda_devices > 0 => Ok(DevicePlan::Cuda(0)),
+        spec::Device::Auto => Ok(DevicePlan::Cpu),
+        spec::Device::Cuda(i) if i < cuda_devices => Ok(DevicePlan::Cuda(i)),
+        spec::Device::Cuda(i) => Err(UsageError(format!(
+            "job.device is cuda:{i} but libtorch sees {cuda_devices} CUDA device(s) (see `memtrain info`); use device = \"auto\" or \"cpu\""
+        ))),
+    }
+}
+
+/// memory.limit / memory.fraction as a cap: on CUDA a per-process fraction of the total the CUDA
+/// runtime reports for the device; on the CPU a cap on live tensor bytes (a fraction of RAM).
+fn resolve_cap(spec: &Spec, device: DevicePlan, facts: &Facts) -> Result<Option<Cap>, UsageError> {
+    let m = &spec.memory;
+    match device {
+        DevicePlan::Cuda(i) => {
+            let Some(total) = facts.cuda_total_bytes else {
+                return match (m.limit, m.fraction) {
+                    (None, None) => Ok(None),
+                    _ => Err(UsageError(format!(
+                        "memory.limit/fraction on cuda:{i} needs the device's total memory, and the CUDA runtime did not report it"
+                    ))),
+                };
+            };
+            let fraction = match (m.fraction, m.limit) {
+                (Some(f), _) => f,
+                (None, Some(l)) => (l.0 as f64 / total as f64).min(1.0),
+                (None, None) => return Ok(None),
+            };
+            Ok(Some(Cap {
+                kind: "cuda_fraction",
+                bytes: (fraction * total as f64) as u64,
+                fraction: Some(fraction),
+            }))
+        }
+        DevicePlan::Cpu => {
+            let bytes = match (m.limit, m.fraction) {
+                (Some(l), _) => l.0,
+                (None, Some(f)) => (f * facts.host_ram_bytes as f64) as u64,
+                (None, None) => return Ok(None),
+            };
+            Ok(Some(Cap {
+                kind: "cpu_tensor_bytes",
+                bytes,
+                fraction: m.fraction,
+            }))
+        }
+    }
+}
+
+pub fn fresh_state(shape: BatchShape) -> TrainState {
+    TrainState {
+        epoch: 0,
+        groups_done: 0,
+        global_step: 0,
+        weight_steps: 0,
+        arch_steps: 0,
+        val_cursor: 0,
+        micro_batch: shape.micro_batch,
+        accumulation_steps: shape.accumulation_steps,
+        effective_batch: shape.effective(),
+        clean_steps: 0,
+        epoch_loss_sum: 0.0,
+        epoch_correct: 0,
+        epoch_seen: 0,
+        on_cpu_fallback: false,
+        monitored: None,
+        finished: false,
+    }
+}
+
+/// A checkpoint's state against the spec now: a changed effective batch is taken at an epoch
+/// boundary (refused mid-epoch, where it would change the groups), and a smaller micro-batch
+/// asked for at resume (e.g. after an OOM exit) is honoured.
+pub fn reconcile(mut state: TrainState, configured: BatchShape, batch_size: i64) -> Result<TrainState, UsageError> {
+    if state.effective_batch > 0 && state.effective_batch != configured.effective() {
+        if state.groups_done > 0 {
+            return Err(UsageError(format!(
+                "the checkpoint stopped mid-epoch with an effective batch of {}, but the spec now asks for {} ({} x {}); keep {} to resume, or resume from an end-of-epoch checkpoint",
+                state.effective_batch,
+                configured.effective(),
+                configured.micro_batch,
+                configured.accumulation_steps,
+                state.effective_batch
+            )));
+        }
+        state.effective_batch = configured.effective();
+        state.micro_batch = configured.micro_batch;
+        state.accumulation_steps = configured.accumulation_steps;
+    } else if batch_size < state.micro_batch {
+        state.micro_batch = batch_size;
+        state.accumulation_steps = (configured.effective() + batch_size - 1) / batch_size;
+    }
+    Ok(state)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(extra: &str) -> Spec {
+        toml::from_str(&format!("[model]\npreset = \"mlp\"\n{extra}")).unwrap()
+    }
+
+    fn facts() -> Facts {
+        Facts {
+            host_ram_bytes: 16 << 30,
+            ..Default::default()
+        }
+    }
+
+    fn fresh() -> Request {
+        Request::default()
+    }
+
+    #[test]
+    fn a_cpu_plan_caps_tensor_bytes_from_limit_or_fraction() {
+        let p = Plan::resolve(&spec("[memory]\nlimit = \"100MiB\"\n"), &fresh(), &facts()).unwrap();
+        assert_eq!(p.device, DevicePlan::Cpu);
+        assert_eq!(
+            p.cap,
+            Some(Cap {
+                kind: "cpu_tensor_bytes",
+                bytes: 100 << 20,
+                fraction: None
+            })
+        );
+        let p = Plan::resolve(&spec("[memory]\nfraction = 0.25\n"), &fresh(), &facts()).unwrap();
+        assert_eq!(p.cap.unwrap().bytes, 4 << 30);
+        let p = Plan::resolve(&spec(""), &fresh(), &facts()).unwrap();
+        assert_eq!(p.cap, None);
+        assert_eq!(p.run_dir, PathBuf::from("runs/"));
+        assert!(p.env.is_empty() && p.resume.is_none() && p.nothing_to_do.is_none());
+    }
+
+    #[test]
+    fn a_cuda_limit_is_a_fraction_of_what_the_runtime_reports() {
+        let f = Facts {
+            cuda_devices: 1,
+            cuda_total_bytes: Some(8 << 30),
+            ..facts()
+        };
+        let p = Plan::resolve(&spec("[memory]\nlimit = \"2GiB\"\n"), &fresh(), &f).unwrap();
+        assert_eq!(p.device, DevicePlan::Cuda(0));
+        let cap = p.cap.unwrap();
+        assert_eq!(
+            (cap.kind, cap.bytes, cap.fraction),
+            ("cuda_fraction", 2 << 30, Some(0.25))
+        );
+        assert_eq!(p.alloc.conf.as_deref(), Some("per_process_memory_fraction:0.250000"));
+        assert!(p.env.iter().any(|(k, _)| k == "PYTORCH_CUDA_ALLOC_CONF"));
+        // Without the runtime's total, a limit cannot become a fraction: say so.
+        let f = Facts {
+            cuda_devices: 1,
+            ..facts()
+        };
+        let e = Plan::resolve(&spec("[memory]\nlimit = \"2GiB\"\n"), &fresh(), &f).unwrap_err();
+        assert!(e.0.contains("total memory"), "{}", e.0);
+    }
+
+    #[test]
+    fn devices_resolve_or_explain() {
+        let f = Facts {
+            cuda_devices: 1,
+            cuda_total_bytes: Some(1 << 30),
+            ..facts()
+        };
+        assert_eq!(
+            Plan::resolve(&spec("[job]\ndevice = \"auto\"\n"), &fresh(), &facts())
+                .unwrap()
+                .device,
+            DevicePlan::Cpu
+        );
+        assert_eq!(
+            Plan::resolve(&spec("[job]\ndevice = \"auto\"\n"), &fresh(), &f)
+                .unwrap()
+                .device,
+            DevicePlan::Cuda(0)
+        );
+        let e = Plan::resolve(&spec("[job]\ndevice = \"cuda:1\"\n"), &fresh(), &f).unwrap_err();
+        assert!(e.0.contains("cuda:1 but libtorch sees 1"), "{}", e.0);
+    }
+
+    #[test]
+    fn record_history_sets_the_symbolizer_unless_the_user_did() {
+        let s = spec("[job]\ndevice = \"cuda\"\n[memory]\nrecord_history = true\n");
+        let f = Facts {
+            cuda_devices: 1,
+            cuda_total_bytes: Some(1 << 30),
+            ..facts()
+        };
+        let p = Plan::resolve(&s, &fresh(), &f).unwrap();
+        assert!(p.env.contains(&("TORCH_SYMBOLIZE_MODE".into(), "dladdr".into())));
+        let f = Facts {
+            symbolize_mode: Some("fast".into()),
+            ..f
+        };
+        assert!(Plan::resolve(&s, &fresh(), &f).unwrap().env.is_empty());
+        // On the CPU there is no history to record.
+        let p = Plan::resolve(&spec("[memory]\nrecord_history = true\n"), &fresh(), &facts()).unwrap();
+        assert!(!p.record_history && p.env.is_empty());
+    }
+
+    #[test]
+    fn run_directories_are_never_overwritten_and_resume_needs_a_checkpoint() {
+        let busy = Facts {
+            run_dir_exists: true,
+            run_dir_has_run: true,
+            ..facts()
+        };
+        let e = Plan::resolve(&spec(""), &fresh(), &busy).unwrap_err();
+        assert!(e.0.contains("already holds a run"), "{}", e.0);
+        let resume = Request {
+            resume: Some(None),
+            ..Default::default()
+        };
+        let e = Plan::resolve(&spec(""), &resume, &facts()).unwrap_err();
+        assert!(e.0.contains("does not exist"), "{}", e.0);
+        let e = Plan::resolve(&spec(""), &resume, &busy).unwrap_err();
+        assert!(e.0.contains("no checkpoint"), "{}", e.0);
+    }
+
+    fn resumable(state: TrainState) -> Facts {
+        Facts {
+            run_dir_exists: true,
+            run_dir_has_run: true,
+            checkpoint: Some(("runs/x/checkpoints/step-000000004".into(), state)),
+            ..facts()
+        }
+    }
+
+    #[test]
+    fn resume_reconciles_the_checkpoint_with_the_spec() {
+        let shape = BatchShape {
+            micro_batch: 8,
+            accumulation_steps: 4,
+        };
+        let resume = Request {
+            resume: Some(None),
+            ..Default::default()
+        };
+        let mut mid = fresh_state(shape);
+        mid.groups_done = 3;
+        mid.micro_batch = 4;
+        mid.accumulation_steps = 8;
+        // Same effective batch: the backed-off micro-batch is kept.
+        let s = spec("[train]\nbatch_size = 8\naccumulation_steps = 4\nepochs = 2\n");
+        let p = Plan::resolve(&s, &resume, &resumable(mid.clone())).unwrap();
+        assert_eq!((p.start.micro_batch, p.start.accumulation_steps), (4, 8));
+        // A smaller micro-batch asked for now is honoured.
+        let s2 = spec("[train]\nbatch_size = 2\naccumulation_steps = 16\nepochs = 2\n");
+        let p = Plan::resolve(&s2, &resume, &resumable(mid.clone())).unwrap();
+        assert_eq!((p.start.micro_batch, p.start.accumulation_steps), (2, 16));
+        // A different effective batch mid-epoch would change the groups: refused.
+        let s3 = spec("[train]\nbatch_size = 8\naccumulation_steps = 1\nepochs = 2\n");
+        let e = Plan::resolve(&s3, &resume, &resumable(mid.clone())).unwrap_err();
+        assert!(e.0.contains("mid-epoch with an effective batch of 32"), "{}", e.0);
+        // ... but taken at an epoch boundary.
+        let mut boundary = mid;
+        boundary.groups_done = 0;
+        boundary.epoch = 1;
+        let p = Plan::resolve(&s3, &resume, &resumable(boundary)).unwrap();
+        assert_eq!((p.start.micro_batch, p.start.effective_batch), (8, 8));
+    }
+
+    #[test]
+    fn a_fallen_back_run_resumes_on_the_cpu_and_a_finished_one_does_nothing() {
+        let shape = BatchShape {
+            micro_batch: 8,
+            accumulation_steps: 1,
+        };
+        let mut st = fresh_state(shape);
+        st.on_cpu_fallback = true;
+        st.epoch = 1;
+        let f = Facts {
+            cuda_devices: 1,
+            cuda_total_bytes: Some(1 << 30),
+            ..resumable(st)
+        };
+        let resume = Request {
+            resume: Some(None),
+            ..Default::default()
+        };
+        let s = spec("[job]\ndevice = \"cuda\"\n[train]\nbatch_size = 8\nepochs = 1\n");
+        let p = Plan::resolve(&s, &resume, &f).unwrap();
+        assert_eq!(p.device, DevicePlan::Cpu);
+        assert!(p.nothing_to_do.unwrap().contains("--set train.epochs=2"));
+    }
+}

@@ -1,0 +1,130 @@
+//! The run's records. The training loop emits typed events; the one `Recorder` turns them into
+//! `metrics.jsonl` (one JSON object per line, flushed as it happens, so a killed run keeps
+//! everything up to its last line), `summary.json`, `genotype.json` and `oom/`. Every whole-file
+//! write goes through `atomic`.
+mod events;
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use serde_json::Value;
+
+pub use crate::atomic::{write_atomic, write_json};
+pub use events::*;
+
+pub struct Recorder {
+    run_dir: PathBuf,
+    metrics: BufWriter<File>,
+    spec_toml: String,
+}
+
+impl Recorder {
+    /// Appends to the run directory's metrics.jsonl (a resumed run continues the same file).
+    pub fn open(run_dir: &Path, spec_toml: &str) -> Result<Self> {
+        let path = run_dir.join("metrics.jsonl");
+        let f = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        Ok(Recorder {
+            run_dir: run_dir.to_owned(),
+            metrics: BufWriter::new(f),
+            spec_toml: spec_toml.to_owned(),
+        })
+    }
+
+    pub fn emit(&mut self, event: &Event) -> Result<()> {
+        match event {
+            Event::Epoch(e) => {
+                if let Some(g) = &e.genotype {
+                    write_json(
+                        &self.run_dir.join("genotype.json"),
+                        &serde_json::json!({"epoch": e.epoch, "genotype": g}),
+                    )?;
+                }
+            }
+            Event::Oom(o) => {
+                if let Some(report) = &o.report {
+                    if let Err(e) = self.write_oom_report(o, report) {
+                        tracing::warn!("could not write the OOM report: {e:#}");
+                    }
+                }
+            }
+            Event::End(s) => write_json(&self.run_dir.join("summary.json"), s)?,
+            _ => {}
+        }
+        self.line(event)
+    }
+
+    fn line(&mut self, event: &Event) -> Result<()> {
+        let mut v = serde_json::to_value(event)?;
+        if let Value::Object(o) = &mut v {
+            o.insert("time".into(), unix_time().into());
+        }
+        serde_json::to_writer(&mut self.metrics, &v)?;
+        self.metrics.write_all(b"\n")?;
+        self.metrics.flush().context("writing metrics.jsonl")
+    }
+
+    /// `oom/` at the first OOM of a run: what failed, where, with which allocator state.
+    fn write_oom_report(&self, o: &OomEvent, r: &OomReport) -> Result<()> {
+        let dir = self.run_dir.join("oom");
+        fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let snapshot = match &r.snapshot {
+            Some(bytes) => {
+                write_atomic(&dir.join("snapshot.pickle"), bytes)?;
+                Some("snapshot.pickle")
+            }
+            None => None,
+        };
+        write_json(
+            &dir.join("report.json"),
+            &serde_json::json!({
+                "phase": o.phase, "epoch": o.epoch, "step": o.step, "device": o.device,
+                "failing_batch_shape": o.batch_shape, "micro_batch": o.micro_batch_before,
+                "accumulation_steps": o.accumulation_before, "error": o.error,
+                "allocator_stats": r.allocator_stats, "memory": r.memory,
+                "cap": r.cap, "allocator_conf": r.allocator_conf,
+                "snapshot": snapshot, "record_history": r.record_history,
+            }),
+        )?;
+        write_atomic(&dir.join("spec.toml"), self.spec_toml.as_bytes())
+    }
+}
+
+pub fn unix_time() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn events_become_typed_lines_and_the_end_writes_the_summary() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut r = Recorder::open(dir.path(), "[job]\n").unwrap();
+        r.emit(&Event::GrowBack(GrowBackEvent {
+            step: 7,
+            micro_batch_before: 4,
+            micro_batch: 8,
+        }))
+        .unwrap();
+        r.emit(&Event::End(Summary::default())).unwrap();
+        let text = fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
+        let lines: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+        assert_eq!(lines[0]["type"], "grow_back");
+        assert_eq!(lines[0]["micro_batch"], 8);
+        assert!(lines[0]["time"].as_f64().unwrap() > 0.0);
+        assert_eq!(lines[1]["type"], "end");
+        let summary: Value = serde_json::from_slice(&fs::read(dir.path().join("summary.json")).unwrap()).unwrap();
+        assert_eq!(summary["status"], "completed");
+        assert!(!dir.path().join("summary.json.tmp").exists());
+    }
+}

@@ -1,0 +1,367 @@
+//! `memtrain run`: spec → plan → (limits, environment, loading) → trainer → records.
+mod recovery;
+mod step;
+mod trainer;
+
+use std::fs;
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use tch::{nn, Device, Tensor};
+
+use crate::checkpoint::{NamedTensors, Store};
+use crate::cli::RunArgs;
+use crate::exit::{OomExit, UsageError};
+use crate::human::human_bytes;
+use crate::memory::CachePolicy;
+use crate::model::{self, ARCH_PREFIX};
+use crate::oom::{self, BatchShape, StepError};
+use crate::optim::{Hyper, LrSchedule, Optimizer};
+use crate::plan::{DevicePlan, Facts, Plan, Request};
+use crate::progress::Progress;
+use crate::records::{Event, Recorder, StartEvent, Status};
+use crate::spec::{self, Precision};
+use crate::{atomic, shim};
+
+pub use recovery::{GrowBack, Outcome, Position, Recovery};
+pub use step::{PrecisionStage, StepOutput, StepPipeline, Work};
+pub use trainer::{LoopSettings, Model, Trainer};
+
+pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
+    let t_start = Instant::now();
+    oom::install_hook();
+    // Before anything is loaded, so every CPU tensor byte of the run is counted.
+    shim::cpu_alloc_install().context("installing the counting CPU allocator")?;
+    let loaded = spec::load_args(&args.spec.file, &args.spec.set, &model::validate)?;
+    let spec = loaded.spec;
+    let request = Request {
+        out: args.out.clone(),
+        resume: args.resume.clone(),
+    };
+    let facts = Facts::probe(&spec, &request)?;
+    let plan = Plan::resolve(&spec, &request, &facts)?;
+    if let Some(msg) = &plan.nothing_to_do {
+        // Nothing to train; leave the finished run's records exactly as they are.
+        eprintln!("{msg}");
+        return Ok(());
+    }
+    apply(&plan)?;
+
+    let spec_toml = spec::to_toml(&spec);
+    let device = plan.device.tch();
+    tch::manual_seed(spec.job.seed);
+    let mut vs = nn::VarStore::new(device);
+    let built = setup_step("building the model", || model::build(&vs.root(), &spec.model))??;
+    if spec.train.precision == Precision::Bf16 {
+        vs.bfloat16();
+    }
+    if let Some(path) = &spec.model.init_from {
+        init_from(&vs, path)?;
+    }
+    // A data file that does not fit the model is bad input, like a bad spec: exit 2.
+    let data = setup_step("loading the data", || {
+        crate::data::load(&spec.data, &built.input_shape, built.num_classes, spec.job.seed)
+    })?
+    .map_err(|e| UsageError(format!("{e:#}")))?;
+
+    let t = &spec.train;
+    let (weights, arch) = split_params(&vs);
+    let mut opt = setup_step("creating the optimizer state", || {
+        Optimizer::new(Hyper::from_train(t), weights)
+    })?;
+    let mut extra = match model::extra_step(&spec.model) {
+        Some(x) => Some((
+            x,
+            setup_step("creating the optimizer state", || Optimizer::new(x.hyper, arch))?,
+        )),
+        None => None,
+    };
+    let effective = plan.configured.effective();
+    let steps_per_epoch = (data.train.len() + effective - 1) / effective;
+    let sched = LrSchedule::from_train(t, steps_per_epoch * t.epochs, steps_per_epoch);
+
+    let store = Store::new(
+        &plan.run_dir,
+        spec.checkpoint.keep_last as usize,
+        spec.checkpoint.keep_best,
+        spec.checkpoint.monitor.maximize(),
+    );
+    if let Some(r) = &plan.resume {
+        let ck = setup_step("reading the checkpoint", || Store::load(&r.checkpoint))??;
+        setup_step("restoring the checkpoint", || {
+            copy_into(&vs, &ck.model, "checkpoint model")
+        })??;
+        let pick = |prefix: &str| -> NamedTensors {
+            ck.optimizer
+                .iter()
+                .filter_map(|(n, t)| n.strip_prefix(prefix).map(|s| (s.to_owned(), t.shallow_clone())))
+                .collect()
+        };
+        opt.load_state(&pick("weight/"), ck.state.weight_steps)?;
+        if let Some((_, a)) = &mut extra {
+            a.load_state(&pick("arch/"), ck.state.arch_steps)?;
+        }
+        tracing::info!(
+            "resuming from {} (epoch {}, step {}, micro-batch {})",
+            r.checkpoint.display(),
+            r.state.epoch + 1,
+            r.state.global_step,
+            r.state.micro_batch
+        );
+    }
+    let state = plan.start.clone();
+    let shape = BatchShape {
+        micro_batch: state.micro_batch,
+        accumulation_steps: state.accumulation_steps,
+    };
+
+    // Only now, with model and data known to be good, does the run directory appear.
+    let run_dir = &plan.run_dir;
+    fs::create_dir_all(run_dir).with_context(|| format!("creating run directory {}", run_dir.display()))?;
+    atomic::write_atomic(&run_dir.join("config.resolved.toml"), spec_toml.as_bytes())?;
+    let m = &spec.memory;
+    let recovery = Recovery::new(
+        m.on_oom.clone(),
+        m.min_batch_size,
+        m.grow_back_after,
+        plan.configured,
+        Position {
+            shape,
+            clean_steps: state.clean_steps,
+            on_cpu_fallback: state.on_cpu_fallback,
+        },
+        plan.device == DevicePlan::Cpu,
+        plan.oom_reported,
+    );
+    let settings = LoopSettings {
+        job: spec.job.name.clone(),
+        epochs: t.epochs,
+        seed: spec.job.seed,
+        log_every: spec.log.every_steps,
+        checkpoint_every: spec.checkpoint.every_epochs,
+        monitor: spec.checkpoint.monitor,
+        clear_on_epoch_end: m.clear_on_epoch_end,
+        clear_after_checkpoint: m.clear_after_checkpoint,
+        preflight: m.preflight,
+        record_history: plan.record_history,
+    };
+    let pipeline = StepPipeline {
+        device,
+        precision: PrecisionStage { precision: t.precision },
+        clip_norm: t.grad_clip_norm,
+    };
+    let mut recorder = Recorder::open(run_dir, &spec_toml)?;
+    let train_samples = data.train.len();
+    let val_samples = data.val.len();
+    recorder.emit(&Event::Start(StartEvent {
+        job: spec.job.name.clone(),
+        device: device_name(device),
+        resumed: plan.resume.is_some(),
+        micro_batch: shape.micro_batch,
+        accumulation_steps: shape.accumulation_steps,
+        effective_batch: effective,
+        cap: plan.cap.clone(),
+        allocator_conf: plan.alloc.conf.clone(),
+        allocator_conflicts: serde_json::to_value(&plan.alloc.conflicts)?,
+        train_samples,
+        val_samples,
+        libtorch: shim::versions().libtorch,
+    }))?;
+    let progress = Progress::new(spec.log.progress, quiet);
+    progress.println(&format!(
+        "memtrain: job {} on {}; run directory {}",
+        spec.job.name,
+        device_name(device),
+        run_dir.display()
+    ));
+    progress.println(&format!(
+        "Effective batch size: {effective} (micro-batch {} x {} accumulation steps); {train_samples} training / {val_samples} validation samples",
+        shape.micro_batch, shape.accumulation_steps,
+    ));
+    progress.println(&match &plan.cap {
+        Some(c) if c.kind == "cuda_fraction" => format!(
+            "Memory cap: {} of GPU memory (per-process fraction {:.4})",
+            human_bytes(c.bytes),
+            c.fraction.unwrap_or(1.0)
+        ),
+        Some(c) => format!("Memory cap: {} of CPU tensor memory", human_bytes(c.bytes)),
+        None => "Memory cap: none".into(),
+    });
+    if let Some(conf) = &plan.alloc.conf {
+        progress.println(&format!("Allocator: {conf}"));
+    }
+    let mut trainer = Trainer::new(
+        settings,
+        spec_toml,
+        Model {
+            vs,
+            net: built.net,
+            opt,
+            extra,
+            sched,
+        },
+        data,
+        pipeline,
+        recovery,
+        CachePolicy::new(m.cache_clear_every, m.auto_clear_threshold.0, m.sync_every as u64),
+        recorder,
+        progress,
+        store,
+        state,
+        plan.cap.clone(),
+        plan.alloc.conf.clone(),
+        t_start,
+    )?;
+    let status = trainer.train()?;
+    if status == Status::Completed {
+        if let Some(r) = trainer.last() {
+            let val = r
+                .val_acc
+                .map(|a| format!(", val acc {:.1}%", a * 100.0))
+                .unwrap_or_default();
+            trainer.progress.println(&format!(
+                "done: {} epochs, final train loss {:.4}{val}; summary in {}",
+                r.epoch,
+                r.train_loss,
+                run_dir.join("summary.json").display()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Carries out the plan's side effects, in the order CUDA needs: environment variables (read
+/// at the allocator's first use), threads, the CPU cap, allocator history.
+fn apply(plan: &Plan) -> Result<()> {
+    for (k, v) in &plan.env {
+        // Edition 2021: safe. Called before libtorch starts threads that read the environment.
+        std::env::set_var(k, v);
+    }
+    for c in &plan.alloc.conflicts {
+        tracing::warn!(
+            "allocator setting {}: the environment says {}, the spec says {}; using the spec's",
+            c.key,
+            c.environment,
+            c.spec
+        );
+    }
+    if let Some(n) = plan.threads {
+        tch::set_num_threads(n);
+    }
+    if let (DevicePlan::Cpu, Some(cap)) = (plan.device, &plan.cap) {
+        shim::cpu_alloc_set_cap(Some(cap.bytes));
+    }
+    if plan.record_history {
+        shim::record_memory_history(true, 100_000).context("starting allocator history recording")?;
+    }
+    Ok(())
+}
+
+fn device_name(d: Device) -> String {
+    match d {
+        Device::Cuda(i) => format!("cuda:{i}"),
+        _ => "cpu".into(),
+    }
+}
+
+/// Runs set-up work that allocates (building the model, loading data or a checkpoint), so an
+/// OOM there ends with exit 3 and a message that names the sizes instead of a panic.
+fn setup_step<T>(what: &str, f: impl FnOnce() -> T) -> Result<T> {
+    oom::guarded(f).map_err(|e| match e {
+        StepError::Oom { message, .. } => {
+            let s = shim::cpu_alloc_stats();
+            let cap = s
+                .cap
+                .map(|c| format!(" under the {} cap", human_bytes(c)))
+                .unwrap_or_default();
+            OomExit(format!(
+                "out of memory while {what}: {message}; {} of tensors were allocated{cap}. Raise memory.limit/memory.fraction, or use a smaller model or data set",
+                human_bytes(s.allocated)
+            ))
+            .into()
+        }
+        StepError::Other(m) => anyhow::anyhow!("{what} failed: {m}"),
+    })
+}
+
+/// Weight-optimizer parameters: every trainable variable that is not an architecture weight,
+/// in name order so optimizer state lines up across runs.
+pub fn split_params(vs: &nn::VarStore) -> (NamedTensors, NamedTensors) {
+    let mut all: Vec<(String, Tensor)> = vs.variables().into_iter().filter(|(_, t)| t.requires_grad()).collect();
+    all.sort_by(|a, b| a.0.cmp(&b.0));
+    all.into_iter().partition(|(n, _)| !n.starts_with(ARCH_PREFIX))
+}
+/// Copies named tensors into the VarStore, insisting that names and shapes match exactly.
+fn copy_into(vs: &nn::VarStore, tensors: &[(String, Tensor)], what: &str) -> Result<()> {
+    let vars = vs.variables();
+    let mut missing: Vec<&str> = vars
+        .keys()
+        .map(String::as_str)
+        .filter(|k| !tensors.iter().any(|(n, _)| n == k))
+        .collect();
+    missing.sort();
+    let mut unexpected = vec![];
+    let mut misshaped = vec![];
+    for (name, t) in tensors {
+        match vars.get(name) {
+            None => unexpected.push(name.as_str()),
+            Some(v) if v.size() != t.size() => {
+                misshaped.push(format!("{name}: file {:?}, model {:?}", t.size(), v.size()))
+            }
+            Some(_) => {}
+        }
+    }
+    unexpected.sort();
+    misshaped.sort();
+    if !missing.is_empty() || !unexpected.is_empty() || !misshaped.is_empty() {
+        let mut msg = format!("{what} does not match the model:");
+        if !missing.is_empty() {
+            msg += &format!("\n  missing (in the model, not in the file): {}", missing.join(", "));
+        }
+        if !unexpected.is_empty() {
+            msg += &format!(
+                "\n  unexpected (in the file, not in the model): {}",
+                unexpected.join(", ")
+            );
+        }
+        if !misshaped.is_empty() {
+            msg += &format!("\n  mis-shaped: {}", misshaped.join("; "));
+        }
+        return Err(UsageError(msg).into());
+    }
+    tch::no_grad(|| {
+        for (name, t) in tensors {
+            let v = &vars[name];
+            v.shallow_clone().copy_(&t.to_device(v.device()).to_kind(v.kind()));
+        }
+    });
+    Ok(())
+}
+
+fn init_from(vs: &nn::VarStore, path: &Path) -> Result<()> {
+    let what = format!("reading model.init_from {}", path.display());
+    let tensors = setup_step(&what, || Tensor::read_safetensors(path))?.map_err(|e| -> anyhow::Error {
+        let text = e.to_string();
+        if oom::classify(&text).is_some() {
+            let size = fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+            let cap = shim::cpu_alloc_stats().cap;
+            OomExit(format!(
+                "out of memory while {what} ({} on disk{}): {}; raise memory.limit/memory.fraction",
+                human_bytes(size),
+                cap.map(|c| format!(", cap {}", human_bytes(c))).unwrap_or_default(),
+                crate::shim::first_line(&oom::short_message(&text))
+            ))
+            .into()
+        } else {
+            UsageError(format!(
+                "model.init_from: cannot read {} as safetensors: {}",
+                path.display(),
+                crate::shim::first_line(&text)
+            ))
+            .into()
+        }
+    })?;
+    let label = format!("model.init_from {}", path.display());
+    setup_step(&what, || copy_into(vs, &tensors, &label))?
+}

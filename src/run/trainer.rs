@@ -1,0 +1,723 @@
+//! The training loop: optimizer steps over groups of samples (the effective batch), split into
+//! micro-batches, through the step pipeline, with OOM recovery at the step boundary and every
+//! outcome emitted as an event.
+//!
+//! Invariant that makes OOM recovery exact: a group is a fixed list of sample indices and the
+//! step pipeline's gradient is the group mean however the group is split. A failed group
+//! leaves no trace (its tensors are dropped while unwinding, the optimizer step is
+//! transactional, gradients are zeroed) and is retried whole.
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use tch::{nn, Device, Tensor};
+
+use super::recovery::{Outcome, Recovery};
+use super::step::{StepOutput, StepPipeline, Work};
+use crate::checkpoint::{self, NamedTensors, Store, TrainState};
+use crate::data::{self, Splits};
+use crate::exit::{Interrupted, OomExit};
+use crate::human::{human_bytes, human_duration};
+use crate::memory::{self, CachePolicy, Cap, ClearReason, MemorySample, Place};
+use crate::model::{ExtraStep, Net};
+use crate::oom::{self, BatchShape, Decision, StepError};
+use crate::optim::{LrSchedule, Optimizer};
+use crate::progress::Progress;
+use crate::records::*;
+use crate::shim;
+use crate::signals::StopFlag;
+use crate::spec::Monitor;
+
+/// The loop's settings, taken from the spec once.
+#[derive(Debug, Clone)]
+pub struct LoopSettings {
+    pub job: String,
+    pub epochs: i64,
+    pub seed: i64,
+    pub log_every: i64,
+    pub checkpoint_every: i64,
+    pub monitor: Monitor,
+    pub clear_on_epoch_end: bool,
+    pub clear_after_checkpoint: bool,
+    pub preflight: bool,
+    pub record_history: bool,
+}
+
+/// The model and what trains it.
+pub struct Model {
+    pub vs: nn::VarStore,
+    pub net: Box<dyn Net>,
+    pub opt: Optimizer,
+    /// The preset's extra step (DARTS's architecture step) and its optimizer.
+    pub extra: Option<(ExtraStep, Optimizer)>,
+    pub sched: LrSchedule,
+}
+
+/// Totals over this session, for the summary.
+#[derive(Debug, Default)]
+struct Totals {
+    samples_trained: u64,
+    train_seconds: f64,
+    checkpoint_spikes: Vec<u64>,
+    peak_allocated: Option<u64>,
+    peak_reserved: Option<u64>,
+    peak_rss: u64,
+}
+
+pub struct Trainer {
+    pub settings: LoopSettings,
+    pub spec_toml: String,
+    pub model: Model,
+    pub data: Splits,
+    pub pipeline: StepPipeline,
+    pub recovery: Recovery,
+    pub cache: CachePolicy,
+    pub recorder: Recorder,
+    pub progress: Progress,
+    pub store: Store,
+    pub state: TrainState,
+    pub stop: StopFlag,
+    pub cap: Option<Cap>,
+    pub alloc_conf: Option<String>,
+    pub t_start: Instant,
+    last: Option<EpochResult>,
+    totals: Totals,
+    preflight_pending: bool,
+    /// The extra steps' current validation round and its order.
+    val_order: Option<(i64, Vec<i64>)>,
+}
+
+impl Trainer {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        settings: LoopSettings,
+        spec_toml: String,
+        model: Model,
+        data: Splits,
+        pipeline: StepPipeline,
+        recovery: Recovery,
+        cache: CachePolicy,
+        recorder: Recorder,
+        progress: Progress,
+        store: Store,
+        state: TrainState,
+        cap: Option<Cap>,
+        alloc_conf: Option<String>,
+        t_start: Instant,
+    ) -> Result<Self> {
+        Ok(Trainer {
+            preflight_pending: settings.preflight,
+            settings,
+            spec_toml,
+            model,
+            data,
+            pipeline,
+            recovery,
+            cache,
+            recorder,
+            progress,
+            store,
+            state,
+            stop: StopFlag::install()?,
+            cap,
+            alloc_conf,
+            t_start,
+            last: None,
+            totals: Totals::default(),
+            val_order: None,
+        })
+    }
+
+    fn device(&self) -> Device {
+        self.pipeline.device
+    }
+
+    fn place(&self) -> Place {
+        self.pipeline.place()
+    }
+
+    pub fn device_name(&self) -> String {
+        match self.device() {
+            Device::Cuda(i) => format!("cuda:{i}"),
+            _ => "cpu".into(),
+        }
+    }
+
+    fn shape(&self) -> BatchShape {
+        self.recovery.shape()
+    }
+
+    /// One optimizer step of the weights over `group`.
+    fn weight_step(&mut self, group: &[i64], lr: f64) -> Result<StepOutput, StepError> {
+        let work = Work {
+            data: &self.data.train,
+            group,
+            micro_batch: self.shape().micro_batch as usize,
+            lr,
+            step: self.state.global_step + 1,
+        };
+        let Model { net, opt, extra, .. } = &mut self.model;
+        let mut others: Vec<&mut Optimizer> = extra.iter_mut().map(|(_, o)| o).collect();
+        self.pipeline.run(net.as_ref(), opt, &mut others, &work)
+    }
+
+    /// The preset's extra step on the next held-out micro-batch (DARTS: first-order α step).
+    fn extra_step(&mut self) -> Result<(), StepError> {
+        let Some((extra, _)) = &self.model.extra else {
+            return Ok(());
+        };
+        let lr = extra.lr;
+        let nval = self.data.val.len();
+        let b = self.shape().micro_batch.min(nval);
+        let start = self.state.val_cursor;
+        let idx: Vec<i64> = (0..b).map(|k| self.val_index(start + k)).collect();
+        let work = Work {
+            data: &self.data.val,
+            group: &idx,
+            micro_batch: idx.len(),
+            lr,
+            step: -1,
+        };
+        let Model { net, opt, extra, .. } = &mut self.model;
+        let (_, arch_opt) = extra.as_mut().expect("checked above");
+        // The architecture step neither clips nor shares the weights' clipping.
+        let pipeline = StepPipeline {
+            clip_norm: 0.0,
+            ..self.pipeline
+        };
+        pipeline.run(net.as_ref(), arch_opt, &mut [opt], &work)?;
+        self.state.arch_steps += 1;
+        self.state.val_cursor += b;
+        Ok(())
+    }
+
+    /// The k-th validation sample of the endless, per-round shuffled stream the extra step
+    /// reads. The permutation of each round is computed once and kept until the stream moves on.
+    fn val_index(&mut self, k: i64) -> i64 {
+        let n = self.data.val.len();
+        let round = k / n;
+        if self.val_order.as_ref().is_none_or(|(r, _)| *r != round) {
+            self.val_order = Some((
+                round,
+                data::epoch_order(n, self.settings.seed.wrapping_add(7919), round),
+            ));
+        }
+        let (_, order) = self.val_order.as_ref().expect("just filled");
+        order[(k % n) as usize]
+    }
+
+    fn emit(&mut self, e: Event) -> Result<()> {
+        self.recorder.emit(&e)
+    }
+
+    /// Carries out the recovery machine's decision for one OOM. Ok: retry the failed work;
+    /// Err: the run ends.
+    fn handle_oom(&mut self, err: StepError, phase: &str) -> Result<()> {
+        let (kind, message) = match err {
+            StepError::Oom { kind, message } => (kind, message),
+            StepError::Other(m) => return Err(anyhow::anyhow!("{phase} failed: {m}")),
+        };
+        self.model.opt.zero_grad();
+        if let Some((_, o)) = &mut self.model.extra {
+            o.zero_grad();
+        }
+        self.cache.clear(self.place(), ClearReason::Oom);
+        let Outcome {
+            decision,
+            before,
+            skipped,
+            first,
+        } = self.recovery.on_oom();
+        for s in &skipped {
+            tracing::warn!("OOM policy: skipped {s}");
+        }
+        let report = first.then(|| self.oom_report());
+        let event = OomEvent {
+            epoch: self.state.epoch + 1,
+            step: self.state.global_step,
+            phase: phase.into(),
+            kind,
+            error: message.clone(),
+            batch_shape: self.input_shape(before.micro_batch),
+            device: self.device_name(),
+            micro_batch_before: before.micro_batch,
+            accumulation_before: before.accumulation_steps,
+            decision,
+            skipped,
+            report,
+        };
+        self.emit(Event::Oom(event))?;
+        let reason = first_line(&message);
+        match decision {
+            Decision::Backoff { to } => {
+                tracing::warn!(
+                    "out of memory in {phase} at epoch {} step {} ({reason}); backing off: micro-batch {} -> {}, accumulation {} -> {} (effective batch stays {})",
+                    self.state.epoch + 1,
+                    self.state.global_step,
+                    before.micro_batch,
+                    to.micro_batch,
+                    before.accumulation_steps,
+                    to.accumulation_steps,
+                    self.recovery.configured().effective()
+                );
+                Ok(())
+            }
+            Decision::MoveToCpu => {
+                tracing::warn!(
+                    "out of memory on {} in {phase} ({reason}); MOVING THE RUN TO THE CPU as memory.on_oom says. It continues, slower.",
+                    self.device_name()
+                );
+                self.move_to_cpu();
+                Ok(())
+            }
+            Decision::Fail => {
+                tracing::error!("out of memory in {phase} ({reason}); memory.on_oom has nothing left to try");
+                // The run ends here: lift the CPU cap so the last good state can be written.
+                shim::cpu_alloc_set_cap(None);
+                let saved = self.save_checkpoint("oom").map(|(p, _)| p.display().to_string());
+                let note = match &saved {
+                    Ok(p) => format!("last good state saved to {p}; resume with --resume after adding \"backoff\" to memory.on_oom, or with a smaller train.batch_size"),
+                    Err(e) => format!("no checkpoint could be written: {e:#}"),
+                };
+                self.write_summary(Status::Oom)?;
+                Err(OomExit(format!("out of memory in {phase}: {reason}; {note}")).into())
+            }
+        }
+    }
+
+    fn oom_report(&self) -> OomReport {
+        let stats = match self.place() {
+            Place::Cuda(i) => shim::device_stats(i)
+                .ok()
+                .flatten()
+                .map(|s| serde_json::to_value(s).unwrap_or_default()),
+            Place::Cpu => Some(serde_json::to_value(shim::cpu_alloc_stats()).unwrap_or_default()),
+        };
+        let snapshot = match self.device() {
+            Device::Cuda(_) => shim::memory_snapshot()
+                .map_err(|e| tracing::warn!("no allocator snapshot: {e:#}"))
+                .ok(),
+            _ => None,
+        };
+        OomReport {
+            allocator_stats: stats,
+            memory: memory::sample(self.place()),
+            cap: self.cap.clone(),
+            allocator_conf: self.alloc_conf.clone(),
+            snapshot,
+            record_history: self.settings.record_history,
+        }
+    }
+
+    /// Moves parameters, their gradients and both optimizers' state to the CPU.
+    /// (`VarStore::set_device` alone leaves `.grad` behind on the GPU.)
+    fn move_to_cpu(&mut self) {
+        let cpu = Device::Cpu;
+        tch::no_grad(|| {
+            for (_, p) in self.model.vs.variables() {
+                let g = p.grad();
+                if g.defined() && g.device() != cpu {
+                    g.shallow_clone().set_data(&g.to_device(cpu));
+                }
+            }
+        });
+        self.model.vs.set_device(cpu);
+        self.model.opt.to_device(cpu);
+        if let Some((_, o)) = &mut self.model.extra {
+            o.to_device(cpu);
+        }
+        self.pipeline.device = cpu;
+        self.state.on_cpu_fallback = true;
+        let _ = shim::empty_cache();
+    }
+
+    /// Runs `f` until it succeeds or recovery gives up.
+    fn with_recovery<T>(&mut self, phase: &str, mut f: impl FnMut(&mut Self) -> Result<T, StepError>) -> Result<T> {
+        loop {
+            match f(self) {
+                Ok(v) => return Ok(v),
+                Err(e) => self.handle_oom(e, phase)?,
+            }
+        }
+    }
+
+    fn input_shape(&self, b: i64) -> Vec<i64> {
+        let mut s = vec![b];
+        s.extend(self.data.train.x.size().into_iter().skip(1));
+        s
+    }
+
+    /// Reports the preflight: the first optimizer step of this session, measured. It is a real
+    /// step (not a rehearsal), so it costs nothing and an OOM in it meets the policy at once.
+    fn report_preflight(&mut self) -> Result<()> {
+        let m = memory::sample(self.place());
+        let (used, measure) = match m.peak_allocated_bytes {
+            Some(p) => (p, "peak allocated"),
+            None => (m.peak_rss_bytes, "peak RSS"),
+        };
+        let cap = self.cap.as_ref().map(|c| c.bytes);
+        let headroom = cap.map(|c| c as i64 - used as i64);
+        let head = match (headroom, cap) {
+            (Some(h), Some(c)) if h >= 0 => {
+                format!("{} headroom under the {} cap", human_bytes(h as u64), human_bytes(c))
+            }
+            (Some(h), Some(c)) => format!("{} over the {} cap", human_bytes((-h) as u64), human_bytes(c)),
+            _ => "no cap set".into(),
+        };
+        let shape = self.shape();
+        self.progress.println(&format!(
+            "Preflight: the first step at micro-batch {} used {} ({measure}); {head}",
+            shape.micro_batch,
+            human_bytes(used)
+        ));
+        let e = PreflightEvent {
+            micro_batch: shape.micro_batch,
+            accumulation_steps: shape.accumulation_steps,
+            peak_bytes: used,
+            measure,
+            cap_bytes: cap,
+            headroom_bytes: headroom,
+            device: self.device_name(),
+        };
+        self.emit(Event::Preflight(e))
+    }
+
+    fn validate(&mut self) -> Result<Option<(f64, f64)>> {
+        let n = self.data.val.len();
+        if n == 0 {
+            return Ok(None);
+        }
+        let (loss, correct) = self.with_recovery("validation", |t| {
+            let b = t.shape().micro_batch as usize;
+            let place = t.place();
+            oom::guarded_counting(
+                || memory::oom_count(place),
+                || {
+                    tch::no_grad(|| {
+                        let mut loss = 0.0;
+                        let mut correct = 0i64;
+                        let idx: Vec<i64> = (0..n).collect();
+                        for chunk in idx.chunks(b) {
+                            let (l, c) = t.pipeline.forward_loss(t.model.net.as_ref(), &t.data.val, chunk, false);
+                            loss += l.double_value(&[]);
+                            correct += c.int64_value(&[]);
+                        }
+                        (loss, correct)
+                    })
+                },
+            )
+        })?;
+        Ok(Some((loss / n as f64, correct as f64 / n as f64)))
+    }
+
+    fn checkpoint_contents(&self) -> (NamedTensors, NamedTensors) {
+        let mut model: Vec<(String, Tensor)> = self.model.vs.variables().into_iter().collect();
+        model.sort_by(|a, b| a.0.cmp(&b.0));
+        let mut optim: Vec<(String, Tensor)> = self
+            .model
+            .opt
+            .state_tensors()
+            .into_iter()
+            .map(|(n, t)| (format!("weight/{n}"), t))
+            .collect();
+        if let Some((_, a)) = &self.model.extra {
+            optim.extend(a.state_tensors().into_iter().map(|(n, t)| (format!("arch/{n}"), t)));
+        }
+        (model, optim)
+    }
+
+    /// Saves, records the memory spike of the save, and clears the cache if configured.
+    pub fn save_checkpoint(&mut self, why: &str) -> Result<(PathBuf, u64)> {
+        let t0 = Instant::now();
+        let place = self.place();
+        let before = memory::sample(place);
+        memory::reset_peaks(place);
+        self.state.weight_steps = self.model.opt.steps_taken();
+        let pos = self.recovery.position(self.state.on_cpu_fallback);
+        self.state.micro_batch = pos.shape.micro_batch;
+        self.state.accumulation_steps = pos.shape.accumulation_steps;
+        self.state.clean_steps = pos.clean_steps;
+        let (model, optim) = self.checkpoint_contents();
+        let saved = self.store.save(&checkpoint::Contents {
+            model,
+            optimizer: optim,
+            state: &self.state,
+            spec_toml: &self.spec_toml,
+        });
+        let peak = memory::window_peak(place);
+        let base = before.allocated_bytes.unwrap_or(before.rss_bytes);
+        let spike = peak.saturating_sub(base);
+        let (path, size) = saved?;
+        self.totals.checkpoint_spikes.push(spike);
+        if self.settings.clear_after_checkpoint {
+            self.cache.clear(place, ClearReason::Checkpoint);
+        }
+        let e = CheckpointEvent {
+            reason: why.into(),
+            path: path.clone(),
+            bytes: size,
+            seconds: t0.elapsed().as_secs_f64(),
+            spike_bytes: spike,
+            epochs_completed: self.state.epoch,
+            step: self.state.global_step,
+        };
+        self.emit(Event::Checkpoint(e))?;
+        Ok((path, size))
+    }
+
+    fn after_clean_step(&mut self) -> Result<()> {
+        if let Some(g) = self.recovery.on_clean_step() {
+            tracing::info!(
+                "clean steps since the last OOM: growing the micro-batch back {} -> {}",
+                g.before.micro_batch,
+                g.after.micro_batch
+            );
+            let e = GrowBackEvent {
+                step: self.state.global_step,
+                micro_batch_before: g.before.micro_batch,
+                micro_batch: g.after.micro_batch,
+            };
+            self.emit(Event::GrowBack(e))?;
+        }
+        Ok(())
+    }
+
+    pub fn train(&mut self) -> Result<Status> {
+        let epochs = self.settings.epochs;
+        let n = self.data.train.len();
+        let e = self.recovery.configured().effective();
+        let steps_per_epoch = (n + e - 1) / e;
+        while self.state.epoch < epochs {
+            let epoch = self.state.epoch;
+            let order = data::epoch_order(n, self.settings.seed, epoch);
+            let groups: Vec<&[i64]> = order.chunks(e as usize).collect();
+            memory::reset_peaks(self.place());
+            let t0 = Instant::now();
+            let mut seen_this_session = 0u64;
+            self.progress
+                .start_epoch(epoch, epochs, steps_per_epoch as u64, self.state.groups_done as u64);
+            for group in &groups[self.state.groups_done as usize..] {
+                let group = group.to_vec();
+                let measure = self.preflight_pending;
+                if measure {
+                    memory::reset_peaks(self.place());
+                }
+                if self.model.extra.is_some() {
+                    self.with_recovery("architecture step", |t| t.extra_step())?;
+                }
+                let lr = self.model.sched.lr_at(self.model.opt.steps_taken());
+                let out = self.with_recovery("training step", |t| {
+                    if measure {
+                        memory::reset_peaks(t.place());
+                    }
+                    t.weight_step(&group, lr)
+                })?;
+                if measure {
+                    self.preflight_pending = false;
+                    self.report_preflight()?;
+                }
+                self.state.groups_done += 1;
+                self.state.global_step += 1;
+                self.state.epoch_loss_sum += out.loss_sum;
+                self.state.epoch_correct += out.correct;
+                self.state.epoch_seen += group.len() as i64;
+                seen_this_session += group.len() as u64;
+                self.cache.after_step(self.place(), self.state.global_step as u64);
+                self.after_clean_step()?;
+                let loss = out.loss_sum / group.len() as f64;
+                let rate = seen_this_session as f64 / t0.elapsed().as_secs_f64().max(1e-9);
+                let every = self.settings.log_every;
+                if every > 0 && self.state.global_step % every == 0 {
+                    let e = StepEvent {
+                        epoch: epoch + 1,
+                        step: self.state.global_step,
+                        loss,
+                        lr,
+                        micro_batch: self.shape().micro_batch,
+                        samples_per_s: rate,
+                        memory: memory::sample(self.place()),
+                    };
+                    self.emit(Event::Step(e))?;
+                }
+                let place = self.place();
+                self.progress.step(self.state.groups_done as u64, || {
+                    let m = memory::sample(place);
+                    let mem = m.allocated_bytes.unwrap_or(m.rss_bytes);
+                    format!("loss {loss:.4}  {rate:.1} samples/s  mem {}", human_bytes(mem))
+                });
+                if self.stop.requested() {
+                    self.progress.finish_epoch();
+                    let (p, _) = self.save_checkpoint("interrupted")?;
+                    self.write_summary(Status::Interrupted)?;
+                    return Err(Interrupted(format!(
+                        "interrupted at epoch {} step {}; checkpoint saved to {}; continue with --resume",
+                        epoch + 1,
+                        self.state.global_step,
+                        p.display()
+                    ))
+                    .into());
+                }
+            }
+            self.progress.finish_epoch();
+            let seconds = t0.elapsed().as_secs_f64();
+            self.totals.samples_trained += seen_this_session;
+            self.totals.train_seconds += seconds;
+            let val = self.validate()?;
+            let mem = memory::sample(self.place());
+            self.note_peaks();
+            let seen = self.state.epoch_seen.max(1) as f64;
+            let result = EpochResult {
+                epoch: epoch + 1,
+                train_loss: self.state.epoch_loss_sum / seen,
+                train_acc: self.state.epoch_correct as f64 / seen,
+                val_loss: val.map(|v| v.0),
+                val_acc: val.map(|v| v.1),
+                seconds,
+                samples_per_s: seen_this_session as f64 / seconds.max(1e-9),
+            };
+            let genotype = self.model.net.genotype();
+            self.progress.println(&epoch_line(&result, &mem, epochs));
+            if let Some(g) = &genotype {
+                self.progress
+                    .println(&format!("  genotype: {}", serde_json::to_string(g)?));
+            }
+            let shape = self.shape();
+            let ev = EpochEvent {
+                result: result.clone(),
+                lr: self.model.sched.lr_at(self.model.opt.steps_taken()),
+                micro_batch: shape.micro_batch,
+                accumulation_steps: shape.accumulation_steps,
+                device: self.device_name(),
+                memory: mem,
+                cache: self.cache.clone(),
+                genotype,
+            };
+            self.emit(Event::Epoch(ev))?;
+            self.state.monitored = match self.settings.monitor {
+                Monitor::ValLoss => result.val_loss,
+                Monitor::ValAcc => result.val_acc,
+                Monitor::TrainLoss => Some(result.train_loss),
+            };
+            self.last = Some(result);
+            self.state.epoch += 1;
+            self.state.groups_done = 0;
+            self.state.epoch_loss_sum = 0.0;
+            self.state.epoch_correct = 0;
+            self.state.epoch_seen = 0;
+            let every = self.settings.checkpoint_every;
+            let last_epoch = self.state.epoch == epochs;
+            self.state.finished = last_epoch;
+            if last_epoch || (every > 0 && self.state.epoch % every == 0) {
+                self.save_checkpoint("epoch").context("saving a checkpoint")?;
+            }
+            if self.settings.clear_on_epoch_end {
+                self.cache.clear(self.place(), ClearReason::EpochEnd);
+            }
+        }
+        self.write_summary(Status::Completed)?;
+        Ok(Status::Completed)
+    }
+
+    pub fn last(&self) -> Option<&EpochResult> {
+        self.last.as_ref()
+    }
+
+    fn note_peaks(&mut self) {
+        let m = memory::sample(self.place());
+        let max = |a: Option<u64>, b: Option<u64>| match (a, b) {
+            (Some(x), Some(y)) => Some(x.max(y)),
+            (x, y) => x.or(y),
+        };
+        let t = &mut self.totals;
+        t.peak_allocated = max(t.peak_allocated, m.peak_allocated_bytes);
+        t.peak_reserved = max(t.peak_reserved, m.peak_reserved_bytes);
+        t.peak_rss = t.peak_rss.max(m.peak_rss_bytes);
+    }
+
+    pub fn write_summary(&mut self, status: Status) -> Result<()> {
+        self.note_peaks();
+        let shape = self.shape();
+        let configured = self.recovery.configured();
+        let t = &self.totals;
+        let summary = Summary {
+            status,
+            exit_code: status.exit_code(),
+            job: self.settings.job.clone(),
+            device: self.device_name(),
+            epochs_completed: self.state.epoch,
+            global_steps: self.state.global_step,
+            samples_trained: t.samples_trained,
+            wall_seconds: self.t_start.elapsed().as_secs_f64(),
+            train_seconds: t.train_seconds,
+            samples_per_s: t.samples_trained as f64 / t.train_seconds.max(1e-9),
+            last: self.last.clone(),
+            batch: BatchSummary {
+                configured_micro_batch: configured.micro_batch,
+                configured_accumulation_steps: configured.accumulation_steps,
+                effective_batch: configured.effective(),
+                final_micro_batch: shape.micro_batch,
+                final_accumulation_steps: shape.accumulation_steps,
+            },
+            memory: MemorySummary {
+                cap: self.cap.clone(),
+                allocator_conf: self.alloc_conf.clone(),
+                peak_allocated_bytes: t.peak_allocated,
+                peak_reserved_bytes: t.peak_reserved,
+                peak_rss_bytes: t.peak_rss,
+            },
+            cache: Some(self.cache.clone()),
+            oom: self.recovery.counts().clone(),
+            checkpoints: CheckpointSummary {
+                saved: t.checkpoint_spikes.len(),
+                max_spike_bytes: t.checkpoint_spikes.iter().max().copied(),
+            },
+        };
+        self.emit(Event::End(summary))
+    }
+}
+
+fn first_line(s: &str) -> &str {
+    s.lines().next().unwrap_or(s)
+}
+
+fn epoch_line(r: &EpochResult, m: &MemorySample, epochs: i64) -> String {
+    let val = match (r.val_loss, r.val_acc) {
+        (Some(l), Some(a)) => format!("  val loss {l:.4} acc {:.1}%", a * 100.0),
+        _ => String::new(),
+    };
+    let mem = match (
+        m.allocated_bytes,
+        m.reserved_bytes,
+        m.peak_allocated_bytes,
+        m.peak_reserved_bytes,
+    ) {
+        (Some(a), Some(r), Some(pa), Some(pr)) => format!(
+            "GPU {} allocated / {} reserved (peak {} / {}); RSS {}",
+            human_bytes(a),
+            human_bytes(r),
+            human_bytes(pa),
+            human_bytes(pr),
+            human_bytes(m.rss_bytes)
+        ),
+        (Some(a), None, Some(pa), _) => format!(
+            "CPU tensors {} allocated (epoch peak {}); RSS {}",
+            human_bytes(a),
+            human_bytes(pa),
+            human_bytes(m.rss_bytes)
+        ),
+        _ => format!(
+            "RSS {} (epoch peak {})",
+            human_bytes(m.rss_bytes),
+            human_bytes(m.peak_rss_bytes)
+        ),
+    };
+    format!(
+        "epoch {}/{}  train loss {:.4} acc {:.1}%{val}  {}  {:.1} samples/s  | {mem}",
+        r.epoch,
+        epochs,
+        r.train_loss,
+        r.train_acc * 100.0,
+        human_duration(r.seconds),
+        r.samples_per_s
+    )
+}
