@@ -180,6 +180,12 @@ fn bad_specs() -> Vec<(&'static str, String, &'static str, &'static str)> {
             "unknown operation \"conv_9\"",
         ),
         (
+            "darts_op_listed_twice",
+            "[model]\npreset = \"darts\"\n[model.darts]\nops = [\"none\", \"sep_conv_3\", \"sep_conv_3\"]\n".into(),
+            "4:1",
+            "model.darts.ops lists \"sep_conv_3\" twice",
+        ),
+        (
             "darts_options_on_mlp",
             base("[model.darts]\nnum_cells = 2\n"),
             "3:8",
