@@ -2,6 +2,7 @@
 //! the optimizer step). Off unless its environment variable is set; documented in the README's
 //! environment section as test-only.
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
 
 use crate::shim;
 
@@ -25,7 +26,9 @@ impl Drop for Squeeze {
 }
 
 pub fn squeeze_before_optimizer(step: i64) -> Squeeze {
-    let wanted = std::env::var(OOM_IN_OPTIMIZER).ok().and_then(|v| v.parse::<i64>().ok());
+    // Read once: this runs on every training step.
+    static WANTED: OnceLock<Option<i64>> = OnceLock::new();
+    let wanted = *WANTED.get_or_init(|| std::env::var(OOM_IN_OPTIMIZER).ok().and_then(|v| v.parse().ok()));
     if wanted != Some(step) || FIRED.swap(true, Ordering::SeqCst) {
         return Squeeze { restore: None };
     }

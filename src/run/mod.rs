@@ -258,7 +258,7 @@ fn apply(plan: &Plan) -> Result<()> {
     Ok(())
 }
 
-fn device_name(d: Device) -> String {
+pub(crate) fn device_name(d: Device) -> String {
     match d {
         Device::Cuda(i) => format!("cuda:{i}"),
         _ => "cpu".into(),

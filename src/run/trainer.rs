@@ -137,10 +137,7 @@ impl Trainer {
     }
 
     pub fn device_name(&self) -> String {
-        match self.device() {
-            Device::Cuda(i) => format!("cuda:{i}"),
-            _ => "cpu".into(),
-        }
+        super::device_name(self.device())
     }
 
     fn shape(&self) -> BatchShape {
