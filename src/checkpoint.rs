@@ -168,14 +168,7 @@ impl Store {
         let _ = fs::remove_dir_all(&tmp);
         fs::create_dir(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
         write_safetensors(&tmp.join("model.safetensors"), &c.model)?;
-        // Fault injection for the crash-safety test: die half-way through this save.
-        if std::env::var("MEMTRAIN_FAULT_ABORT_SAVE_AT_STEP")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            == Some(c.state.global_step)
-        {
-            std::process::abort();
-        }
+        crate::fault::abort_save_at(c.state.global_step);
         write_safetensors(&tmp.join("optimizer.safetensors"), &c.optimizer)?;
         write_file(&tmp.join("state.json"), &serde_json::to_vec_pretty(c.state)?)?;
         write_file(&tmp.join("spec.toml"), c.spec_toml.as_bytes())?;

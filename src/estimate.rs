@@ -47,7 +47,7 @@ pub fn estimate(spec: &Spec) -> Result<Estimate> {
     let t = &spec.train;
     let state_per_weight = Hyper::from_train(t).state_slots().len() as u64;
     Ok(Estimate {
-        preset: format!("{:?}", spec.model.preset).to_lowercase(),
+        preset: spec.model.preset.clone(),
         weights,
         arch_weights: arch,
         buffers,

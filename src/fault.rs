@@ -1,6 +1,7 @@
-//! Fault injection for the tests that must produce a failure at one exact place (an OOM inside
-//! the optimizer step). Off unless its environment variable is set; documented in the README's
-//! environment section as test-only.
+//! Fault injection for the tests that must produce a failure at one exact place: an OOM inside
+//! the optimizer step, a crash half-way through a save, a signal at a known step. Each is off
+//! unless its environment variable is set; documented in the README's environment section as
+//! test-only.
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
@@ -28,11 +29,41 @@ impl Drop for Squeeze {
 pub fn squeeze_before_optimizer(step: i64) -> Squeeze {
     // Read once: this runs on every training step.
     static WANTED: OnceLock<Option<i64>> = OnceLock::new();
-    let wanted = *WANTED.get_or_init(|| std::env::var(OOM_IN_OPTIMIZER).ok().and_then(|v| v.parse().ok()));
-    if wanted != Some(step) || FIRED.swap(true, Ordering::SeqCst) {
+    if step_from(OOM_IN_OPTIMIZER, &WANTED) != Some(step) || FIRED.swap(true, Ordering::SeqCst) {
         return Squeeze { restore: None };
     }
     let s = shim::cpu_alloc_stats();
     shim::cpu_alloc_set_cap(Some(s.allocated.max(1)));
     Squeeze { restore: Some(s.cap) }
+}
+
+fn step_from(var: &'static str, cell: &'static OnceLock<Option<i64>>) -> Option<i64> {
+    *cell.get_or_init(|| std::env::var(var).ok().and_then(|v| v.parse().ok()))
+}
+
+/// `MEMTRAIN_FAULT_ABORT_SAVE_AT_STEP=N`: the checkpoint save for global step N aborts the
+/// process after writing its first file, as a power cut would.
+pub const ABORT_SAVE: &str = "MEMTRAIN_FAULT_ABORT_SAVE_AT_STEP";
+
+pub fn abort_save_at(step: i64) {
+    static WANTED: OnceLock<Option<i64>> = OnceLock::new();
+    if step_from(ABORT_SAVE, &WANTED) == Some(step) {
+        std::process::abort();
+    }
+}
+
+/// `MEMTRAIN_FAULT_AWAIT_SIGNAL_AT_STEP=N`: after global step N the loop prints
+/// `fault: waiting for a signal at step N` to stderr and waits until Ctrl-C or SIGTERM arrives,
+/// so a test can interrupt a run at a known step without racing it.
+pub const AWAIT_SIGNAL: &str = "MEMTRAIN_FAULT_AWAIT_SIGNAL_AT_STEP";
+
+pub fn await_signal_at(step: i64, stop: impl Fn() -> bool) {
+    static WANTED: OnceLock<Option<i64>> = OnceLock::new();
+    if step_from(AWAIT_SIGNAL, &WANTED) != Some(step) {
+        return;
+    }
+    eprintln!("fault: waiting for a signal at step {step}");
+    while !stop() {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
 }

@@ -3,9 +3,13 @@ mod common;
 
 use common::*;
 
+fn info(args: &[&str]) -> Test {
+    Test::new().no_spec().command("info").args(args)
+}
+
 #[test]
 fn info_json_agrees_with_proc_meminfo() {
-    let r = run(&["info", "--json"]).ok();
+    let r = info(&["--json"]).run();
     let v: serde_json::Value = serde_json::from_str(&r.stdout).expect("info --json prints one JSON object");
     assert_eq!(v["libtorch"], "2.11.0");
     let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();
@@ -40,8 +44,8 @@ fn info_json_agrees_with_proc_meminfo() {
 
 #[test]
 fn info_says_plainly_whether_there_is_a_gpu() {
-    let j: serde_json::Value = serde_json::from_str(&run(&["info", "--json"]).ok().stdout).unwrap();
-    let human = run(&["info"]).ok().stdout;
+    let j: serde_json::Value = serde_json::from_str(&info(&["--json"]).run().stdout).unwrap();
+    let human = info(&[]).run().stdout;
     if j["cuda"]["available"] == false {
         assert!(human.contains("GPUs: none available"), "{human}");
     } else {
@@ -51,12 +55,10 @@ fn info_says_plainly_whether_there_is_a_gpu() {
 
 #[test]
 fn info_reports_allocator_settings_from_the_environment() {
-    let out = memtrain()
-        .args(["info", "--json"])
+    let out = info(&["--json"])
         .env("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        .output()
-        .unwrap();
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        .run();
+    let v: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
     assert_eq!(v["allocator"]["PYTORCH_CUDA_ALLOC_CONF"], "expandable_segments:True");
 }
 
@@ -141,7 +143,30 @@ fn bad_specs() -> Vec<(&'static str, String, &'static str, &'static str)> {
             "unknown_preset",
             "[model]\npreset = \"resnet\"\n".into(),
             "2:1",
-            "unknown variant `resnet`",
+            "model.preset is \"resnet\", which is not a preset; choose one of: mlp, darts",
+        ),
+        (
+            "unknown_mlp_option",
+            base(
+                "[model.mlp]
+inputs = 4
+hiden = [8]
+",
+            ),
+            "5:1",
+            "model.mlp.hiden is not an option of the mlp preset (expected one of `inputs`, `hidden`, `num_classes`)",
+        ),
+        (
+            "mistyped_darts_option",
+            "[model]\npreset = \"darts\"\n[model.darts]\nnum_cells = \"three\"\n".into(),
+            "4:1",
+            "model.darts.num_cells is invalid: invalid type: string \"three\", expected i64",
+        ),
+        (
+            "stray_model_key",
+            base("initfrom = \"w.safetensors\"\n"),
+            "3:1",
+            "model.initfrom is not a key of [model]",
         ),
         (
             "missing_data_file",
@@ -232,21 +257,21 @@ fn bad_specs() -> Vec<(&'static str, String, &'static str, &'static str)> {
 
 #[test]
 fn bad_specs_exit_2_with_file_line_col_and_no_panic() {
-    let dir = tempfile::tempdir().unwrap();
     let cases = bad_specs();
     assert!(cases.len() >= 15);
     for (i, (name, text, at, fragment)) in cases.into_iter().enumerate() {
-        let p = write(dir.path(), &format!("{name}.toml"), &text);
         // `run` validates the same way; a few cases show it, all would only cost time.
         let cmds: &[&str] = if i % 5 == 0 { &["check", "run"] } else { &["check"] };
         for &cmd in cmds {
-            let r = run(&[cmd, p.to_str().unwrap()]);
-            assert_eq!(r.code, 2, "{name} ({cmd}): expected exit 2\nstderr: {}", r.stderr);
-            assert!(
-                !r.stderr.contains("panicked") && !r.stderr.contains("backtrace"),
-                "{name}: {}",
-                r.stderr
-            );
+            let r = Test::new()
+                .name(name)
+                .spec_text(&text)
+                .command(cmd)
+                .exit(2)
+                .stderr_has(fragment)
+                .run();
+            assert!(!r.stderr.contains("backtrace"), "{name}: {}", r.stderr);
+            let p = r.test.spec_path();
             let prefix = if at.is_empty() {
                 format!("{}: ", p.display())
             } else {
@@ -257,43 +282,34 @@ fn bad_specs_exit_2_with_file_line_col_and_no_panic() {
                 "{name} ({cmd}): expected prefix {prefix:?}\nstderr: {}",
                 r.stderr
             );
-            assert!(
-                r.stderr.contains(fragment),
-                "{name} ({cmd}): expected {fragment:?}\nstderr: {}",
-                r.stderr
-            );
+            // Nothing was written.
+            assert!(!r.out.exists(), "{name} ({cmd}) created {}", r.out.display());
         }
     }
-    // Nothing was written for any of them.
-    assert!(!common::repo().join("runs/unknown_key").exists());
+}
+
+fn check() -> Test {
+    Test::new().command("check")
 }
 
 #[test]
 fn set_overrides_are_typed_and_errors_name_the_override() {
-    let dir = tempfile::tempdir().unwrap();
-    let p = write(dir.path(), "s.toml", &digits_spec(""));
-    let r = run(&[
-        "check",
-        p.to_str().unwrap(),
-        "--set",
-        "train.batch_size=8",
-        "--set",
-        "job.device=cuda:1",
-    ])
-    .ok();
+    let r = check()
+        .args(&["--set", "train.batch_size=8", "--set", "job.device=cuda:1"])
+        .run();
     assert!(r.stdout.contains("batch_size = 8"), "{}", r.stdout);
     assert!(r.stdout.contains("device = \"cuda:1\""), "{}", r.stdout);
-    let r = run(&["check", p.to_str().unwrap(), "--set", "train.batch_size=0"]);
-    assert_eq!(r.code, 2);
+    let r = check().args(&["--set", "train.batch_size=0"]).exit(2).run();
     assert_eq!(
         r.stderr.trim(),
         "--set train.batch_size=0: train.batch_size must be at least 1, got 0"
     );
-    let r = run(&["check", p.to_str().unwrap(), "--set", "train.batch_size"]);
-    assert_eq!(r.code, 2);
-    assert!(r.stderr.contains("expected KEY=VALUE"), "{}", r.stderr);
-    let r = run(&["check", p.to_str().unwrap(), "--set", "train.nope=1"]);
-    assert_eq!(r.code, 2);
+    check()
+        .args(&["--set", "train.batch_size"])
+        .exit(2)
+        .stderr_has("expected KEY=VALUE")
+        .run();
+    let r = check().args(&["--set", "train.nope=1"]).exit(2).run();
     assert!(
         r.stderr.starts_with("--set train.nope=1: unknown field `nope`"),
         "{}",
@@ -303,22 +319,20 @@ fn set_overrides_are_typed_and_errors_name_the_override() {
 
 #[test]
 fn missing_spec_file_and_bad_flags_exit_2() {
-    let r = run(&["check", "no/such/spec.toml"]);
-    assert_eq!(r.code, 2);
-    assert!(
-        r.stderr.contains("no/such/spec.toml: cannot read spec file"),
-        "{}",
-        r.stderr
-    );
-    assert_eq!(run(&["run"]).code, 2);
-    assert_eq!(run(&["frobnicate"]).code, 2);
+    let bare = |args: &[&str]| Test::new().no_spec().command(args[0]).args(&args[1..]).exit(2);
+    bare(&["check", "no/such/spec.toml"])
+        .stderr_has("no/such/spec.toml: cannot read spec file")
+        .run();
+    bare(&["run"]).run();
+    bare(&["frobnicate"]).run();
 }
 
 #[test]
 fn check_prints_the_resolved_spec_and_a_static_estimate() {
-    let dir = tempfile::tempdir().unwrap();
-    let p = write(dir.path(), "s.toml", &digits_spec("[memory]\nlimit = \"512MiB\"\n"));
-    let r = run(&["check", p.to_str().unwrap(), "--set", "train.accumulation_steps=4"]).ok();
+    let r = check()
+        .set("memory.limit", "512MiB")
+        .args(&["--set", "train.accumulation_steps=4"])
+        .run();
     // Defaults are filled in and sizes are shown with units.
     for want in [
         "[checkpoint]",
@@ -343,15 +357,16 @@ fn check_prints_the_resolved_spec_and_a_static_estimate() {
         r.stdout
     );
     // The printed spec is itself a valid spec.
-    let again = write(dir.path(), "again.toml", r.stdout.split("\n# Static").next().unwrap());
-    run(&["check", again.to_str().unwrap()]).ok();
+    check()
+        .name("again")
+        .spec_text(r.stdout.split("\n# Static").next().unwrap())
+        .run();
 }
 
 #[test]
 fn every_shipped_config_checks() {
     for e in std::fs::read_dir(repo().join("configs")).unwrap() {
         let p = e.unwrap().path();
-        let r = run(&["check", p.to_str().unwrap()]);
-        assert_eq!(r.code, 0, "{}: {}", p.display(), r.stderr);
+        Test::new().no_spec().command("check").arg(p.to_str().unwrap()).run();
     }
 }

@@ -39,19 +39,16 @@
 //! leave them out of `ops` on small GPUs. Attention is also the slow one: its work grows with L′²
 //! (at L = 3000 it is about 80% of a darts_4gb step on a 2-core CPU).
 use anyhow::{bail, Result};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tch::nn::{self, Module, ModuleT, RNN};
 use tch::{Kind, Tensor};
 
 use super::{Built, ExtraStep, Net, Preset};
 use crate::optim::Hyper;
-use crate::spec::{DartsOptions, Model, OptimizerKind};
+use crate::spec::OptimizerKind;
 
 /// Channels of the stem, as a multiple of `init_channels` (3 in DARTS).
 const STEM_MULTIPLIER: i64 = 3;
-
-/// Every operation name this module can build (the spec validates against the same list).
-use crate::spec::DARTS_OPS as KNOWN_OPS;
 
 /// Per node, the two strongest incoming edges as (operation, input index).
 ///
@@ -532,13 +529,76 @@ impl Cell {
     }
 }
 
+/// Every operation the supernet knows, by its `ops` name.
+pub const KNOWN_OPS: &[&str] = &[
+    "none",
+    "skip_connect",
+    "max_pool_3",
+    "avg_pool_3",
+    "conv_3",
+    "conv_5",
+    "sep_conv_3",
+    "sep_conv_5",
+    "dil_conv_3",
+    "dil_conv_5",
+    "disjoint_cnn_3x1",
+    "disjoint_cnn_5x1",
+    "lstm",
+    "attention",
+    "attention_light",
+];
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+/// `[model.darts]`.
+pub struct DartsOptions {
+    pub in_channels: i64,
+    pub input_length: i64,
+    pub num_classes: i64,
+    pub init_channels: i64,
+    pub num_cells: i64,
+    pub num_nodes: i64,
+    pub ops: Vec<String>,
+    /// Learning rate of the Adam that trains the architecture weights α.
+    pub arch_lr: f64,
+    pub arch_weight_decay: f64,
+}
+
+impl Default for DartsOptions {
+    fn default() -> Self {
+        DartsOptions {
+            in_channels: 1,
+            input_length: 3000,
+            num_classes: 5,
+            init_channels: 24,
+            num_cells: 3,
+            num_nodes: 2,
+            ops: [
+                "none",
+                "skip_connect",
+                "max_pool_3",
+                "avg_pool_3",
+                "sep_conv_3",
+                "dil_conv_3",
+                "attention_light",
+            ]
+            .map(String::from)
+            .to_vec(),
+            arch_lr: 3e-4,
+            arch_weight_decay: 1e-3,
+        }
+    }
+}
+
 /// The `darts` preset.
 pub struct DartsPreset;
 
 impl Preset for DartsPreset {
-    fn validate(&self, m: &Model) -> Vec<(String, String)> {
-        let mut p: Vec<(String, String)> = vec![];
-        let o = m.darts.clone().unwrap_or_default();
+    type Options = DartsOptions;
+    const NAME: &'static str = "darts";
+
+    fn check(o: &DartsOptions) -> Vec<(&'static str, String)> {
+        let mut p: Vec<(&'static str, String)> = vec![];
         for (key, v, min) in [
             ("in_channels", o.in_channels, 1),
             ("input_length", o.input_length, 8),
@@ -548,43 +608,34 @@ impl Preset for DartsPreset {
             ("num_nodes", o.num_nodes, 1),
         ] {
             if v < min {
-                p.push((format!("model.darts.{key}"), format!("must be at least {min}, got {v}")));
+                p.push((key, format!("must be at least {min}, got {v}")));
             }
         }
         if o.arch_lr <= 0.0 || !o.arch_lr.is_finite() {
-            p.push((
-                "model.darts.arch_lr".into(),
-                format!("must be positive, got {}", o.arch_lr),
-            ));
+            p.push(("arch_lr", format!("must be positive, got {}", o.arch_lr)));
         }
         if o.arch_weight_decay < 0.0 || !o.arch_weight_decay.is_finite() {
             p.push((
-                "model.darts.arch_weight_decay".into(),
+                "arch_weight_decay",
                 format!("must be in [0, ∞), got {}", o.arch_weight_decay),
             ));
         }
         if o.ops.is_empty() || o.ops.iter().all(|op| op == "none") {
-            p.push((
-                "model.darts.ops".into(),
-                "must list at least one operation besides \"none\"".into(),
-            ));
+            p.push(("ops", "must list at least one operation besides \"none\"".into()));
         }
         for (i, op) in o.ops.iter().enumerate() {
             if !KNOWN_OPS.contains(&op.as_str()) {
                 p.push((
-                    "model.darts.ops".into(),
+                    "ops",
                     format!("has unknown operation \"{op}\"; known: {}", KNOWN_OPS.join(", ")),
                 ));
             } else if o.ops[..i].contains(op) {
-                p.push((
-                    "model.darts.ops".into(),
-                    format!("lists \"{op}\" twice; each operation may appear once"),
-                ));
+                p.push(("ops", format!("lists \"{op}\" twice; each operation may appear once")));
             }
         }
         if o.ops.iter().any(|op| op.starts_with("attention")) && o.init_channels % 4 != 0 {
             p.push((
-                "model.darts.init_channels".into(),
+                "init_channels",
                 format!(
                     "must be a multiple of 4 when attention ops are used (heads split the channels), got {}",
                     o.init_channels
@@ -594,18 +645,16 @@ impl Preset for DartsPreset {
         p
     }
 
-    fn build(&self, root: &nn::Path, m: &Model) -> Result<Built> {
-        let o = m.darts.clone().unwrap_or_default();
+    fn build(root: &nn::Path, o: &DartsOptions) -> Result<Built> {
         Ok(Built {
             input_shape: vec![o.in_channels, o.input_length],
             num_classes: o.num_classes,
-            net: Box::new(Darts::new(root, &o)?),
+            net: Box::new(Darts::new(root, o)?),
         })
     }
 
     /// First-order DARTS: α trains with Adam(β = (0.5, 0.999)) and weight decay on held-out data.
-    fn extra_step(&self, m: &Model) -> Option<ExtraStep> {
-        let o = m.darts.clone().unwrap_or_default();
+    fn extra_step(o: &DartsOptions) -> Option<ExtraStep> {
         Some(ExtraStep {
             lr: o.arch_lr,
             hyper: Hyper {

@@ -4,36 +4,53 @@ use tch::{nn, nn::Module, Tensor};
 use anyhow::Result;
 
 use super::{Built, Net, Preset};
-use crate::spec::{MlpOptions, Model};
+use serde::{Deserialize, Serialize};
 
 pub struct MlpPreset;
 
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+/// `[model.mlp]`.
+pub struct MlpOptions {
+    pub inputs: i64,
+    pub hidden: Vec<i64>,
+    pub num_classes: i64,
+}
+
+impl Default for MlpOptions {
+    fn default() -> Self {
+        MlpOptions {
+            inputs: 64,
+            hidden: vec![128],
+            num_classes: 10,
+        }
+    }
+}
+
 impl Preset for MlpPreset {
-    fn validate(&self, m: &Model) -> Vec<(String, String)> {
+    type Options = MlpOptions;
+    const NAME: &'static str = "mlp";
+
+    fn check(o: &MlpOptions) -> Vec<(&'static str, String)> {
         let mut p = vec![];
-        let o = m.mlp.clone().unwrap_or_default();
         for (key, v, min) in [("inputs", o.inputs, 1), ("num_classes", o.num_classes, 2)] {
             if v < min {
-                p.push((format!("model.mlp.{key}"), format!("must be at least {min}, got {v}")));
+                p.push((key, format!("must be at least {min}, got {v}")));
             }
         }
         for (i, h) in o.hidden.iter().enumerate() {
             if *h < 1 {
-                p.push((
-                    "model.mlp.hidden".into(),
-                    format!("entries must be at least 1, got {h} at position {i}"),
-                ));
+                p.push(("hidden", format!("entries must be at least 1, got {h} at position {i}")));
             }
         }
         p
     }
 
-    fn build(&self, root: &tch::nn::Path, m: &Model) -> Result<Built> {
-        let o = m.mlp.clone().unwrap_or_default();
+    fn build(root: &nn::Path, o: &MlpOptions) -> Result<Built> {
         Ok(Built {
             input_shape: vec![o.inputs],
             num_classes: o.num_classes,
-            net: Box::new(Mlp::new(root, &o)),
+            net: Box::new(Mlp::new(root, o)),
         })
     }
 }

@@ -1,11 +1,13 @@
-//! Model presets. A preset is one file behind the `Preset` trait (its options' validation, how
-//! it is built, its static counts, and any extra step it needs) plus one line in `preset_of`.
+//! Model presets. A preset is one file behind the `Preset` trait (its options and their checks,
+//! how it is built, and any extra step it needs) plus one line in `PRESETS`.
 //! Every preset is built into a `tch::nn::Path`, so all weights live in one VarStore and are
 //! saved and loaded by name.
 mod darts;
 mod mlp;
 
 use anyhow::Result;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
 use tch::{nn, Device, Tensor};
 
 use crate::optim::Hyper;
@@ -52,54 +54,164 @@ pub struct Counts {
     pub buffers: u64,
 }
 
+/// A preset: its name, its options (the `[model.<name>]` table; left-out keys take the
+/// defaults), their checks, how it is built, and any extra step it needs. Adding one is its own
+/// file and one line in `PRESETS`.
 pub trait Preset: Sync {
-    /// Problems with the preset's options, as (dotted key, message); the spec loader places
-    /// each at its `file:line:col`.
-    fn validate(&self, model: &Model) -> Vec<(String, String)>;
-    fn build(&self, root: &nn::Path, model: &Model) -> Result<Built>;
-    /// The extra step this preset needs, if any.
-    fn extra_step(&self, _model: &Model) -> Option<ExtraStep> {
+    type Options: Serialize + DeserializeOwned + Default;
+    const NAME: &'static str;
+    /// Problems with the options, as (option name, message).
+    fn check(o: &Self::Options) -> Vec<(&'static str, String)>;
+    fn build(root: &nn::Path, o: &Self::Options) -> Result<Built>;
+    fn extra_step(_o: &Self::Options) -> Option<ExtraStep> {
         None
-    }
-    /// Static counts for `memtrain check`: by default, a CPU build's variables by role.
-    fn counts(&self, model: &Model) -> Result<Counts> {
-        let vs = nn::VarStore::new(Device::Cpu);
-        drop(tch::no_grad(|| self.build(&vs.root(), model))?);
-        let mut c = Counts::default();
-        for (name, t) in vs.variables() {
-            let n = t.numel() as u64;
-            if name.starts_with(ARCH_PREFIX) {
-                c.arch_weights += n;
-            } else if t.requires_grad() {
-                c.weights += n;
-            } else {
-                c.buffers += n;
-            }
-        }
-        Ok(c)
     }
 }
 
 /// The registry: one line per preset.
-fn preset_of(p: spec::Preset) -> &'static dyn Preset {
-    match p {
-        spec::Preset::Mlp => &mlp::MlpPreset,
-        spec::Preset::Darts => &darts::DartsPreset,
+const PRESETS: &[&dyn AnyPreset] = &[&mlp::MlpPreset, &darts::DartsPreset];
+
+/// What the rest of memtrain sees of a preset: the typed trait above with its options parsed
+/// from the spec.
+trait AnyPreset: Sync {
+    fn name(&self) -> &'static str;
+    fn validate(&self, model: &Model) -> Vec<(String, String)>;
+    fn resolved(&self, model: &Model) -> Option<toml::Value>;
+    fn build(&self, root: &nn::Path, model: &Model) -> Result<Built>;
+    fn extra_step(&self, model: &Model) -> Option<ExtraStep>;
+}
+
+impl<P: Preset> AnyPreset for P {
+    fn name(&self) -> &'static str {
+        P::NAME
+    }
+
+    fn validate(&self, model: &Model) -> Vec<(String, String)> {
+        match options::<P::Options>(model, P::NAME) {
+            Err(p) => vec![p],
+            Ok(o) => P::check(&o)
+                .into_iter()
+                .map(|(k, m)| (format!("model.{}.{k}", P::NAME), m))
+                .collect(),
+        }
+    }
+
+    fn resolved(&self, model: &Model) -> Option<toml::Value> {
+        let o = options::<P::Options>(model, P::NAME).ok()?;
+        toml::Value::try_from(o).ok()
+    }
+
+    fn build(&self, root: &nn::Path, model: &Model) -> Result<Built> {
+        let o = options::<P::Options>(model, P::NAME).map_err(|(k, m)| anyhow::anyhow!("{k} {m}"))?;
+        P::build(root, &o)
+    }
+
+    fn extra_step(&self, model: &Model) -> Option<ExtraStep> {
+        P::extra_step(&options::<P::Options>(model, P::NAME).ok()?)
     }
 }
 
-pub fn validate(spec: &spec::Spec) -> Vec<(String, String)> {
-    preset_of(spec.model.preset).validate(&spec.model)
+/// Parses `[model.<name>]`; a problem comes back as (dotted key, message) so the spec loader
+/// can place it at its `file:line:col`.
+fn options<T: DeserializeOwned + Default>(model: &Model, name: &str) -> Result<T, (String, String)> {
+    let Some(v) = model.options.get(name) else {
+        return Ok(T::default());
+    };
+    if !v.is_table() {
+        return Err((format!("model.{name}"), format!("must be a table of {name} options")));
+    }
+    serde_path_to_error::deserialize(v.clone()).map_err(|e| {
+        let path = e.path().to_string();
+        let msg = e.inner().to_string();
+        let msg = msg.lines().next().unwrap_or_default().trim().to_owned();
+        let mut key = format!("model.{name}");
+        if path != "." {
+            key = format!("{key}.{path}");
+        }
+        if msg.starts_with("unknown field `") {
+            // The path already ends at the unknown key.
+            let known = msg.split_once(", expected").map(|(_, k)| k).unwrap_or_default();
+            return (key, format!("is not an option of the {name} preset (expected{known})"));
+        }
+        (key, format!("is invalid: {msg}"))
+    })
+}
+
+fn preset_named(name: &str) -> Option<&'static dyn AnyPreset> {
+    PRESETS.iter().copied().find(|p| p.name() == name)
+}
+
+fn preset_of(model: &Model) -> Result<&'static dyn AnyPreset> {
+    preset_named(&model.preset).ok_or_else(|| anyhow::anyhow!("unknown preset \"{}\"", model.preset))
+}
+
+pub fn names() -> Vec<&'static str> {
+    PRESETS.iter().map(|p| p.name()).collect()
+}
+
+/// The preset checks of a spec, and its options table completed with the defaults (so the
+/// resolved spec that `check` prints and runs record shows every option).
+pub fn validate(spec: &mut spec::Spec) -> Vec<(String, String)> {
+    let m = &mut spec.model;
+    let Some(p) = preset_named(&m.preset) else {
+        return vec![(
+            "model.preset".into(),
+            format!(
+                "is \"{}\", which is not a preset; choose one of: {}",
+                m.preset,
+                names().join(", ")
+            ),
+        )];
+    };
+    let mut problems = vec![];
+    for key in m.options.keys() {
+        if key == p.name() {
+            continue;
+        }
+        let msg = if preset_named(key).is_some() {
+            format!(
+                "is set but model.preset is \"{}\"; remove [model.{key}] or set preset = \"{key}\"",
+                p.name()
+            )
+        } else {
+            format!(
+                "is not a key of [model] (expected preset, init_from or [model.{}])",
+                p.name()
+            )
+        };
+        problems.push((format!("model.{key}"), msg));
+    }
+    problems.extend(p.validate(m));
+    if problems.is_empty() {
+        if let Some(v) = p.resolved(m) {
+            m.options.insert(p.name().into(), v);
+        }
+    }
+    problems
 }
 
 pub fn build(root: &nn::Path, model: &Model) -> Result<Built> {
-    preset_of(model.preset).build(root, model)
+    preset_of(model)?.build(root, model)
 }
 
 pub fn extra_step(model: &Model) -> Option<ExtraStep> {
-    preset_of(model.preset).extra_step(model)
+    preset_of(model).ok()?.extra_step(model)
 }
 
+/// Static counts for `memtrain check`: a CPU build's variables by role.
 pub fn counts(model: &Model) -> Result<Counts> {
-    preset_of(model.preset).counts(model)
+    let vs = nn::VarStore::new(Device::Cpu);
+    drop(tch::no_grad(|| build(&vs.root(), model))?);
+    let mut c = Counts::default();
+    for (name, t) in vs.variables() {
+        let n = t.numel() as u64;
+        if name.starts_with(ARCH_PREFIX) {
+            c.arch_weights += n;
+        } else if t.requires_grad() {
+            c.weights += n;
+        } else {
+            c.buffers += n;
+        }
+    }
+    Ok(c)
 }

@@ -542,6 +542,8 @@ impl Trainer {
                     let mem = m.allocated_bytes.unwrap_or(m.rss_bytes);
                     format!("loss {loss:.4}  {rate:.1} samples/s  mem {}", human_bytes(mem))
                 });
+                let stop = self.stop.clone();
+                crate::fault::await_signal_at(self.state.global_step, || stop.requested());
                 if self.stop.requested() {
                     self.progress.finish_epoch();
                     let (p, _) = self.save_checkpoint("interrupted")?;

@@ -143,101 +143,19 @@ impl<'de> Deserialize<'de> for ByteSize {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Preset {
-    Mlp,
-    Darts,
-}
-
+/// `[model]`: which preset, its initial weights, and its options. Each preset owns its options
+/// table (`[model.<preset>]`): the model module parses, checks and fills in its defaults, so
+/// adding a preset never touches the schema.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Model {
-    pub preset: Preset,
+    pub preset: String,
     /// Initial weights by name from a safetensors file.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub init_from: Option<PathBuf>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub mlp: Option<MlpOptions>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub darts: Option<DartsOptions>,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct MlpOptions {
-    pub inputs: i64,
-    pub hidden: Vec<i64>,
-    pub num_classes: i64,
-}
-
-impl Default for MlpOptions {
-    fn default() -> Self {
-        MlpOptions {
-            inputs: 64,
-            hidden: vec![128],
-            num_classes: 10,
-        }
-    }
-}
-
-pub const DARTS_OPS: &[&str] = &[
-    "none",
-    "skip_connect",
-    "max_pool_3",
-    "avg_pool_3",
-    "conv_3",
-    "conv_5",
-    "sep_conv_3",
-    "sep_conv_5",
-    "dil_conv_3",
-    "dil_conv_5",
-    "disjoint_cnn_3x1",
-    "disjoint_cnn_5x1",
-    "lstm",
-    "attention",
-    "attention_light",
-];
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct DartsOptions {
-    pub in_channels: i64,
-    pub input_length: i64,
-    pub num_classes: i64,
-    pub init_channels: i64,
-    pub num_cells: i64,
-    pub num_nodes: i64,
-    pub ops: Vec<String>,
-    /// Learning rate of the Adam that trains the architecture weights α.
-    pub arch_lr: f64,
-    pub arch_weight_decay: f64,
-}
-
-impl Default for DartsOptions {
-    fn default() -> Self {
-        DartsOptions {
-            in_channels: 1,
-            input_length: 3000,
-            num_classes: 5,
-            init_channels: 24,
-            num_cells: 3,
-            num_nodes: 2,
-            ops: [
-                "none",
-                "skip_connect",
-                "max_pool_3",
-                "avg_pool_3",
-                "sep_conv_3",
-                "dil_conv_3",
-                "attention_light",
-            ]
-            .map(String::from)
-            .to_vec(),
-            arch_lr: 3e-4,
-            arch_weight_decay: 1e-3,
-        }
-    }
+    /// Every other key of `[model]`: the preset's own table, and anything misplaced, which the
+    /// preset registry reports.
+    #[serde(flatten)]
+    pub options: std::collections::BTreeMap<String, toml::Value>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

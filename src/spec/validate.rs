@@ -66,24 +66,6 @@ fn model(p: &mut Problems, m: &Model) {
             "it must be a .safetensors file of initial weights",
         );
     }
-    match m.preset {
-        Preset::Mlp => {
-            if m.darts.is_some() {
-                p.push((
-                    "model.darts".into(),
-                    "is set but model.preset is \"mlp\"; remove [model.darts] or set preset = \"darts\"".into(),
-                ));
-            }
-        }
-        Preset::Darts => {
-            if m.mlp.is_some() {
-                p.push((
-                    "model.mlp".into(),
-                    "is set but model.preset is \"darts\"; remove [model.mlp] or set preset = \"mlp\"".into(),
-                ));
-            }
-        }
-    }
 }
 
 fn data(p: &mut Problems, d: &Data) {
