@@ -38,6 +38,14 @@ pub struct TrainState {
     pub epoch_correct: i64,
     pub epoch_seen: i64,
     pub on_cpu_fallback: bool,
+    /// Activation checkpointing is on (from the spec or a "recompute" OOM decision).
+    #[serde(default)]
+    pub activation_checkpointing: bool,
+    /// fp16-mixed: the loss scalers of the weight step and the architecture step.
+    #[serde(default)]
+    pub scaler: Option<crate::scaler::GradScaler>,
+    #[serde(default)]
+    pub arch_scaler: Option<crate::scaler::GradScaler>,
     /// The monitored metric at this checkpoint, when validation ran.
     pub monitored: Option<f64>,
     pub finished: bool,

@@ -22,6 +22,7 @@ pub mod plan;
 pub mod progress;
 pub mod records;
 pub mod run;
+pub mod scaler;
 pub mod shim;
 pub mod signals;
 pub mod spec;

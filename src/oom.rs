@@ -170,6 +170,8 @@ impl BatchShape {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case", tag = "action")]
 pub enum Decision {
+    /// Turn activation checkpointing on for the rest of the run and retry at the same shape.
+    Recompute,
     /// Retry the failed work with this shape (same effective batch).
     Backoff { to: BatchShape },
     /// Move the run to the CPU and retry.
@@ -182,6 +184,7 @@ pub enum Decision {
 #[derive(Debug, Default, Clone, PartialEq, Eq, Serialize)]
 pub struct OomCounts {
     pub events: u64,
+    pub recomputes: u64,
     pub backoffs: u64,
     pub cpu_fallbacks: u64,
     pub grow_backs: u64,

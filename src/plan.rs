@@ -314,6 +314,9 @@ pub fn fresh_state(shape: BatchShape) -> TrainState {
         epoch_correct: 0,
         epoch_seen: 0,
         on_cpu_fallback: false,
+        activation_checkpointing: false,
+        scaler: None,
+        arch_scaler: None,
         monitored: None,
         finished: false,
     }

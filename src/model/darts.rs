@@ -770,6 +770,43 @@ impl Darts {
     }
 }
 
+/// Blocks: the stem (which also computes the edge weights softmax(α), so that they are computed
+/// once, as in the plain forward), one block per cell, and the head. The state between blocks is
+/// `[s0, s1, normal edge weights…, reduce edge weights…]`; the weights pass through every cell
+/// unchanged.
+impl super::Chain for Darts {
+    fn blocks(&self) -> usize {
+        self.cells.len() + 2
+    }
+
+    fn block(&self, i: usize, state: &[Tensor], train: bool) -> Vec<Tensor> {
+        if i == 0 {
+            let s = self.stem_bn.forward_t(&self.stem_conv.forward(&state[0]), train);
+            let mut out = vec![s.shallow_clone(), s];
+            for alpha in [&self.alpha_normal, &self.alpha_reduce] {
+                out.extend(edge_weights(alpha).into_iter().flatten());
+            }
+            return out;
+        }
+        if i == self.cells.len() + 1 {
+            let s1 = &state[1];
+            return vec![self.classifier.forward(&s1.mean_dim(-1, false, s1.kind()))];
+        }
+        let cell = &self.cells[i - 1];
+        let ops = self.ops.len();
+        let per = state[2..].len() / 2;
+        let ws = if cell.reduction { &state[2 + per..] } else { &state[2..2 + per] };
+        let w: Vec<Vec<Tensor>> = ws
+            .chunks(ops)
+            .map(|row| row.iter().map(|t| t.shallow_clone()).collect())
+            .collect();
+        let out = cell.forward_t(&state[0], &state[1], &w, train);
+        let mut next = vec![state[1].shallow_clone(), out];
+        next.extend(state[2..].iter().map(|t| t.shallow_clone()));
+        next
+    }
+}
+
 /// softmax(α) per row, split into one 0-d tensor per (edge, op).
 fn edge_weights(alpha: &Tensor) -> Vec<Vec<Tensor>> {
     alpha
@@ -782,16 +819,11 @@ fn edge_weights(alpha: &Tensor) -> Vec<Vec<Tensor>> {
 
 impl Net for Darts {
     fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
-        let w_normal = edge_weights(&self.alpha_normal);
-        let w_reduce = edge_weights(&self.alpha_reduce);
-        let s = self.stem_bn.forward_t(&self.stem_conv.forward(xs), train);
-        let (mut s0, mut s1) = (s.shallow_clone(), s);
-        for cell in &self.cells {
-            let w = if cell.reduction { &w_reduce } else { &w_normal };
-            let out = cell.forward_t(&s0, &s1, w, train);
-            (s0, s1) = (s1, out);
-        }
-        self.classifier.forward(&s1.mean_dim(-1, false, s1.kind()))
+        super::run_chain(self, xs, train)
+    }
+
+    fn chain(&self) -> Option<&dyn super::Chain> {
+        Some(self)
     }
 
     fn genotype(&self) -> Option<Genotype> {

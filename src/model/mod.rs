@@ -13,7 +13,7 @@ use tch::{nn, Device, Tensor};
 use crate::optim::Hyper;
 use crate::spec::{self, Model};
 
-pub use darts::{derive_genotype, Darts, Genotype};
+pub use darts::{derive_genotype, Darts, DartsOptions, Genotype};
 pub use mlp::Mlp;
 
 /// Variables whose name starts with this are architecture weights (DARTS α): trained by
@@ -27,6 +27,27 @@ pub trait Net: std::fmt::Debug {
     fn genotype(&self) -> Option<Genotype> {
         None
     }
+    /// The model as a sequence of blocks, for activation checkpointing; None if it is not one.
+    fn chain(&self) -> Option<&dyn Chain> {
+        None
+    }
+}
+
+/// A model as a sequence of blocks: block 0 takes `[input]`, each block takes the previous
+/// block's outputs, the last returns `[logits]`. A block may pass a tensor through unchanged
+/// (the same tensor, not a copy). `forward_t` of such a model is `run_chain`, so plain and
+/// checkpointed runs build the same graph and their gradients agree bit for bit.
+pub trait Chain {
+    fn blocks(&self) -> usize;
+    fn block(&self, i: usize, state: &[Tensor], train: bool) -> Vec<Tensor>;
+}
+
+pub fn run_chain(c: &dyn Chain, x: &Tensor, train: bool) -> Tensor {
+    let mut state = vec![x.shallow_clone()];
+    for i in 0..c.blocks() {
+        state = c.block(i, &state, train);
+    }
+    state.pop().expect("the last block returns the logits")
 }
 
 /// A built preset and the shapes it expects.

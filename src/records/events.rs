@@ -58,6 +58,11 @@ pub struct StepEvent {
     pub micro_batch: i64,
     pub samples_per_s: f64,
     pub memory: MemorySample,
+    /// fp16-mixed: the scale this step's loss was multiplied by, and whether its gradients held
+    /// inf or NaN so the optimizer step was skipped.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
+    pub skipped: bool,
 }
 
 /// Per-epoch results, also the summary's `final`.
@@ -202,4 +207,16 @@ pub struct Summary {
     pub cache: Option<CachePolicy>,
     pub oom: OomCounts,
     pub checkpoints: CheckpointSummary,
+    pub precision: PrecisionSummary,
+}
+
+/// How the run computed: precision, the loss scaler's state, recomputation.
+#[derive(Debug, Default, Clone, Serialize)]
+pub struct PrecisionSummary {
+    pub mode: &'static str,
+    /// fp16-mixed: the scale at the end, and the optimizer steps skipped on inf/NaN.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale: Option<f64>,
+    pub skipped_steps: u64,
+    pub activation_checkpointing: bool,
 }

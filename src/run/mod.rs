@@ -1,4 +1,5 @@
 //! `memtrain run`: spec → plan → (limits, environment, loading) → trainer → records.
+mod recompute;
 mod recovery;
 mod step;
 mod trainer;
@@ -110,7 +111,20 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
             r.state.micro_batch
         );
     }
-    let state = plan.start.clone();
+    let mut state = plan.start.clone();
+    // A spec that asks for checkpointing turns it on; a resumed run keeps it on once a
+    // "recompute" decision turned it on. fp16-mixed starts (or, switched on at a resume, takes
+    // up) a loss scaler; other precisions drop it.
+    state.activation_checkpointing |= t.activation_checkpointing;
+    if t.precision.scales_loss() {
+        state.scaler.get_or_insert_with(Default::default);
+        if extra.is_some() {
+            state.arch_scaler.get_or_insert_with(Default::default);
+        }
+    } else {
+        state.scaler = None;
+        state.arch_scaler = None;
+    }
     let shape = BatchShape {
         micro_batch: state.micro_batch,
         accumulation_steps: state.accumulation_steps,
@@ -130,8 +144,10 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
             shape,
             clean_steps: state.clean_steps,
             on_cpu_fallback: state.on_cpu_fallback,
+            recompute: state.activation_checkpointing,
         },
         plan.device == DevicePlan::Cpu,
+        built.net.chain().is_some(),
         plan.oom_reported,
     );
     let settings = LoopSettings {
@@ -150,6 +166,7 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
         device,
         precision: PrecisionStage { precision: t.precision },
         clip_norm: t.grad_clip_norm,
+        recompute: state.activation_checkpointing && built.net.chain().is_some(),
     };
     let mut recorder = Recorder::open(run_dir, &spec_toml)?;
     let train_samples = data.train.len();

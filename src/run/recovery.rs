@@ -31,6 +31,10 @@ pub struct Recovery {
     shape: BatchShape,
     clean_steps: i64,
     on_cpu: bool,
+    /// Whether the model can recompute (its preset is a sequence of blocks).
+    has_blocks: bool,
+    /// Whether activation checkpointing is on now.
+    recompute: bool,
     reported: bool,
     counts: OomCounts,
 }
@@ -41,6 +45,8 @@ pub struct Position {
     pub shape: BatchShape,
     pub clean_steps: i64,
     pub on_cpu_fallback: bool,
+    /// Activation checkpointing is on (configured, or turned on by a "recompute" decision).
+    pub recompute: bool,
 }
 
 impl Recovery {
@@ -53,6 +59,7 @@ impl Recovery {
         configured: BatchShape,
         at: Position,
         on_cpu: bool,
+        has_blocks: bool,
         reported: bool,
     ) -> Self {
         Recovery {
@@ -63,6 +70,8 @@ impl Recovery {
             shape: at.shape,
             clean_steps: at.clean_steps,
             on_cpu: on_cpu || at.on_cpu_fallback,
+            has_blocks,
+            recompute: at.recompute,
             reported,
             counts: OomCounts::default(),
         }
@@ -84,6 +93,10 @@ impl Recovery {
         self.clean_steps
     }
 
+    pub fn recompute(&self) -> bool {
+        self.recompute
+    }
+
     /// An OOM happened; the failed work will be retried unless the decision is `Fail`. Walks
     /// `memory.on_oom` in order: the first action that still applies wins.
     pub fn on_oom(&mut self) -> Outcome {
@@ -95,6 +108,16 @@ impl Recovery {
         let mut decision = Decision::Fail;
         for a in &self.actions {
             match a {
+                OomAction::Recompute if !self.has_blocks => {
+                    skipped.push("recompute: the model is not a sequence of blocks".into())
+                }
+                OomAction::Recompute if self.recompute => {
+                    skipped.push("recompute: activation checkpointing is already on".into())
+                }
+                OomAction::Recompute => {
+                    decision = Decision::Recompute;
+                    break;
+                }
                 OomAction::Backoff => match before.halved(self.min_batch) {
                     Some(to) => {
                         decision = Decision::Backoff { to };
@@ -114,6 +137,11 @@ impl Recovery {
             }
         }
         match decision {
+            Decision::Recompute => {
+                self.counts.recomputes += 1;
+                self.recompute = true;
+                self.clean_steps = 0;
+            }
             Decision::Backoff { to } => {
                 self.counts.backoffs += 1;
                 self.shape = to;
@@ -162,6 +190,7 @@ impl Recovery {
             shape: self.shape,
             clean_steps: self.clean_steps,
             on_cpu_fallback,
+            recompute: self.recompute,
         }
     }
 }
@@ -184,8 +213,9 @@ mod tests {
             shape: s,
             clean_steps: 0,
             on_cpu_fallback: false,
+            recompute: false,
         };
-        Recovery::new(actions, min, grow, s, at, on_cpu, false)
+        Recovery::new(actions, min, grow, s, at, on_cpu, true, false)
     }
 
     #[test]
@@ -265,5 +295,34 @@ mod tests {
         let o = r.on_oom();
         assert!(!o.first, "the oom/ report of the earlier session stays");
         assert_eq!(o.decision, Decision::Fail, "a fallen-back run is on the CPU");
+    }
+
+    #[test]
+    fn recompute_comes_first_once_then_the_next_action() {
+        let mut r = machine(vec![Recompute, Backoff, Fail], 1, 0, false);
+        let o = r.on_oom();
+        assert_eq!(o.decision, Decision::Recompute);
+        assert_eq!(o.before, shape(8, 1), "the shape is kept");
+        assert!(r.recompute() && r.position(false).recompute);
+        let o = r.on_oom();
+        assert_eq!(o.decision, Decision::Backoff { to: shape(4, 2) });
+        assert_eq!(o.skipped, vec!["recompute: activation checkpointing is already on".to_string()]);
+        assert_eq!(r.counts().recomputes, 1);
+    }
+
+    #[test]
+    fn recompute_does_not_apply_to_a_model_without_blocks() {
+        let s = shape(8, 1);
+        let at = Position {
+            shape: s,
+            clean_steps: 0,
+            on_cpu_fallback: false,
+            recompute: false,
+        };
+        let mut r = Recovery::new(vec![Recompute, Fail], 1, 0, s, at, true, false, false);
+        let o = r.on_oom();
+        assert_eq!(o.decision, Decision::Fail);
+        assert_eq!(o.skipped, vec!["recompute: the model is not a sequence of blocks".to_string()]);
+        assert!(!r.recompute());
     }
 }

@@ -1,17 +1,21 @@
 //! One optimizer step as one pipeline, shared by the weight step and DARTS's architecture step:
 //!
 //! 1. **zero**: every trainable gradient is zeroed (kept allocated, so memory stays flat);
-//! 2. per micro-batch: **forward** (the precision stage places and casts the input), **loss**
-//!    (sum-reduced cross-entropy in fp32 divided by the group's size, so the accumulated gradient
-//!    is the group mean however the group is split), **backward**;
-//! 3. **clip** the global gradient norm when asked;
-//! 4. **optimizer step**, transactional (see `Optimizer::step`).
+//! 2. per micro-batch: **forward** and **loss** (sum-reduced cross-entropy in fp32 divided by the
+//!    group's size, so the accumulated gradient is the group mean however the group is split),
+//!    then **backward**. The precision stage wraps forward and loss in an autocast region for
+//!    the mixed modes and multiplies the loss by the scaler's scale for fp16-mixed. With
+//!    recomputation on, forward and backward are the checkpointed pair of `recompute`;
+//! 3. **unscale** (fp16-mixed): gradients divided by the scale in one fused kernel that also
+//!    finds inf and NaN; such a step is **skipped** (no optimizer step, no step counted);
+//! 4. **clip** the global gradient norm when asked (on unscaled gradients);
+//! 5. **optimizer step**, transactional (see `Optimizer::step`).
 //!
 //! The whole pipeline runs inside the OOM guard: an error anywhere unwinds, drops every tensor of
-//! the failed attempt and leaves parameters and optimizer state as they were, so the group can be
-//! retried whole. Precision (loss scaling, autocast) wraps forward/loss/backward and sits between
-//! backward and clip (unscale); recomputation replaces forward/backward per micro-batch; a
-//! data-parallel all-reduce goes between backward and clip.
+//! the failed attempt, restores grad mode and the autocast state, and leaves parameters,
+//! optimizer state and the scaler as they were (the caller updates the scaler only after a
+//! step succeeded), so the group can be retried whole. A data-parallel all-reduce goes between
+//! backward and unscale.
 use tch::{Device, Kind, Reduction, Tensor};
 
 use crate::data::Dataset;
@@ -20,32 +24,45 @@ use crate::memory::{self, Place};
 use crate::model::Net;
 use crate::oom::{self, StepError};
 use crate::optim::{clip_grad_norm, Optimizer};
+use crate::shim::{self, Autocast};
 use crate::spec::Precision;
 
-/// How inputs enter the model and logits leave it.
+use super::recompute;
+
+/// How inputs enter the model, in which dtype it computes, and how the loss is scaled.
 #[derive(Debug, Clone, Copy)]
 pub struct PrecisionStage {
     pub precision: Precision,
 }
 
 impl PrecisionStage {
-    /// Places a batch on the device in the dtype the model's weights have.
+    /// Places a batch on the device in the dtype the model's weights have (the mixed modes keep
+    /// fp32 weights and let autocast cast).
     pub fn input(&self, x: &Tensor, device: Device) -> Tensor {
         let x = x.to_device(device);
         match self.precision {
-            Precision::Fp32 => x,
             Precision::Bf16 => x.to_kind(Kind::BFloat16),
+            _ => x,
         }
+    }
+
+    /// An autocast region for the mixed modes (None otherwise); it ends when dropped.
+    pub fn autocast(&self, device: Device) -> Option<Autocast> {
+        let dtype = self.precision.autocast()?;
+        // Entering only sets thread-local flags; it cannot fail short of a broken libtorch.
+        Some(Autocast::enter(device, dtype).expect("autocast state can be set"))
     }
 }
 
-/// The fixed parts of every step: device, precision and clipping.
+/// The fixed parts of every step: device, precision, clipping and recomputation.
 #[derive(Debug, Clone, Copy)]
 pub struct StepPipeline {
     pub device: Device,
     pub precision: PrecisionStage,
     /// 0: no clipping.
     pub clip_norm: f64,
+    /// Activation checkpointing: the forward keeps only block boundaries (models with a chain).
+    pub recompute: bool,
 }
 
 /// What one step trains on: a group of sample indices, split into micro-batches.
@@ -56,6 +73,11 @@ pub struct Work<'a> {
     pub lr: f64,
     /// The global step this work belongs to (1-based), for fault injection in tests.
     pub step: i64,
+    /// fp16-mixed: the loss scale of this step.
+    pub loss_scale: Option<f64>,
+    /// The model's buffers (BatchNorm running statistics): recomputation puts them back after
+    /// running a block a second time, so they are updated once per forward.
+    pub buffers: &'a [Tensor],
 }
 
 /// Loss summed over the group's samples and the number classified correctly.
@@ -63,6 +85,8 @@ pub struct Work<'a> {
 pub struct StepOutput {
     pub loss_sum: f64,
     pub correct: i64,
+    /// fp16-mixed: the gradients held inf or NaN, so the optimizer step was skipped.
+    pub found_inf: bool,
 }
 
 impl StepPipeline {
@@ -73,10 +97,15 @@ impl StepPipeline {
     /// Sum-reduced cross-entropy and correct count of one micro-batch.
     pub fn forward_loss(&self, net: &dyn Net, data: &Dataset, idx: &[i64], train: bool) -> (Tensor, Tensor) {
         let (x, y) = data.batch(&Tensor::from_slice(idx));
+        let x = self.precision.input(&x, self.device);
+        let _autocast = self.precision.autocast(self.device);
+        self.loss(&net.forward_t(&x, train), &y)
+    }
+
+    /// Sum-reduced cross-entropy in fp32 and the correct count, from logits.
+    pub fn loss(&self, logits: &Tensor, y: &Tensor) -> (Tensor, Tensor) {
         let y = y.to_device(self.device);
-        let logits = net
-            .forward_t(&self.precision.input(&x, self.device), train)
-            .to_kind(Kind::Float);
+        let logits = logits.to_kind(Kind::Float);
         let loss = logits.cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, 0.0);
         let correct = logits.argmax(-1, false).eq_tensor(&y).sum(Kind::Int64);
         (loss, correct)
@@ -105,18 +134,30 @@ impl StepPipeline {
                 let n = work.group.len() as f64;
                 let mut loss_sum = Tensor::zeros([], (Kind::Float, self.device));
                 let mut correct = Tensor::zeros([], (Kind::Int64, self.device));
+                let chain = net.chain().filter(|_| self.recompute);
                 for chunk in work.group.chunks(work.micro_batch.max(1)) {
-                    let (loss, c) = self.forward_loss(net, work.data, chunk, true);
-                    (&loss / n).backward();
+                    let (loss, c) = match chain {
+                        Some(chain) => recompute::forward_backward(self, chain, work, chunk, n),
+                        None => {
+                            let (loss, c) = self.forward_loss(net, work.data, chunk, true);
+                            self.scaled(&loss, n, work.loss_scale).backward();
+                            (loss, c)
+                        }
+                    };
                     loss_sum += loss.detach();
                     correct += c;
                 }
+                // unscale
+                let found_inf = match work.loss_scale {
+                    Some(scale) => self.unscale(opt, scale),
+                    None => false,
+                };
                 // clip
                 if self.clip_norm > 0.0 {
                     clip_grad_norm(opt.params(), self.clip_norm);
                 }
-                // optimizer step
-                {
+                // optimizer step, unless the gradients are not finite
+                if !found_inf {
                     let _squeeze = fault::squeeze_before_optimizer(work.step);
                     opt.step(work.lr);
                 }
@@ -124,8 +165,35 @@ impl StepPipeline {
                 StepOutput {
                     loss_sum: loss_sum.double_value(&[]),
                     correct: correct.int64_value(&[]),
+                    found_inf,
                 }
             },
         )
+    }
+
+    /// The loss backward starts from: the group mean's share, times the loss scale.
+    pub fn scaled(&self, loss: &Tensor, n: f64, scale: Option<f64>) -> Tensor {
+        let l = loss / n;
+        match scale {
+            Some(s) => l * s,
+            None => l,
+        }
+    }
+
+    /// Divides the gradients by `scale` in place; true if any is inf or NaN.
+    fn unscale(&self, opt: &Optimizer, scale: f64) -> bool {
+        let grads: Vec<Tensor> = opt
+            .params()
+            .iter()
+            .map(|(_, p)| p.grad())
+            .filter(|g| g.defined())
+            .collect();
+        let found_inf = Tensor::zeros([1], (Kind::Float, self.device));
+        let inv_scale = Tensor::full([1], 1.0 / scale, (Kind::Float, self.device));
+        if let Err(e) = shim::amp_unscale(&grads, &found_inf, &inv_scale) {
+            // Surfaces through the OOM guard like any libtorch error.
+            panic!("{e}");
+        }
+        found_inf.double_value(&[0]) > 0.0
     }
 }

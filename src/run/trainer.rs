@@ -146,16 +146,41 @@ impl Trainer {
 
     /// One optimizer step of the weights over `group`.
     fn weight_step(&mut self, group: &[i64], lr: f64) -> Result<StepOutput, StepError> {
+        let buffers = self.recompute_buffers();
         let work = Work {
             data: &self.data.train,
             group,
             micro_batch: self.shape().micro_batch as usize,
             lr,
             step: self.state.global_step + 1,
+            loss_scale: self.state.scaler.map(|s| s.scale),
+            buffers: &buffers,
         };
         let Model { net, opt, extra, .. } = &mut self.model;
         let mut others: Vec<&mut Optimizer> = extra.iter_mut().map(|(_, o)| o).collect();
-        self.pipeline.run(net.as_ref(), opt, &mut others, &work)
+        let out = self.pipeline.run(net.as_ref(), opt, &mut others, &work)?;
+        // Only a step that succeeded moves the scaler.
+        if let Some(s) = &mut self.state.scaler {
+            s.update(out.found_inf);
+        }
+        Ok(out)
+    }
+
+    /// The model's buffers (BatchNorm running statistics), which recomputation restores; empty
+    /// when recomputation is off.
+    fn recompute_buffers(&self) -> Vec<Tensor> {
+        if !self.pipeline.recompute {
+            return vec![];
+        }
+        let mut v: Vec<(String, Tensor)> = self
+            .model
+            .vs
+            .variables()
+            .into_iter()
+            .filter(|(_, t)| !t.requires_grad())
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v.into_iter().map(|(_, t)| t).collect()
     }
 
     /// The preset's extra step on the next held-out micro-batch (DARTS: first-order α step).
@@ -168,12 +193,15 @@ impl Trainer {
         let b = self.shape().micro_batch.min(nval);
         let start = self.state.val_cursor;
         let idx: Vec<i64> = (0..b).map(|k| self.val_index(start + k)).collect();
+        let buffers = self.recompute_buffers();
         let work = Work {
             data: &self.data.val,
             group: &idx,
             micro_batch: idx.len(),
             lr,
             step: -1,
+            loss_scale: self.state.arch_scaler.map(|s| s.scale),
+            buffers: &buffers,
         };
         let Model { net, opt, extra, .. } = &mut self.model;
         let (_, arch_opt) = extra.as_mut().expect("checked above");
@@ -182,7 +210,10 @@ impl Trainer {
             clip_norm: 0.0,
             ..self.pipeline
         };
-        pipeline.run(net.as_ref(), arch_opt, &mut [opt], &work)?;
+        let out = pipeline.run(net.as_ref(), arch_opt, &mut [opt], &work)?;
+        if let Some(s) = &mut self.state.arch_scaler {
+            s.update(out.found_inf);
+        }
         self.state.arch_steps += 1;
         self.state.val_cursor += b;
         Ok(())
@@ -246,6 +277,17 @@ impl Trainer {
         self.emit(Event::Oom(event))?;
         let reason = first_line(&message);
         match decision {
+            Decision::Recompute => {
+                tracing::warn!(
+                    "out of memory in {phase} at epoch {} step {} ({reason}); recomputing: activation checkpointing is on for the rest of the run, micro-batch stays {}",
+                    self.state.epoch + 1,
+                    self.state.global_step,
+                    before.micro_batch
+                );
+                self.pipeline.recompute = true;
+                self.state.activation_checkpointing = true;
+                Ok(())
+            }
             Decision::Backoff { to } => {
                 tracing::warn!(
                     "out of memory in {phase} at epoch {} step {} ({reason}); backing off: micro-batch {} -> {}, accumulation {} -> {} (effective batch stays {})",
@@ -434,6 +476,7 @@ impl Trainer {
         self.state.micro_batch = pos.shape.micro_batch;
         self.state.accumulation_steps = pos.shape.accumulation_steps;
         self.state.clean_steps = pos.clean_steps;
+        self.state.activation_checkpointing = pos.recompute;
         let (model, optim) = self.checkpoint_contents();
         let saved = self.store.save(&checkpoint::Contents {
             model,
@@ -533,6 +576,8 @@ impl Trainer {
                         micro_batch: self.shape().micro_batch,
                         samples_per_s: rate,
                         memory: memory::sample(self.place()),
+                        loss_scale: self.state.scaler.map(|s| s.scale),
+                        skipped: out.found_inf,
                     };
                     self.emit(Event::Step(e))?;
                 }
@@ -669,6 +714,13 @@ impl Trainer {
             checkpoints: CheckpointSummary {
                 saved: t.checkpoint_spikes.len(),
                 max_spike_bytes: t.checkpoint_spikes.iter().max().copied(),
+            },
+            precision: PrecisionSummary {
+                mode: self.pipeline.precision.precision.name(),
+                loss_scale: self.state.scaler.map(|s| s.scale),
+                skipped_steps: self.state.scaler.map_or(0, |s| s.skipped_steps)
+                    + self.state.arch_scaler.map_or(0, |s| s.skipped_steps),
+                activation_checkpointing: self.pipeline.recompute,
             },
         };
         self.emit(Event::End(summary))

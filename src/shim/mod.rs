@@ -5,6 +5,7 @@ use std::ffi::{c_char, CStr};
 
 use anyhow::{bail, Result};
 use serde::Serialize;
+use torch_sys::C_tensor;
 
 #[repr(C)]
 #[derive(Debug, Default, Clone, Copy)]
@@ -53,6 +54,18 @@ extern "C" {
     fn mt_record_memory_history(enabled: i32, max_entries: u64) -> *mut c_char;
     fn mt_memory_snapshot(data: *mut *mut c_char, len: *mut u64) -> *mut c_char;
     fn mt_free_buffer(b: *mut c_char);
+    fn mt_autocast_enter(device_type: i32, dtype: i32, prev_enabled: *mut i32, prev_dtype: *mut i32) -> *mut c_char;
+    fn mt_autocast_exit(device_type: i32, prev_enabled: i32, prev_dtype: i32) -> *mut c_char;
+    fn mt_autocast_enabled(device_type: i32) -> i32;
+    fn mt_rng_get_state(device_type: i32, index: i64, data: *mut *mut c_char, len: *mut u64) -> *mut c_char;
+    fn mt_rng_set_state(device_type: i32, index: i64, data: *const c_char, len: u64) -> *mut c_char;
+    fn mt_backward(outputs: *const *const C_tensor, grads: *const *const C_tensor, n: i64) -> *mut c_char;
+    fn mt_amp_unscale(
+        grads: *const *const C_tensor,
+        n: i64,
+        found_inf: *const C_tensor,
+        inv_scale: *const C_tensor,
+    ) -> *mut c_char;
 }
 
 /// Turns the shim's error convention (null = ok, else a malloc'd message) into a Result.
@@ -297,4 +310,82 @@ mod tests {
         let err = memory_snapshot().unwrap_err().to_string();
         assert!(err.contains("needs a CUDA device"), "{err}");
     }
+}
+
+/// c10::DeviceType and index of a tch device.
+fn device_parts(d: tch::Device) -> (i32, i64) {
+    match d {
+        tch::Device::Cuda(i) => (1, i as i64),
+        _ => (0, -1),
+    }
+}
+
+/// An autocast region: on for the device type in `dtype` until dropped, when the previous state
+/// comes back (also when an OOM unwinds the step) and the outermost region drops the cast cache.
+pub struct Autocast {
+    device_type: i32,
+    prev_enabled: i32,
+    prev_dtype: i32,
+}
+
+impl Autocast {
+    pub fn enter(device: tch::Device, dtype: tch::Kind) -> Result<Self> {
+        let st = match dtype {
+            tch::Kind::Half => 5,
+            tch::Kind::BFloat16 => 15,
+            k => bail!("autocast runs in fp16 or bf16, not {k:?}"),
+        };
+        let (device_type, _) = device_parts(device);
+        let (mut prev_enabled, mut prev_dtype) = (0, 0);
+        check(unsafe { mt_autocast_enter(device_type, st, &mut prev_enabled, &mut prev_dtype) })?;
+        Ok(Autocast {
+            device_type,
+            prev_enabled,
+            prev_dtype,
+        })
+    }
+}
+
+impl Drop for Autocast {
+    fn drop(&mut self) {
+        // Restoring plain flags cannot fail in practice; an error here would only be reported.
+        if let Err(e) = check(unsafe { mt_autocast_exit(self.device_type, self.prev_enabled, self.prev_dtype) }) {
+            tracing::warn!("leaving autocast: {e}");
+        }
+    }
+}
+
+pub fn autocast_enabled(device: tch::Device) -> bool {
+    unsafe { mt_autocast_enabled(device_parts(device).0) != 0 }
+}
+
+/// The default generator's state of a device, as opaque bytes.
+pub fn rng_state(device: tch::Device) -> Result<Vec<u8>> {
+    let (t, i) = device_parts(device);
+    let mut data: *mut c_char = std::ptr::null_mut();
+    let mut len = 0u64;
+    check(unsafe { mt_rng_get_state(t, i, &mut data, &mut len) })?;
+    // SAFETY: on success the shim hands over a malloc'd buffer of `len` bytes.
+    let v = unsafe { std::slice::from_raw_parts(data as *const u8, len as usize) }.to_vec();
+    unsafe { mt_free_buffer(data) };
+    Ok(v)
+}
+
+pub fn set_rng_state(device: tch::Device, state: &[u8]) -> Result<()> {
+    let (t, i) = device_parts(device);
+    check(unsafe { mt_rng_set_state(t, i, state.as_ptr() as *const c_char, state.len() as u64) })
+}
+
+/// torch.autograd.backward(outputs, grads): leaves accumulate into their .grad.
+pub fn backward(outputs: &[tch::Tensor], grads: &[tch::Tensor]) -> Result<()> {
+    assert_eq!(outputs.len(), grads.len());
+    let o: Vec<*const C_tensor> = outputs.iter().map(|t| t.as_ptr()).collect();
+    let g: Vec<*const C_tensor> = grads.iter().map(|t| t.as_ptr()).collect();
+    check(unsafe { mt_backward(o.as_ptr(), g.as_ptr(), o.len() as i64) })
+}
+
+/// GradScaler's fused unscale: grads *= inv_scale in place; found_inf becomes 1 on inf or NaN.
+pub fn amp_unscale(grads: &[tch::Tensor], found_inf: &tch::Tensor, inv_scale: &tch::Tensor) -> Result<()> {
+    let g: Vec<*const C_tensor> = grads.iter().map(|t| t.as_ptr()).collect();
+    check(unsafe { mt_amp_unscale(g.as_ptr(), g.len() as i64, found_inf.as_ptr(), inv_scale.as_ptr()) })
 }

@@ -7,6 +7,10 @@
 // aborts the process. Return value: nullptr on success.
 #include <ATen/DeviceAccelerator.h>
 #include <ATen/Context.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/Generator.h>
+#include <ATen/Functions.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/version.h>
 #include <c10/core/CachingDeviceAllocator.h>
@@ -333,6 +337,93 @@ char *mt_cuda_mem_get_info(int64_t device, uint64_t *free_bytes, uint64_t *total
     if (rc != 0) throw std::runtime_error("cudaMemGetInfo failed with CUDA error " + std::to_string(rc));
     *free_bytes = f;
     *total_bytes = t;
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Mixed precision, recomputation and loss scaling: the thread-local autocast state, the default
+// generators' states, backward with given output gradients, and the fused unscale kernel. Tensor
+// arguments are tch's tensors (`at::Tensor *`).
+
+// Turns autocast on for `device_type` (c10::DeviceType: 0 CPU, 1 CUDA) in `dtype`
+// (c10::ScalarType: 5 Half, 15 BFloat16) and reports the state it replaced, for mt_autocast_exit.
+char *mt_autocast_enter(int device_type, int dtype, int *prev_enabled, int *prev_dtype) {
+  return guarded([&] {
+    auto dt = static_cast<c10::DeviceType>(device_type);
+    *prev_enabled = at::autocast::is_autocast_enabled(dt) ? 1 : 0;
+    *prev_dtype = static_cast<int>(at::autocast::get_autocast_dtype(dt));
+    at::autocast::set_autocast_dtype(dt, static_cast<at::ScalarType>(dtype));
+    at::autocast::set_autocast_enabled(dt, true);
+    at::autocast::increment_nesting();
+  });
+}
+
+// Restores what mt_autocast_enter replaced; leaving the outermost region drops the cast cache,
+// as torch.autocast's __exit__ does.
+char *mt_autocast_exit(int device_type, int prev_enabled, int prev_dtype) {
+  return guarded([&] {
+    auto dt = static_cast<c10::DeviceType>(device_type);
+    if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(dt, prev_enabled != 0);
+    at::autocast::set_autocast_dtype(dt, static_cast<at::ScalarType>(prev_dtype));
+  });
+}
+
+int mt_autocast_enabled(int device_type) {
+  return at::autocast::is_autocast_enabled(static_cast<c10::DeviceType>(device_type)) ? 1 : 0;
+}
+
+// The default generator's state of a device as bytes (a malloc'd buffer, freed with
+// mt_free_buffer).
+char *mt_rng_get_state(int device_type, int64_t index, char **data, uint64_t *len) {
+  return guarded([&] {
+    auto gen = at::globalContext().defaultGenerator(
+        c10::Device(static_cast<c10::DeviceType>(device_type), static_cast<c10::DeviceIndex>(index)));
+    at::Tensor state;
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      state = gen.get_state();
+    }
+    auto n = static_cast<size_t>(state.numel());
+    char *buf = static_cast<char *>(std::malloc(n ? n : 1));
+    if (!buf) throw std::bad_alloc();
+    std::memcpy(buf, state.data_ptr(), n);
+    *data = buf;
+    *len = n;
+  });
+}
+
+char *mt_rng_set_state(int device_type, int64_t index, const char *data, uint64_t len) {
+  return guarded([&] {
+    auto gen = at::globalContext().defaultGenerator(
+        c10::Device(static_cast<c10::DeviceType>(device_type), static_cast<c10::DeviceIndex>(index)));
+    at::Tensor state = at::empty({static_cast<int64_t>(len)}, at::TensorOptions().dtype(at::kByte));
+    std::memcpy(state.data_ptr(), data, len);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state);
+  });
+}
+
+// Back-propagates `grads[i]` from `outputs[i]`, accumulating into every leaf's .grad, as
+// torch.autograd.backward(outputs, grads) does.
+char *mt_backward(at::Tensor **outputs, at::Tensor **grads, int64_t n) {
+  return guarded([&] {
+    std::vector<at::Tensor> out, g;
+    for (int64_t i = 0; i < n; ++i) {
+      out.push_back(*outputs[i]);
+      g.push_back(*grads[i]);
+    }
+    torch::autograd::backward(out, g);
+  });
+}
+
+// GradScaler's unscale: every gradient multiplied by inv_scale in place, found_inf set to 1 if
+// any value is inf or NaN; one fused kernel per device and dtype.
+char *mt_amp_unscale(at::Tensor **grads, int64_t n, at::Tensor *found_inf, at::Tensor *inv_scale) {
+  return guarded([&] {
+    std::vector<at::Tensor> g;
+    for (int64_t i = 0; i < n; ++i) g.push_back(*grads[i]);
+    at::_amp_foreach_non_finite_check_and_unscale_(g, *found_inf, *inv_scale);
   });
 }
 

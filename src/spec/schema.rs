@@ -205,18 +205,59 @@ pub enum OptimizerKind {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
 pub enum Precision {
+    /// Everything in fp32.
+    #[serde(rename = "fp32")]
     Fp32,
+    /// Autocast to fp16 for the run's device type, fp32 master weights and optimizer state,
+    /// dynamic loss scaling.
+    #[serde(rename = "fp16-mixed")]
+    Fp16Mixed,
+    /// Autocast to bf16, fp32 master weights and optimizer state; no loss scaling (bf16 has
+    /// fp32's exponent range).
+    #[serde(rename = "bf16-mixed")]
+    Bf16Mixed,
+    /// Weights, gradients, optimizer state and activations all in bf16.
+    #[serde(rename = "bf16")]
     Bf16,
 }
 
 impl Precision {
+    pub const ALL: [Precision; 4] = [
+        Precision::Fp32,
+        Precision::Fp16Mixed,
+        Precision::Bf16Mixed,
+        Precision::Bf16,
+    ];
+
+    /// Bytes per parameter, gradient and optimizer-state value.
     pub fn bytes(self) -> u64 {
         match self {
-            Precision::Fp32 => 4,
             Precision::Bf16 => 2,
+            _ => 4,
         }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::Fp32 => "fp32",
+            Precision::Fp16Mixed => "fp16-mixed",
+            Precision::Bf16Mixed => "bf16-mixed",
+            Precision::Bf16 => "bf16",
+        }
+    }
+
+    /// The dtype autocast runs in, for the mixed modes.
+    pub fn autocast(self) -> Option<tch::Kind> {
+        match self {
+            Precision::Fp16Mixed => Some(tch::Kind::Half),
+            Precision::Bf16Mixed => Some(tch::Kind::BFloat16),
+            _ => None,
+        }
+    }
+
+    pub fn scales_loss(self) -> bool {
+        self == Precision::Fp16Mixed
     }
 }
 
@@ -246,6 +287,9 @@ pub struct Train {
     /// Clip the global gradient norm to this value; 0 turns clipping off.
     pub grad_clip_norm: f64,
     pub precision: Precision,
+    /// Keep only the activations at block boundaries and recompute each block in the backward
+    /// pass (presets built as a sequence of blocks).
+    pub activation_checkpointing: bool,
     pub schedule: Schedule,
     /// Optimizer steps of linear warmup from 0 to `lr`.
     pub warmup_steps: i64,
@@ -271,6 +315,7 @@ impl Default for Train {
             eps: 1e-8,
             grad_clip_norm: 0.0,
             precision: Precision::Fp32,
+            activation_checkpointing: false,
             schedule: Schedule::Constant,
             warmup_steps: 0,
             lr_step_epochs: 10,
@@ -319,6 +364,8 @@ impl<'de> Deserialize<'de> for CacheClear {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OomAction {
+    /// Turn activation checkpointing on for the rest of the run and retry at the same micro-batch.
+    Recompute,
     Backoff,
     Cpu,
     Fail,

@@ -1,0 +1,139 @@
+//! Activation checkpointing: forward and backward of one micro-batch through a model's chain of
+//! blocks, keeping only the activations at block boundaries.
+//!
+//! The forward pass runs every block but the last without building a graph, saving each block's
+//! inputs and the generator state it started from. The last block (the head) runs with the graph,
+//! the loss is back-propagated to its inputs. Then, from the last block down, each block is run
+//! again from its saved inputs with the graph on, under the generator state it first saw (so
+//! dropout draws the same masks), and the gradient arriving at its outputs is back-propagated
+//! through it (`torch.autograd.backward(outputs, grads)`), which accumulates into the parameters
+//! and gives the gradient at its inputs. The recomputation must not update BatchNorm's running
+//! statistics a second time: the buffers are saved after the first forward and put back after
+//! each block's backward (BatchNorm's backward checks their version, so not before). With the same graph inside each block as the plain forward, gradients
+//! equal the plain run's bit for bit on the CPU.
+//!
+//! Memory: the plain forward keeps every block's activations until backward; this keeps the block
+//! boundaries plus one block's activations at a time. Time: one more forward of every block but
+//! the last (about a third more per step for a model whose backward costs twice its forward).
+use tch::Tensor;
+
+use crate::model::Chain;
+use crate::shim;
+
+use super::step::{StepPipeline, Work};
+
+/// Puts the generator state back when dropped, so an error inside a recomputation cannot leave
+/// the run's random stream rewound.
+struct RngRestore {
+    device: tch::Device,
+    state: Vec<u8>,
+}
+
+impl Drop for RngRestore {
+    fn drop(&mut self) {
+        if let Err(e) = shim::set_rng_state(self.device, &self.state) {
+            tracing::warn!("restoring the generator state: {e}");
+        }
+    }
+}
+
+fn ok<T>(r: anyhow::Result<T>) -> T {
+    // Inside the OOM guard: a panic is how a libtorch error leaves the step.
+    r.unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Generator whose stream dropout reads on this device. The CPU generator also drives CPU-side
+/// randomness, so both are saved when the run is on CUDA.
+fn rng_devices(device: tch::Device) -> Vec<tch::Device> {
+    match device {
+        tch::Device::Cpu => vec![tch::Device::Cpu],
+        d => vec![tch::Device::Cpu, d],
+    }
+}
+
+fn save_rng(device: tch::Device) -> Vec<(tch::Device, Vec<u8>)> {
+    rng_devices(device)
+        .into_iter()
+        .map(|d| (d, ok(shim::rng_state(d))))
+        .collect()
+}
+
+/// Checkpointed forward, loss and backward of one micro-batch; returns the sum-reduced loss and
+/// the correct count, as `StepPipeline::forward_loss` does.
+pub fn forward_backward(p: &StepPipeline, chain: &dyn Chain, work: &Work, idx: &[i64], n: f64) -> (Tensor, Tensor) {
+    let (x, y) = work.data.batch(&Tensor::from_slice(idx));
+    let x = p.precision.input(&x, p.device);
+    let k = chain.blocks();
+    let mut saved: Vec<(Vec<Tensor>, Vec<(tch::Device, Vec<u8>)>)> = Vec::with_capacity(k);
+    let mut state = vec![x];
+    tch::no_grad(|| {
+        let _autocast = p.precision.autocast(p.device);
+        for i in 0..k - 1 {
+            let rng = save_rng(p.device);
+            let next = chain.block(i, &state, true);
+            saved.push((std::mem::replace(&mut state, next), rng));
+        }
+    });
+    // The buffers as the one real forward left them.
+    let buffers: Vec<Tensor> = work.buffers.iter().map(|b| b.copy()).collect();
+
+    let leaves = |ts: &[Tensor]| -> Vec<Tensor> {
+        ts.iter()
+            .map(|t| {
+                let d = t.detach();
+                if d.is_floating_point() {
+                    d.set_requires_grad(true)
+                } else {
+                    d
+                }
+            })
+            .collect()
+    };
+    let head_in = leaves(&state);
+    let (loss, correct) = {
+        let logits = {
+            let _autocast = p.precision.autocast(p.device);
+            chain.block(k - 1, &head_in, true).pop().expect("logits")
+        };
+        p.loss(&logits, &y)
+    };
+    p.scaled(&loss, n, work.loss_scale).backward();
+    let mut grads: Vec<Tensor> = head_in.iter().map(Tensor::grad).collect();
+    drop(head_in);
+
+    for (i, (inputs, rng)) in saved.into_iter().enumerate().rev() {
+        let ins = if i == 0 { inputs } else { leaves(&inputs) };
+        let outs = {
+            let _restore: Vec<RngRestore> = rng
+                .iter()
+                .map(|(d, _)| RngRestore {
+                    device: *d,
+                    state: ok(shim::rng_state(*d)),
+                })
+                .collect();
+            for (d, s) in &rng {
+                ok(shim::set_rng_state(*d, s));
+            }
+            let _autocast = p.precision.autocast(p.device);
+            chain.block(i, &ins, true)
+        };
+        // Outputs that received no gradient (a weight no later block used) start nothing.
+        let (roots, gs): (Vec<Tensor>, Vec<Tensor>) = outs
+            .into_iter()
+            .zip(grads)
+            .filter(|(o, g)| g.defined() && o.requires_grad())
+            .unzip();
+        if !roots.is_empty() {
+            ok(shim::backward(&roots, &gs));
+        }
+        // After the backward: BatchNorm's backward holds the running statistics (and checks
+        // their version), so they go back only once it has run.
+        tch::no_grad(|| {
+            for (b, s) in work.buffers.iter().zip(&buffers) {
+                b.shallow_clone().copy_(s);
+            }
+        });
+        grads = ins.iter().map(Tensor::grad).collect();
+    }
+    (loss, correct)
+}
