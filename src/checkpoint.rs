@@ -306,6 +306,9 @@ mod tests {
             epoch_correct: 0,
             epoch_seen: 0,
             on_cpu_fallback: false,
+            activation_checkpointing: false,
+            scaler: None,
+            arch_scaler: None,
             monitored,
             finished: false,
         }

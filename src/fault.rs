@@ -67,3 +67,17 @@ pub fn await_signal_at(step: i64, stop: impl Fn() -> bool) {
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
 }
+
+/// `MEMTRAIN_FAULT_INF_GRAD_AT_STEP=N`: at global step N, after backward, the first gradient of
+/// the weight optimizer becomes inf, as an fp16 overflow would make it; the loss scaler must
+/// skip that step and back off.
+pub const INF_GRAD: &str = "MEMTRAIN_FAULT_INF_GRAD_AT_STEP";
+
+pub fn plant_inf_at(step: i64, params: &[(String, tch::Tensor)]) {
+    static WANTED: OnceLock<Option<i64>> = OnceLock::new();
+    if step_from(INF_GRAD, &WANTED) == Some(step) {
+        if let Some(g) = params.iter().map(|(_, p)| p.grad()).find(|g| g.defined()) {
+            let _ = g.shallow_clone().fill_(f64::INFINITY);
+        }
+    }
+}

@@ -230,7 +230,7 @@ fn with_fail_the_exit_checkpoint_holds_the_weights_from_before_the_failed_step()
         one_epoch.final_bytes(),
         "the exit checkpoint must hold the weights of step 4"
     );
-    let opt = |o: &Outcome| std::fs::read(o.final_model().with_file_name("optimizer.safetensors")).unwrap();
+    let opt = |o: &Outcome| file_bytes(&o.final_model().with_file_name("optimizer.safetensors"));
     assert_eq!(opt(&failed), opt(&one_epoch), "and the optimizer state of step 4");
 }
 

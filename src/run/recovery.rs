@@ -237,6 +237,7 @@ mod tests {
             r.counts(),
             &OomCounts {
                 events: 4,
+                recomputes: 0,
                 backoffs: 2,
                 cpu_fallbacks: 1,
                 grow_backs: 0
@@ -289,8 +290,9 @@ mod tests {
             shape: shape(2, 4),
             clean_steps: 5,
             on_cpu_fallback: true,
+            recompute: false,
         };
-        let mut r = Recovery::new(vec![Cpu, Fail], 1, 0, shape(8, 1), at, false, true);
+        let mut r = Recovery::new(vec![Cpu, Fail], 1, 0, shape(8, 1), at, false, true, true);
         assert_eq!(r.shape(), shape(2, 4));
         let o = r.on_oom();
         assert!(!o.first, "the oom/ report of the earlier session stays");

@@ -148,6 +148,9 @@ impl StepPipeline {
                     correct += c;
                 }
                 // unscale
+                if work.step > 0 {
+                    fault::plant_inf_at(work.step, opt.params());
+                }
                 let found_inf = match work.loss_scale {
                     Some(scale) => self.unscale(opt, scale),
                     None => false,

@@ -53,6 +53,28 @@ pub struct Model {
     pub sched: LrSchedule,
 }
 
+/// What a step attempt changes outside parameters and optimizer state: the model's buffers and
+/// the generators' states, as they were before the step.
+struct Rollback {
+    buffers: Vec<(Tensor, Tensor)>,
+    rng: Vec<(Device, Vec<u8>)>,
+}
+
+impl Rollback {
+    fn restore(&self) {
+        tch::no_grad(|| {
+            for (live, saved) in &self.buffers {
+                live.shallow_clone().copy_(saved);
+            }
+        });
+        for (d, s) in &self.rng {
+            if let Err(e) = shim::set_rng_state(*d, s) {
+                tracing::warn!("restoring the generator state after a failed step: {e}");
+            }
+        }
+    }
+}
+
 /// Totals over this session, for the summary.
 #[derive(Debug, Default)]
 struct Totals {
@@ -371,13 +393,57 @@ impl Trainer {
     }
 
     /// Runs `f` until it succeeds or recovery gives up.
+    /// A failed attempt must leave no trace, and the forward passes it ran changed BatchNorm's
+    /// running statistics and drew random numbers: both come back before the retry.
     fn with_recovery<T>(&mut self, phase: &str, mut f: impl FnMut(&mut Self) -> Result<T, StepError>) -> Result<T> {
+        let mut rollback = None;
         loop {
+            if rollback.is_none() {
+                match self.rollback_point() {
+                    Ok(r) => rollback = Some(r),
+                    Err(e) => {
+                        self.handle_oom(e, phase)?;
+                        continue;
+                    }
+                }
+            }
             match f(self) {
                 Ok(v) => return Ok(v),
-                Err(e) => self.handle_oom(e, phase)?,
+                Err(e) => {
+                    if let Some(r) = &rollback {
+                        r.restore();
+                    }
+                    self.handle_oom(e, phase)?
+                }
             }
         }
+    }
+
+    fn rollback_point(&self) -> Result<Rollback, StepError> {
+        let place = self.place();
+        let buffers: Vec<Tensor> = self
+            .model
+            .vs
+            .variables()
+            .into_iter()
+            .filter(|(_, t)| !t.requires_grad())
+            .map(|(_, t)| t)
+            .collect();
+        let device = self.device();
+        oom::guarded_counting(
+            || memory::oom_count(place),
+            || {
+                let copies: Vec<Tensor> = buffers.iter().map(|b| b.copy()).collect();
+                let mut rng = vec![(Device::Cpu, shim::rng_state(Device::Cpu).unwrap_or_else(|e| panic!("{e}")))];
+                if device != Device::Cpu {
+                    rng.push((device, shim::rng_state(device).unwrap_or_else(|e| panic!("{e}"))));
+                }
+                Rollback {
+                    buffers: buffers.into_iter().zip(copies).collect(),
+                    rng,
+                }
+            },
+        )
     }
 
     fn input_shape(&self, b: i64) -> Vec<i64> {

@@ -332,8 +332,8 @@ impl Outcome {
         final_model(&self.out)
     }
 
-    pub fn final_bytes(&self) -> Vec<u8> {
-        std::fs::read(self.final_model()).unwrap()
+    pub fn final_bytes(&self) -> Bytes {
+        Bytes(std::fs::read(self.final_model()).unwrap())
     }
 
     /// The same spec again, resuming this run directory.
@@ -398,4 +398,18 @@ pub fn max_abs_diff(a: &Path, b: &Path) -> f64 {
         .zip(&tb)
         .map(|((_, x), (_, y))| (x - y).abs().max().double_value(&[]))
         .fold(0.0, f64::max)
+}
+
+/// File contents that compare byte for byte and print only their size and first difference.
+#[derive(PartialEq, Eq)]
+pub struct Bytes(pub Vec<u8>);
+
+impl std::fmt::Debug for Bytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} bytes", self.0.len())
+    }
+}
+
+pub fn file_bytes(p: &Path) -> Bytes {
+    Bytes(std::fs::read(p).unwrap_or_else(|e| panic!("reading {}: {e}", p.display())))
 }
