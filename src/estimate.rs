@@ -7,7 +7,7 @@ use anyhow::Result;
 use crate::human::{human_bytes, human_count};
 use crate::model;
 use crate::optim::Hyper;
-use crate::spec::Spec;
+use crate::spec::{Precision, Spec};
 
 #[derive(Debug, Clone)]
 pub struct Estimate {
@@ -17,6 +17,7 @@ pub struct Estimate {
     /// Non-trained state such as BatchNorm running statistics.
     pub buffers: u64,
     pub bytes_per_value: u64,
+    pub precision: Precision,
     /// Optimizer state tensors per weight (SGD with momentum 1, Adam/AdamW 2).
     pub state_per_weight: u64,
     pub optimizer: String,
@@ -39,6 +40,24 @@ impl Estimate {
     pub fn total_bytes(&self) -> u64 {
         self.parameter_bytes() + self.gradient_bytes() + self.optimizer_bytes()
     }
+
+    /// The same model and optimizer under another precision.
+    pub fn with_precision(&self, p: Precision) -> Estimate {
+        Estimate {
+            precision: p,
+            bytes_per_value: p.bytes(),
+            ..self.clone()
+        }
+    }
+
+    /// Mixed precision: autocast keeps a low-precision copy of each weight it casts for as long
+    /// as the forward runs (its cast cache), at most the trained weights at 2 bytes.
+    pub fn autocast_cache_bytes(&self) -> u64 {
+        match self.precision.autocast() {
+            Some(_) => (self.weights + self.arch_weights) * 2,
+            None => 0,
+        }
+    }
 }
 
 pub fn estimate(spec: &Spec) -> Result<Estimate> {
@@ -52,6 +71,7 @@ pub fn estimate(spec: &Spec) -> Result<Estimate> {
         arch_weights: arch,
         buffers,
         bytes_per_value: t.precision.bytes(),
+        precision: t.precision,
         state_per_weight,
         optimizer: format!("{:?}", t.optimizer).to_lowercase(),
         micro_batch: t.batch_size,
@@ -88,6 +108,33 @@ impl fmt::Display for Estimate {
             self.state_per_weight
         )?;
         writeln!(f, "total static     {}", human_bytes(self.total_bytes()))?;
+        writeln!(
+            f,
+            "by precision     parameters, gradients and optimizer state by dtype (* = train.precision)"
+        )?;
+        for p in Precision::ALL {
+            let e = self.with_precision(p);
+            let dtype = if p == Precision::Bf16 { "bf16" } else { "fp32" };
+            let mark = if p == self.precision { "*" } else { " " };
+            write!(
+                f,
+                "  {mark}{:<11} {} {dtype} + {} {dtype} + {} {dtype} = {}",
+                p.name(),
+                human_bytes(e.parameter_bytes()),
+                human_bytes(e.gradient_bytes()),
+                human_bytes(e.optimizer_bytes()),
+                human_bytes(e.total_bytes())
+            )?;
+            if e.autocast_cache_bytes() > 0 {
+                write!(
+                    f,
+                    "; up to {} of {} weight copies while the forward runs",
+                    human_bytes(e.autocast_cache_bytes()),
+                    if p == Precision::Fp16Mixed { "fp16" } else { "bf16" }
+                )?;
+            }
+            writeln!(f)?;
+        }
         writeln!(
             f,
             "effective batch  {} = micro-batch {} x {} accumulation steps",

@@ -356,6 +356,26 @@ fn check_prints_the_resolved_spec_and_a_static_estimate() {
         "{}",
         r.stdout
     );
+    // Per precision, by dtype; mixed keeps fp32 master weights, pure bf16 halves everything.
+    assert!(
+        r.stdout
+            .contains("*fp32        9.41 KiB fp32 + 9.41 KiB fp32 + 18.83 KiB fp32 = 37.66 KiB"),
+        "{}",
+        r.stdout
+    );
+    assert!(
+        r.stdout.contains(
+            "fp16-mixed  9.41 KiB fp32 + 9.41 KiB fp32 + 18.83 KiB fp32 = 37.66 KiB; up to 4.71 KiB of fp16 weight copies"
+        ),
+        "{}",
+        r.stdout
+    );
+    assert!(
+        r.stdout
+            .contains("bf16        4.71 KiB bf16 + 4.71 KiB bf16 + 9.41 KiB bf16 = 18.83 KiB"),
+        "{}",
+        r.stdout
+    );
     // The printed spec is itself a valid spec.
     check()
         .name("again")

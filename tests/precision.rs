@@ -7,13 +7,19 @@ use toml::Value;
 #[test]
 fn mixed_precision_trains_the_digits_mlp() {
     for p in ["bf16-mixed", "fp16-mixed"] {
-        let r = Test::new().name(p).set("train.precision", p).set("train.epochs", 5).run();
+        let r = Test::new()
+            .name(p)
+            .set("train.precision", p)
+            .set("train.epochs", 5)
+            .run();
         let s = r.summary();
         let acc = s["final"]["val_acc"].as_f64().unwrap();
         assert!(acc >= 0.9, "{p}: validation accuracy {acc}");
         assert_eq!(s["precision"]["mode"], p);
         // Master weights stay fp32.
-        assert!(tensors(&r.final_model()).iter().all(|(_, t)| t.kind() == tch::Kind::Float));
+        assert!(tensors(&r.final_model())
+            .iter()
+            .all(|(_, t)| t.kind() == tch::Kind::Float));
         let scaler = &json(&r.final_model().with_file_name("state.json"))["scaler"];
         if p == "fp16-mixed" {
             assert_eq!(s["precision"]["loss_scale"], 65536.0, "no overflow on this job");
@@ -81,11 +87,12 @@ fn checkpointed_darts_equals_the_plain_run_bit_for_bit() {
     // Weight and architecture steps, accumulation, BatchNorm, attention: with SGD a weight
     // differs if any gradient does.
     let plain = darts().name("plain").run();
-    let ck = darts()
-        .name("ck")
-        .set("train.activation_checkpointing", true)
-        .run();
-    assert_eq!(plain.final_bytes(), ck.final_bytes(), "weights and BatchNorm statistics");
+    let ck = darts().name("ck").set("train.activation_checkpointing", true).run();
+    assert_eq!(
+        plain.final_bytes(),
+        ck.final_bytes(),
+        "weights and BatchNorm statistics"
+    );
     let opt = |o: &Outcome| file_bytes(&o.final_model().with_file_name("optimizer.safetensors"));
     assert_eq!(opt(&plain), opt(&ck), "momentum buffers");
     assert_eq!(ck.summary()["precision"]["activation_checkpointing"], true);

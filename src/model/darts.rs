@@ -795,7 +795,11 @@ impl super::Chain for Darts {
         let cell = &self.cells[i - 1];
         let ops = self.ops.len();
         let per = state[2..].len() / 2;
-        let ws = if cell.reduction { &state[2 + per..] } else { &state[2..2 + per] };
+        let ws = if cell.reduction {
+            &state[2 + per..]
+        } else {
+            &state[2..2 + per]
+        };
         let w: Vec<Vec<Tensor>> = ws
             .chunks(ops)
             .map(|row| row.iter().map(|t| t.shallow_clone()).collect())

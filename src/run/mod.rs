@@ -111,6 +111,12 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
             r.state.micro_batch
         );
     }
+    if t.activation_checkpointing && built.net.chain().is_none() {
+        tracing::warn!(
+            "train.activation_checkpointing: the {} preset is not a sequence of blocks, so activation checkpointing does not apply; the run goes on without it",
+            spec.model.preset
+        );
+    }
     let mut state = plan.start.clone();
     // A spec that asks for checkpointing turns it on; a resumed run keeps it on once a
     // "recompute" decision turned it on. fp16-mixed starts (or, switched on at a resume, takes

@@ -58,13 +58,16 @@ fn save_rng(device: tch::Device) -> Vec<(tch::Device, Vec<u8>)> {
         .collect()
 }
 
+/// A block's inputs and the generator states it started from.
+type Saved = (Vec<Tensor>, Vec<(tch::Device, Vec<u8>)>);
+
 /// Checkpointed forward, loss and backward of one micro-batch; returns the sum-reduced loss and
 /// the correct count, as `StepPipeline::forward_loss` does.
 pub fn forward_backward(p: &StepPipeline, chain: &dyn Chain, work: &Work, idx: &[i64], n: f64) -> (Tensor, Tensor) {
     let (x, y) = work.data.batch(&Tensor::from_slice(idx));
     let x = p.precision.input(&x, p.device);
     let k = chain.blocks();
-    let mut saved: Vec<(Vec<Tensor>, Vec<(tch::Device, Vec<u8>)>)> = Vec::with_capacity(k);
+    let mut saved: Vec<Saved> = Vec::with_capacity(k);
     let mut state = vec![x];
     tch::no_grad(|| {
         let _autocast = p.precision.autocast(p.device);

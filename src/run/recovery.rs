@@ -50,6 +50,7 @@ pub struct Position {
 }
 
 impl Recovery {
+    #[allow(clippy::too_many_arguments)]
     /// `on_cpu`: the run is on the CPU (from the start or after a fallback), where "cpu" cannot
     /// help. `reported`: an earlier session already wrote the `oom/` report.
     pub fn new(
@@ -308,7 +309,10 @@ mod tests {
         assert!(r.recompute() && r.position(false).recompute);
         let o = r.on_oom();
         assert_eq!(o.decision, Decision::Backoff { to: shape(4, 2) });
-        assert_eq!(o.skipped, vec!["recompute: activation checkpointing is already on".to_string()]);
+        assert_eq!(
+            o.skipped,
+            vec!["recompute: activation checkpointing is already on".to_string()]
+        );
         assert_eq!(r.counts().recomputes, 1);
     }
 
@@ -324,7 +328,10 @@ mod tests {
         let mut r = Recovery::new(vec![Recompute, Fail], 1, 0, s, at, true, false, false);
         let o = r.on_oom();
         assert_eq!(o.decision, Decision::Fail);
-        assert_eq!(o.skipped, vec!["recompute: the model is not a sequence of blocks".to_string()]);
+        assert_eq!(
+            o.skipped,
+            vec!["recompute: the model is not a sequence of blocks".to_string()]
+        );
         assert!(!r.recompute());
     }
 }

@@ -434,7 +434,10 @@ impl Trainer {
             || memory::oom_count(place),
             || {
                 let copies: Vec<Tensor> = buffers.iter().map(|b| b.copy()).collect();
-                let mut rng = vec![(Device::Cpu, shim::rng_state(Device::Cpu).unwrap_or_else(|e| panic!("{e}")))];
+                let mut rng = vec![(
+                    Device::Cpu,
+                    shim::rng_state(Device::Cpu).unwrap_or_else(|e| panic!("{e}")),
+                )];
                 if device != Device::Cpu {
                     rng.push((device, shim::rng_state(device).unwrap_or_else(|e| panic!("{e}"))));
                 }
