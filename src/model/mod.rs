@@ -3,7 +3,11 @@
 //! Every preset is built into a `tch::nn::Path`, so all weights live in one VarStore and are
 //! saved and loaded by name.
 mod darts;
+mod layers;
 mod mlp;
+mod resnet;
+mod torchscript;
+mod vit;
 
 use anyhow::Result;
 use serde::de::DeserializeOwned;
@@ -90,7 +94,15 @@ pub trait Preset: Sync {
 }
 
 /// The registry: one line per preset.
-const PRESETS: &[&dyn AnyPreset] = &[&mlp::MlpPreset, &darts::DartsPreset];
+const PRESETS: &[&dyn AnyPreset] = &[
+    &mlp::MlpPreset,
+    &darts::DartsPreset,
+    &resnet::ResNetPreset::<18>,
+    &resnet::ResNetPreset::<34>,
+    &resnet::ResNetPreset::<50>,
+    &vit::VitPreset,
+    &torchscript::TorchScriptPreset,
+];
 
 /// What the rest of memtrain sees of a preset: the typed trait above with its options parsed
 /// from the spec.

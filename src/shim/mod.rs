@@ -66,6 +66,22 @@ extern "C" {
         found_inf: *const C_tensor,
         inv_scale: *const C_tensor,
     ) -> *mut c_char;
+    fn mt_script_load(path: *const c_char, device_type: i32, index: i64, out: *mut *mut MtScript) -> *mut c_char;
+    fn mt_script_free(m: *mut MtScript);
+    fn mt_script_tensors(
+        m: *mut MtScript,
+        which: i32,
+        names: *mut *mut c_char,
+        tensors: *mut *mut *mut C_tensor,
+        n: *mut i64,
+    ) -> *mut c_char;
+    fn mt_script_train(m: *mut MtScript, on: i32) -> *mut c_char;
+    fn mt_script_forward(m: *mut MtScript, x: *const C_tensor, out: *mut *mut C_tensor) -> *mut c_char;
+}
+
+#[repr(C)]
+struct MtScript {
+    _opaque: [u8; 0],
 }
 
 /// Turns the shim's error convention (null = ok, else a malloc'd message) into a Result.
@@ -352,6 +368,68 @@ pub fn backward(outputs: &[tch::Tensor], grads: &[tch::Tensor]) -> Result<()> {
 pub fn amp_unscale(grads: &[tch::Tensor], found_inf: &tch::Tensor, inv_scale: &tch::Tensor) -> Result<()> {
     let g: Vec<*const C_tensor> = grads.iter().map(|t| t.as_ptr()).collect();
     check(unsafe { mt_amp_unscale(g.as_ptr(), g.len() as i64, found_inf.as_ptr(), inv_scale.as_ptr()) })
+}
+
+/// A loaded TorchScript module (`torch.jit.load`).
+#[derive(Debug)]
+pub struct ScriptModule {
+    ptr: *mut MtScript,
+}
+
+impl Drop for ScriptModule {
+    fn drop(&mut self) {
+        unsafe { mt_script_free(self.ptr) }
+    }
+}
+
+impl ScriptModule {
+    /// Loads the module with its tensors on `device`.
+    pub fn load(path: &std::path::Path, device: tch::Device) -> Result<Self> {
+        let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes())?;
+        let (t, i) = device_parts(device);
+        let mut ptr = std::ptr::null_mut();
+        check(unsafe { mt_script_load(c.as_ptr(), t, i, &mut ptr) })?;
+        Ok(ScriptModule { ptr })
+    }
+
+    fn tensors(&self, which: i32) -> Result<Vec<(String, tch::Tensor)>> {
+        let mut names = std::ptr::null_mut();
+        let mut ts = std::ptr::null_mut();
+        let mut n = 0i64;
+        check(unsafe { mt_script_tensors(self.ptr, which, &mut names, &mut ts, &mut n) })?;
+        // SAFETY: on success both buffers are malloc'd by the shim; each tensor pointer is a
+        // new'd at::Tensor that tch's Tensor takes over.
+        let joined = unsafe { CStr::from_ptr(names) }.to_string_lossy().into_owned();
+        let tensors: Vec<tch::Tensor> = (0..n as usize)
+            .map(|k| unsafe { tch::Tensor::from_ptr(*ts.add(k)) })
+            .collect();
+        unsafe {
+            mt_free_buffer(names);
+            mt_free_buffer(ts as *mut c_char);
+        }
+        let names = joined.split('\n').filter(|s| !s.is_empty()).map(str::to_owned);
+        Ok(names.zip(tensors).collect())
+    }
+
+    /// Parameters with their state_dict names (sharing storage with the module).
+    pub fn named_parameters(&self) -> Result<Vec<(String, tch::Tensor)>> {
+        self.tensors(0)
+    }
+
+    /// Buffers (BatchNorm running statistics and the like), as above.
+    pub fn named_buffers(&self) -> Result<Vec<(String, tch::Tensor)>> {
+        self.tensors(1)
+    }
+
+    pub fn set_train(&self, on: bool) -> Result<()> {
+        check(unsafe { mt_script_train(self.ptr, on as i32) })
+    }
+
+    pub fn forward(&self, x: &tch::Tensor) -> Result<tch::Tensor> {
+        let mut out = std::ptr::null_mut();
+        check(unsafe { mt_script_forward(self.ptr, x.as_ptr(), &mut out) })?;
+        Ok(unsafe { tch::Tensor::from_ptr(out) })
+    }
 }
 
 #[cfg(test)]

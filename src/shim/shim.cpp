@@ -11,6 +11,9 @@
 #include <ATen/core/Generator.h>
 #include <ATen/Functions.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/jit/api/module.h>
+#include <torch/csrc/jit/runtime/graph_executor.h>
+#include <torch/csrc/jit/serialization/import.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <torch/version.h>
 #include <c10/core/CachingDeviceAllocator.h>
@@ -25,6 +28,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <memory>
+#include <stdexcept>
+#include <vector>
 #include <string>
 
 #ifdef MEMTRAIN_HAVE_CUDA
@@ -424,6 +430,73 @@ char *mt_amp_unscale(at::Tensor **grads, int64_t n, at::Tensor *found_inf, at::T
     std::vector<at::Tensor> g;
     for (int64_t i = 0; i < n; ++i) g.push_back(*grads[i]);
     at::_amp_foreach_non_finite_check_and_unscale_(g, *found_inf, *inv_scale);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// TorchScript modules (the `torchscript` preset). The module's parameters and buffers are
+// handed out as tensors sharing their storage, so the VarStore that holds them trains,
+// checkpoints and moves the module's own state.
+
+struct MtScript {
+  torch::jit::Module module;
+};
+
+char *mt_script_load(const char *path, int device_type, int64_t index, MtScript **out) {
+  return guarded([&] {
+    // The plain interpreter over the same ATen ops as eager PyTorch: no profiling-driven
+    // autodiff subgraphs or fusion, whose gradients would differ from the eager module's.
+    torch::jit::setGraphExecutorOptimize(false);
+    c10::Device device(static_cast<c10::DeviceType>(device_type), static_cast<c10::DeviceIndex>(index));
+    auto m = std::make_unique<MtScript>();
+    m->module = torch::jit::load(std::string(path), device);
+    *out = m.release();
+  });
+}
+
+void mt_script_free(MtScript *m) { delete m; }
+
+// Names (joined by '\n') and tensors of the module's parameters (which = 0) or buffers (1),
+// recursively, with their state_dict names. Both arrays are malloc'd; each tensor is new'd.
+char *mt_script_tensors(MtScript *m, int which, char **names, at::Tensor ***tensors, int64_t *n) {
+  return guarded([&] {
+    std::vector<std::pair<std::string, at::Tensor>> items;
+    if (which == 0) {
+      for (const auto &p : m->module.named_parameters(true)) items.emplace_back(p.name, p.value);
+    } else {
+      for (const auto &p : m->module.named_buffers(true)) items.emplace_back(p.name, p.value);
+    }
+    std::string joined;
+    for (size_t i = 0; i < items.size(); ++i) {
+      if (i) joined += '\n';
+      joined += items[i].first;
+    }
+    char *nb = static_cast<char *>(std::malloc(joined.size() + 1));
+    auto **tb = static_cast<at::Tensor **>(std::malloc(sizeof(at::Tensor *) * (items.size() + 1)));
+    if (!nb || !tb) {
+      std::free(nb);
+      std::free(tb);
+      throw std::bad_alloc();
+    }
+    std::memcpy(nb, joined.c_str(), joined.size() + 1);
+    for (size_t i = 0; i < items.size(); ++i) tb[i] = new at::Tensor(items[i].second);
+    *names = nb;
+    *tensors = tb;
+    *n = static_cast<int64_t>(items.size());
+  });
+}
+
+char *mt_script_train(MtScript *m, int on) {
+  return guarded([&] { m->module.train(on != 0); });
+}
+
+char *mt_script_forward(MtScript *m, at::Tensor *x, at::Tensor **out) {
+  return guarded([&] {
+    c10::IValue r = m->module.forward({*x});
+    if (!r.isTensor()) {
+      throw std::runtime_error("forward returned " + r.tagKind() + ", not a Tensor of logits [N, num_classes]");
+    }
+    *out = new at::Tensor(r.toTensor());
   });
 }
 

@@ -1,0 +1,246 @@
+//! `resnet18`, `resnet34`, `resnet50`: torchvision's ResNets (v1.5: a bottleneck strides in its
+//! 3×3 convolution) with torchvision's variable names (`conv1.weight`, `bn1.running_mean`,
+//! `layer1.0.conv1.weight`, `layer2.0.downsample.0.weight`, …, `fc.bias`), so a torchvision
+//! `state_dict` saved as safetensors loads through `model.init_from` unchanged, and parameter
+//! counts equal torchvision's for the same options.
+//!
+//! `small_stem = true` replaces the 7×7/2 convolution and the max-pool by one 3×3/1 convolution
+//! (still named `conv1`), the usual stem for 32×32 images such as CIFAR-10.
+//!
+//! As a chain: the stem, one block per residual block, the head (pool and `fc`), so activation
+//! checkpointing keeps one tensor per residual block.
+use anyhow::Result;
+use serde::{Deserialize, Serialize};
+use tch::nn::init::{FanInOut, NonLinearity, NormalOrUniform};
+use tch::nn::{self, Init, Module};
+use tch::Tensor;
+
+use super::layers::{self, BatchNorm2d};
+use super::{Built, Chain, Net, Preset};
+
+/// `[model.resnet18]` (and `resnet34`, `resnet50`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ResNetOptions {
+    pub num_classes: i64,
+    pub in_channels: i64,
+    /// Height and width of the input images (any size works; this one is checked against the
+    /// data and used for synthetic data and estimates).
+    pub image_size: i64,
+    /// 3×3 stride-1 first convolution and no max-pool, for 32×32 inputs.
+    pub small_stem: bool,
+    /// Each residual block's last BatchNorm starts with γ = 0, so blocks start as identities.
+    pub zero_init_residual: bool,
+}
+
+impl Default for ResNetOptions {
+    fn default() -> Self {
+        ResNetOptions {
+            num_classes: 1000,
+            in_channels: 3,
+            image_size: 224,
+            small_stem: false,
+            zero_init_residual: false,
+        }
+    }
+}
+
+/// The three depths, one preset each.
+pub struct ResNetPreset<const DEPTH: u32>;
+
+impl<const DEPTH: u32> Preset for ResNetPreset<DEPTH> {
+    type Options = ResNetOptions;
+    const NAME: &'static str = match DEPTH {
+        18 => "resnet18",
+        34 => "resnet34",
+        _ => "resnet50",
+    };
+
+    fn check(o: &ResNetOptions) -> Vec<(&'static str, String)> {
+        let mut p = vec![];
+        for (key, v, min) in [
+            ("num_classes", o.num_classes, 2),
+            ("in_channels", o.in_channels, 1),
+            ("image_size", o.image_size, 8),
+        ] {
+            if v < min {
+                p.push((key, format!("must be at least {min}, got {v}")));
+            }
+        }
+        p
+    }
+
+    fn build(root: &nn::Path, o: &ResNetOptions) -> Result<Built> {
+        let (bottleneck, layers) = match DEPTH {
+            18 => (false, [2, 2, 2, 2]),
+            34 => (false, [3, 4, 6, 3]),
+            _ => (true, [3, 4, 6, 3]),
+        };
+        Ok(Built {
+            input_shape: vec![o.in_channels, o.image_size, o.image_size],
+            num_classes: o.num_classes,
+            net: Box::new(ResNet::new(root, o, bottleneck, layers)),
+        })
+    }
+}
+
+/// torchvision's convolution initialisation: kaiming normal, fan-out, ReLU gain.
+fn conv(p: nn::Path, cin: i64, cout: i64, k: i64, stride: i64, padding: i64) -> nn::Conv2D {
+    nn::conv2d(
+        p,
+        cin,
+        cout,
+        k,
+        nn::ConvConfig {
+            stride,
+            padding,
+            bias: false,
+            ws_init: Init::Kaiming {
+                dist: NormalOrUniform::Normal,
+                fan: FanInOut::FanOut,
+                non_linearity: NonLinearity::ReLU,
+            },
+            ..Default::default()
+        },
+    )
+}
+
+/// A BasicBlock (two 3×3 convolutions) or a Bottleneck (1×1, 3×3 with the stride, 1×1 ×4).
+#[derive(Debug)]
+struct Block {
+    convs: Vec<(nn::Conv2D, BatchNorm2d)>,
+    downsample: Option<(nn::Conv2D, BatchNorm2d)>,
+}
+
+impl Block {
+    fn new(p: &nn::Path, inplanes: i64, planes: i64, stride: i64, bottleneck: bool, zero_init: bool) -> Self {
+        let expansion = if bottleneck { 4 } else { 1 };
+        // (in, out, kernel, stride, padding) of each convolution.
+        let shapes: Vec<(i64, i64, i64, i64, i64)> = if bottleneck {
+            vec![
+                (inplanes, planes, 1, 1, 0),
+                (planes, planes, 3, stride, 1),
+                (planes, planes * 4, 1, 1, 0),
+            ]
+        } else {
+            vec![(inplanes, planes, 3, stride, 1), (planes, planes, 3, 1, 1)]
+        };
+        let last = shapes.len();
+        let convs = shapes
+            .into_iter()
+            .enumerate()
+            .map(|(i, (cin, cout, k, s, pad))| {
+                let n = i + 1;
+                (
+                    conv(p / format!("conv{n}"), cin, cout, k, s, pad),
+                    BatchNorm2d::new(&(p / format!("bn{n}")), cout, zero_init && n == last),
+                )
+            })
+            .collect();
+        let downsample = (stride != 1 || inplanes != planes * expansion).then(|| {
+            let d = p / "downsample";
+            (
+                conv(&d / "0", inplanes, planes * expansion, 1, stride, 0),
+                BatchNorm2d::new(&(&d / "1"), planes * expansion, false),
+            )
+        });
+        Block { convs, downsample }
+    }
+
+    fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
+        let last = self.convs.len() - 1;
+        let mut h = x.shallow_clone();
+        for (i, (c, bn)) in self.convs.iter().enumerate() {
+            h = bn.forward_t(&c.forward(&h), train);
+            if i < last {
+                h = h.relu();
+            }
+        }
+        let identity = match &self.downsample {
+            Some((c, bn)) => bn.forward_t(&c.forward(x), train),
+            None => x.shallow_clone(),
+        };
+        (h + identity).relu()
+    }
+}
+
+#[derive(Debug)]
+pub struct ResNet {
+    conv1: nn::Conv2D,
+    bn1: BatchNorm2d,
+    max_pool: bool,
+    blocks: Vec<Block>,
+    fc: nn::Linear,
+}
+
+impl ResNet {
+    fn new(root: &nn::Path, o: &ResNetOptions, bottleneck: bool, layers: [usize; 4]) -> Self {
+        let conv1 = if o.small_stem {
+            conv(root / "conv1", o.in_channels, 64, 3, 1, 1)
+        } else {
+            conv(root / "conv1", o.in_channels, 64, 7, 2, 3)
+        };
+        let bn1 = BatchNorm2d::new(&(root / "bn1"), 64, false);
+        let expansion = if bottleneck { 4 } else { 1 };
+        let mut inplanes = 64;
+        let mut blocks = vec![];
+        for (l, &n) in layers.iter().enumerate() {
+            let planes = 64 << l;
+            let stride = if l == 0 { 1 } else { 2 };
+            let lp = root / format!("layer{}", l + 1);
+            for b in 0..n {
+                let s = if b == 0 { stride } else { 1 };
+                blocks.push(Block::new(
+                    &(&lp / b),
+                    inplanes,
+                    planes,
+                    s,
+                    bottleneck,
+                    o.zero_init_residual,
+                ));
+                inplanes = planes * expansion;
+            }
+        }
+        let fc = layers::linear(root / "fc", 512 * expansion, o.num_classes);
+        ResNet {
+            conv1,
+            bn1,
+            max_pool: !o.small_stem,
+            blocks,
+            fc,
+        }
+    }
+}
+
+impl Chain for ResNet {
+    fn blocks(&self) -> usize {
+        self.blocks.len() + 2
+    }
+
+    fn block(&self, i: usize, state: &[Tensor], train: bool) -> Vec<Tensor> {
+        let x = &state[0];
+        let out = if i == 0 {
+            let h = self.bn1.forward_t(&self.conv1.forward(x), train).relu();
+            if self.max_pool {
+                h.max_pool2d([3, 3], [2, 2], [1, 1], [1, 1], false)
+            } else {
+                h
+            }
+        } else if i == self.blocks.len() + 1 {
+            self.fc.forward(&x.adaptive_avg_pool2d([1, 1]).flatten(1, -1))
+        } else {
+            self.blocks[i - 1].forward_t(x, train)
+        };
+        vec![out]
+    }
+}
+
+impl Net for ResNet {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        super::run_chain(self, xs, train)
+    }
+
+    fn chain(&self) -> Option<&dyn Chain> {
+        Some(self)
+    }
+}

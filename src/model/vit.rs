@@ -1,0 +1,273 @@
+//! `vit`: torchvision's `VisionTransformer` with its variable names (`conv_proj`, `class_token`,
+//! `encoder.pos_embedding`, `encoder.layers.encoder_layer_N.{ln_1, self_attention, ln_2, mlp}`,
+//! `encoder.ln`, `heads.head`) and initialisations. Self-attention is `nn.MultiheadAttention`'s
+//! packed projections (`in_proj_weight`, `in_proj_bias`, `out_proj`) around
+//! `scaled_dot_product_attention`, which picks the fused kernels on GPUs.
+//!
+//! As a chain: the embedding (patches, class token, position embedding, dropout), one block per
+//! encoder layer, the head (final LayerNorm, class token, `heads.head`). Dropout inside a block
+//! draws the same masks when the block is recomputed, because recomputation replays the
+//! generator state the block first saw.
+use anyhow::Result;
+use serde::{Deserialize, Serialize};
+use tch::nn::{self, Init, Module};
+use tch::Tensor;
+
+use super::layers::{self, LayerNorm};
+use super::{Built, Chain, Net, Preset};
+
+/// `[model.vit]`; the defaults are ViT-B/16.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct VitOptions {
+    pub image_size: i64,
+    pub patch_size: i64,
+    pub in_channels: i64,
+    pub layers: i64,
+    pub heads: i64,
+    pub hidden_dim: i64,
+    pub mlp_dim: i64,
+    pub dropout: f64,
+    pub attention_dropout: f64,
+    pub num_classes: i64,
+}
+
+impl Default for VitOptions {
+    fn default() -> Self {
+        VitOptions {
+            image_size: 224,
+            patch_size: 16,
+            in_channels: 3,
+            layers: 12,
+            heads: 12,
+            hidden_dim: 768,
+            mlp_dim: 3072,
+            dropout: 0.0,
+            attention_dropout: 0.0,
+            num_classes: 1000,
+        }
+    }
+}
+
+pub struct VitPreset;
+
+impl Preset for VitPreset {
+    type Options = VitOptions;
+    const NAME: &'static str = "vit";
+
+    fn check(o: &VitOptions) -> Vec<(&'static str, String)> {
+        let mut p = vec![];
+        for (key, v, min) in [
+            ("image_size", o.image_size, 1),
+            ("patch_size", o.patch_size, 1),
+            ("in_channels", o.in_channels, 1),
+            ("layers", o.layers, 1),
+            ("heads", o.heads, 1),
+            ("hidden_dim", o.hidden_dim, 1),
+            ("mlp_dim", o.mlp_dim, 1),
+            ("num_classes", o.num_classes, 2),
+        ] {
+            if v < min {
+                p.push((key, format!("must be at least {min}, got {v}")));
+            }
+        }
+        if o.patch_size >= 1 && o.image_size % o.patch_size != 0 {
+            p.push((
+                "image_size",
+                format!(
+                    "must be a multiple of patch_size ({}), got {}",
+                    o.patch_size, o.image_size
+                ),
+            ));
+        }
+        if o.heads >= 1 && o.hidden_dim % o.heads != 0 {
+            p.push((
+                "hidden_dim",
+                format!(
+                    "must be a multiple of heads ({}) so the heads split it evenly, got {}",
+                    o.heads, o.hidden_dim
+                ),
+            ));
+        }
+        for (key, v) in [("dropout", o.dropout), ("attention_dropout", o.attention_dropout)] {
+            if !(0.0..1.0).contains(&v) {
+                p.push((key, format!("must be in [0, 1), got {v}")));
+            }
+        }
+        p
+    }
+
+    fn build(root: &nn::Path, o: &VitOptions) -> Result<Built> {
+        Ok(Built {
+            input_shape: vec![o.in_channels, o.image_size, o.image_size],
+            num_classes: o.num_classes,
+            net: Box::new(Vit::new(root, o)),
+        })
+    }
+}
+
+/// One `EncoderBlock`: x + Dropout(Attention(LN(x))), then + MLP(LN(·)).
+#[derive(Debug)]
+struct EncoderBlock {
+    ln_1: LayerNorm,
+    in_proj_weight: Tensor,
+    in_proj_bias: Tensor,
+    out_proj: nn::Linear,
+    ln_2: LayerNorm,
+    mlp_0: nn::Linear,
+    mlp_3: nn::Linear,
+    heads: i64,
+    dropout: f64,
+    attention_dropout: f64,
+}
+
+impl EncoderBlock {
+    fn new(p: &nn::Path, o: &VitOptions) -> Self {
+        let d = o.hidden_dim;
+        let sa = p / "self_attention";
+        let bias = Init::Randn { mean: 0.0, stdev: 1e-6 };
+        let mlp = p / "mlp";
+        EncoderBlock {
+            ln_1: LayerNorm::new(&(p / "ln_1"), d, 1e-6),
+            in_proj_weight: sa.var("in_proj_weight", &[3 * d, d], layers::xavier_uniform(d, 3 * d)),
+            in_proj_bias: sa.var("in_proj_bias", &[3 * d], Init::Const(0.0)),
+            out_proj: {
+                let b = 1.0 / (d as f64).sqrt();
+                layers::linear_init(
+                    &sa / "out_proj",
+                    d,
+                    d,
+                    Init::Uniform { lo: -b, up: b },
+                    Init::Const(0.0),
+                )
+            },
+            ln_2: LayerNorm::new(&(p / "ln_2"), d, 1e-6),
+            mlp_0: layers::linear_init(&mlp / "0", d, o.mlp_dim, layers::xavier_uniform(d, o.mlp_dim), bias),
+            mlp_3: layers::linear_init(&mlp / "3", o.mlp_dim, d, layers::xavier_uniform(o.mlp_dim, d), bias),
+            heads: o.heads,
+            dropout: o.dropout,
+            attention_dropout: o.attention_dropout,
+        }
+    }
+
+    fn attention(&self, x: &Tensor, train: bool) -> Tensor {
+        let (n, l, d) = x.size3().expect("[batch, tokens, hidden]");
+        let h = self.heads;
+        let qkv = x.linear(&self.in_proj_weight, Some(&self.in_proj_bias));
+        let split = |t: &Tensor| t.view([n, l, h, d / h]).transpose(1, 2);
+        let parts = qkv.chunk(3, -1);
+        let p = if train { self.attention_dropout } else { 0.0 };
+        let a = Tensor::scaled_dot_product_attention::<Tensor>(
+            &split(&parts[0]),
+            &split(&parts[1]),
+            &split(&parts[2]),
+            None,
+            p,
+            false,
+            None,
+            false,
+        );
+        self.out_proj.forward(&a.transpose(1, 2).reshape([n, l, d]))
+    }
+
+    fn forward_t(&self, input: &Tensor, train: bool) -> Tensor {
+        let x = self
+            .attention(&self.ln_1.forward(input), train)
+            .dropout(self.dropout, train)
+            + input;
+        let y = self
+            .mlp_0
+            .forward(&self.ln_2.forward(&x))
+            .gelu("none")
+            .dropout(self.dropout, train);
+        let y = self.mlp_3.forward(&y).dropout(self.dropout, train);
+        x + y
+    }
+}
+
+#[derive(Debug)]
+pub struct Vit {
+    conv_proj: nn::Conv2D,
+    class_token: Tensor,
+    pos_embedding: Tensor,
+    layers: Vec<EncoderBlock>,
+    ln: LayerNorm,
+    head: nn::Linear,
+    dropout: f64,
+}
+
+impl Vit {
+    fn new(root: &nn::Path, o: &VitOptions) -> Self {
+        let d = o.hidden_dim;
+        let fan_in = o.in_channels * o.patch_size * o.patch_size;
+        let conv_proj = nn::conv2d(
+            root / "conv_proj",
+            o.in_channels,
+            d,
+            o.patch_size,
+            nn::ConvConfig {
+                stride: o.patch_size,
+                ws_init: Init::Randn {
+                    mean: 0.0,
+                    stdev: (1.0 / fan_in as f64).sqrt(),
+                },
+                bs_init: Init::Const(0.0),
+                ..Default::default()
+            },
+        );
+        let side = o.image_size / o.patch_size;
+        let seq = side * side + 1;
+        let enc = root / "encoder";
+        let layer_root = &enc / "layers";
+        Vit {
+            conv_proj,
+            class_token: root.var("class_token", &[1, 1, d], Init::Const(0.0)),
+            pos_embedding: enc.var("pos_embedding", &[1, seq, d], Init::Randn { mean: 0.0, stdev: 0.02 }),
+            layers: (0..o.layers)
+                .map(|i| EncoderBlock::new(&(&layer_root / format!("encoder_layer_{i}")), o))
+                .collect(),
+            ln: LayerNorm::new(&(&enc / "ln"), d, 1e-6),
+            head: layers::linear_init(
+                root / "heads" / "head",
+                d,
+                o.num_classes,
+                Init::Const(0.0),
+                Init::Const(0.0),
+            ),
+            dropout: o.dropout,
+        }
+    }
+}
+
+impl Chain for Vit {
+    fn blocks(&self) -> usize {
+        self.layers.len() + 2
+    }
+
+    fn block(&self, i: usize, state: &[Tensor], train: bool) -> Vec<Tensor> {
+        let x = &state[0];
+        let out = if i == 0 {
+            let n = x.size()[0];
+            let p = self.conv_proj.forward(x);
+            let d = p.size()[1];
+            let p = p.reshape([n, d, -1]).permute([0, 2, 1]);
+            let cls = self.class_token.expand([n, -1, -1], false);
+            (Tensor::cat(&[cls, p], 1) + &self.pos_embedding).dropout(self.dropout, train)
+        } else if i == self.layers.len() + 1 {
+            self.head.forward(&self.ln.forward(x).select(1, 0))
+        } else {
+            self.layers[i - 1].forward_t(x, train)
+        };
+        vec![out]
+    }
+}
+
+impl Net for Vit {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
+        super::run_chain(self, xs, train)
+    }
+
+    fn chain(&self) -> Option<&dyn Chain> {
+        Some(self)
+    }
+}

@@ -1,0 +1,225 @@
+#!/usr/bin/env python3
+"""Plain PyTorch references for memtrain's integration tests (run with the bootstrap Python,
+$MEMTRAIN_PYTHON, which has torch 2.11 and torchvision 0.26).
+
+Subcommands:
+  script      --out model.pt --classes K [--channels C]
+              a small CNN with BatchNorm (conv → BN → ReLU → pool → linear), seeded, saved with
+              torch.jit.script(model).save(out)
+  torchvision --model resnet18 --classes K --out init.safetensors
+              a torchvision model's state_dict, as safetensors; prints {"parameters": n, "names": [...]}
+  data        --out d.npz --n N --shape C,H,W --classes K --seed S
+              random float32 images x and int64 labels y
+  train       --model (script:PATH | torchvision:NAME:INIT.safetensors) --train d.npz ...
+              trains as memtrain does (same epoch order, same groups and micro-batches, the
+              loss summed and divided by the group size, clipping, torch.optim) and prints
+              {"losses": [...], "buffers": {name: [...]}} as JSON
+"""
+import argparse
+import json
+import struct
+import sys
+
+import numpy as np
+import torch
+
+MASK = (1 << 64) - 1
+
+
+class SplitMix64:
+    """memtrain's data-order generator (src/data.rs), bit for bit."""
+
+    def __init__(self, state):
+        self.s = state & MASK
+
+    def next(self):
+        self.s = (self.s + 0x9E3779B97F4A7C15) & MASK
+        z = self.s
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+        return z ^ (z >> 31)
+
+    def below(self, n):
+        limit = MASK - MASK % n
+        while True:
+            r = self.next()
+            if r < limit:
+                return r % n
+
+
+TAG_EPOCH = 0x6570_6F63_685F_6F72
+
+
+def stream(seed, tag, index):
+    a = SplitMix64((seed & MASK) ^ tag)
+    b = SplitMix64(a.next() ^ ((index * 0xD1B54A32D192ED03) & MASK))
+    return SplitMix64(b.next())
+
+
+def epoch_order(n, seed, epoch):
+    rng = stream(seed, TAG_EPOCH, epoch)
+    v = list(range(n))
+    for i in range(n - 1, 0, -1):
+        j = rng.below(i + 1)
+        v[i], v[j] = v[j], v[i]
+    return v
+
+
+DTYPES = {torch.float32: "F32", torch.int64: "I64", torch.float16: "F16", torch.bfloat16: "BF16"}
+
+
+def write_safetensors(tensors, path):
+    header, blobs, offset = {}, [], 0
+    for name, t in tensors.items():
+        t = t.detach().contiguous().cpu()
+        b = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        header[name] = {"dtype": DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(b)]}
+        blobs.append(b)
+        offset += len(b)
+    h = json.dumps(header).encode()
+    h += b" " * ((8 - len(h) % 8) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)))
+        f.write(h)
+        for b in blobs:
+            f.write(b)
+
+
+def read_safetensors(path):
+    names = {v: k for k, v in DTYPES.items()}
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    out = {}
+    for name, h in header.items():
+        if name == "__metadata__":
+            continue
+        b, e = h["data_offsets"]
+        raw = torch.frombuffer(bytearray(data[b:e]), dtype=torch.uint8) if e > b else torch.empty(0, dtype=torch.uint8)
+        out[name] = raw.view(names[h["dtype"]]).reshape(h["shape"]).clone()
+    return out
+
+
+class SmallNet(torch.nn.Module):
+    def __init__(self, channels, classes):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(channels, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.head = torch.nn.Linear(8, classes)
+
+    def forward(self, x):
+        h = torch.relu(self.bn(self.conv(x)))
+        return self.head(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(h, 1), 1))
+
+
+def torchvision_model(name, classes):
+    import torchvision
+
+    return getattr(torchvision.models, name)(num_classes=classes)
+
+
+def cmd_script(a):
+    torch.manual_seed(a.seed)
+    m = SmallNet(a.channels, a.classes)
+    torch.jit.script(m).save(a.out)
+
+
+def cmd_torchvision(a):
+    torch.manual_seed(a.seed)
+    m = torchvision_model(a.model, a.classes)
+    write_safetensors(m.state_dict(), a.out)
+    print(json.dumps({"parameters": sum(p.numel() for p in m.parameters()), "names": list(m.state_dict())}))
+
+
+def cmd_data(a):
+    g = np.random.default_rng(a.seed)
+    shape = [int(s) for s in a.shape.split(",")]
+    x = g.standard_normal([a.n] + shape).astype(np.float32)
+    y = (np.arange(a.n) % a.classes).astype(np.int64)
+    g.shuffle(y)
+    np.savez(a.out, x=x, y=y)
+
+
+def cmd_train(a):
+    torch.set_num_threads(1)
+    kind, _, rest = a.model.partition(":")
+    if kind == "script":
+        scripted = torch.jit.load(rest)
+        channels = scripted.state_dict()["conv.weight"].shape[1]
+        classes = scripted.state_dict()["head.weight"].shape[0]
+        model = SmallNet(channels, classes)
+        model.load_state_dict(scripted.state_dict())
+    else:
+        name, _, init = rest.partition(":")
+        state = read_safetensors(init)
+        model = torchvision_model(name, state["fc.weight"].shape[0])
+        model.load_state_dict(state)
+    d = np.load(a.train)
+    x, y = torch.from_numpy(d["x"]), torch.from_numpy(d["y"])
+    params = [p for _, p in sorted(model.named_parameters())]
+    if a.optimizer == "sgd":
+        opt = torch.optim.SGD(params, lr=a.lr, momentum=a.momentum, weight_decay=a.weight_decay)
+    else:
+        opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=a.weight_decay)
+    effective = a.batch_size * a.accumulation_steps
+    n = len(y)
+    losses = []
+    model.train()
+    for epoch in range(a.epochs):
+        order = epoch_order(n, a.seed, epoch)
+        for s in range(0, n, effective):
+            group = order[s : s + effective]
+            opt.zero_grad()
+            total = 0.0
+            for m in range(0, len(group), a.batch_size):
+                idx = torch.tensor(group[m : m + a.batch_size])
+                logits = model(x[idx])
+                loss = torch.nn.functional.cross_entropy(logits.float(), y[idx], reduction="sum")
+                (loss / len(group)).backward()
+                total += loss.item()
+            if a.clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, a.clip)
+            opt.step()
+            losses.append(total / len(group))
+    buffers = {k: v.flatten().tolist() for k, v in model.named_buffers()}
+    print(json.dumps({"losses": losses, "buffers": buffers}))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("script")
+    s.add_argument("--out", required=True)
+    s.add_argument("--classes", type=int, default=4)
+    s.add_argument("--channels", type=int, default=3)
+    s.add_argument("--seed", type=int, default=0)
+    s = sub.add_parser("torchvision")
+    s.add_argument("--model", required=True)
+    s.add_argument("--classes", type=int, default=1000)
+    s.add_argument("--out", required=True)
+    s.add_argument("--seed", type=int, default=0)
+    s = sub.add_parser("data")
+    s.add_argument("--out", required=True)
+    s.add_argument("--n", type=int, required=True)
+    s.add_argument("--shape", required=True)
+    s.add_argument("--classes", type=int, required=True)
+    s.add_argument("--seed", type=int, default=0)
+    s = sub.add_parser("train")
+    s.add_argument("--model", required=True)
+    s.add_argument("--train", required=True)
+    s.add_argument("--epochs", type=int, default=1)
+    s.add_argument("--batch-size", type=int, required=True)
+    s.add_argument("--accumulation-steps", type=int, default=1)
+    s.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    s.add_argument("--lr", type=float, default=0.1)
+    s.add_argument("--momentum", type=float, default=0.0)
+    s.add_argument("--weight-decay", type=float, default=0.0)
+    s.add_argument("--clip", type=float, default=0.0)
+    s.add_argument("--seed", type=int, default=0)
+    a = p.parse_args()
+    {"script": cmd_script, "torchvision": cmd_torchvision, "data": cmd_data, "train": cmd_train}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
