@@ -64,7 +64,7 @@ type Saved = (Vec<Tensor>, Vec<(tch::Device, Vec<u8>)>);
 /// Checkpointed forward, loss and backward of one micro-batch; returns the sum-reduced loss and
 /// the correct count, as `StepPipeline::forward_loss` does.
 pub fn forward_backward(p: &StepPipeline, chain: &dyn Chain, work: &Work, idx: &[i64], n: f64) -> (Tensor, Tensor) {
-    let (x, y) = work.data.batch(&Tensor::from_slice(idx));
+    let (x, y) = work.data.batch_at(idx, work.epoch);
     let x = p.precision.input(&x, p.device);
     let k = chain.blocks();
     let mut saved: Vec<Saved> = Vec::with_capacity(k);

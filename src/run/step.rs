@@ -73,6 +73,8 @@ pub struct Work<'a> {
     pub lr: f64,
     /// The global step this work belongs to (1-based), for fault injection in tests.
     pub step: i64,
+    /// The epoch (0-based) the samples are drawn in, which keys their augmentation.
+    pub epoch: i64,
     /// fp16-mixed: the loss scale of this step.
     pub loss_scale: Option<f64>,
     /// The model's buffers (BatchNorm running statistics): recomputation puts them back after
@@ -95,8 +97,8 @@ impl StepPipeline {
     }
 
     /// Sum-reduced cross-entropy and correct count of one micro-batch.
-    pub fn forward_loss(&self, net: &dyn Net, data: &Dataset, idx: &[i64], train: bool) -> (Tensor, Tensor) {
-        let (x, y) = data.batch(&Tensor::from_slice(idx));
+    pub fn forward_loss(&self, net: &dyn Net, data: &Dataset, idx: &[i64], epoch: i64, train: bool) -> (Tensor, Tensor) {
+        let (x, y) = data.batch_at(idx, epoch);
         let x = self.precision.input(&x, self.device);
         let _autocast = self.precision.autocast(self.device);
         self.loss(&net.forward_t(&x, train), &y)
@@ -139,7 +141,7 @@ impl StepPipeline {
                     let (loss, c) = match chain {
                         Some(chain) => recompute::forward_backward(self, chain, work, chunk, n),
                         None => {
-                            let (loss, c) = self.forward_loss(net, work.data, chunk, true);
+                            let (loss, c) = self.forward_loss(net, work.data, chunk, work.epoch, true);
                             self.scaled(&loss, n, work.loss_scale).backward();
                             (loss, c)
                         }

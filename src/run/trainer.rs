@@ -175,6 +175,7 @@ impl Trainer {
             micro_batch: self.shape().micro_batch as usize,
             lr,
             step: self.state.global_step + 1,
+            epoch: self.state.epoch,
             loss_scale: self.state.scaler.map(|s| s.scale),
             buffers: &buffers,
         };
@@ -222,6 +223,7 @@ impl Trainer {
             micro_batch: idx.len(),
             lr,
             step: -1,
+            epoch: self.state.epoch,
             loss_scale: self.state.arch_scaler.map(|s| s.scale),
             buffers: &buffers,
         };
@@ -506,7 +508,7 @@ impl Trainer {
                         let mut correct = 0i64;
                         let idx: Vec<i64> = (0..n).collect();
                         for chunk in idx.chunks(b) {
-                            let (l, c) = t.pipeline.forward_loss(t.model.net.as_ref(), &t.data.val, chunk, false);
+                            let (l, c) = t.pipeline.forward_loss(t.model.net.as_ref(), &t.data.val, chunk, 0, false);
                             loss += l.double_value(&[]);
                             correct += c.int64_value(&[]);
                         }

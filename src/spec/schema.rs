@@ -165,6 +165,8 @@ pub enum DataSource {
     Npz,
     Safetensors,
     Mnist,
+    Cifar10,
+    Imagefolder,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -181,6 +183,28 @@ pub struct Data {
     pub samples: i64,
     /// Synthetic only: standard deviation of the noise added to the class signal.
     pub noise: f64,
+    /// imagefolder: images are resized to this height and width; 0 takes the model's.
+    pub image_size: i64,
+    /// Per-channel normalisation of image pixels in [0, 1]: x = (x - mean) / std. Empty: none.
+    pub mean: Vec<f64>,
+    pub std: Vec<f64>,
+    /// Random crop and flip of training images, seeded so that resume replays them.
+    pub augment: Augment,
+}
+
+/// `[data.augment]`: torchvision's RandomCrop(size, padding) and RandomHorizontalFlip(0.5).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Augment {
+    /// Pixels of padding on each side before a random crop back to the image size; 0: no crop.
+    pub crop_padding: i64,
+    pub horizontal_flip: bool,
+}
+
+impl Augment {
+    pub fn enabled(&self) -> bool {
+        self.crop_padding > 0 || self.horizontal_flip
+    }
 }
 
 impl Default for Data {
@@ -192,6 +216,10 @@ impl Default for Data {
             val_fraction: 0.2,
             samples: 512,
             noise: 1.0,
+            image_size: 0,
+            mean: vec![],
+            std: vec![],
+            augment: Augment::default(),
         }
     }
 }

@@ -91,6 +91,8 @@ fn data(p: &mut Problems, d: &Data) {
                 path,
                 match src {
                     DataSource::Mnist => "it must be a directory with the MNIST IDX files",
+                    DataSource::Cifar10 => "it must be a directory with CIFAR-10's binary batch files",
+                    DataSource::Imagefolder => "it must be a directory with one directory of images per class",
                     _ => "it must be a file with arrays x and y",
                 },
             ),
@@ -100,10 +102,10 @@ fn data(p: &mut Problems, d: &Data) {
         if d.source == DataSource::Synthetic {
             p.push((
                 "data.val_path".into(),
-                "is only read for npz, safetensors and mnist sources".into(),
+                "is only read for file sources (npz, safetensors, mnist, cifar10, imagefolder)".into(),
             ));
         } else {
-            file_exists(p, "data.val_path", v, "it must hold validation arrays x and y");
+            file_exists(p, "data.val_path", v, "it must hold the validation data, in data.source's format");
         }
     } else if !(d.val_fraction > 0.0 && d.val_fraction < 1.0) {
         p.push((
@@ -114,6 +116,29 @@ fn data(p: &mut Problems, d: &Data) {
             ),
         ));
     }
+    at_least(p, "data.image_size", d.image_size, 0);
+    if d.image_size > 0 && d.source != DataSource::Imagefolder {
+        p.push((
+            "data.image_size".into(),
+            "is only read for data.source = \"imagefolder\" (other sources keep their size)".into(),
+        ));
+    }
+    if d.mean.len() != d.std.len() {
+        p.push((
+            "data.std".into(),
+            format!(
+                "has {} values but data.mean has {}; give one mean and one std per channel",
+                d.std.len(),
+                d.mean.len()
+            ),
+        ));
+    }
+    for (i, s) in d.std.iter().enumerate() {
+        if !(s.is_finite() && *s > 0.0) {
+            p.push(("data.std".into(), format!("entries must be positive, got {s} at position {i}")));
+        }
+    }
+    at_least(p, "data.augment.crop_padding", d.augment.crop_padding, 0);
 }
 
 fn source_name(s: DataSource) -> &'static str {
@@ -122,6 +147,8 @@ fn source_name(s: DataSource) -> &'static str {
         DataSource::Npz => "npz",
         DataSource::Safetensors => "safetensors",
         DataSource::Mnist => "mnist",
+        DataSource::Cifar10 => "cifar10",
+        DataSource::Imagefolder => "imagefolder",
     }
 }
 

@@ -32,15 +32,35 @@ use tch::{Kind, Tensor};
 
 use crate::spec::{Data, DataSource};
 
+mod augment;
+mod images;
+
+pub use augment::{Augmenter, Draw};
+
 /// All samples in memory: `x` float32 `[N, ..sample_shape]` and `y` int64 `[N]` class indices,
-/// both on the CPU.
+/// both on the CPU; training images may carry their augmentation.
 #[derive(Debug)]
 pub struct Dataset {
     pub x: Tensor,
     pub y: Tensor,
+    pub augment: Option<Augmenter>,
 }
 
 impl Dataset {
+    pub fn new(x: Tensor, y: Tensor) -> Self {
+        Dataset { x, y, augment: None }
+    }
+
+    /// The samples `idx` of epoch `epoch` (0-based), augmented when the set is, as `(x, y)` on
+    /// the CPU.
+    pub fn batch_at(&self, idx: &[i64], epoch: i64) -> (Tensor, Tensor) {
+        let (x, y) = self.batch(&Tensor::from_slice(idx));
+        match &self.augment {
+            Some(a) => (a.apply(&x, idx, epoch), y),
+            None => (x, y),
+        }
+    }
+
     /// Number of samples.
     pub fn len(&self) -> i64 {
         self.y.size()[0]
@@ -67,6 +87,60 @@ pub struct Splits {
 /// shape `input_shape` (the model's per-sample shape) or as many values (then it is reshaped),
 /// and `y` must lie in `0..num_classes`. Errors name the file, both shapes and what to change.
 pub fn load(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) -> Result<Splits> {
+    let mut s = load_source(data, input_shape, num_classes, seed)?;
+    if !data.mean.is_empty() {
+        for part in [&mut s.train, &mut s.val] {
+            part.x = normalized(&part.x, &data.mean, &data.std)?;
+        }
+    }
+    if data.augment.enabled() {
+        if s.train.x.dim() != 4 {
+            bail!(
+                "data.augment: random crops and flips need images [C, H, W], but the samples have shape {:?}; remove [data.augment]",
+                &s.train.x.size()[1..]
+            );
+        }
+        let c = s.train.x.size()[1] as usize;
+        let fill = (0..c)
+            .map(|i| match data.mean.len() {
+                0 => 0.0,
+                1 => -data.mean[0] / data.std[0],
+                _ => -data.mean[i] / data.std[i],
+            })
+            .collect();
+        s.train.augment = Some(Augmenter {
+            seed,
+            padding: data.augment.crop_padding,
+            flip: data.augment.horizontal_flip,
+            fill,
+            samples: s.train.len(),
+        });
+    }
+    Ok(s)
+}
+
+/// (x - mean) / std per channel (dimension 1); one value applies to every channel.
+fn normalized(x: &Tensor, mean: &[f64], std: &[f64]) -> Result<Tensor> {
+    let size = x.size();
+    if size.len() < 2 {
+        bail!("data.mean/data.std: normalise channels of samples [C, ..], but the samples are scalars");
+    }
+    let c = size[1];
+    if mean.len() != 1 && mean.len() as i64 != c {
+        bail!(
+            "data.mean/data.std: have {} values but the samples have {c} channels (shape {:?}); give one value per channel, or one for all",
+            mean.len(),
+            &size[1..]
+        );
+    }
+    let mut shape = vec![1, mean.len() as i64];
+    shape.extend(std::iter::repeat_n(1, size.len() - 2));
+    let m = Tensor::from_slice(mean).to_kind(Kind::Float).view(shape.as_slice());
+    let d = Tensor::from_slice(std).to_kind(Kind::Float).view(shape.as_slice());
+    Ok(((x - m) / d).contiguous())
+}
+
+fn load_source(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) -> Result<Splits> {
     let model = ModelKeys::new(input_shape, num_classes);
     match data.source {
         DataSource::Synthetic => synthetic(data, input_shape, num_classes, seed),
@@ -112,6 +186,55 @@ pub fn load(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) -> Re
             let val = checked(x, y, &format!("{vkey} {} (t10k files)", vdir.display()), &model)?;
             Ok(Splits { train, val })
         }
+        DataSource::Cifar10 => {
+            let dir = required_path(data)?;
+            let (vkey, vdir) = match &data.val_path {
+                Some(v) => ("data.val_path", v.as_path()),
+                None => ("data.path", dir),
+            };
+            let train_files = images::cifar10_files(dir, true, "data.path")?;
+            let val_files = images::cifar10_files(vdir, false, vkey)?;
+            let (x, y) = images::read_cifar10(&train_files, "data.path")?.into_float();
+            let train = checked(x, y, &format!("data.path {} (data_batch files)", dir.display()), &model)?;
+            let (x, y) = images::read_cifar10(&val_files, vkey)?.into_float();
+            let val = checked(x, y, &format!("{vkey} {} (test_batch.bin)", vdir.display()), &model)?;
+            Ok(Splits { train, val })
+        }
+        DataSource::Imagefolder => {
+            let root = required_path(data)?;
+            let (channels, size) = match input_shape {
+                [c, h, w] if h == w => (*c, *h),
+                _ => bail!(
+                    "data.source = \"imagefolder\" needs a model that takes square images [C, S, S], but it takes {input_shape:?}"
+                ),
+            };
+            if data.image_size > 0 && data.image_size != size {
+                bail!(
+                    "data.image_size = {} but the model takes {size}×{size} images; set data.image_size = {size} (or leave it out), or the model's image_size = {}",
+                    data.image_size,
+                    data.image_size
+                );
+            }
+            let what = format!("data.path {}", root.display());
+            let (imgs, classes) = images::read_imagefolder(root, size, channels, "data.path")?;
+            let (x, y) = imgs.into_float();
+            let all = checked(x, y, &what, &model)?;
+            match &data.val_path {
+                Some(v) => {
+                    let (imgs, vclasses) = images::read_imagefolder(v, size, channels, "data.val_path")?;
+                    if vclasses != classes {
+                        bail!(
+                            "data.val_path {}: has classes {vclasses:?} but data.path has {classes:?}; both need the same class directories",
+                            v.display()
+                        );
+                    }
+                    let (x, y) = imgs.into_float();
+                    let val = checked(x, y, &format!("data.val_path {}", v.display()), &model)?;
+                    Ok(Splits { train: all, val })
+                }
+                None => holdout(all, data.val_fraction, seed, &what),
+            }
+        }
     }
 }
 
@@ -130,10 +253,10 @@ const TAG_TEMPLATES: u64 = 0x7465_6d70_6c61_7465; // "template"
 const TAG_SAMPLES: u64 = 0x7361_6d70_6c65_7300; // "samples"
 
 /// SplitMix64 (Steele, Lea & Flood 2014): tiny, fast, and good enough for shuffles and noise.
-struct SplitMix64(u64);
+pub(crate) struct SplitMix64(u64);
 
 impl SplitMix64 {
-    fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -147,7 +270,7 @@ impl SplitMix64 {
     }
 
     /// Uniform in `0..n` (n > 0), without modulo bias.
-    fn below(&mut self, n: u64) -> u64 {
+    pub(crate) fn below(&mut self, n: u64) -> u64 {
         let limit = u64::MAX - u64::MAX % n;
         loop {
             let r = self.next_u64();
@@ -168,7 +291,7 @@ impl SplitMix64 {
 }
 
 /// An independent generator for (seed, purpose, index).
-fn stream(seed: i64, tag: u64, index: i64) -> SplitMix64 {
+pub(crate) fn stream(seed: i64, tag: u64, index: i64) -> SplitMix64 {
     let mut a = SplitMix64(seed as u64 ^ tag);
     let mut b = SplitMix64(a.next_u64() ^ (index as u64).wrapping_mul(0xD1B5_4A32_D192_ED03));
     SplitMix64(b.next_u64())
@@ -226,10 +349,7 @@ fn synthetic(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) -> R
         }
         let mut shape = vec![count];
         shape.extend_from_slice(input_shape);
-        Dataset {
-            x: Tensor::from_slice(&xs).reshape(&shape),
-            y: Tensor::from_slice(&labels),
-        }
+        Dataset::new(Tensor::from_slice(&xs).reshape(&shape), Tensor::from_slice(&labels))
     };
     Ok(Splits {
         train: make(n - n_val, 0),
@@ -419,10 +539,7 @@ fn checked(x: Tensor, y: Tensor, what: &str, model: &ModelKeys) -> Result<Datase
             hi + 1
         );
     }
-    Ok(Dataset {
-        x: x.contiguous(),
-        y: y.contiguous(),
-    })
+    Ok(Dataset::new(x.contiguous(), y.contiguous()))
 }
 
 /// NumPy's name for a dtype, as users wrote it.
@@ -467,7 +584,7 @@ fn holdout(all: Dataset, fraction: f64, seed: i64, what: &str) -> Result<Splits>
     train_idx.sort_unstable();
     let pick = |idx: &[i64]| {
         let (x, y) = all.batch(&Tensor::from_slice(idx));
-        Dataset { x, y }
+        Dataset::new(x, y)
     };
     Ok(Splits {
         train: pick(&train_idx),

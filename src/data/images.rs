@@ -1,0 +1,297 @@
+//! Image sources: CIFAR-10's binary batches and torchvision's `ImageFolder` layout.
+//!
+//! - `cifar10`: a directory (or its `cifar-10-batches-bin` subdirectory) with `data_batch_1.bin`
+//!   … `data_batch_5.bin` (training) and `test_batch.bin` (validation). Each record is one label
+//!   byte and 3072 pixel bytes, the red, green and blue 32×32 planes.
+//! - `imagefolder`: `root/<class>/<image>` with JPEG and PNG files; classes are the directory
+//!   names in sorted order (label 0 is the first), as torchvision's `ImageFolder` numbers them.
+//!   Images are decoded in parallel, resized to fill `image_size`² and centre-cropped
+//!   (torchvision's `Resize(s)` + `CenterCrop(s)`), and kept as bytes in a cache file,
+//!   `root/.memtrain-cache/imagefolder-<size>px-<C>ch-<key>.safetensors`, where the key hashes
+//!   every file's path, size and modification time: a later run with the same files and size
+//!   starts from the cache; a changed file makes a new one.
+//!
+//! Pixels become float32 in [0, 1]. Both sources are checked against the host-memory budget
+//! (available RAM, and the CPU cap on CPU runs) before anything is decoded.
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use anyhow::{anyhow, bail, Context, Result};
+use rayon::prelude::*;
+use tch::{Kind, Tensor};
+
+use crate::human::human_bytes;
+
+/// Pixel bytes `[N, C, H, W]` as uint8 and labels `[N]` as int64.
+pub struct Images {
+    pub x: Tensor,
+    pub y: Tensor,
+}
+
+impl Images {
+    /// float32 in [0, 1].
+    pub fn into_float(self) -> (Tensor, Tensor) {
+        ((self.x.to_kind(Kind::Float) / 255.0).contiguous(), self.y)
+    }
+}
+
+/// Refuses data that would not fit in host memory as float32 (plus its bytes while converting).
+pub fn check_budget(n: i64, sample: &[i64], what: &str) -> Result<()> {
+    let values: i64 = n * sample.iter().product::<i64>();
+    let need = values as u64 * 5; // float32 plus the uint8 pixels it is made from
+    let host = crate::sysmem::host_memory().ok();
+    let available = host.map(|h| h.ram_available_bytes).filter(|&b| b > 0);
+    let cpu = crate::shim::cpu_alloc_stats();
+    let cap = cpu.cap.map(|c| c.saturating_sub(cpu.allocated));
+    let budget = match (available, cap) {
+        (Some(a), Some(c)) => Some(a.min(c)),
+        (a, c) => a.or(c),
+    };
+    if let Some(b) = budget {
+        if need > b {
+            let shape = sample.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("×");
+            bail!(
+                "{what}: {n} images of {shape} need {} in memory ({} as float32 and {} of pixel bytes), more than the host-memory budget of {} ({}{}); use a smaller image size (data.image_size and the model's), fewer images, or a machine with more memory",
+                human_bytes(need),
+                human_bytes(values as u64 * 4),
+                human_bytes(values as u64),
+                human_bytes(b),
+                available
+                    .map(|a| format!("{} of RAM available", human_bytes(a)))
+                    .unwrap_or_else(|| "RAM unknown".into()),
+                cap.map(|c| format!(", {} left under the CPU cap memory.limit", human_bytes(c)))
+                    .unwrap_or_default(),
+            );
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// CIFAR-10
+
+const CIFAR_RECORD: usize = 1 + 3 * 32 * 32;
+
+fn cifar_dir(dir: &Path) -> PathBuf {
+    let sub = dir.join("cifar-10-batches-bin");
+    if !dir.join("test_batch.bin").exists() && sub.is_dir() {
+        sub
+    } else {
+        dir.to_path_buf()
+    }
+}
+
+/// The files of the training (`data_batch_1..5`) or test split, all required.
+pub fn cifar10_files(dir: &Path, train: bool, key: &str) -> Result<Vec<PathBuf>> {
+    let dir = cifar_dir(dir);
+    let names: Vec<String> = if train {
+        (1..=5).map(|i| format!("data_batch_{i}.bin")).collect()
+    } else {
+        vec!["test_batch.bin".into()]
+    };
+    let missing: Vec<&str> = names
+        .iter()
+        .filter(|n| !dir.join(n).is_file())
+        .map(String::as_str)
+        .collect();
+    if !missing.is_empty() {
+        bail!(
+            "{key} {}: lacks {}; it must hold CIFAR-10's binary version (cifar-10-binary.tar.gz, extracted: data_batch_1.bin … data_batch_5.bin, test_batch.bin)",
+            dir.display(),
+            missing.join(", ")
+        );
+    }
+    Ok(names.iter().map(|n| dir.join(n)).collect())
+}
+
+pub fn read_cifar10(files: &[PathBuf], key: &str) -> Result<Images> {
+    let mut sizes = vec![];
+    for f in files {
+        let len = fs::metadata(f)
+            .with_context(|| format!("{key} {}: cannot read it", f.display()))?
+            .len() as usize;
+        if len == 0 || len % CIFAR_RECORD != 0 {
+            bail!(
+                "{key} {}: is {len} bytes, not a whole number of {CIFAR_RECORD}-byte CIFAR-10 records; is it truncated, or the Python version of the data set?",
+                f.display()
+            );
+        }
+        sizes.push(len / CIFAR_RECORD);
+    }
+    let n: usize = sizes.iter().sum();
+    check_budget(n as i64, &[3, 32, 32], &format!("{key} (CIFAR-10)"))?;
+    let mut pixels = Vec::with_capacity(n * (CIFAR_RECORD - 1));
+    let mut labels = Vec::with_capacity(n);
+    for f in files {
+        let bytes = fs::read(f).with_context(|| format!("{key} {}: cannot read it", f.display()))?;
+        for (i, r) in bytes.chunks_exact(CIFAR_RECORD).enumerate() {
+            if r[0] > 9 {
+                bail!(
+                    "{key} {}: record {i} has label {}; CIFAR-10 labels are 0 to 9 (is this CIFAR-100?)",
+                    f.display(),
+                    r[0]
+                );
+            }
+            labels.push(r[0] as i64);
+            pixels.extend_from_slice(&r[1..]);
+        }
+    }
+    Ok(Images {
+        x: Tensor::from_slice(&pixels).reshape([n as i64, 3, 32, 32]),
+        y: Tensor::from_slice(&labels),
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// ImageFolder
+
+const EXTENSIONS: &[&str] = &["jpg", "jpeg", "png"];
+
+/// Class names (sorted) and (file, label) pairs, sorted by class then file name.
+pub fn scan_folder(root: &Path, key: &str) -> Result<(Vec<String>, Vec<(PathBuf, i64)>)> {
+    let mut classes: Vec<String> = fs::read_dir(root)
+        .with_context(|| format!("{key} {}: cannot list it", root.display()))?
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().is_dir())
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| !n.starts_with('.'))
+        .collect();
+    classes.sort();
+    if classes.is_empty() {
+        bail!(
+            "{key} {}: has no class directories; imagefolder expects root/<class>/<image>.jpg|png, one directory per class",
+            root.display()
+        );
+    }
+    let mut files = vec![];
+    for (label, c) in classes.iter().enumerate() {
+        let mut these: Vec<PathBuf> = fs::read_dir(root.join(c))
+            .with_context(|| format!("{key} {}: cannot list class directory {c}", root.display()))?
+            .filter_map(|e| e.ok())
+            .map(|e| e.path())
+            .filter(|p| {
+                p.is_file()
+                    && p.extension()
+                        .and_then(|x| x.to_str())
+                        .is_some_and(|x| EXTENSIONS.contains(&x.to_ascii_lowercase().as_str()))
+            })
+            .collect();
+        these.sort();
+        if these.is_empty() {
+            bail!(
+                "{key} {}: class directory {c} has no .jpg, .jpeg or .png files",
+                root.display()
+            );
+        }
+        files.extend(these.into_iter().map(|p| (p, label as i64)));
+    }
+    Ok((classes, files))
+}
+
+/// FNV-1a, 64 bits: stable across builds and Rust versions, unlike std's hasher.
+fn fnv1a(h: u64, bytes: &[u8]) -> u64 {
+    bytes
+        .iter()
+        .fold(h, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01B3))
+}
+
+fn cache_key(root: &Path, files: &[(PathBuf, i64)], size: i64, channels: i64) -> String {
+    let mut h = fnv1a(0xCBF2_9CE4_8422_2325, format!("v1 {size} {channels}").as_bytes());
+    for (p, label) in files {
+        let rel = p.strip_prefix(root).unwrap_or(p);
+        h = fnv1a(h, rel.as_os_str().as_encoded_bytes());
+        h = fnv1a(h, &label.to_le_bytes());
+        if let Ok(m) = fs::metadata(p) {
+            h = fnv1a(h, &m.len().to_le_bytes());
+            if let Ok(t) = m.modified().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).map_err(std::io::Error::other)) {
+                h = fnv1a(h, &t.as_nanos().to_le_bytes());
+            }
+        }
+    }
+    format!("{h:016x}")
+}
+
+pub fn cache_path(root: &Path, files: &[(PathBuf, i64)], size: i64, channels: i64) -> PathBuf {
+    root.join(".memtrain-cache").join(format!(
+        "imagefolder-{size}px-{channels}ch-{}.safetensors",
+        cache_key(root, files, size, channels)
+    ))
+}
+
+/// Reads an ImageFolder tree at `size`×`size` with `channels` (1: grey, 3: RGB), from its cache
+/// when there is one; returns the images and the class names.
+pub fn read_imagefolder(root: &Path, size: i64, channels: i64, key: &str) -> Result<(Images, Vec<String>)> {
+    if channels != 1 && channels != 3 {
+        bail!("{key} {}: imagefolder decodes to 1 (grey) or 3 (RGB) channels, but the model takes {channels}; set the model's in_channels to 1 or 3", root.display());
+    }
+    let (classes, files) = scan_folder(root, key)?;
+    let n = files.len() as i64;
+    check_budget(n, &[channels, size, size], &format!("{key} {}", root.display()))?;
+    let cache = cache_path(root, &files, size, channels);
+    if let Ok(named) = Tensor::read_safetensors(&cache) {
+        let get = |name: &str| named.iter().find(|(k, _)| k == name).map(|(_, t)| t.shallow_clone());
+        if let (Some(x), Some(y)) = (get("x"), get("y")) {
+            if x.size() == [n, channels, size, size] && y.size() == [n] {
+                tracing::info!("{key}: {n} images from the cache {}", cache.display());
+                return Ok((Images { x, y }, classes));
+            }
+        }
+    }
+    let t0 = std::time::Instant::now();
+    let per = (channels * size * size) as usize;
+    let decoded: Vec<Vec<u8>> = files
+        .par_iter()
+        .map(|(p, _)| decode(p, size as u32, channels).map_err(|e| anyhow!("{key} {}: {e}", p.display())))
+        .collect::<Result<_>>()?;
+    let mut pixels = Vec::with_capacity(files.len() * per);
+    for d in &decoded {
+        pixels.extend_from_slice(d);
+    }
+    drop(decoded);
+    let labels: Vec<i64> = files.iter().map(|(_, l)| *l).collect();
+    let images = Images {
+        x: Tensor::from_slice(&pixels).reshape([n, channels, size, size]),
+        y: Tensor::from_slice(&labels),
+    };
+    tracing::info!(
+        "{key}: decoded {n} images in {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    if let Err(e) = write_cache(&cache, &images) {
+        tracing::warn!(
+            "{key}: could not write the image cache {} ({e:#}); the next run decodes again",
+            cache.display()
+        );
+    }
+    Ok((images, classes))
+}
+
+fn write_cache(path: &Path, images: &Images) -> Result<()> {
+    let dir = path.parent().expect("cache files live in a directory");
+    fs::create_dir_all(dir)?;
+    let tmp = dir.join(format!(".tmp-{}", std::process::id()));
+    Tensor::write_safetensors(&[("x", &images.x), ("y", &images.y)], &tmp)?;
+    fs::rename(&tmp, path)?;
+    Ok(())
+}
+
+/// One image as `channels` planes of `size`×`size` bytes.
+fn decode(path: &Path, size: u32, channels: i64) -> Result<Vec<u8>> {
+    let img = image::ImageReader::open(path)?
+        .with_guessed_format()?
+        .decode()
+        .map_err(|e| anyhow!("cannot decode it as an image ({e})"))?;
+    let img = img.resize_to_fill(size, size, image::imageops::FilterType::Triangle);
+    let plane = (size * size) as usize;
+    if channels == 1 {
+        return Ok(img.to_luma8().into_raw());
+    }
+    let rgb = img.to_rgb8().into_raw();
+    let mut out = vec![0u8; 3 * plane];
+    for (i, px) in rgb.chunks_exact(3).enumerate() {
+        out[i] = px[0];
+        out[plane + i] = px[1];
+        out[2 * plane + i] = px[2];
+    }
+    Ok(out)
+}
