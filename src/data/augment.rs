@@ -31,7 +31,11 @@ pub struct Draw {
 
 impl Augmenter {
     pub fn draw(&self, epoch: i64, index: i64) -> Draw {
-        let mut r: SplitMix64 = stream(self.seed, TAG_AUGMENT, epoch.wrapping_mul(self.samples).wrapping_add(index));
+        let mut r: SplitMix64 = stream(
+            self.seed,
+            TAG_AUGMENT,
+            epoch.wrapping_mul(self.samples).wrapping_add(index),
+        );
         let span = 2 * self.padding as u64 + 1;
         let dy = r.below(span) as i64;
         let dx = r.below(span) as i64;
@@ -65,5 +69,66 @@ impl Augmenter {
             })
             .collect();
         Tensor::stack(&out, 0).to_kind(Kind::Float).contiguous()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn aug(padding: i64, flip: bool) -> Augmenter {
+        Augmenter {
+            seed: 1,
+            padding,
+            flip,
+            fill: vec![-1.0],
+            samples: 100,
+        }
+    }
+
+    #[test]
+    fn draws_are_keyed_by_seed_epoch_and_sample() {
+        let a = aug(4, true);
+        assert_eq!(a.draw(0, 5), a.draw(0, 5));
+        let draws: Vec<Draw> = (0..100).map(|i| a.draw(0, i)).collect();
+        assert!(draws.iter().all(|d| (0..=8).contains(&d.dy) && (0..=8).contains(&d.dx)));
+        let flips = draws.iter().filter(|d| d.flip).count();
+        assert!((30..=70).contains(&flips), "{flips} of 100 flipped");
+        assert_ne!(draws, (0..100).map(|i| a.draw(1, i)).collect::<Vec<_>>());
+        assert!(
+            aug(0, false).draw(3, 3)
+                == Draw {
+                    dy: 0,
+                    dx: 0,
+                    flip: false
+                }
+        );
+    }
+
+    #[test]
+    fn crops_shift_and_flips_mirror() {
+        let x = Tensor::arange(16, tch::kind::FLOAT_CPU).view([1, 1, 4, 4]) + 1.0;
+        let a = aug(1, true);
+        // Find samples with known draws, and check what each produced.
+        for k in 0..40 {
+            let d = a.draw(0, k);
+            let out = a.apply(&x, &[k], 0).get(0).get(0);
+            let v = |r: i64, c: i64| out.double_value(&[r, c]);
+            // Padded pixel (py, px) holds x[py-1][px-1], or the fill -1 outside.
+            let want = |r: i64, c: i64| {
+                let c = if d.flip { 3 - c } else { c };
+                let (py, px) = (r + d.dy - 1, c + d.dx - 1);
+                if (0..4).contains(&py) && (0..4).contains(&px) {
+                    (py * 4 + px + 1) as f64
+                } else {
+                    -1.0
+                }
+            };
+            for r in 0..4 {
+                for c in 0..4 {
+                    assert_eq!(v(r, c), want(r, c), "sample {k} draw {d:?} at ({r}, {c})");
+                }
+            }
+        }
     }
 }

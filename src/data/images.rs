@@ -23,6 +23,7 @@ use tch::{Kind, Tensor};
 use crate::human::human_bytes;
 
 /// Pixel bytes `[N, C, H, W]` as uint8 and labels `[N]` as int64.
+#[derive(Debug)]
 pub struct Images {
     pub x: Tensor,
     pub y: Tensor,
@@ -203,7 +204,10 @@ fn cache_key(root: &Path, files: &[(PathBuf, i64)], size: i64, channels: i64) ->
         h = fnv1a(h, &label.to_le_bytes());
         if let Ok(m) = fs::metadata(p) {
             h = fnv1a(h, &m.len().to_le_bytes());
-            if let Ok(t) = m.modified().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).map_err(std::io::Error::other)) {
+            if let Ok(t) = m
+                .modified()
+                .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).map_err(std::io::Error::other))
+            {
                 h = fnv1a(h, &t.as_nanos().to_le_bytes());
             }
         }
@@ -253,10 +257,7 @@ pub fn read_imagefolder(root: &Path, size: i64, channels: i64, key: &str) -> Res
         x: Tensor::from_slice(&pixels).reshape([n, channels, size, size]),
         y: Tensor::from_slice(&labels),
     };
-    tracing::info!(
-        "{key}: decoded {n} images in {:.1} s",
-        t0.elapsed().as_secs_f64()
-    );
+    tracing::info!("{key}: decoded {n} images in {:.1} s", t0.elapsed().as_secs_f64());
     if let Err(e) = write_cache(&cache, &images) {
         tracing::warn!(
             "{key}: could not write the image cache {} ({e:#}); the next run decodes again",
@@ -294,4 +295,156 @@ fn decode(path: &Path, size: u32, channels: i64) -> Result<Vec<u8>> {
         out[2 * plane + i] = px[2];
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::load;
+    use super::*;
+    use crate::spec::{Data, DataSource};
+
+    fn record(label: u8, seed: u8) -> Vec<u8> {
+        let mut r = vec![label];
+        r.extend((0..3072u32).map(|i| (i as u8).wrapping_mul(seed)));
+        r
+    }
+
+    #[test]
+    fn cifar10_reads_binary_batches() {
+        let dir = tempfile::tempdir().unwrap();
+        let sub = dir.path().join("cifar-10-batches-bin");
+        fs::create_dir(&sub).unwrap();
+        for i in 1..=5u8 {
+            let mut b = record(i, i);
+            b.extend(record(9, 7));
+            fs::write(sub.join(format!("data_batch_{i}.bin")), b).unwrap();
+        }
+        fs::write(sub.join("test_batch.bin"), record(0, 3)).unwrap();
+        let d = Data {
+            source: DataSource::Cifar10,
+            path: Some(dir.path().to_path_buf()),
+            ..Default::default()
+        };
+        let s = load(&d, &[3, 32, 32], 10, 0).unwrap();
+        assert_eq!(s.train.x.size(), vec![10, 3, 32, 32]);
+        assert_eq!(
+            Vec::<i64>::try_from(&s.train.y).unwrap(),
+            vec![1, 9, 2, 9, 3, 9, 4, 9, 5, 9]
+        );
+        assert_eq!(s.val.len(), 1);
+        // Planes are R, G, B of 1024 bytes each; pixel (c, r, k) is byte 1024c + 32r + k.
+        let px = s.train.x.double_value(&[2, 1, 0, 5]); // batch 2, record 0: seed 2
+        assert!((px - ((1024u32 + 5) as u8).wrapping_mul(2) as f64 / 255.0).abs() < 1e-6);
+        // Normalised per channel.
+        let n = load(
+            &Data {
+                mean: vec![0.5, 0.5, 0.5],
+                std: vec![0.5, 0.5, 0.5],
+                ..d.clone()
+            },
+            &[3, 32, 32],
+            10,
+            0,
+        )
+        .unwrap();
+        assert!(n.train.x.min().double_value(&[]) >= -1.0 && n.train.x.max().double_value(&[]) <= 1.0);
+        assert!(n.train.x.min().double_value(&[]) < 0.0);
+        // Missing and truncated files.
+        fs::remove_file(sub.join("data_batch_4.bin")).unwrap();
+        let e = format!("{:#}", load(&d, &[3, 32, 32], 10, 0).unwrap_err());
+        assert!(
+            e.contains("lacks data_batch_4.bin") && e.contains("binary version"),
+            "{e}"
+        );
+        fs::write(sub.join("data_batch_4.bin"), [1u8; 100]).unwrap();
+        let e = format!("{:#}", load(&d, &[3, 32, 32], 10, 0).unwrap_err());
+        assert!(e.contains("not a whole number of 3073-byte"), "{e}");
+    }
+
+    fn write_image(path: &Path, w: u32, h: u32, v: u8) {
+        let img = image::RgbImage::from_fn(w, h, |x, _| image::Rgb([v, (x * 10) as u8, 255 - v]));
+        img.save(path).unwrap();
+    }
+
+    #[test]
+    fn imagefolder_decodes_labels_by_class_and_caches() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("train");
+        for (c, v) in [("b_dog", 200u8), ("a_cat", 20)] {
+            fs::create_dir_all(root.join(c)).unwrap();
+            write_image(&root.join(c).join("1.png"), 12, 8, v);
+            write_image(&root.join(c).join("2.JPG"), 8, 12, v);
+            fs::write(root.join(c).join("notes.txt"), "ignored").unwrap();
+        }
+        let (imgs, classes) = read_imagefolder(&root, 6, 3, "data.path").unwrap();
+        assert_eq!(classes, vec!["a_cat", "b_dog"]);
+        assert_eq!(imgs.x.size(), vec![4, 3, 6, 6]);
+        assert_eq!(Vec::<i64>::try_from(&imgs.y).unwrap(), vec![0, 0, 1, 1]);
+        // Red plane is the class's constant (JPEG within a few levels).
+        let red = imgs
+            .x
+            .get(2)
+            .get(0)
+            .to_kind(Kind::Float)
+            .mean(Kind::Float)
+            .double_value(&[]);
+        assert!((red - 200.0).abs() < 4.0, "{red}");
+        let (files_, _) = (scan_folder(&root, "k").unwrap().1, ());
+        let cache = cache_path(&root, &files_, 6, 3);
+        assert!(cache.exists(), "the decoded bytes are cached");
+        // The cache answers while the files are unchanged: make it distinguishable and read again.
+        let marked = imgs.x.copy();
+        let _ = marked.get(0).get(0).get(0).get(0).fill_(7);
+        Tensor::write_safetensors(&[("x", &marked), ("y", &imgs.y)], &cache).unwrap();
+        let (again, _) = read_imagefolder(&root, 6, 3, "data.path").unwrap();
+        assert_eq!(again.x.int64_value(&[0, 0, 0, 0]), 7);
+        // Another size, or a changed file, decodes afresh.
+        let (gray, _) = read_imagefolder(&root, 4, 1, "data.path").unwrap();
+        assert_eq!(gray.x.size(), vec![4, 1, 4, 4]);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        write_image(&root.join("a_cat").join("1.png"), 12, 9, 20);
+        let (fresh, _) = read_imagefolder(&root, 6, 3, "data.path").unwrap();
+        assert_ne!(fresh.x.int64_value(&[0, 0, 0, 0]), 7);
+        // Through load: holdout split, floats in [0, 1], the model's size.
+        let d = Data {
+            source: DataSource::Imagefolder,
+            path: Some(root.clone()),
+            val_fraction: 0.25,
+            ..Default::default()
+        };
+        let s = load(&d, &[3, 6, 6], 2, 0).unwrap();
+        assert_eq!((s.train.len(), s.val.len()), (3, 1));
+        assert!(s.train.x.max().double_value(&[]) <= 1.0);
+        let e = format!(
+            "{:#}",
+            load(
+                &Data {
+                    image_size: 8,
+                    ..d.clone()
+                },
+                &[3, 6, 6],
+                2,
+                0
+            )
+            .unwrap_err()
+        );
+        assert!(e.contains("data.image_size = 8 but the model takes 6×6"), "{e}");
+        // A broken image names its file.
+        fs::write(root.join("a_cat").join("3.png"), b"not a png").unwrap();
+        let e = format!("{:#}", read_imagefolder(&root, 6, 3, "data.path").unwrap_err());
+        assert!(e.contains("3.png") && e.contains("cannot decode"), "{e}");
+    }
+
+    #[test]
+    fn data_beyond_the_host_budget_is_refused_with_sizes() {
+        let e = format!(
+            "{:#}",
+            check_budget(1 << 40, &[3, 224, 224], "data.path x").unwrap_err()
+        );
+        assert!(
+            e.contains("images of 3×224×224 need") && e.contains("host-memory budget"),
+            "{e}"
+        );
+        check_budget(10, &[3, 8, 8], "data.path x").unwrap();
+    }
 }

@@ -248,3 +248,90 @@ pub fn counts(model: &Model) -> Result<Counts> {
     }
     Ok(c)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn model(preset: &str, options: &str) -> Model {
+        let mut m = Model {
+            preset: preset.into(),
+            init_from: None,
+            options: Default::default(),
+        };
+        m.options
+            .insert(preset.into(), toml::Value::Table(options.parse().unwrap()));
+        m
+    }
+
+    /// torchvision's published parameter counts (torchvision.models docs, `num_params`).
+    #[test]
+    fn parameter_counts_equal_torchvision() {
+        for (preset, options, params) in [
+            ("resnet18", "num_classes = 1000", 11_689_512),
+            ("resnet34", "num_classes = 1000", 21_797_672),
+            ("resnet50", "num_classes = 1000", 25_557_032),
+            ("vit", "num_classes = 1000", 86_567_656), // vit_b_16
+        ] {
+            let c = counts(&model(preset, options)).unwrap();
+            assert_eq!(c.weights, params, "{preset}");
+            assert_eq!(c.arch_weights, 0);
+        }
+        // The small stem is a 3×3 instead of a 7×7 convolution: 64·3·(49 − 9) fewer weights.
+        let c = counts(&model("resnet18", "num_classes = 1000\nsmall_stem = true")).unwrap();
+        assert_eq!(c.weights, 11_689_512 - 64 * 3 * 40);
+        // resnet18's BatchNorm buffers: running mean and variance per channel plus one counter
+        // per BatchNorm (20 of them).
+        let c = counts(&model("resnet18", "num_classes = 10")).unwrap();
+        assert_eq!(c.buffers, 2 * 4800 + 20);
+    }
+
+    #[test]
+    fn chains_cover_every_residual_and_encoder_block() {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let b = build(&vs.root(), &model("resnet50", "num_classes = 10\nimage_size = 32")).unwrap();
+        assert_eq!(b.net.chain().unwrap().blocks(), 3 + 4 + 6 + 3 + 2);
+        assert_eq!(b.input_shape, vec![3, 32, 32]);
+        let vs = nn::VarStore::new(Device::Cpu);
+        let b = build(
+            &vs.root(),
+            &model(
+                "vit",
+                "image_size = 32\npatch_size = 8\nlayers = 3\nheads = 2\nhidden_dim = 8\nmlp_dim = 16\nnum_classes = 5",
+            ),
+        )
+        .unwrap();
+        assert_eq!(b.net.chain().unwrap().blocks(), 3 + 2);
+        let logits = b
+            .net
+            .forward_t(&Tensor::zeros([2, 3, 32, 32], tch::kind::FLOAT_CPU), false);
+        assert_eq!(logits.size(), vec![2, 5]);
+        let names: Vec<String> = vs.variables().into_keys().collect();
+        for n in [
+            "conv_proj.weight",
+            "class_token",
+            "encoder.pos_embedding",
+            "encoder.layers.encoder_layer_2.self_attention.in_proj_weight",
+            "encoder.layers.encoder_layer_0.mlp.3.bias",
+            "encoder.ln.weight",
+            "heads.head.weight",
+        ] {
+            assert!(names.iter().any(|k| k == n), "{n} missing from {names:?}");
+        }
+    }
+
+    #[test]
+    fn vit_option_checks() {
+        let m = model(
+            "vit",
+            "image_size = 30\npatch_size = 8\nheads = 5\nhidden_dim = 16\ndropout = 1.0",
+        );
+        let p = preset_named("vit").unwrap().validate(&m);
+        let keys: Vec<&str> = p.iter().map(|(k, _)| k.as_str()).collect();
+        assert_eq!(
+            keys,
+            ["model.vit.image_size", "model.vit.hidden_dim", "model.vit.dropout"],
+            "{p:?}"
+        );
+    }
+}

@@ -100,6 +100,16 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
                 .collect()
         };
         opt.load_state(&pick("weight/"), ck.state.weight_steps)?;
+        for (name, t) in pick("rng/") {
+            // A checkpoint from a CUDA run resumed on the CPU keeps only the CPU stream.
+            let d = match name.as_str() {
+                "cpu" => Device::Cpu,
+                _ if device != Device::Cpu => device,
+                _ => continue,
+            };
+            let bytes = Vec::<u8>::try_from(&t).context("reading a generator state from the checkpoint")?;
+            shim::set_rng_state(d, &bytes).context("restoring the generator state")?;
+        }
         if let Some((_, a)) = &mut extra {
             a.load_state(&pick("arch/"), ck.state.arch_steps)?;
         }

@@ -97,7 +97,14 @@ impl StepPipeline {
     }
 
     /// Sum-reduced cross-entropy and correct count of one micro-batch.
-    pub fn forward_loss(&self, net: &dyn Net, data: &Dataset, idx: &[i64], epoch: i64, train: bool) -> (Tensor, Tensor) {
+    pub fn forward_loss(
+        &self,
+        net: &dyn Net,
+        data: &Dataset,
+        idx: &[i64],
+        epoch: i64,
+        train: bool,
+    ) -> (Tensor, Tensor) {
         let (x, y) = data.batch_at(idx, epoch);
         let x = self.precision.input(&x, self.device);
         let _autocast = self.precision.autocast(self.device);

@@ -508,7 +508,9 @@ impl Trainer {
                         let mut correct = 0i64;
                         let idx: Vec<i64> = (0..n).collect();
                         for chunk in idx.chunks(b) {
-                            let (l, c) = t.pipeline.forward_loss(t.model.net.as_ref(), &t.data.val, chunk, 0, false);
+                            let (l, c) = t
+                                .pipeline
+                                .forward_loss(t.model.net.as_ref(), &t.data.val, chunk, 0, false);
                             loss += l.double_value(&[]);
                             correct += c.int64_value(&[]);
                         }
@@ -532,6 +534,18 @@ impl Trainer {
             .collect();
         if let Some((_, a)) = &self.model.extra {
             optim.extend(a.state_tensors().into_iter().map(|(n, t)| (format!("arch/{n}"), t)));
+        }
+        // The generators dropout draws from, so a resumed run draws the same masks.
+        let device = self.device();
+        let mut gens = vec![("rng/cpu".to_owned(), Device::Cpu)];
+        if device != Device::Cpu {
+            gens.push(("rng/cuda".to_owned(), device));
+        }
+        for (name, d) in gens {
+            match shim::rng_state(d) {
+                Ok(bytes) => optim.push((name, Tensor::from_slice(&bytes))),
+                Err(e) => tracing::warn!("saving the {name} generator state: {e}"),
+            }
         }
         (model, optim)
     }

@@ -105,7 +105,12 @@ fn data(p: &mut Problems, d: &Data) {
                 "is only read for file sources (npz, safetensors, mnist, cifar10, imagefolder)".into(),
             ));
         } else {
-            file_exists(p, "data.val_path", v, "it must hold the validation data, in data.source's format");
+            file_exists(
+                p,
+                "data.val_path",
+                v,
+                "it must hold the validation data, in data.source's format",
+            );
         }
     } else if !(d.val_fraction > 0.0 && d.val_fraction < 1.0) {
         p.push((
@@ -135,7 +140,10 @@ fn data(p: &mut Problems, d: &Data) {
     }
     for (i, s) in d.std.iter().enumerate() {
         if !(s.is_finite() && *s > 0.0) {
-            p.push(("data.std".into(), format!("entries must be positive, got {s} at position {i}")));
+            p.push((
+                "data.std".into(),
+                format!("entries must be positive, got {s} at position {i}"),
+            ));
         }
     }
     at_least(p, "data.augment.crop_padding", d.augment.crop_padding, 0);

@@ -413,3 +413,43 @@ impl std::fmt::Debug for Bytes {
 pub fn file_bytes(p: &Path) -> Bytes {
     Bytes(std::fs::read(p).unwrap_or_else(|e| panic!("reading {}: {e}", p.display())))
 }
+
+/// Runs tests/py/reference.py with the bootstrap environment's Python (torch 2.11 and
+/// torchvision), the reference implementation the tests compare memtrain with, and returns its
+/// standard output. `scripts/bootstrap` exports MEMTRAIN_PYTHON; without it these tests fail.
+pub fn reference(dir: &Path, args: &[&str]) -> String {
+    let python = std::env::var("MEMTRAIN_PYTHON").unwrap_or_else(|_| {
+        panic!("MEMTRAIN_PYTHON is not set: run the tests through scripts/test, or eval \"$(scripts/bootstrap)\" first")
+    });
+    let o = Command::new(&python)
+        .arg(repo().join("tests/py/reference.py"))
+        .args(args)
+        .current_dir(dir)
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .unwrap_or_else(|e| panic!("cannot start {python}: {e}"));
+    assert!(
+        o.status.success(),
+        "reference.py {args:?} failed:\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8(o.stdout).unwrap()
+}
+
+/// The per-step training losses a run recorded (with `log.every_steps = 1`).
+pub fn step_losses(o: &Outcome) -> Vec<f64> {
+    o.records("step").iter().map(|r| r["loss"].as_f64().unwrap()).collect()
+}
+
+/// Asserts two loss curves agree within `rel` relative difference, step by step.
+pub fn assert_close(ours: &[f64], theirs: &[f64], rel: f64) {
+    assert_eq!(ours.len(), theirs.len(), "step counts differ: {ours:?} vs {theirs:?}");
+    for (i, (a, b)) in ours.iter().zip(theirs).enumerate() {
+        let d = (a - b).abs() / b.abs().max(1e-12);
+        assert!(
+            d <= rel,
+            "step {}: memtrain {a} vs PyTorch {b} (relative {d:e} > {rel:e})",
+            i + 1
+        );
+    }
+}

@@ -1,0 +1,404 @@
+//! The models people train: torchvision's ResNet and ViT, the user's own TorchScript module, on
+//! image data, against PyTorch itself (torch 2.11 and torchvision 0.26 from the bootstrap
+//! environment) where there is a reference to compare with.
+mod common;
+
+use common::*;
+use toml::Value;
+
+/// A job on `data` (a TOML `[data]` body) for the model `[model]` body, trained with SGD and
+/// momentum, accumulation and clipping, one thread, every step recorded.
+fn job(model: &str, data: &str) -> Test {
+    Test::new().spec(table(&format!(
+        "[job]\nthreads = 1\ndevice = \"cpu\"\nseed = 3\n[model]\n{model}\n[data]\n{data}\n\
+         [train]\nepochs = 2\nbatch_size = 2\naccumulation_steps = 2\noptimizer = \"sgd\"\nlr = 0.05\n\
+         momentum = 0.9\ngrad_clip_norm = 1.0\n[log]\nevery_steps = 1\nprogress = \"off\"\n"
+    )))
+}
+
+fn tiny_resnet() -> &'static str {
+    "preset = \"resnet18\"\n[model.resnet18]\nnum_classes = 4\nimage_size = 16"
+}
+
+fn tiny_vit() -> &'static str {
+    "preset = \"vit\"\n[model.vit]\nimage_size = 16\npatch_size = 8\nlayers = 2\nheads = 2\nhidden_dim = 16\n\
+     mlp_dim = 32\ndropout = 0.1\nattention_dropout = 0.1\nnum_classes = 4"
+}
+
+fn scripted(dir: &std::path::Path) -> String {
+    reference(dir, &["script", "--out", "model.pt", "--classes", "4"]);
+    format!(
+        "preset = \"torchscript\"\n[model.torchscript]\npath = \"{}\"\ninput_shape = [3, 16, 16]\nnum_classes = 4",
+        dir.join("model.pt").display()
+    )
+}
+
+const SYNTHETIC: &str = "source = \"synthetic\"\nsamples = 20\nval_fraction = 0.2";
+
+/// Random images in d.npz (16) and v.npz (4), written by the reference script.
+fn npz_data(dir: &std::path::Path, shape: &str) -> String {
+    reference(
+        dir,
+        &[
+            "data",
+            "--out",
+            "d.npz",
+            "--n",
+            "16",
+            "--shape",
+            shape,
+            "--classes",
+            "4",
+        ],
+    );
+    reference(
+        dir,
+        &[
+            "data",
+            "--out",
+            "v.npz",
+            "--n",
+            "4",
+            "--shape",
+            shape,
+            "--classes",
+            "4",
+            "--seed",
+            "1",
+        ],
+    );
+    format!(
+        "source = \"npz\"\npath = \"{}\"\nval_path = \"{}\"",
+        dir.join("d.npz").display(),
+        dir.join("v.npz").display()
+    )
+}
+
+/// The reference training of the same job, as `reference.py train` arguments.
+const REFERENCE_TRAIN: &[&str] = &[
+    "--train",
+    "d.npz",
+    "--epochs",
+    "2",
+    "--batch-size",
+    "2",
+    "--accumulation-steps",
+    "2",
+    "--optimizer",
+    "sgd",
+    "--lr",
+    "0.05",
+    "--momentum",
+    "0.9",
+    "--clip",
+    "1.0",
+    "--seed",
+    "3",
+];
+
+/// torchvision's resnet18 `state_dict` names, written out from its layout: stem, four layers of
+/// two BasicBlocks (the first block of layers 2–4 with a downsample), fc.
+fn torchvision_resnet18_names() -> Vec<String> {
+    let bn = |p: &str| {
+        ["weight", "bias", "running_mean", "running_var", "num_batches_tracked"]
+            .iter()
+            .map(|s| format!("{p}.{s}"))
+            .collect::<Vec<_>>()
+    };
+    let mut names = vec!["conv1.weight".to_string()];
+    names.extend(bn("bn1"));
+    for layer in 1..=4 {
+        for block in 0..2 {
+            let p = format!("layer{layer}.{block}");
+            names.push(format!("{p}.conv1.weight"));
+            names.extend(bn(&format!("{p}.bn1")));
+            names.push(format!("{p}.conv2.weight"));
+            names.extend(bn(&format!("{p}.bn2")));
+            if layer > 1 && block == 0 {
+                names.push(format!("{p}.downsample.0.weight"));
+                names.extend(bn(&format!("{p}.downsample.1")));
+            }
+        }
+    }
+    names.push("fc.weight".into());
+    names.push("fc.bias".into());
+    names
+}
+
+#[test]
+fn resnet18_loads_a_torchvision_state_dict_and_trains_as_torchvision_does() {
+    let t = Test::new();
+    let dir = t.dir().to_path_buf();
+    let info: serde_json::Value = serde_json::from_str(&reference(
+        &dir,
+        &[
+            "torchvision",
+            "--model",
+            "resnet18",
+            "--classes",
+            "4",
+            "--out",
+            "init.safetensors",
+        ],
+    ))
+    .unwrap();
+    let tv_names: Vec<String> = info["names"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(
+        tv_names,
+        torchvision_resnet18_names(),
+        "torchvision's names are the ones written here"
+    );
+
+    let data = npz_data(&dir, "3,16,16");
+    let r = job(tiny_resnet(), &data)
+        .set("model.init_from", dir.join("init.safetensors").display().to_string())
+        .run();
+    // The checkpoint holds exactly torchvision's names.
+    let mut ours: Vec<String> = tensors(&r.final_model()).into_iter().map(|(n, _)| n).collect();
+    let mut theirs = tv_names.clone();
+    ours.sort();
+    theirs.sort();
+    assert_eq!(ours, theirs);
+
+    let mut args = vec!["train", "--model", "torchvision:resnet18:init.safetensors"];
+    args.extend_from_slice(REFERENCE_TRAIN);
+    let py: serde_json::Value = serde_json::from_str(&reference(&dir, &args)).unwrap();
+    let theirs: Vec<f64> = py["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    assert_eq!(theirs.len(), 8);
+    // The same ops on the same values; the last digits differ only in how the loss is summed.
+    assert_close(&step_losses(&r), &theirs, 1e-5);
+    let final_state = tensors(&r.final_model());
+    let get = |n: &str| final_state.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
+    let rm: Vec<f64> = Vec::<f32>::try_from(get("layer1.0.bn1.running_mean"))
+        .unwrap()
+        .into_iter()
+        .map(f64::from)
+        .collect();
+    let prm: Vec<f64> = py["buffers"]["layer1.0.bn1.running_mean"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    for (a, b) in rm.iter().zip(&prm) {
+        assert!((a - b).abs() <= 1e-4 * b.abs().max(1e-3), "running_mean {a} vs {b}");
+    }
+    assert_eq!(
+        get("bn1.num_batches_tracked").int64_value(&[]),
+        16,
+        "one per micro-batch, as PyTorch counts"
+    );
+    assert_eq!(py["buffers"]["bn1.num_batches_tracked"][0], 16);
+}
+
+#[test]
+fn torchscript_model_trains_as_plain_pytorch_and_its_batchnorm_survives_a_resume() {
+    let t = Test::new();
+    let dir = t.dir().to_path_buf();
+    let model = scripted(&dir);
+    let data = npz_data(&dir, "3,16,16");
+    let straight = job(&model, &data).name("straight").run();
+
+    let mut args = vec!["train", "--model", "script:model.pt"];
+    args.extend_from_slice(REFERENCE_TRAIN);
+    let py: serde_json::Value = serde_json::from_str(&reference(&dir, &args)).unwrap();
+    let theirs: Vec<f64> = py["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    assert_close(&step_losses(&straight), &theirs, 1e-6);
+
+    // Buffers are part of the model: checkpointed, and equal to the eager module's.
+    let state = tensors(&straight.final_model());
+    for name in ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"] {
+        let ours = state
+            .iter()
+            .find(|(k, _)| k == name)
+            .unwrap_or_else(|| panic!("{name} is checkpointed"))
+            .1
+            .to_kind(tch::Kind::Double);
+        let ours: Vec<f64> = Vec::<f64>::try_from(ours.flatten(0, -1)).unwrap();
+        let theirs: Vec<f64> = py["buffers"][name]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        assert_eq!(ours.len(), theirs.len());
+        for (a, b) in ours.iter().zip(&theirs) {
+            assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "{name}: {a} vs {b}");
+        }
+    }
+
+    // Interrupted after step 3 of 8 and resumed: byte-identical weights and statistics.
+    let first = job(&model, &data)
+        .name("resumed")
+        .interrupt_after_step(3)
+        .exit(130)
+        .run();
+    let resumed = first.resume().run();
+    assert_eq!(resumed.final_bytes(), straight.final_bytes());
+}
+
+#[test]
+fn torchscript_input_errors_exit_2_before_training() {
+    let t = Test::new();
+    let dir = t.dir().to_path_buf();
+    let model = scripted(&dir);
+    std::fs::write(dir.join("junk.pt"), b"not a module").unwrap();
+    let junk = model.replace(
+        &dir.join("model.pt").display().to_string(),
+        &dir.join("junk.pt").display().to_string(),
+    );
+    job(&junk, SYNTHETIC)
+        .name("junk")
+        .exit(2)
+        .stderr_has("is not a TorchScript module")
+        .stderr_has("torch.jit.script(model).save(path)")
+        .run();
+    job(&model.replace("num_classes = 4", "num_classes = 7"), SYNTHETIC)
+        .name("classes")
+        .exit(2)
+        .stderr_has("forward returned")
+        .stderr_has("[2, 7]")
+        .run();
+    job(&model.replace("[3, 16, 16]", "[5, 16, 16]"), SYNTHETIC)
+        .name("shape")
+        .exit(2)
+        .stderr_has("forward failed on a sample batch of shape [2, 5, 16, 16]")
+        .run();
+    job(&model.replace("path = ", "paths = "), SYNTHETIC)
+        .name("key")
+        .exit(2)
+        .stderr_has("model.torchscript.paths")
+        .run();
+    for name in ["junk", "classes", "shape", "key"] {
+        assert!(!dir.join(name).exists(), "{name}: nothing written for bad input");
+    }
+    // A scripted module is no chain of blocks: checkpointing is refused with a reason, the run goes on.
+    job(&model, SYNTHETIC)
+        .name("ckpt")
+        .set("train.activation_checkpointing", true)
+        .stderr_has("activation checkpointing does not apply")
+        .run();
+}
+
+fn presets(dir: &std::path::Path) -> Vec<(&'static str, String)> {
+    vec![
+        ("resnet18", tiny_resnet().to_owned()),
+        ("vit", tiny_vit().to_owned()),
+        ("torchscript", scripted(dir)),
+    ]
+}
+
+#[test]
+fn new_presets_train_under_every_precision_with_and_without_checkpointing() {
+    let t = Test::new();
+    let dir = t.dir().to_path_buf();
+    for (preset, model) in presets(&dir) {
+        for precision in ["fp32", "fp16-mixed", "bf16-mixed", "bf16"] {
+            let mut losses = vec![];
+            for ckpt in [false, true] {
+                let r = job(&model, SYNTHETIC)
+                    .name(&format!("{preset}-{precision}-{ckpt}"))
+                    .set("train.epochs", 1)
+                    .set("train.precision", precision)
+                    .set("train.activation_checkpointing", ckpt)
+                    .run();
+                let s = r.summary();
+                assert_eq!(s["status"], "completed", "{preset} {precision} {ckpt}");
+                let l = step_losses(&r);
+                assert_eq!(l.len(), 4);
+                assert!(l.iter().all(|x| x.is_finite()), "{preset} {precision}: {l:?}");
+                losses.push(l);
+            }
+            if preset != "torchscript" && precision == "fp32" {
+                // Recomputed blocks (dropout included) compute exactly what the plain forward does.
+                assert_eq!(losses[0], losses[1], "{preset}: checkpointed losses differ");
+            }
+        }
+    }
+}
+
+/// Preflight peak of a one-epoch run at `micro` samples per micro-batch.
+fn peak(t: Test, micro: i64) -> u64 {
+    let r = t
+        .set("train.batch_size", micro)
+        .set("train.accumulation_steps", 1)
+        .set("train.epochs", 1)
+        .run();
+    r.records("preflight")[0]["peak_bytes"].as_u64().unwrap()
+}
+
+#[test]
+fn new_presets_back_off_under_a_cap() {
+    let t = Test::new();
+    let dir = t.dir().to_path_buf();
+    // Models whose activations at 16 samples outweigh the optimizer step's transient memory.
+    let models = [
+        (
+            "resnet18",
+            tiny_resnet().replace("image_size = 16", "image_size = 32\nsmall_stem = true"),
+        ),
+        (
+            "vit",
+            tiny_vit()
+                .replace("image_size = 16", "image_size = 32")
+                .replace("patch_size = 8", "patch_size = 4"),
+        ),
+        ("torchscript", scripted(&dir)),
+    ];
+    for (preset, model) in models {
+        let base = job(&model, "source = \"synthetic\"\nsamples = 40\nval_fraction = 0.2");
+        let big = peak(base.clone().name(&format!("{preset}-big")), 16);
+        let small = peak(base.clone().name(&format!("{preset}-small")), 2);
+        assert!(big > small, "{preset}: {big} <= {small}");
+        let cap = small + (big - small) / 2;
+        let r = base
+            .name(&format!("{preset}-capped"))
+            .set("train.batch_size", 16)
+            .set("train.accumulation_steps", 1)
+            .set("train.epochs", 1)
+            .set("memory.limit", Value::from(cap as i64))
+            .set("memory.on_oom", Value::Array(vec!["backoff".into(), "fail".into()]))
+            .run();
+        let s = r.summary();
+        assert_eq!(s["status"], "completed", "{preset}");
+        assert!(s["oom"]["backoffs"].as_u64().unwrap() >= 1, "{preset}: {s}");
+        assert_eq!(s["batch"]["effective_batch"], 16);
+        assert_eq!(s["samples_trained"], 32);
+    }
+}
+
+#[test]
+fn augmented_images_resume_exactly() {
+    let base = job(tiny_vit(), SYNTHETIC)
+        .set(
+            "data.augment",
+            Value::Table(table("crop_padding = 2\nhorizontal_flip = true")),
+        )
+        .set("data.mean", Value::Array(vec![0.5.into()]))
+        .set("data.std", Value::Array(vec![0.25.into()]));
+    let straight = base.clone().name("straight").run();
+    let plain = base.clone().name("plain").remove("data.augment").run();
+    assert_ne!(
+        step_losses(&straight),
+        step_losses(&plain),
+        "augmentation changes what is trained on"
+    );
+    let first = base.clone().name("resumed").interrupt_after_step(5).exit(130).run();
+    let resumed = first.resume().run();
+    assert_eq!(resumed.final_bytes(), straight.final_bytes());
+}
