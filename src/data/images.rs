@@ -111,7 +111,7 @@ pub fn read_cifar10(files: &[PathBuf], key: &str) -> Result<Images> {
         let len = fs::metadata(f)
             .with_context(|| format!("{key} {}: cannot read it", f.display()))?
             .len() as usize;
-        if len == 0 || len % CIFAR_RECORD != 0 {
+        if len == 0 || !len.is_multiple_of(CIFAR_RECORD) {
             bail!(
                 "{key} {}: is {len} bytes, not a whole number of {CIFAR_RECORD}-byte CIFAR-10 records; is it truncated, or the Python version of the data set?",
                 f.display()
@@ -148,8 +148,11 @@ pub fn read_cifar10(files: &[PathBuf], key: &str) -> Result<Images> {
 
 const EXTENSIONS: &[&str] = &["jpg", "jpeg", "png"];
 
+/// Image files with their labels.
+type Labelled = Vec<(PathBuf, i64)>;
+
 /// Class names (sorted) and (file, label) pairs, sorted by class then file name.
-pub fn scan_folder(root: &Path, key: &str) -> Result<(Vec<String>, Vec<(PathBuf, i64)>)> {
+pub fn scan_folder(root: &Path, key: &str) -> Result<(Vec<String>, Labelled)> {
     let mut classes: Vec<String> = fs::read_dir(root)
         .with_context(|| format!("{key} {}: cannot list it", root.display()))?
         .filter_map(|e| e.ok())
