@@ -74,6 +74,11 @@ fn npz_data(dir: &std::path::Path, shape: &str) -> String {
     )
 }
 
+/// A JSON array of numbers.
+fn floats(v: &serde_json::Value) -> Vec<f64> {
+    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
+}
+
 /// The reference training of the same job, as `reference.py train` arguments.
 const REFERENCE_TRAIN: &[&str] = &[
     "--train",
@@ -168,12 +173,7 @@ fn resnet18_loads_a_torchvision_state_dict_and_trains_as_torchvision_does() {
     let mut args = vec!["train", "--model", "torchvision:resnet18:init.safetensors"];
     args.extend_from_slice(REFERENCE_TRAIN);
     let py: serde_json::Value = serde_json::from_str(&reference(&dir, &args)).unwrap();
-    let theirs: Vec<f64> = py["losses"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap())
-        .collect();
+    let theirs = floats(&py["losses"]);
     assert_eq!(theirs.len(), 8);
     // The same ops on the same values; the last digits differ only in how the loss is summed.
     assert_close(&step_losses(&r), &theirs, 1e-5);
@@ -184,12 +184,7 @@ fn resnet18_loads_a_torchvision_state_dict_and_trains_as_torchvision_does() {
         .into_iter()
         .map(f64::from)
         .collect();
-    let prm: Vec<f64> = py["buffers"]["layer1.0.bn1.running_mean"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap())
-        .collect();
+    let prm = floats(&py["buffers"]["layer1.0.bn1.running_mean"]);
     for (a, b) in rm.iter().zip(&prm) {
         assert!((a - b).abs() <= 1e-4 * b.abs().max(1e-3), "running_mean {a} vs {b}");
     }
@@ -212,12 +207,7 @@ fn torchscript_model_trains_as_plain_pytorch_and_its_batchnorm_survives_a_resume
     let mut args = vec!["train", "--model", "script:model.pt"];
     args.extend_from_slice(REFERENCE_TRAIN);
     let py: serde_json::Value = serde_json::from_str(&reference(&dir, &args)).unwrap();
-    let theirs: Vec<f64> = py["losses"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap())
-        .collect();
+    let theirs = floats(&py["losses"]);
     assert_close(&step_losses(&straight), &theirs, 1e-6);
 
     // Buffers are part of the model: checkpointed, and equal to the eager module's.
@@ -230,12 +220,7 @@ fn torchscript_model_trains_as_plain_pytorch_and_its_batchnorm_survives_a_resume
             .1
             .to_kind(tch::Kind::Double);
         let ours: Vec<f64> = Vec::<f64>::try_from(ours.flatten(0, -1)).unwrap();
-        let theirs: Vec<f64> = py["buffers"][name]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_f64().unwrap())
-            .collect();
+        let theirs = floats(&py["buffers"][name]);
         assert_eq!(ours.len(), theirs.len());
         for (a, b) in ours.iter().zip(&theirs) {
             assert!((a - b).abs() <= 1e-6 * b.abs().max(1.0), "{name}: {a} vs {b}");

@@ -392,8 +392,8 @@ mod tests {
             .mean(Kind::Float)
             .double_value(&[]);
         assert!((red - 200.0).abs() < 4.0, "{red}");
-        let (files_, _) = (scan_folder(&root, "k").unwrap().1, ());
-        let cache = cache_path(&root, &files_, 6, 3);
+        let files = scan_folder(&root, "k").unwrap().1;
+        let cache = cache_path(&root, &files, 6, 3);
         assert!(cache.exists(), "the decoded bytes are cached");
         // The cache answers while the files are unchanged: make it distinguishable and read again.
         let marked = imgs.x.copy();

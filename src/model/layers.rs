@@ -53,16 +53,8 @@ impl BatchNorm2d {
 /// ±1/√fan_in (kaiming_uniform with a = √5).
 pub fn linear(p: nn::Path, inputs: i64, outputs: i64) -> nn::Linear {
     let b = 1.0 / (inputs as f64).sqrt();
-    nn::linear(
-        p,
-        inputs,
-        outputs,
-        nn::LinearConfig {
-            ws_init: Init::Uniform { lo: -b, up: b },
-            bs_init: Some(Init::Uniform { lo: -b, up: b }),
-            bias: true,
-        },
-    )
+    let u = Init::Uniform { lo: -b, up: b };
+    linear_init(p, inputs, outputs, u, u)
 }
 
 /// A linear layer with the given initialisations.

@@ -22,7 +22,7 @@ use crate::exit::UsageError;
 use crate::shim::{self, ScriptModule};
 
 /// `[model.torchscript]`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct TorchScriptOptions {
     /// The saved module (relative to the current directory).
@@ -30,16 +30,6 @@ pub struct TorchScriptOptions {
     /// Shape of one sample, without the batch dimension.
     pub input_shape: Vec<i64>,
     pub num_classes: i64,
-}
-
-impl Default for TorchScriptOptions {
-    fn default() -> Self {
-        TorchScriptOptions {
-            path: PathBuf::new(),
-            input_shape: vec![],
-            num_classes: 0,
-        }
-    }
 }
 
 pub struct TorchScriptPreset;
