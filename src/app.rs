@@ -11,6 +11,7 @@ pub fn main(cli: Cli) -> i32 {
         Command::Info { json } => info(json),
         Command::Check(args) => check(&args),
         Command::Run(args) => crate::run::run(&args, cli.quiet),
+        Command::Report { run_dir } => report(&run_dir),
     };
     match result {
         Ok(()) => exit::OK,
@@ -63,5 +64,12 @@ fn check(args: &SpecArgs) -> Result<()> {
     print!("{}", spec::to_toml(&loaded.spec));
     println!();
     print!("{est}");
+    Ok(())
+}
+
+fn report(run_dir: &std::path::Path) -> Result<()> {
+    let written = crate::report::write(run_dir)?;
+    print!("{}", written.text);
+    println!("report: {}", written.html.display());
     Ok(())
 }

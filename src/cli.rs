@@ -28,6 +28,11 @@ pub enum Command {
     Check(SpecArgs),
     /// Train a job spec.
     Run(RunArgs),
+    /// Draw a run directory's records as report.html and print a summary.
+    Report {
+        /// A run directory written by `memtrain run`.
+        run_dir: PathBuf,
+    },
 }
 
 #[derive(Debug, Args)]
@@ -49,4 +54,7 @@ pub struct RunArgs {
     /// Continue from the latest checkpoint of the run directory (or of DIR).
     #[arg(long, value_name = "DIR", num_args = 0..=1)]
     pub resume: Option<Option<PathBuf>>,
+    /// Stop after N optimizer steps (a smoke test of a spec); records and report, no checkpoint.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(i64).range(1..))]
+    pub max_steps: Option<i64>,
 }

@@ -21,6 +21,7 @@ pub mod optim;
 pub mod plan;
 pub mod progress;
 pub mod records;
+pub mod report;
 pub mod run;
 pub mod scaler;
 pub mod shim;

@@ -31,6 +31,76 @@ pub struct MemorySample {
     pub peak_rss_bytes: u64,
 }
 
+/// The reading taken after every optimizer step: the allocator's own counters (no device
+/// synchronisation, no driver call) and RSS from /proc/self/statm. Peaks are since the previous
+/// reading, which resets the allocator's peak counters; `fold` keeps the largest over a window.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct StepMemory {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub allocated_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reserved_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_allocated_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_reserved_bytes: Option<u64>,
+    pub rss_bytes: u64,
+}
+
+impl StepMemory {
+    /// Takes `later`'s current figures and the larger of both peaks.
+    pub fn fold(&mut self, later: &StepMemory) {
+        self.allocated_bytes = later.allocated_bytes;
+        self.reserved_bytes = later.reserved_bytes;
+        self.rss_bytes = later.rss_bytes;
+        self.peak_allocated_bytes = max_opt(self.peak_allocated_bytes, later.peak_allocated_bytes);
+        self.peak_reserved_bytes = max_opt(self.peak_reserved_bytes, later.peak_reserved_bytes);
+    }
+}
+
+impl MemorySample {
+    /// Widens this sample's peaks by a window of step readings (which reset the counters).
+    pub fn include(&mut self, steps: &StepMemory) {
+        self.peak_allocated_bytes = max_opt(self.peak_allocated_bytes, steps.peak_allocated_bytes);
+        self.peak_reserved_bytes = max_opt(self.peak_reserved_bytes, steps.peak_reserved_bytes);
+    }
+}
+
+pub fn max_opt(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+    match (a, b) {
+        (Some(x), Some(y)) => Some(x.max(y)),
+        (x, y) => x.or(y),
+    }
+}
+
+/// The per-step reading; starts the next step's peak window.
+pub fn step_reading(place: Place) -> StepMemory {
+    let mut m = StepMemory {
+        rss_bytes: sysmem::rss_now(),
+        ..Default::default()
+    };
+    match place {
+        Place::Cpu => {
+            let s = shim::cpu_alloc_stats();
+            if s.installed {
+                m.allocated_bytes = Some(s.allocated);
+                m.peak_allocated_bytes = Some(s.peak_allocated);
+                shim::cpu_alloc_reset_peak();
+            }
+        }
+        Place::Cuda(i) => {
+            if let Ok(Some(s)) = shim::device_stats(i) {
+                m.allocated_bytes = Some(s.allocated);
+                m.reserved_bytes = Some(s.reserved);
+                m.peak_allocated_bytes = Some(s.peak_allocated);
+                m.peak_reserved_bytes = Some(s.peak_reserved);
+                let _ = shim::reset_peak_stats(i);
+            }
+        }
+    }
+    m
+}
+
 /// The memory limit in force for a run.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Cap {
@@ -115,7 +185,8 @@ pub fn oom_count(place: Place) -> u64 {
 }
 
 /// Why the cache was cleared; counted separately in the summary.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ClearReason {
     Every,
     Auto,
@@ -174,8 +245,8 @@ impl CachePolicy {
         retried || s.reserved.saturating_sub(s.allocated) > self.auto_threshold
     }
 
-    /// Called after every optimizer step (1-based count).
-    pub fn after_step(&mut self, place: Place, step: u64) {
+    /// Called after every optimizer step (1-based count); the clear it made, if any.
+    pub fn after_step(&mut self, place: Place, step: u64) -> Option<Cleared> {
         if self.sync_every > 0 && step.is_multiple_of(self.sync_every) {
             if let Place::Cuda(i) = place {
                 let t = Instant::now();
@@ -189,26 +260,40 @@ impl CachePolicy {
             CacheClear::Every(n) => due(n, step).then_some(ClearReason::Every),
             CacheClear::Auto => self.pressure(place).then_some(ClearReason::Auto),
         };
-        if let Some(r) = reason {
-            self.clear(place, r);
-        }
+        self.clear(place, reason?)
     }
 
     /// Empties the device cache and accounts for the time. A no-op on the CPU (libtorch's CPU
     /// allocator keeps no cache), so nothing is counted there.
-    pub fn clear(&mut self, place: Place, reason: ClearReason) {
-        if place == Place::Cpu {
-            return;
-        }
+    pub fn clear(&mut self, place: Place, reason: ClearReason) -> Option<Cleared> {
+        let Place::Cuda(i) = place else { return None };
+        let before = shim::device_stats(i).ok().flatten().map(|s| s.reserved);
         let t = Instant::now();
-        if shim::empty_cache().unwrap_or(false) {
-            self.clears += 1;
-            if reason == ClearReason::Auto {
-                self.auto_clears += 1;
-            }
-            self.clear_seconds += t.elapsed().as_secs_f64();
+        if !shim::empty_cache().unwrap_or(false) {
+            return None;
         }
+        let seconds = t.elapsed().as_secs_f64();
+        self.clears += 1;
+        if reason == ClearReason::Auto {
+            self.auto_clears += 1;
+        }
+        self.clear_seconds += seconds;
+        let after = shim::device_stats(i).ok().flatten().map(|s| s.reserved);
+        Some(Cleared {
+            reason,
+            seconds,
+            released_bytes: before.zip(after).map(|(b, a)| b.saturating_sub(a)),
+        })
     }
+}
+
+/// One cache clear: why, what it cost, and what it gave back to the device.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Cleared {
+    pub reason: ClearReason,
+    pub seconds: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub released_bytes: Option<u64>,
 }
 
 /// A step-count policy fires on multiples of its period; 0 never fires.
@@ -252,10 +337,33 @@ mod tests {
     fn cpu_clears_cost_nothing_and_count_nothing() {
         let mut p = CachePolicy::new(CacheClear::Every(1), 0, 1);
         for s in 1..=5 {
-            p.after_step(Place::Cpu, s);
+            assert_eq!(p.after_step(Place::Cpu, s), None);
         }
         assert_eq!((p.clears, p.syncs), (0, 0));
         assert!(!p.pressure(Place::Cpu));
+    }
+
+    #[test]
+    fn step_readings_fold_into_window_peaks_and_reset_the_counter() {
+        shim::cpu_alloc_install().unwrap();
+        let _ = step_reading(Place::Cpu);
+        // 1 GiB, never touched: counted at allocation, and far above anything the other unit
+        // tests allocate meanwhile in this process.
+        let big = tch::Tensor::empty([1 << 28], tch::kind::FLOAT_CPU);
+        drop(big);
+        let first = step_reading(Place::Cpu);
+        let second = step_reading(Place::Cpu);
+        assert!(first.peak_allocated_bytes.unwrap() >= 1 << 30, "{first:?}");
+        assert!(
+            second.peak_allocated_bytes.unwrap() < first.peak_allocated_bytes.unwrap(),
+            "the first reading started a new window: {second:?}"
+        );
+        let mut window = StepMemory::default();
+        window.fold(&first);
+        window.fold(&second);
+        assert_eq!(window.peak_allocated_bytes, first.peak_allocated_bytes);
+        assert_eq!(window.allocated_bytes, second.allocated_bytes);
+        assert!(window.rss_bytes > 0);
     }
 
     #[test]

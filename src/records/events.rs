@@ -3,7 +3,7 @@
 use serde::Serialize;
 use serde_json::Value;
 
-use crate::memory::{CachePolicy, Cap, MemorySample};
+use crate::memory::{CachePolicy, Cap, Cleared, MemorySample, StepMemory};
 use crate::model::Genotype;
 use crate::oom::{Decision, OomCounts, OomKind};
 
@@ -17,6 +17,7 @@ pub enum Event {
     Checkpoint(CheckpointEvent),
     Oom(OomEvent),
     GrowBack(GrowBackEvent),
+    CacheClear(CacheClearEvent),
     End(Summary),
 }
 
@@ -57,7 +58,8 @@ pub struct StepEvent {
     pub lr: f64,
     pub micro_batch: i64,
     pub samples_per_s: f64,
-    pub memory: MemorySample,
+    /// Current figures after this step; peaks since the previous step line.
+    pub memory: StepMemory,
     /// fp16-mixed: the scale this step's loss was multiplied by, and whether its gradients held
     /// inf or NaN so the optimizer step was skipped.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -81,6 +83,8 @@ pub struct EpochResult {
 pub struct EpochEvent {
     #[serde(flatten)]
     pub result: EpochResult,
+    /// The global optimizer step the epoch ended at.
+    pub step: i64,
     pub lr: f64,
     pub micro_batch: i64,
     pub accumulation_steps: i64,
@@ -144,6 +148,13 @@ pub struct GrowBackEvent {
     pub micro_batch: i64,
 }
 
+#[derive(Debug, Clone, Serialize)]
+pub struct CacheClearEvent {
+    pub step: i64,
+    #[serde(flatten)]
+    pub cleared: Cleared,
+}
+
 /// How a run ended, for summary.json and the exit code.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -152,12 +163,14 @@ pub enum Status {
     Completed,
     Interrupted,
     Oom,
+    /// `--max-steps` reached: a smoke test or a `fit` probe; no checkpoint is written.
+    StepLimit,
 }
 
 impl Status {
     pub fn exit_code(self) -> i32 {
         match self {
-            Status::Completed => crate::exit::OK,
+            Status::Completed | Status::StepLimit => crate::exit::OK,
             Status::Interrupted => crate::exit::INTERRUPTED,
             Status::Oom => crate::exit::OOM,
         }
@@ -180,6 +193,9 @@ pub struct MemorySummary {
     pub peak_allocated_bytes: Option<u64>,
     pub peak_reserved_bytes: Option<u64>,
     pub peak_rss_bytes: u64,
+    /// The per-step memory readings and the time they took, to show they cost next to nothing.
+    pub step_readings: u64,
+    pub step_reading_seconds: f64,
 }
 
 #[derive(Debug, Default, Clone, Serialize)]

@@ -177,6 +177,7 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
         clear_after_checkpoint: m.clear_after_checkpoint,
         preflight: m.preflight,
         record_history: plan.record_history,
+        max_steps: args.max_steps,
     };
     let pipeline = StepPipeline {
         device,
@@ -246,7 +247,20 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
         plan.alloc.conf.clone(),
         t_start,
     )?;
-    let status = trainer.train()?;
+    let result = trainer.train();
+    // Every run gets its report, interrupted and failed ones included.
+    let report = crate::report::write(run_dir);
+    match &report {
+        Ok(r) => trainer.progress.println(&format!("report: {}", r.html.display())),
+        Err(e) => tracing::warn!("could not write the report: {e:#}"),
+    }
+    let status = result?;
+    if status == Status::StepLimit {
+        trainer.progress.println(&format!(
+            "stopped after {} optimizer steps (--max-steps); no checkpoint written",
+            args.max_steps.unwrap_or_default()
+        ));
+    }
     if status == Status::Completed {
         if let Some(r) = trainer.last() {
             let val = r

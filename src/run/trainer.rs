@@ -18,7 +18,7 @@ use crate::checkpoint::{self, NamedTensors, Store, TrainState};
 use crate::data::{self, Splits};
 use crate::exit::{Interrupted, OomExit};
 use crate::human::{human_bytes, human_duration};
-use crate::memory::{self, CachePolicy, Cap, ClearReason, MemorySample, Place};
+use crate::memory::{self, CachePolicy, Cap, ClearReason, MemorySample, Place, StepMemory};
 use crate::model::{ExtraStep, Net};
 use crate::oom::{self, BatchShape, Decision, StepError};
 use crate::optim::{LrSchedule, Optimizer};
@@ -41,6 +41,8 @@ pub struct LoopSettings {
     pub clear_after_checkpoint: bool,
     pub preflight: bool,
     pub record_history: bool,
+    /// `--max-steps`: stop after this many optimizer steps of this session.
+    pub max_steps: Option<i64>,
 }
 
 /// The model and what trains it.
@@ -84,6 +86,16 @@ struct Totals {
     peak_allocated: Option<u64>,
     peak_reserved: Option<u64>,
     peak_rss: u64,
+    step_readings: u64,
+    step_reading_seconds: f64,
+}
+
+/// The per-step readings folded into the windows that records report: since the last step
+/// line, and since the epoch began.
+#[derive(Debug, Default)]
+struct StepWindows {
+    line: StepMemory,
+    epoch: StepMemory,
 }
 
 pub struct Trainer {
@@ -104,6 +116,8 @@ pub struct Trainer {
     pub t_start: Instant,
     last: Option<EpochResult>,
     totals: Totals,
+    windows: StepWindows,
+    session_steps: i64,
     preflight_pending: bool,
     /// The extra steps' current validation round and its order.
     val_order: Option<(i64, Vec<i64>)>,
@@ -146,6 +160,8 @@ impl Trainer {
             t_start,
             last: None,
             totals: Totals::default(),
+            windows: StepWindows::default(),
+            session_steps: 0,
             val_order: None,
         })
     }
@@ -273,7 +289,7 @@ impl Trainer {
         if let Some((_, o)) = &mut self.model.extra {
             o.zero_grad();
         }
-        self.cache.clear(self.place(), ClearReason::Oom);
+        self.clear_cache(ClearReason::Oom)?;
         let Outcome {
             decision,
             before,
@@ -575,7 +591,7 @@ impl Trainer {
         let (path, size) = saved?;
         self.totals.checkpoint_spikes.push(spike);
         if self.settings.clear_after_checkpoint {
-            self.cache.clear(place, ClearReason::Checkpoint);
+            self.clear_cache(ClearReason::Checkpoint)?;
         }
         let e = CheckpointEvent {
             reason: why.into(),
@@ -588,6 +604,31 @@ impl Trainer {
         };
         self.emit(Event::Checkpoint(e))?;
         Ok((path, size))
+    }
+
+    fn clear_cache(&mut self, reason: ClearReason) -> Result<()> {
+        let cleared = self.cache.clear(self.place(), reason);
+        self.record_clear(cleared)
+    }
+
+    fn record_clear(&mut self, cleared: Option<memory::Cleared>) -> Result<()> {
+        match cleared {
+            Some(cleared) => self.emit(Event::CacheClear(CacheClearEvent {
+                step: self.state.global_step,
+                cleared,
+            })),
+            None => Ok(()),
+        }
+    }
+
+    /// The per-step memory reading, timed so the summary shows what it costs.
+    fn read_step_memory(&mut self) {
+        let t = Instant::now();
+        let m = memory::step_reading(self.place());
+        self.windows.line.fold(&m);
+        self.windows.epoch.fold(&m);
+        self.totals.step_readings += 1;
+        self.totals.step_reading_seconds += t.elapsed().as_secs_f64();
     }
 
     fn after_clean_step(&mut self) -> Result<()> {
@@ -617,6 +658,7 @@ impl Trainer {
             let order = data::epoch_order(n, self.settings.seed, epoch);
             let groups: Vec<&[i64]> = order.chunks(e as usize).collect();
             memory::reset_peaks(self.place());
+            self.windows = StepWindows::default();
             let t0 = Instant::now();
             let mut seen_this_session = 0u64;
             self.progress
@@ -647,7 +689,9 @@ impl Trainer {
                 self.state.epoch_correct += out.correct;
                 self.state.epoch_seen += group.len() as i64;
                 seen_this_session += group.len() as u64;
-                self.cache.after_step(self.place(), self.state.global_step as u64);
+                self.read_step_memory();
+                let cleared = self.cache.after_step(self.place(), self.state.global_step as u64);
+                self.record_clear(cleared)?;
                 self.after_clean_step()?;
                 let loss = out.loss_sum / group.len() as f64;
                 let rate = seen_this_session as f64 / t0.elapsed().as_secs_f64().max(1e-9);
@@ -660,16 +704,18 @@ impl Trainer {
                         lr,
                         micro_batch: self.shape().micro_batch,
                         samples_per_s: rate,
-                        memory: memory::sample(self.place()),
+                        memory: std::mem::take(&mut self.windows.line),
                         loss_scale: self.state.scaler.map(|s| s.scale),
                         skipped: out.found_inf,
                     };
                     self.emit(Event::Step(e))?;
                 }
-                let place = self.place();
+                let mem = self
+                    .windows
+                    .epoch
+                    .allocated_bytes
+                    .unwrap_or(self.windows.epoch.rss_bytes);
                 self.progress.step(self.state.groups_done as u64, || {
-                    let m = memory::sample(place);
-                    let mem = m.allocated_bytes.unwrap_or(m.rss_bytes);
                     format!("loss {loss:.4}  {rate:.1} samples/s  mem {}", human_bytes(mem))
                 });
                 let stop = self.stop.clone();
@@ -686,13 +732,22 @@ impl Trainer {
                     ))
                     .into());
                 }
+                self.session_steps += 1;
+                if self.settings.max_steps.is_some_and(|m| self.session_steps >= m) {
+                    self.progress.finish_epoch();
+                    self.totals.samples_trained += seen_this_session;
+                    self.totals.train_seconds += t0.elapsed().as_secs_f64();
+                    self.write_summary(Status::StepLimit)?;
+                    return Ok(Status::StepLimit);
+                }
             }
             self.progress.finish_epoch();
             let seconds = t0.elapsed().as_secs_f64();
             self.totals.samples_trained += seen_this_session;
             self.totals.train_seconds += seconds;
             let val = self.validate()?;
-            let mem = memory::sample(self.place());
+            let mut mem = memory::sample(self.place());
+            mem.include(&self.windows.epoch);
             self.note_peaks();
             let seen = self.state.epoch_seen.max(1) as f64;
             let result = EpochResult {
@@ -713,6 +768,7 @@ impl Trainer {
             let shape = self.shape();
             let ev = EpochEvent {
                 result: result.clone(),
+                step: self.state.global_step,
                 lr: self.model.sched.lr_at(self.model.opt.steps_taken()),
                 micro_batch: shape.micro_batch,
                 accumulation_steps: shape.accumulation_steps,
@@ -740,7 +796,7 @@ impl Trainer {
                 self.save_checkpoint("epoch").context("saving a checkpoint")?;
             }
             if self.settings.clear_on_epoch_end {
-                self.cache.clear(self.place(), ClearReason::EpochEnd);
+                self.clear_cache(ClearReason::EpochEnd)?;
             }
         }
         self.write_summary(Status::Completed)?;
@@ -752,11 +808,9 @@ impl Trainer {
     }
 
     fn note_peaks(&mut self) {
-        let m = memory::sample(self.place());
-        let max = |a: Option<u64>, b: Option<u64>| match (a, b) {
-            (Some(x), Some(y)) => Some(x.max(y)),
-            (x, y) => x.or(y),
-        };
+        let mut m = memory::sample(self.place());
+        m.include(&self.windows.epoch);
+        let max = memory::max_opt;
         let t = &mut self.totals;
         t.peak_allocated = max(t.peak_allocated, m.peak_allocated_bytes);
         t.peak_reserved = max(t.peak_reserved, m.peak_reserved_bytes);
@@ -793,6 +847,8 @@ impl Trainer {
                 peak_allocated_bytes: t.peak_allocated,
                 peak_reserved_bytes: t.peak_reserved,
                 peak_rss_bytes: t.peak_rss,
+                step_readings: t.step_readings,
+                step_reading_seconds: t.step_reading_seconds,
             },
             cache: Some(self.cache.clone()),
             oom: self.recovery.counts().clone(),

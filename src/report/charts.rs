@@ -1,0 +1,350 @@
+//! The report's pictures, drawn with plotters into SVG strings.
+use anyhow::{anyhow, Result};
+use plotters::prelude::*;
+
+use super::{BlockState, Mark, MarkKind, SegmentMap};
+use crate::human::human_bytes;
+
+pub const WIDTH: u32 = 960;
+
+/// How a chart's y values read.
+#[derive(Debug, Clone, Copy)]
+pub enum Axis {
+    Bytes,
+    Plain,
+    Percent,
+}
+
+impl Axis {
+    fn fmt(self, v: f64) -> String {
+        match self {
+            Axis::Bytes => human_bytes(v.max(0.0) as u64),
+            Axis::Percent => format!("{:.0}%", v * 100.0),
+            Axis::Plain if v != 0.0 && (v.abs() < 1e-2 || v.abs() >= 1e5) => format!("{v:.3e}"),
+            Axis::Plain => format!("{v:.3}"),
+        }
+    }
+}
+
+pub struct Series {
+    pub name: &'static str,
+    pub color: RGBColor,
+    pub width: u32,
+    pub points: Vec<(f64, f64)>,
+}
+
+pub struct LineChart<'a> {
+    pub title: &'a str,
+    pub x_desc: &'a str,
+    pub axis: Axis,
+    pub series: Vec<Series>,
+    /// Vertical lines: events, and epoch boundaries (drawn faint).
+    pub marks: &'a [Mark],
+    pub epoch_ends: &'a [f64],
+    /// A horizontal line, e.g. the memory cap.
+    pub limit: Option<(&'static str, f64)>,
+    pub height: u32,
+}
+
+pub fn mark_color(k: MarkKind) -> RGBColor {
+    match k {
+        MarkKind::Oom | MarkKind::Fail => RGBColor(214, 39, 40),
+        MarkKind::Backoff => RGBColor(255, 127, 14),
+        MarkKind::Recompute => RGBColor(188, 189, 34),
+        MarkKind::CpuFallback => RGBColor(140, 86, 75),
+        MarkKind::GrowBack => RGBColor(44, 160, 44),
+        MarkKind::CacheClear => RGBColor(148, 103, 189),
+        MarkKind::Checkpoint => RGBColor(127, 127, 127),
+        MarkKind::Resume => RGBColor(23, 190, 207),
+    }
+}
+
+fn err<E: std::fmt::Display>(e: E) -> anyhow::Error {
+    anyhow!("drawing a chart: {e}")
+}
+
+/// A line chart with event marks; `None` when no series has a point.
+pub fn line_chart(c: &LineChart) -> Result<Option<String>> {
+    let finite = |p: &&(f64, f64)| p.0.is_finite() && p.1.is_finite();
+    let all: Vec<(f64, f64)> = c
+        .series
+        .iter()
+        .flat_map(|s| s.points.iter().filter(finite))
+        .copied()
+        .collect();
+    if all.is_empty() {
+        return Ok(None);
+    }
+    let (mut x0, mut x1) = all
+        .iter()
+        .fold((f64::MAX, f64::MIN), |(a, b), p| (a.min(p.0), b.max(p.0)));
+    for m in c.marks {
+        x0 = x0.min(m.step);
+        x1 = x1.max(m.step);
+    }
+    if x1 <= x0 {
+        x1 = x0 + 1.0;
+    }
+    let y_max = all.iter().map(|p| p.1).fold(f64::MIN, f64::max);
+    let mut y0 = all.iter().map(|p| p.1).fold(f64::MAX, f64::min);
+    // A limit far above the data would flatten it: drawn only when it is on the same scale.
+    let limit = c.limit.filter(|(_, l)| *l <= 3.0 * y_max.max(0.0));
+    let y1 = limit.map_or(y_max, |(_, l)| y_max.max(l));
+    if matches!(c.axis, Axis::Bytes | Axis::Percent) || y0 > 0.0 && y0 < 0.5 * y1 {
+        y0 = y0.min(0.0);
+    }
+    let span = y1 - y0;
+    let pad = if span > 1e-9 * y1.abs() {
+        span * 0.08
+    } else {
+        (y1.abs() * 0.1).max(1e-12)
+    };
+    let (y0, y1) = (if y0 == 0.0 { 0.0 } else { y0 - pad }, y1 + pad);
+    let caption = match (c.limit, limit) {
+        (Some((name, l)), None) => format!("{} ({name} {} is far above)", c.title, c.axis.fmt(l)),
+        _ => c.title.to_owned(),
+    };
+
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (WIDTH, c.height)).into_drawing_area();
+        root.fill(&WHITE).map_err(err)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(caption, ("sans-serif", 18))
+            .margin(12)
+            .x_label_area_size(36)
+            .y_label_area_size(84)
+            .build_cartesian_2d(x0..x1, y0..y1)
+            .map_err(err)?;
+        let axis = c.axis;
+        chart
+            .configure_mesh()
+            .light_line_style(RGBColor(238, 238, 238))
+            .x_desc(c.x_desc)
+            .x_label_formatter(&|v| format!("{v:.0}"))
+            .y_label_formatter(&|v| axis.fmt(*v))
+            .draw()
+            .map_err(err)?;
+        chart
+            .draw_series(
+                c.epoch_ends
+                    .iter()
+                    .map(|&x| PathElement::new(vec![(x, y0), (x, y1)], RGBColor(200, 200, 200).stroke_width(1))),
+            )
+            .map_err(err)?;
+        let mut kinds: Vec<MarkKind> = c.marks.iter().map(|m| m.kind).collect();
+        kinds.sort();
+        kinds.dedup();
+        for k in kinds {
+            let color = mark_color(k);
+            chart
+                .draw_series(
+                    c.marks
+                        .iter()
+                        .filter(|m| m.kind == k)
+                        .map(|m| PathElement::new(vec![(m.step, y0), (m.step, y1)], color.stroke_width(2))),
+                )
+                .map_err(err)?
+                .label(k.label())
+                .legend(move |(x, y)| PathElement::new(vec![(x + 9, y - 7), (x + 9, y + 7)], color.stroke_width(2)));
+        }
+        if let Some((name, l)) = limit {
+            let red = RGBColor(214, 39, 40);
+            chart
+                .draw_series(std::iter::once(PathElement::new(
+                    vec![(x0, l), (x1, l)],
+                    red.stroke_width(1),
+                )))
+                .map_err(err)?
+                .label(name)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], red.stroke_width(1)));
+        }
+        for s in &c.series {
+            let pts: Vec<(f64, f64)> = s.points.iter().filter(finite).copied().collect();
+            if pts.is_empty() {
+                continue;
+            }
+            let style = s.color.stroke_width(s.width);
+            let color = s.color;
+            let width = s.width;
+            let drawn = if pts.len() == 1 {
+                chart
+                    .draw_series(pts.iter().map(|&p| Circle::new(p, 3, style.filled())))
+                    .map_err(err)?
+            } else {
+                chart.draw_series(LineSeries::new(pts, style)).map_err(err)?
+            };
+            drawn
+                .label(s.name)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(width)));
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.85))
+            .border_style(RGBColor(180, 180, 180))
+            .label_font(("sans-serif", 13))
+            .draw()
+            .map_err(err)?;
+        root.present().map_err(err)?;
+    }
+    Ok(Some(svg))
+}
+
+const SEGMENT_ROWS: usize = 40;
+
+/// One row per segment (largest first), each drawn to the full width with its blocks in
+/// address order: allocated, awaiting free, free. Next to it, its size and largest free block.
+pub fn segment_map(map: &SegmentMap) -> Result<String> {
+    let mut segs: Vec<_> = map.segments.iter().collect();
+    segs.sort_by(|a, b| b.total_size.cmp(&a.total_size).then(a.address.cmp(&b.address)));
+    segs.truncate(SEGMENT_ROWS);
+    let rows = segs.len().max(1);
+    let height = 90 + 22 * rows as u32;
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (WIDTH, height)).into_drawing_area();
+        root.fill(&WHITE).map_err(err)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(
+                "Allocator segments at the OOM (each row one segment, to scale within the row)",
+                ("sans-serif", 18),
+            )
+            .margin(12)
+            .x_label_area_size(30)
+            .y_label_area_size(10)
+            .build_cartesian_2d(0f64..1.45, 0f64..rows as f64)
+            .map_err(err)?;
+        chart
+            .configure_mesh()
+            .disable_mesh()
+            .disable_y_axis()
+            .x_labels(6)
+            .x_label_formatter(&|v| {
+                if *v <= 1.0 {
+                    format!("{:.0}%", v * 100.0)
+                } else {
+                    String::new()
+                }
+            })
+            .x_desc("offset within the segment")
+            .draw()
+            .map_err(err)?;
+        let colors = [
+            (BlockState::Allocated, RGBColor(31, 119, 180), "allocated"),
+            (BlockState::AwaitingFree, RGBColor(255, 187, 120), "awaiting free"),
+            (BlockState::Free, RGBColor(210, 210, 210), "free (cached)"),
+        ];
+        for (state, color, name) in colors {
+            let mut rects = vec![];
+            for (i, s) in segs.iter().enumerate() {
+                let y = (rows - 1 - i) as f64;
+                let mut at = 0u64;
+                for b in &s.blocks {
+                    if b.state == state && s.total_size > 0 {
+                        let x0 = at as f64 / s.total_size as f64;
+                        let x1 = (at + b.size) as f64 / s.total_size as f64;
+                        rects.push(Rectangle::new([(x0, y + 0.15), (x1, y + 0.85)], color.filled()));
+                    }
+                    at += b.size;
+                }
+            }
+            chart
+                .draw_series(rects)
+                .map_err(err)?
+                .label(name)
+                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], color.filled()));
+        }
+        let outline = RGBColor(90, 90, 90);
+        chart
+            .draw_series(segs.iter().enumerate().map(|(i, _)| {
+                let y = (rows - 1 - i) as f64;
+                Rectangle::new([(0.0, y + 0.15), (1.0, y + 0.85)], outline.stroke_width(1))
+            }))
+            .map_err(err)?;
+        let request = map.request.unwrap_or(0);
+        chart
+            .draw_series(segs.iter().enumerate().map(|(i, s)| {
+                let y = (rows - 1 - i) as f64 + 0.5;
+                let free = s.largest_free();
+                let flag = if request > 0 && free > 0 && free < request {
+                    " < request"
+                } else {
+                    ""
+                };
+                Text::new(
+                    format!(
+                        "{} ({}), largest free {}{flag}",
+                        human_bytes(s.total_size),
+                        if s.large { "large" } else { "small" },
+                        human_bytes(free)
+                    ),
+                    (1.02, y),
+                    ("sans-serif", 12).into_font().color(&BLACK),
+                )
+            }))
+            .map_err(err)?;
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE.mix(0.9))
+            .border_style(RGBColor(180, 180, 180))
+            .label_font(("sans-serif", 13))
+            .draw()
+            .map_err(err)?;
+        root.present().map_err(err)?;
+    }
+    Ok(svg)
+}
+
+/// The failed request beside the largest free block and all free cached memory: when the
+/// request is larger than the largest block but not than all free memory, fragmentation is
+/// what failed it.
+pub fn request_bars(map: &SegmentMap) -> Result<String> {
+    let free_total = map.reserved().saturating_sub(map.allocated());
+    let mut bars = vec![
+        ("largest free block", map.largest_free(), RGBColor(44, 160, 44)),
+        ("all free cached memory", free_total, RGBColor(160, 160, 160)),
+    ];
+    if let Some(r) = map.request {
+        bars.insert(0, ("failed request", r, RGBColor(214, 39, 40)));
+    }
+    let max = bars.iter().map(|b| b.1).max().unwrap_or(1).max(1) as f64;
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, (WIDTH, 60 + 34 * bars.len() as u32)).into_drawing_area();
+        root.fill(&WHITE).map_err(err)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption("The failed request against free memory", ("sans-serif", 18))
+            .margin(12)
+            .x_label_area_size(24)
+            .build_cartesian_2d(0f64..max * 1.6, 0f64..bars.len() as f64)
+            .map_err(err)?;
+        chart
+            .configure_mesh()
+            .disable_mesh()
+            .disable_y_axis()
+            .x_label_formatter(&|v| human_bytes(*v as u64))
+            .draw()
+            .map_err(err)?;
+        let n = bars.len();
+        chart
+            .draw_series(bars.iter().enumerate().map(|(i, (_, v, c))| {
+                let y = (n - 1 - i) as f64;
+                Rectangle::new([(0.0, y + 0.2), (*v as f64, y + 0.8)], c.filled())
+            }))
+            .map_err(err)?;
+        chart
+            .draw_series(bars.iter().enumerate().map(|(i, (name, v, _))| {
+                let y = (n - 1 - i) as f64 + 0.5;
+                Text::new(
+                    format!("{name}: {}", human_bytes(*v)),
+                    (*v as f64 + max * 0.02, y),
+                    ("sans-serif", 13).into_font().color(&BLACK),
+                )
+            }))
+            .map_err(err)?;
+        root.present().map_err(err)?;
+    }
+    Ok(svg)
+}
