@@ -34,8 +34,8 @@ fn digits_mlp_learns_and_leaves_complete_records() {
         assert!(e["memory"]["peak_rss_bytes"].as_u64().unwrap() >= e["memory"]["rss_bytes"].as_u64().unwrap() / 2);
         assert!(e["val_loss"].as_f64().is_some());
     }
-    // 1438 training samples / 32 = 45 steps per epoch; a step record every 10 steps.
-    assert_eq!(r.records("step").len(), 8 * 45 / 10);
+    // 1438 training samples / 32 = 45 steps per epoch; a step record every step.
+    assert_eq!(r.records("step").len(), 8 * 45);
     assert_eq!(r.records("preflight").len(), 1);
     assert_eq!(r.records("checkpoint").len(), 8);
     assert!(out.join("config.resolved.toml").exists());

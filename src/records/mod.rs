@@ -3,6 +3,7 @@
 //! everything up to its last line), `summary.json`, `genotype.json` and `oom/`. Every whole-file
 //! write goes through `atomic`.
 mod events;
+mod tensorboard;
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{BufWriter, Write};
@@ -13,26 +14,34 @@ use serde_json::Value;
 
 pub use crate::atomic::{write_atomic, write_json};
 pub use events::*;
+pub use tensorboard::EventWriter;
 
 pub struct Recorder {
     run_dir: PathBuf,
     metrics: BufWriter<File>,
     spec_toml: String,
+    tensorboard: Option<EventWriter>,
 }
 
 impl Recorder {
-    /// Appends to the run directory's metrics.jsonl (a resumed run continues the same file).
-    pub fn open(run_dir: &Path, spec_toml: &str) -> Result<Self> {
+    /// Appends to the run directory's metrics.jsonl (a resumed run continues the same file);
+    /// with `tensorboard`, also writes a new event file under `tensorboard/`.
+    pub fn open(run_dir: &Path, spec_toml: &str, tensorboard: bool) -> Result<Self> {
         let path = run_dir.join("metrics.jsonl");
         let f = OpenOptions::new()
             .create(true)
             .append(true)
             .open(&path)
             .with_context(|| format!("opening {}", path.display()))?;
+        let tensorboard = match tensorboard {
+            true => Some(EventWriter::create(&run_dir.join("tensorboard"))?),
+            false => None,
+        };
         Ok(Recorder {
             run_dir: run_dir.to_owned(),
             metrics: BufWriter::new(f),
             spec_toml: spec_toml.to_owned(),
+            tensorboard,
         })
     }
 
@@ -55,6 +64,11 @@ impl Recorder {
             }
             Event::End(s) => write_json(&self.run_dir.join("summary.json"), s)?,
             _ => {}
+        }
+        if let Some(tb) = &mut self.tensorboard {
+            if let Some((step, values)) = scalars(event) {
+                tb.scalars(step, unix_time(), &values)?;
+            }
         }
         self.line(event)
     }
@@ -95,6 +109,41 @@ impl Recorder {
     }
 }
 
+/// The TensorBoard scalars of an event: per step and per epoch, at the global step.
+fn scalars(event: &Event) -> Option<(i64, Vec<(&'static str, f64)>)> {
+    let bytes = |v: Option<u64>| v.map_or(f64::NAN, |b| b as f64);
+    match event {
+        Event::Step(s) => Some((
+            s.step,
+            vec![
+                ("train/loss", s.loss),
+                ("train/lr", s.lr),
+                ("train/samples_per_s", s.samples_per_s),
+                ("train/micro_batch", s.micro_batch as f64),
+                ("train/loss_scale", s.loss_scale.unwrap_or(f64::NAN)),
+                ("memory/allocated_bytes", bytes(s.memory.allocated_bytes)),
+                ("memory/peak_allocated_bytes", bytes(s.memory.peak_allocated_bytes)),
+                ("memory/reserved_bytes", bytes(s.memory.reserved_bytes)),
+                ("memory/peak_reserved_bytes", bytes(s.memory.peak_reserved_bytes)),
+                ("memory/rss_bytes", s.memory.rss_bytes as f64),
+            ],
+        )),
+        Event::Epoch(e) => Some((
+            e.step,
+            vec![
+                ("epoch/train_loss", e.train_loss),
+                ("epoch/train_acc", e.train_acc),
+                ("epoch/val_loss", e.val_loss.unwrap_or(f64::NAN)),
+                ("epoch/val_acc", e.val_acc.unwrap_or(f64::NAN)),
+                ("epoch/lr", e.lr),
+                ("epoch/samples_per_s", e.samples_per_s),
+                ("epoch/peak_allocated_bytes", bytes(e.memory.peak_allocated_bytes)),
+            ],
+        )),
+        _ => None,
+    }
+}
+
 pub fn unix_time() -> f64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -109,7 +158,7 @@ mod tests {
     #[test]
     fn events_become_typed_lines_and_the_end_writes_the_summary() {
         let dir = tempfile::tempdir().unwrap();
-        let mut r = Recorder::open(dir.path(), "[job]\n").unwrap();
+        let mut r = Recorder::open(dir.path(), "[job]\n", false).unwrap();
         r.emit(&Event::GrowBack(GrowBackEvent {
             step: 7,
             micro_batch_before: 4,

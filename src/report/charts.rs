@@ -16,12 +16,17 @@ pub enum Axis {
 }
 
 impl Axis {
-    fn fmt(self, v: f64) -> String {
+    /// A tick label with as many digits as the axis's `span` needs to tell ticks apart.
+    fn fmt(self, v: f64, span: f64) -> String {
+        let digits = (-(span / 10.0).log10()).ceil().clamp(0.0, 12.0) as usize;
         match self {
             Axis::Bytes => human_bytes(v.max(0.0) as u64),
             Axis::Percent => format!("{:.0}%", v * 100.0),
-            Axis::Plain if v != 0.0 && (v.abs() < 1e-2 || v.abs() >= 1e5) => format!("{v:.3e}"),
-            Axis::Plain => format!("{v:.3}"),
+            Axis::Plain if v != 0.0 && (v.abs() < 1e-3 || v.abs() >= 1e7) => {
+                let mantissa = (v.abs().log10().floor() - (span / 10.0).log10().floor()).clamp(0.0, 12.0) as usize;
+                format!("{v:.mantissa$e}")
+            }
+            Axis::Plain => format!("{v:.digits$}"),
         }
     }
 }
@@ -101,7 +106,7 @@ pub fn line_chart(c: &LineChart) -> Result<Option<String>> {
     };
     let (y0, y1) = (if y0 == 0.0 { 0.0 } else { y0 - pad }, y1 + pad);
     let caption = match (c.limit, limit) {
-        (Some((name, l)), None) => format!("{} ({name} {} is far above)", c.title, c.axis.fmt(l)),
+        (Some((name, l)), None) => format!("{} ({name} {} is far above)", c.title, c.axis.fmt(l, l)),
         _ => c.title.to_owned(),
     };
 
@@ -122,7 +127,7 @@ pub fn line_chart(c: &LineChart) -> Result<Option<String>> {
             .light_line_style(RGBColor(238, 238, 238))
             .x_desc(c.x_desc)
             .x_label_formatter(&|v| format!("{v:.0}"))
-            .y_label_formatter(&|v| axis.fmt(*v))
+            .y_label_formatter(&|v| axis.fmt(*v, y1 - y0))
             .draw()
             .map_err(err)?;
         chart
@@ -213,7 +218,7 @@ pub fn segment_map(map: &SegmentMap) -> Result<String> {
             .margin(12)
             .x_label_area_size(30)
             .y_label_area_size(10)
-            .build_cartesian_2d(0f64..1.45, 0f64..rows as f64)
+            .build_cartesian_2d(0f64..1.9, 0f64..rows as f64)
             .map_err(err)?;
         chart
             .configure_mesh()
@@ -347,4 +352,21 @@ pub fn request_bars(map: &SegmentMap) -> Result<String> {
         root.present().map_err(err)?;
     }
     Ok(svg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tick_labels_have_the_digits_their_span_needs() {
+        let ticks = |lo: f64, step: f64, span: f64| -> Vec<String> {
+            (0..4).map(|i| Axis::Plain.fmt(lo + step * i as f64, span)).collect()
+        };
+        assert_eq!(ticks(0.0098, 0.0002, 0.002), ["0.0098", "0.0100", "0.0102", "0.0104"]);
+        assert_eq!(ticks(60000.0, 10000.0, 80000.0), ["60000", "70000", "80000", "90000"]);
+        assert_eq!(Axis::Plain.fmt(1.2e-4, 2e-5), "1.20e-4");
+        assert_eq!(Axis::Bytes.fmt(3.0 * 1048576.0, 1.0), "3.00 MiB");
+        assert_eq!(Axis::Percent.fmt(0.5, 1.0), "50%");
+    }
 }

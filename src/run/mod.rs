@@ -185,7 +185,7 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
         clip_norm: t.grad_clip_norm,
         recompute: state.activation_checkpointing && built.net.chain().is_some(),
     };
-    let mut recorder = Recorder::open(run_dir, &spec_toml)?;
+    let mut recorder = Recorder::open(run_dir, &spec_toml, spec.log.tensorboard)?;
     let train_samples = data.train.len();
     let val_samples = data.val.len();
     recorder.emit(&Event::Start(StartEvent {

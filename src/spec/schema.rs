@@ -503,16 +503,20 @@ pub enum Progress {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Log {
-    /// A per-step record in metrics.jsonl every N optimizer steps (0 = none).
+    /// A per-step record in metrics.jsonl every N optimizer steps (0 = none); its memory peaks
+    /// cover every step since the previous record.
     pub every_steps: i64,
     pub progress: Progress,
+    /// Also write the scalars as TensorBoard event files under `<run dir>/tensorboard/`.
+    pub tensorboard: bool,
 }
 
 impl Default for Log {
     fn default() -> Self {
         Log {
-            every_steps: 10,
+            every_steps: 1,
             progress: Progress::Auto,
+            tensorboard: false,
         }
     }
 }

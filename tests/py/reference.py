@@ -14,6 +14,14 @@ Subcommands:
               trains as memtrain does (same epoch order, same groups and micro-batches, the
               loss summed and divided by the group size, clipping, torch.optim) and prints
               {"losses": [...], "buffers": {name: [...]}} as JSON
+  tensorboard DIR
+              the scalars of DIR's event files as TensorBoard's own reader sees them:
+              {tag: [[step, value], ...]} as JSON
+  snapshot    --out snapshot.pickle
+              a CUDA caching-allocator snapshot in the format torch.cuda.memory._snapshot()
+              returns (segments with blocks, device_traces with an "oom" entry), pickled as
+              PyTorch pickles it; fragmented so that the failed 6 MiB request exceeds the
+              largest free block (4 MiB) but not all free memory (13.5 MiB)
 """
 import argparse
 import json
@@ -186,6 +194,48 @@ def cmd_train(a):
     print(json.dumps({"losses": losses, "buffers": buffers}))
 
 
+def cmd_tensorboard(a):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(a.dir, size_guidance={"scalars": 0})
+    acc.Reload()
+    out = {t: [[e.step, e.value] for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+    print(json.dumps(out))
+
+
+def cmd_snapshot(a):
+    import pickle
+
+    MiB = 1 << 20
+
+    def segment(address, kind, blocks):
+        at, out = address, []
+        for size, state in blocks:
+            out.append({"address": at, "size": size, "requested_size": size, "state": state, "frames": []})
+            at += size
+        total = sum(b[0] for b in blocks)
+        used = sum(b[0] for b in blocks if b[1] == "active_allocated")
+        return {"device": 0, "address": address, "total_size": total, "allocated_size": used,
+                "active_size": used, "requested_size": used, "stream": 0, "segment_type": kind,
+                "segment_pool_id": (0, 0), "expandable": False, "frames": [], "blocks": out}
+
+    A, F = "active_allocated", "inactive"
+    snap = {
+        "segments": [
+            segment(0x7F0000000000, "large", [(8 * MiB, A), (2 * MiB, F), (6 * MiB, A), (4 * MiB, F)]),
+            segment(0x7F0010000000, "large", [(4 * MiB, A), (3 * MiB, F), (10 * MiB, A), (3 * MiB, F)]),
+            segment(0x7F0020000000, "small", [(MiB // 2, A), (3 * MiB // 2, F)]),
+        ],
+        "device_traces": [[
+            {"action": "alloc", "addr": 0x7F0000000000, "size": 8 * MiB, "stream": 0, "time_us": 1, "frames": []},
+            {"action": "oom", "addr": 0, "size": 6 * MiB, "stream": 0, "time_us": 2, "frames": []},
+        ]],
+        "allocator_settings": {},
+    }
+    with open(a.out, "wb") as f:
+        pickle.dump(snap, f, protocol=2)
+
+
 def main():
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -217,8 +267,14 @@ def main():
     s.add_argument("--weight-decay", type=float, default=0.0)
     s.add_argument("--clip", type=float, default=0.0)
     s.add_argument("--seed", type=int, default=0)
+    s = sub.add_parser("tensorboard")
+    s.add_argument("dir")
+    s = sub.add_parser("snapshot")
+    s.add_argument("--out", required=True)
     a = p.parse_args()
-    {"script": cmd_script, "torchvision": cmd_torchvision, "data": cmd_data, "train": cmd_train}[a.cmd](a)
+    cmds = {"script": cmd_script, "torchvision": cmd_torchvision, "data": cmd_data, "train": cmd_train,
+            "tensorboard": cmd_tensorboard, "snapshot": cmd_snapshot}
+    cmds[a.cmd](a)
 
 
 if __name__ == "__main__":
