@@ -140,7 +140,7 @@ pub fn render(run: &Run) -> Result<String> {
         escape(&title),
         escape(&title)
     )?;
-    write!(h, "<p class=\"where\">{}</p>\n", escape(&run.dir.display().to_string()))?;
+    writeln!(h, "<p class=\"where\">{}</p>", escape(&run.dir.display().to_string()))?;
     h += &facts_table(run);
     h += "<h2>Memory</h2>\n";
     if run.steps.is_empty() {
@@ -151,16 +151,16 @@ pub fn render(run: &Run) -> Result<String> {
             h += &events_table(run);
             h += "<h2>Training</h2>\n";
         }
-        write!(h, "<figure id=\"{id}\">{svg}</figure>\n")?;
+        writeln!(h, "<figure id=\"{id}\">{svg}</figure>")?;
     }
     if !figures.iter().any(|(id, _)| *id == "loss") {
         h += &events_table(run);
     }
     if let Some(map) = &run.segments {
         h += "<h2>Allocator at the OOM</h2>\n";
-        write!(
+        writeln!(
             h,
-            "<p>{} segments, {} reserved, {} allocated; largest free block {}{}.</p>\n",
+            "<p>{} segments, {} reserved, {} allocated; largest free block {}{}.</p>",
             map.segments.len(),
             human_bytes(map.reserved()),
             human_bytes(map.allocated()),
@@ -169,8 +169,8 @@ pub fn render(run: &Run) -> Result<String> {
                 .map(|r| format!(", failed request {}", human_bytes(r)))
                 .unwrap_or_default()
         )?;
-        write!(h, "<figure id=\"request\">{}</figure>\n", charts::request_bars(map)?)?;
-        write!(h, "<figure id=\"segments\">{}</figure>\n", charts::segment_map(map)?)?;
+        writeln!(h, "<figure id=\"request\">{}</figure>", charts::request_bars(map)?)?;
+        writeln!(h, "<figure id=\"segments\">{}</figure>", charts::segment_map(map)?)?;
     }
     write!(
         h,
