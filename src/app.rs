@@ -12,6 +12,7 @@ pub fn main(cli: Cli) -> i32 {
         Command::Check(args) => check(&args),
         Command::Run(args) => crate::run::run(&args, cli.quiet),
         Command::Report { run_dir } => report(&run_dir),
+        Command::Fit(args) => crate::fit::fit(&args, cli.quiet),
     };
     match result {
         Ok(()) => exit::OK,

@@ -1,7 +1,7 @@
 //! Command-line surface. Parsing only; `app` does the work.
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Debug, Parser)]
 #[command(name = "memtrain", version, about = "Train PyTorch models within a GPU memory budget", long_about = None)]
@@ -28,6 +28,9 @@ pub enum Command {
     Check(SpecArgs),
     /// Train a job spec.
     Run(RunArgs),
+    /// Find the largest micro-batch that fits a memory budget for each precision and
+    /// recomputation setting, by running real steps, and recommend the fastest.
+    Fit(FitArgs),
     /// Draw a run directory's records as report.html and print a summary.
     Report {
         /// A run directory written by `memtrain run`.
@@ -57,4 +60,43 @@ pub struct RunArgs {
     /// Stop after N optimizer steps (a smoke test of a spec); records and report, no checkpoint.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(i64).range(1..))]
     pub max_steps: Option<i64>,
+}
+
+#[derive(Debug, Args)]
+pub struct FitArgs {
+    #[command(flatten)]
+    pub spec: SpecArgs,
+    /// The memory budget, e.g. 4GiB (default: the spec's memory.limit/fraction, else the GPU's
+    /// memory, or the host's available memory on the CPU).
+    #[arg(long, value_name = "SIZE", conflicts_with = "fraction")]
+    pub limit: Option<String>,
+    /// The budget as a fraction of the GPU's memory.
+    #[arg(long, value_name = "F")]
+    pub fraction: Option<f64>,
+    /// Headroom kept below the budget: probes run capped at the budget less this (10% or 512MiB).
+    #[arg(long, value_name = "M", default_value = "10%")]
+    pub margin: String,
+    /// Optimizer steps per probe; the peak covers all, the throughput all but the first.
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(i64).range(2..))]
+    pub steps: i64,
+    /// Try only this precision (repeatable). Default: fp32, mixed precision (bf16-mixed on the
+    /// CPU, fp16-mixed on CUDA) and the spec's own.
+    #[arg(long = "precision", value_name = "P")]
+    pub precisions: Vec<String>,
+    /// Activation checkpointing settings to try.
+    #[arg(long, value_enum, default_value_t = Checkpointing::Both)]
+    pub checkpointing: Checkpointing,
+    /// Write the spec with the recommendation (and a --limit/--fraction budget) to this file.
+    #[arg(long, value_name = "OUT.toml")]
+    pub write: Option<PathBuf>,
+    /// One JSON object on stdout (schema in README); the probe lines still go to stderr.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Checkpointing {
+    Off,
+    On,
+    Both,
 }

@@ -12,6 +12,7 @@ pub mod data;
 pub mod estimate;
 pub mod exit;
 pub mod fault;
+pub mod fit;
 pub mod human;
 pub mod info;
 pub mod memory;

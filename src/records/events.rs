@@ -35,6 +35,12 @@ pub struct StartEvent {
     pub train_samples: i64,
     pub val_samples: i64,
     pub libtorch: String,
+    /// The peaks of setting up (building the model, loading data and checkpoint), which the
+    /// cap also covers; the step records' peaks start after them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub setup_peak_allocated_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub setup_peak_reserved_bytes: Option<u64>,
 }
 
 /// The first optimizer step of a session, measured against the cap.

@@ -188,6 +188,7 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
     let mut recorder = Recorder::open(run_dir, &spec_toml, spec.log.tensorboard)?;
     let train_samples = data.train.len();
     let val_samples = data.val.len();
+    let setup = crate::memory::sample(crate::memory::Place::of(device));
     recorder.emit(&Event::Start(StartEvent {
         job: spec.job.name.clone(),
         device: device_name(device),
@@ -201,6 +202,8 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
         train_samples,
         val_samples,
         libtorch: shim::versions().libtorch,
+        setup_peak_allocated_bytes: setup.peak_allocated_bytes,
+        setup_peak_reserved_bytes: setup.peak_reserved_bytes,
     }))?;
     let progress = Progress::new(spec.log.progress, quiet);
     progress.println(&format!(

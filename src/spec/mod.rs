@@ -278,6 +278,40 @@ fn key_at(doc: &toml_edit::ImDocument<&str>, span: Range<usize>) -> String {
     found.1
 }
 
+/// The spec file's text with the `--set` overrides and then `edits` applied (`None` removes a
+/// key), its comments and layout kept: what `fit --write` writes and what its probes run.
+pub fn edited_text(
+    path: &Path,
+    sets: &[String],
+    edits: &[(&str, Option<toml_edit::Value>)],
+) -> Result<String, SpecError> {
+    let one = |m: String| SpecError { problems: vec![m] };
+    let text =
+        std::fs::read_to_string(path).map_err(|e| one(format!("{}: cannot read spec file: {e}", path.display())))?;
+    let mut doc: toml_edit::DocumentMut = text
+        .parse()
+        .map_err(|e| one(format!("{}: invalid TOML: {e}", path.display())))?;
+    for s in sets {
+        let o = Override::parse(s).map_err(one)?;
+        set_path(&mut doc, &o.key, o.value).map_err(|m| one(format!("--set {s}: {m}")))?;
+    }
+    for (key, value) in edits {
+        match value {
+            Some(v) => set_path(&mut doc, key, v.clone()).map_err(|m| one(format!("{key}: {m}")))?,
+            None => {
+                let (table, last) = match key.rsplit_once('.') {
+                    Some((t, l)) => (doc.get_mut(t).and_then(|i| i.as_table_like_mut()), l),
+                    None => (Some(doc.as_table_mut() as &mut dyn toml_edit::TableLike), *key),
+                };
+                if let Some(t) = table {
+                    t.remove(last);
+                }
+            }
+        }
+    }
+    Ok(doc.to_string())
+}
+
 fn set_path(doc: &mut toml_edit::DocumentMut, key: &str, value: toml_edit::Value) -> Result<(), String> {
     let parts: Vec<&str> = key.split('.').map(str::trim).collect();
     let (last, tables) = parts.split_last().expect("keys are non-empty");

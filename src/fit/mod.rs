@@ -1,0 +1,665 @@
+//! `memtrain fit`: measures, instead of guessing, the largest micro-batch that fits a memory
+//! budget for each precision and recomputation setting, and recommends the fastest that keeps
+//! the spec's effective batch.
+//!
+//! Every probe is a child `memtrain run --max-steps N` under the cap: a few real optimizer steps
+//! (the architecture step too), with `memory.on_oom = ["fail"]`. A child that runs out of
+//! memory exits 3 and takes its allocator state with it, so one OOM cannot leave the next probe
+//! a fragmented cache or a device in a bad state; the cost is a process start per probe.
+mod search;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::cli::{Checkpointing, FitArgs};
+use crate::exit::{OomExit, UsageError};
+use crate::human::{human_bytes, human_duration};
+use crate::plan::{DevicePlan, Facts, Plan, Request};
+use crate::spec::{self, ByteSize, Precision};
+pub use search::{fastest, largest_fit, micro_batch_for, Measured};
+
+/// One candidate: a precision and whether activation checkpointing is on.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Setting {
+    #[serde(serialize_with = "precision_name")]
+    pub precision: Precision,
+    pub activation_checkpointing: bool,
+}
+
+fn precision_name<S: serde::Serializer>(p: &Precision, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(p.name())
+}
+
+impl std::fmt::Display for Setting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ck = if self.activation_checkpointing { "on" } else { "off" };
+        write!(f, "{:<10}  checkpointing {ck:<3}", self.precision.name())
+    }
+}
+
+/// The memory the settings must fit in, and where that number came from.
+#[derive(Debug, Clone, Serialize)]
+pub struct Budget {
+    pub bytes: u64,
+    pub source: String,
+    pub margin_bytes: u64,
+    /// What probes are capped at: the budget less the margin.
+    pub usable_bytes: u64,
+    #[serde(skip)]
+    written_as: Option<(&'static str, toml_edit::Value)>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Probe {
+    #[serde(flatten)]
+    pub setting: Setting,
+    #[serde(flatten)]
+    pub measured: Measured,
+    pub seconds: f64,
+    /// Where an OOM probe ran out, as the probe said it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub oom: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct SettingResult {
+    #[serde(flatten)]
+    pub setting: Setting,
+    /// False where the preset is not a sequence of blocks, so checkpointing does not apply.
+    pub applicable: bool,
+    pub largest_micro_batch: Option<i64>,
+    pub peak_bytes: Option<u64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Recommendation {
+    #[serde(flatten)]
+    pub setting: Setting,
+    pub batch_size: i64,
+    pub accumulation_steps: i64,
+    pub effective_batch: i64,
+    pub peak_bytes: Option<u64>,
+    /// Budget less the measured peak.
+    pub headroom_bytes: Option<i64>,
+    pub samples_per_s: Option<f64>,
+}
+
+/// `fit --json`'s object (documented in the README).
+#[derive(Debug, Serialize)]
+pub struct Report {
+    pub spec: PathBuf,
+    pub device: String,
+    pub budget: Budget,
+    pub effective_batch: i64,
+    pub steps_per_probe: i64,
+    pub probes: Vec<Probe>,
+    pub settings: Vec<SettingResult>,
+    pub recommendation: Option<Recommendation>,
+    pub written: Option<PathBuf>,
+}
+
+enum ProbeError {
+    /// Checkpointing was asked for but the preset has no blocks to checkpoint.
+    NotApplicable,
+    Failed(anyhow::Error),
+}
+
+impl From<anyhow::Error> for ProbeError {
+    fn from(e: anyhow::Error) -> Self {
+        ProbeError::Failed(e)
+    }
+}
+
+/// A scratch directory for the probes' specs and run directories, removed at the end.
+struct Scratch(PathBuf);
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+struct Prober<'a> {
+    args: &'a FitArgs,
+    exe: PathBuf,
+    scratch: Scratch,
+    budget: &'a Budget,
+    cuda: bool,
+    count: usize,
+    probes: Vec<Probe>,
+    quiet: bool,
+}
+
+impl Prober<'_> {
+    fn probe(&mut self, setting: Setting, micro_batch: i64) -> Result<Measured, ProbeError> {
+        self.count += 1;
+        let dir = self.scratch.0.join(format!("probe-{}", self.count));
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let v = |x: Value| -> Option<toml_edit::Value> {
+            Some(
+                format!("v = {x}")
+                    .parse::<toml_edit::DocumentMut>()
+                    .expect("JSON scalars and string arrays are TOML")["v"]
+                    .as_value()
+                    .cloned()
+                    .expect("a value"),
+            )
+        };
+        let edits = [
+            ("job.name", v("fit-probe".into())),
+            ("train.batch_size", v(micro_batch.into())),
+            ("train.accumulation_steps", v(1.into())),
+            ("train.precision", v(setting.precision.name().into())),
+            (
+                "train.activation_checkpointing",
+                v(setting.activation_checkpointing.into()),
+            ),
+            ("memory.on_oom", v(serde_json::json!(["fail"]))),
+            ("memory.min_batch_size", v(1.into())),
+            ("memory.limit", v(self.budget.usable_bytes.into())),
+            ("memory.fraction", None),
+            ("log.every_steps", v(1.into())),
+            ("log.progress", v("off".into())),
+            ("log.tensorboard", v(false.into())),
+        ];
+        let text = spec::edited_text(&self.args.spec.file, &self.args.spec.set, &edits).map_err(anyhow::Error::from)?;
+        let spec_path = dir.join("spec.toml");
+        std::fs::write(&spec_path, text).with_context(|| format!("writing {}", spec_path.display()))?;
+        let run_dir = dir.join("run");
+        let t = Instant::now();
+        let out = Command::new(&self.exe)
+            .arg("--quiet")
+            .arg("run")
+            .arg(&spec_path)
+            .arg("--out")
+            .arg(&run_dir)
+            .arg("--max-steps")
+            .arg(self.args.steps.to_string())
+            .output()
+            .with_context(|| format!("starting {}", self.exe.display()))?;
+        let seconds = t.elapsed().as_secs_f64();
+        let mut oom = None;
+        let measured = match out.status.code() {
+            Some(crate::exit::OK) => {
+                let summary: Value = std::fs::read(run_dir.join("summary.json"))
+                    .map_err(anyhow::Error::from)
+                    .and_then(|b| Ok(serde_json::from_slice(&b)?))
+                    .context("reading a probe's summary.json")?;
+                if setting.activation_checkpointing && summary["precision"]["activation_checkpointing"] != true {
+                    return Err(ProbeError::NotApplicable);
+                }
+                measure(&run_dir, micro_batch, self.cuda)?
+            }
+            Some(crate::exit::OOM) => {
+                let stderr = String::from_utf8_lossy(&out.stderr);
+                oom = stderr
+                    .lines()
+                    .find_map(|l| l.strip_prefix("error: "))
+                    .map(|l| l.split([';', ':']).next().unwrap_or(l).to_owned());
+                Measured {
+                    micro_batch,
+                    fits: false,
+                    peak_bytes: None,
+                    samples_per_s: None,
+                }
+            }
+            code => {
+                let stderr = String::from_utf8_lossy(&out.stderr);
+                let tail: Vec<&str> = stderr.lines().rev().take(6).collect();
+                let tail: Vec<&str> = tail.into_iter().rev().collect();
+                return Err(ProbeError::Failed(anyhow::anyhow!(
+                    "the probe at micro-batch {micro_batch} ({setting}) failed (exit {}):\n{}",
+                    code.map_or("by a signal".into(), |c| c.to_string()),
+                    tail.join("\n")
+                )));
+            }
+        };
+        let _ = std::fs::remove_dir_all(&dir);
+        let probe = Probe {
+            setting,
+            measured: measured.clone(),
+            seconds,
+            oom,
+        };
+        if !self.quiet {
+            eprintln!("{}", probe_line(&probe));
+        }
+        self.probes.push(probe);
+        Ok(measured)
+    }
+}
+
+fn probe_line(p: &Probe) -> String {
+    let m = &p.measured;
+    let peak = m.peak_bytes.map_or_else(|| "-".into(), human_bytes);
+    let verdict = match (m.fits, &p.oom) {
+        (true, _) => format!(
+            "fits {}",
+            m.samples_per_s
+                .map(|r| format!("{r:>10.1} samples/s"))
+                .unwrap_or_default()
+        ),
+        (false, Some(why)) => format!("OOM  ({why})"),
+        (false, None) => "OOM ".into(),
+    };
+    format!(
+        "probe  {}  micro-batch {:>5}  peak {peak:>10}  {verdict}  [{}]",
+        p.setting,
+        m.micro_batch,
+        human_duration(p.seconds)
+    )
+}
+
+/// The probe's peak (reserved on CUDA: that is what the cap limits; allocated tensor bytes on
+/// the CPU) over all its steps, and its throughput over the steps after the first.
+fn measure(run_dir: &Path, micro_batch: i64, cuda: bool) -> Result<Measured> {
+    let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).context("reading a probe's metrics.jsonl")?;
+    let lines: Vec<Value> = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .collect();
+    let steps: Vec<&Value> = lines.iter().filter(|v| v["type"] == "step").collect();
+    let key = if cuda {
+        "peak_reserved_bytes"
+    } else {
+        "peak_allocated_bytes"
+    };
+    // Setting up (data, model) counts too: the cap covers it, and it can be the larger.
+    let setup = lines
+        .iter()
+        .filter(|v| v["type"] == "start")
+        .filter_map(|v| v[format!("setup_{key}")].as_u64());
+    let peak = steps
+        .iter()
+        .filter_map(|s| s["memory"][key].as_u64())
+        .chain(setup)
+        .max();
+    // Lines carry the time they were written, after each step: the first line ends warm-up.
+    let time = |s: &&Value| s["time"].as_f64().unwrap_or(0.0);
+    let samples_per_s = match steps.as_slice() {
+        [first, rest @ .., last] if !rest.is_empty() => {
+            let samples: f64 = steps[1..]
+                .iter()
+                .map(|s| s["micro_batch"].as_f64().unwrap_or(micro_batch as f64))
+                .sum();
+            let dt = time(last) - time(first);
+            (dt > 0.0).then(|| samples / dt)
+        }
+        _ => steps.last().and_then(|s| s["samples_per_s"].as_f64()),
+    };
+    Ok(Measured {
+        micro_batch,
+        fits: true,
+        peak_bytes: peak,
+        samples_per_s,
+    })
+}
+
+fn parse_margin(text: &str, budget: u64) -> Result<u64, UsageError> {
+    let t = text.trim();
+    if let Some(p) = t.strip_suffix('%') {
+        let p: f64 = p.trim().parse().map_err(|_| {
+            UsageError(format!(
+                "--margin {text}: write a percentage like 10% or a size like 512MiB"
+            ))
+        })?;
+        if !(0.0..100.0).contains(&p) {
+            return Err(UsageError(format!(
+                "--margin {text}: a percentage from 0% to under 100%"
+            )));
+        }
+        return Ok((budget as f64 * p / 100.0) as u64);
+    }
+    let b = ByteSize::parse(t).map_err(|e| UsageError(format!("--margin: {e}, or a percentage like 10%")))?;
+    if b.0 >= budget {
+        return Err(UsageError(format!(
+            "--margin {text} is not below the budget of {}",
+            human_bytes(budget)
+        )));
+    }
+    Ok(b.0)
+}
+
+fn resolve_budget(args: &FitArgs, plan: &Plan, facts: &Facts) -> Result<Budget> {
+    let cuda = matches!(plan.device, DevicePlan::Cuda(_));
+    let total = facts.cuda_total_bytes;
+    let (bytes, source, written_as) = if let Some(l) = &args.limit {
+        let b = ByteSize::parse(l).map_err(|e| UsageError(format!("--limit: {e}")))?;
+        (b.0, "--limit".to_owned(), Some(("memory.limit", spec_size(b))))
+    } else if let Some(f) = args.fraction {
+        if !(f > 0.0 && f <= 1.0) {
+            return Err(UsageError(format!("--fraction {f}: a fraction of the GPU's memory, in (0, 1]")).into());
+        }
+        let Some(total) = total.filter(|_| cuda) else {
+            return Err(UsageError(
+                "--fraction is a share of a GPU's memory and this spec runs on the CPU; give the budget with --limit SIZE".into(),
+            )
+            .into());
+        };
+        (
+            (total as f64 * f) as u64,
+            format!("--fraction {f} of {}", human_bytes(total)),
+            Some(("memory.fraction", f.into())),
+        )
+    } else if let Some(cap) = &plan.cap {
+        (cap.bytes, "the spec's memory cap".to_owned(), None)
+    } else if let (true, Some(total)) = (cuda, total) {
+        (total, "the GPU's memory".to_owned(), None)
+    } else {
+        let host = crate::sysmem::host_memory()?;
+        (
+            host.ram_available_bytes,
+            "the host's available memory (give --limit for a smaller budget)".to_owned(),
+            None,
+        )
+    };
+    let margin_bytes = parse_margin(&args.margin, bytes)?;
+    Ok(Budget {
+        bytes,
+        source,
+        margin_bytes,
+        usable_bytes: bytes - margin_bytes,
+        written_as,
+    })
+}
+
+/// A size as the spec writes it: "4GiB" where exact, else a byte count.
+fn spec_size(b: ByteSize) -> toml_edit::Value {
+    match toml::Value::try_from(b) {
+        Ok(toml::Value::String(s)) => s.into(),
+        _ => (b.0 as i64).into(),
+    }
+}
+
+fn settings(args: &FitArgs, spec: &spec::Spec, cuda: bool) -> Result<Vec<Setting>> {
+    // The spec's own setting first: the others must beat it clearly to be recommended.
+    let precisions: Vec<Precision> = if args.precisions.is_empty() {
+        let mixed = if cuda {
+            Precision::Fp16Mixed
+        } else {
+            Precision::Bf16Mixed
+        };
+        let mut p = vec![spec.train.precision];
+        for q in [Precision::Fp32, mixed] {
+            if !p.contains(&q) {
+                p.push(q);
+            }
+        }
+        p
+    } else {
+        let mut out = vec![];
+        for name in &args.precisions {
+            let p = Precision::ALL.into_iter().find(|p| p.name() == name).ok_or_else(|| {
+                let all: Vec<&str> = Precision::ALL.iter().map(|p| p.name()).collect();
+                UsageError(format!(
+                    "--precision {name}: not a precision; one of {}",
+                    all.join(", ")
+                ))
+            })?;
+            if !out.contains(&p) {
+                out.push(p);
+            }
+        }
+        out
+    };
+    let own = spec.train.activation_checkpointing;
+    let checkpointing: &[bool] = match args.checkpointing {
+        Checkpointing::Off => &[false],
+        Checkpointing::On => &[true],
+        Checkpointing::Both => &[own, !own],
+    };
+    Ok(precisions
+        .iter()
+        .flat_map(|&precision| {
+            checkpointing.iter().map(move |&activation_checkpointing| Setting {
+                precision,
+                activation_checkpointing,
+            })
+        })
+        .collect())
+}
+
+pub fn fit(args: &FitArgs, quiet: bool) -> Result<()> {
+    let loaded = spec::load_args(&args.spec.file, &args.spec.set, &crate::model::validate)?;
+    let spec = loaded.spec;
+    let scratch = Scratch(std::env::temp_dir().join(format!("memtrain-fit-{}", std::process::id())));
+    let request = Request {
+        out: Some(scratch.0.join("plan")),
+        resume: None,
+    };
+    let facts = Facts::probe(&spec, &request)?;
+    let plan = Plan::resolve(&spec, &request, &facts)?;
+    let cuda = matches!(plan.device, DevicePlan::Cuda(_));
+    let budget = resolve_budget(args, &plan, &facts)?;
+    let settings = settings(args, &spec, cuda)?;
+    let effective = plan.configured.effective();
+    let device = crate::run::device_name(plan.device.tch());
+    let say = |s: String| {
+        if !quiet {
+            eprintln!("{s}");
+        }
+    };
+    say(format!(
+        "fit: {} on {device}; budget {} ({}), margin {} -> probes capped at {}; effective batch {effective}; {} steps per probe",
+        args.spec.file.display(),
+        human_bytes(budget.bytes),
+        budget.source,
+        human_bytes(budget.margin_bytes),
+        human_bytes(budget.usable_bytes),
+        args.steps
+    ));
+    let mut prober = Prober {
+        args,
+        exe: std::env::current_exe().context("finding the memtrain executable for the probes")?,
+        scratch,
+        budget: &budget,
+        cuda,
+        count: 0,
+        probes: vec![],
+        quiet,
+    };
+    let mut results = vec![];
+    let mut candidates = vec![];
+    for (i, &setting) in settings.iter().enumerate() {
+        let found = largest_fit(effective, |b| prober.probe(setting, b));
+        let (applicable, largest) = match found {
+            Ok(l) => (true, l),
+            Err(ProbeError::NotApplicable) => {
+                say(format!(
+                    "probe  {setting}  not applicable: the {} preset is not a sequence of blocks",
+                    spec.model.preset
+                ));
+                (false, None)
+            }
+            Err(ProbeError::Failed(e)) => return Err(e),
+        };
+        results.push(SettingResult {
+            setting,
+            applicable,
+            largest_micro_batch: largest.as_ref().map(|m| m.micro_batch),
+            peak_bytes: largest.as_ref().and_then(|m| m.peak_bytes),
+        });
+        // The micro-batch the recommendation would use: a divisor of the effective batch, which
+        // may be smaller than the largest fit; measure it if it was not probed.
+        let Some(largest) = largest else { continue };
+        let mut limit = largest.micro_batch;
+        while let Some(b) = micro_batch_for(effective, limit) {
+            let known = prober
+                .probes
+                .iter()
+                .rev()
+                .find(|p| p.setting == setting && p.measured.micro_batch == b)
+                .map(|p| p.measured.clone());
+            let m = match known {
+                Some(m) => m,
+                None => match prober.probe(setting, b) {
+                    Ok(m) => m,
+                    Err(ProbeError::Failed(e)) => return Err(e),
+                    Err(ProbeError::NotApplicable) => break,
+                },
+            };
+            if m.fits {
+                candidates.push((i, m));
+                break;
+            }
+            limit = b - 1;
+        }
+    }
+    let recommendation = fastest(&candidates).map(|(i, m)| Recommendation {
+        setting: settings[*i],
+        batch_size: m.micro_batch,
+        accumulation_steps: effective / m.micro_batch,
+        effective_batch: effective,
+        peak_bytes: m.peak_bytes,
+        headroom_bytes: m.peak_bytes.map(|p| budget.bytes as i64 - p as i64),
+        samples_per_s: m.samples_per_s,
+    });
+    let written = match (&recommendation, &args.write) {
+        (Some(r), Some(out)) => Some(write_spec(args, r, &budget, out)?),
+        _ => None,
+    };
+    let report = Report {
+        spec: args.spec.file.clone(),
+        device,
+        budget: budget.clone(),
+        effective_batch: effective,
+        steps_per_probe: args.steps,
+        probes: prober.probes.clone(),
+        settings: results,
+        recommendation,
+        written,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", human(&report));
+    }
+    if report.recommendation.is_none() {
+        return Err(OomExit(format!(
+            "nothing fits in {} (the {} budget less the margin): micro-batch 1 runs out of memory in every setting tried; raise --limit, lower --margin, or use a smaller model",
+            human_bytes(budget.usable_bytes),
+            human_bytes(budget.bytes)
+        ))
+        .into());
+    }
+    Ok(())
+}
+
+fn human(r: &Report) -> String {
+    let mut out = String::from("largest micro-batch that fits:\n");
+    for s in &r.settings {
+        let what = match (s.applicable, s.largest_micro_batch) {
+            (false, _) => "not applicable".to_owned(),
+            (true, None) => "none (micro-batch 1 runs out of memory)".to_owned(),
+            (true, Some(b)) => format!(
+                "{b:>5}  (peak {})",
+                s.peak_bytes.map_or_else(|| "-".into(), human_bytes)
+            ),
+        };
+        out += &format!("  {}  {what}\n", s.setting);
+    }
+    if let Some(rec) = &r.recommendation {
+        let ck = if rec.setting.activation_checkpointing {
+            "on"
+        } else {
+            "off"
+        };
+        out += &format!(
+            "recommendation: precision {}, activation checkpointing {ck}: batch_size {} x accumulation_steps {} = {} (the spec's effective batch)\n",
+            rec.setting.precision.name(),
+            rec.batch_size,
+            rec.accumulation_steps,
+            rec.effective_batch
+        );
+        if let (Some(p), Some(h)) = (rec.peak_bytes, rec.headroom_bytes) {
+            out += &format!(
+                "  measured peak {} of the {} budget: {} headroom; {} samples/s\n",
+                human_bytes(p),
+                human_bytes(r.budget.bytes),
+                human_bytes(h.max(0) as u64),
+                rec.samples_per_s.map_or_else(|| "-".into(), |s| format!("{s:.1}"))
+            );
+        }
+        match &r.written {
+            Some(p) => {
+                out += &format!(
+                    "  written to {}; run it with: memtrain run {}\n",
+                    p.display(),
+                    p.display()
+                )
+            }
+            None => {
+                out += &format!(
+                    "  run it with: memtrain run {} --set train.batch_size={} --set train.accumulation_steps={} --set train.precision={} --set train.activation_checkpointing={}",
+                    r.spec.display(),
+                    rec.batch_size,
+                    rec.accumulation_steps,
+                    rec.setting.precision.name(),
+                    rec.setting.activation_checkpointing
+                );
+                if let Some((key, v)) = &r.budget.written_as {
+                    out += &format!(" --set {key}={}", v.to_string().trim());
+                }
+                out += "\n  (or write the tuned spec with --write OUT.toml)\n";
+            }
+        }
+    }
+    out
+}
+
+/// The spec file with the recommendation (and the budget, when it came from the command line)
+/// written into it, comments kept; checked by loading it back before it lands.
+fn write_spec(args: &FitArgs, rec: &Recommendation, budget: &Budget, out: &Path) -> Result<PathBuf> {
+    let v = |x: toml_edit::Value| Some(x);
+    let mut edits: Vec<(&str, Option<toml_edit::Value>)> = vec![
+        ("train.batch_size", v(rec.batch_size.into())),
+        ("train.accumulation_steps", v(rec.accumulation_steps.into())),
+        ("train.precision", v(rec.setting.precision.name().into())),
+        (
+            "train.activation_checkpointing",
+            v(rec.setting.activation_checkpointing.into()),
+        ),
+    ];
+    if let Some((key, value)) = &budget.written_as {
+        let other = if *key == "memory.limit" {
+            "memory.fraction"
+        } else {
+            "memory.limit"
+        };
+        edits.push((key, Some(value.clone())));
+        edits.push((other, None));
+    }
+    let text = spec::edited_text(&args.spec.file, &args.spec.set, &edits)?;
+    let check = std::env::temp_dir().join(format!("memtrain-fit-check-{}.toml", std::process::id()));
+    std::fs::write(&check, &text)?;
+    let loaded = spec::load_with(&check, &[], &crate::model::validate);
+    let _ = std::fs::remove_file(&check);
+    if let Err(e) = loaded {
+        bail!("the tuned spec does not validate (a bug in fit): {e}");
+    }
+    crate::atomic::write_atomic(out, text.as_bytes()).with_context(|| format!("writing {}", out.display()))?;
+    Ok(out.to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn margins_are_percentages_or_sizes_below_the_budget() {
+        assert_eq!(parse_margin("10%", 1000).unwrap(), 100);
+        assert_eq!(parse_margin("0%", 1000).unwrap(), 0);
+        assert_eq!(parse_margin("512", 1000).unwrap(), 512);
+        assert!(parse_margin("100%", 1000).is_err());
+        assert!(parse_margin("2KiB", 1000)
+            .unwrap_err()
+            .0
+            .contains("not below the budget"));
+        assert!(parse_margin("lots", 1000).unwrap_err().0.contains("percentage"));
+    }
+}
