@@ -510,6 +510,7 @@ pub fn fit(args: &FitArgs, quiet: bool) -> Result<()> {
             limit = b - 1;
         }
     }
+    let candidates = confirm(&mut prober, &settings, candidates, &say)?;
     let recommendation = fastest(&candidates).map(|(i, m)| Recommendation {
         setting: settings[*i],
         batch_size: m.micro_batch,
@@ -548,6 +549,68 @@ pub fn fit(args: &FitArgs, quiet: bool) -> Result<()> {
         .into());
     }
     Ok(())
+}
+
+/// Rounds of re-measuring the candidates, alternating their order, before choosing: a few
+/// steps' throughput on a busy machine is noisy.
+const CONFIRM_ROUNDS: usize = 2;
+
+/// Each candidate probed again `CONFIRM_ROUNDS` times; its throughput becomes the median of
+/// every measurement at its micro-batch and its peak the largest. A candidate that runs out of
+/// memory on a repeat does not fit reliably and is dropped.
+fn confirm(
+    prober: &mut Prober,
+    settings: &[Setting],
+    candidates: Vec<(usize, Measured)>,
+    say: &dyn Fn(String),
+) -> Result<Vec<(usize, Measured)>> {
+    if candidates.len() < 2 {
+        return Ok(candidates);
+    }
+    say(format!(
+        "confirming: {} candidates, {CONFIRM_ROUNDS} more probes each, alternating",
+        candidates.len()
+    ));
+    let mut order: Vec<usize> = (0..candidates.len()).collect();
+    for _ in 0..CONFIRM_ROUNDS {
+        for &k in &order {
+            let (i, m) = &candidates[k];
+            match prober.probe(settings[*i], m.micro_batch) {
+                Ok(_) => {}
+                Err(ProbeError::Failed(e)) => return Err(e),
+                Err(ProbeError::NotApplicable) => unreachable!("it applied in the search"),
+            }
+        }
+        order.reverse();
+    }
+    let mut out = vec![];
+    for (i, m) in candidates {
+        let runs: Vec<&Measured> = prober
+            .probes
+            .iter()
+            .filter(|p| p.setting == settings[i] && p.measured.micro_batch == m.micro_batch)
+            .map(|p| &p.measured)
+            .collect();
+        if runs.iter().any(|r| !r.fits) {
+            say(format!(
+                "dropped {} at micro-batch {}: it ran out of memory on a repeat",
+                settings[i], m.micro_batch
+            ));
+            continue;
+        }
+        let mut rates: Vec<f64> = runs.iter().filter_map(|r| r.samples_per_s).collect();
+        rates.sort_by(f64::total_cmp);
+        out.push((
+            i,
+            Measured {
+                micro_batch: m.micro_batch,
+                fits: true,
+                peak_bytes: runs.iter().filter_map(|r| r.peak_bytes).max(),
+                samples_per_s: rates.get(rates.len() / 2).copied(),
+            },
+        ));
+    }
+    Ok(out)
 }
 
 fn human(r: &Report) -> String {
