@@ -148,10 +148,20 @@ fn ctrl_c_saves_exits_130_and_resumes_exactly() {
     let ck = int.records("checkpoint");
     assert_eq!(ck.last().unwrap()["reason"], "interrupted");
     assert_eq!(ck.last().unwrap()["step"], 50);
+    let page = std::fs::read_to_string(int.out.join("report.html")).unwrap();
+    assert!(
+        page.contains("<td>interrupted</td>"),
+        "the interrupted run has its report"
+    );
 
     // A bare --resume continues the run directory the command names (here through --out).
     t.clone().name("int").arg("--resume").stderr_has("resuming from").run();
     assert_eq!(int.summary()["status"], "completed");
+    let page = std::fs::read_to_string(int.out.join("report.html")).unwrap();
+    assert!(
+        page.contains("<td>completed</td>") && page.contains("</span> resume</td>"),
+        "redrawn, the resume marked"
+    );
     assert_eq!(
         straight.final_bytes(),
         int.final_bytes(),
