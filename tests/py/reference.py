@@ -10,9 +10,14 @@ Subcommands:
               a torchvision model's state_dict, as safetensors; prints {"parameters": n, "names": [...]}
   data        --out d.npz --n N --shape C,H,W --classes K --seed S
               random float32 images x and int64 labels y
-  train       --model (script:PATH | torchvision:NAME:INIT.safetensors) --train d.npz ...
+  mlp         --inputs N --hidden H1,H2 --classes K --out init.safetensors
+              an MLP as memtrain's mlp preset builds it (fc0, fc1, ... Linear layers with ReLU
+              between them), seeded, its state_dict as safetensors
+  train       --model (script:PATH | torchvision:NAME:INIT.safetensors | mlp:INIT.safetensors)
+              --train d.npz [--autocast bf16] ...
               trains as memtrain does (same epoch order, same groups and micro-batches, the
-              loss summed and divided by the group size, clipping, torch.optim) and prints
+              loss summed and divided by the group size, clipping, torch.optim; with
+              --autocast the forward under torch.autocast("cpu", bfloat16)) and prints
               {"losses": [...], "buffers": {name: [...]}} as JSON
   tensorboard DIR
               the scalars of DIR's event files as TensorBoard's own reader sees them:
@@ -25,6 +30,7 @@ Subcommands:
 """
 import argparse
 import json
+import math
 import struct
 import sys
 
@@ -121,6 +127,41 @@ class SmallNet(torch.nn.Module):
         return self.head(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(h, 1), 1))
 
 
+class Mlp(torch.nn.Module):
+    """memtrain's mlp preset: flatten, Linear fc0..fcN with ReLU between them."""
+
+    def __init__(self, sizes):
+        super().__init__()
+        for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
+            self.add_module(f"fc{i}", torch.nn.Linear(a, b))
+        self.n = len(sizes) - 1
+
+    def forward(self, x):
+        h = torch.flatten(x, 1)
+        for i in range(self.n):
+            h = getattr(self, f"fc{i}")(h)
+            if i + 1 < self.n:
+                h = torch.relu(h)
+        return h
+
+
+def mlp_from(state):
+    sizes = [state["fc0.weight"].shape[1]]
+    i = 0
+    while f"fc{i}.weight" in state:
+        sizes.append(state[f"fc{i}.weight"].shape[0])
+        i += 1
+    m = Mlp(sizes)
+    m.load_state_dict(state)
+    return m
+
+
+def cmd_mlp(a):
+    torch.manual_seed(a.seed)
+    sizes = [a.inputs] + [int(h) for h in a.hidden.split(",") if h] + [a.classes]
+    write_safetensors(Mlp(sizes).state_dict(), a.out)
+
+
 def torchvision_model(name, classes):
     import torchvision
 
@@ -158,6 +199,8 @@ def cmd_train(a):
         classes = scripted.state_dict()["head.weight"].shape[0]
         model = SmallNet(channels, classes)
         model.load_state_dict(scripted.state_dict())
+    elif kind == "mlp":
+        model = mlp_from(read_safetensors(rest))
     else:
         name, _, init = rest.partition(":")
         state = read_safetensors(init)
@@ -182,7 +225,11 @@ def cmd_train(a):
             total = 0.0
             for m in range(0, len(group), a.batch_size):
                 idx = torch.tensor(group[m : m + a.batch_size])
-                logits = model(x[idx])
+                if a.autocast:
+                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                        logits = model(x[idx])
+                else:
+                    logits = model(x[idx])
                 loss = torch.nn.functional.cross_entropy(logits.float(), y[idx], reduction="sum")
                 (loss / len(group)).backward()
                 total += loss.item()
@@ -190,8 +237,10 @@ def cmd_train(a):
                 torch.nn.utils.clip_grad_norm_(params, a.clip)
             opt.step()
             losses.append(total / len(group))
-    buffers = {k: v.flatten().tolist() for k, v in model.named_buffers()}
-    print(json.dumps({"losses": losses, "buffers": buffers}))
+    # JSON has no NaN: a non-finite value becomes null.
+    finite = lambda xs: [None if isinstance(x, float) and not math.isfinite(x) else x for x in xs]
+    buffers = {k: finite(v.flatten().tolist()) for k, v in model.named_buffers()}
+    print(json.dumps({"losses": finite(losses), "buffers": buffers}))
 
 
 def cmd_tensorboard(a):
@@ -267,13 +316,20 @@ def main():
     s.add_argument("--weight-decay", type=float, default=0.0)
     s.add_argument("--clip", type=float, default=0.0)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--autocast", choices=["bf16"], default=None)
+    s = sub.add_parser("mlp")
+    s.add_argument("--inputs", type=int, required=True)
+    s.add_argument("--hidden", required=True)
+    s.add_argument("--classes", type=int, required=True)
+    s.add_argument("--out", required=True)
+    s.add_argument("--seed", type=int, default=0)
     s = sub.add_parser("tensorboard")
     s.add_argument("dir")
     s = sub.add_parser("snapshot")
     s.add_argument("--out", required=True)
     a = p.parse_args()
     cmds = {"script": cmd_script, "torchvision": cmd_torchvision, "data": cmd_data, "train": cmd_train,
-            "tensorboard": cmd_tensorboard, "snapshot": cmd_snapshot}
+            "tensorboard": cmd_tensorboard, "snapshot": cmd_snapshot, "mlp": cmd_mlp}
     cmds[a.cmd](a)
 
 
