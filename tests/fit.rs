@@ -163,8 +163,16 @@ fn the_recommended_spec_trains_its_first_epoch_without_an_oom() {
     let spec = write_spec(dir.path());
     let cap = cap_between(&spec, dir.path());
     let tuned = dir.path().join("tuned.toml");
+    // The user's own --set lines go into the tuned spec too; the spec's floor on the
+    // micro-batch (48 here) comes down to the recommendation, or the spec would not validate.
     let (code, stdout, stderr) = fit(&[
         spec.to_str().unwrap(),
+        "--set",
+        "train.batch_size=48",
+        "--set",
+        "train.accumulation_steps=1",
+        "--set",
+        "memory.min_batch_size=48",
         "--limit",
         &cap.to_string(),
         "--precision",
@@ -193,6 +201,8 @@ fn the_recommended_spec_trains_its_first_epoch_without_an_oom() {
     let b = t["train"]["batch_size"].as_integer().unwrap();
     assert_eq!(b * t["train"]["accumulation_steps"].as_integer().unwrap(), 48);
     assert_eq!(t["memory"]["limit"].as_integer().map(|v| v as u64), Some(cap));
+    assert!(b < 48, "48 does not fit under the cap");
+    assert_eq!(t["memory"]["min_batch_size"].as_integer(), Some(b));
     assert_eq!(
         std::fs::read_to_string(&spec).unwrap(),
         spec_text(),
@@ -232,6 +242,13 @@ fn fit_says_what_is_wrong_with_its_input_and_when_nothing_fits() {
     let (code, _, stderr) = fit(&[s, "--limit", "8MiB", "--margin", "9MiB"]);
     assert_eq!(code, 2);
     assert!(stderr.contains("is not below the budget"), "{stderr}");
+    let (code, _, stderr) = fit(&[s, "--limit", "64MiB", "--checkpointing", "on"]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(
+        stderr.contains("the mlp preset is not a sequence of blocks"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("use --checkpointing off or both"), "{stderr}");
 
     // 1 MiB holds not even the model: every setting fails at micro-batch 1; the JSON says so.
     let tuned = dir.path().join("never.toml");

@@ -87,6 +87,9 @@ pub struct Recommendation {
     /// Budget less the measured peak.
     pub headroom_bytes: Option<i64>,
     pub samples_per_s: Option<f64>,
+    /// Set when the spec's `memory.min_batch_size` is above `batch_size` and must come down.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub min_batch_size: Option<i64>,
 }
 
 /// `fit --json`'s object (documented in the README).
@@ -101,6 +104,8 @@ pub struct Report {
     pub settings: Vec<SettingResult>,
     pub recommendation: Option<Recommendation>,
     pub written: Option<PathBuf>,
+    #[serde(skip)]
+    user_sets: Vec<String>,
 }
 
 enum ProbeError {
@@ -140,16 +145,8 @@ impl Prober<'_> {
         self.count += 1;
         let dir = self.scratch.0.join(format!("probe-{}", self.count));
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        let v = |x: Value| -> Option<toml_edit::Value> {
-            Some(
-                format!("v = {x}")
-                    .parse::<toml_edit::DocumentMut>()
-                    .expect("JSON scalars and string arrays are TOML")["v"]
-                    .as_value()
-                    .cloned()
-                    .expect("a value"),
-            )
-        };
+        // JSON scalars and string arrays are written the same in TOML.
+        let v = |x: Value| Some(spec::toml_value(&x.to_string()));
         let edits = [
             ("job.name", v("fit-probe".into())),
             ("train.batch_size", v(micro_batch.into())),
@@ -208,6 +205,17 @@ impl Prober<'_> {
                     samples_per_s: None,
                 }
             }
+            None if killed_by(&out.status) == Some(libc::SIGKILL) => {
+                // The CPU cap counts tensor bytes only; past it, the kernel's OOM killer may be
+                // what stops a probe.
+                oom = Some("killed by SIGKILL: the kernel's OOM killer, most likely".into());
+                Measured {
+                    micro_batch,
+                    fits: false,
+                    peak_bytes: None,
+                    samples_per_s: None,
+                }
+            }
             code => {
                 let stderr = String::from_utf8_lossy(&out.stderr);
                 let tail: Vec<&str> = stderr.lines().rev().take(6).collect();
@@ -232,6 +240,11 @@ impl Prober<'_> {
         self.probes.push(probe);
         Ok(measured)
     }
+}
+
+fn killed_by(status: &std::process::ExitStatus) -> Option<i32> {
+    use std::os::unix::process::ExitStatusExt;
+    status.signal()
 }
 
 fn probe_line(p: &Probe) -> String {
@@ -279,18 +292,18 @@ fn measure(run_dir: &Path, micro_batch: i64, cuda: bool) -> Result<Measured> {
         .filter_map(|s| s["memory"][key].as_u64())
         .chain(setup)
         .max();
-    // Lines carry the time they were written, after each step: the first line ends warm-up.
-    let time = |s: &&Value| s["time"].as_f64().unwrap_or(0.0);
-    let samples_per_s = match steps.as_slice() {
-        [first, rest @ .., last] if !rest.is_empty() => {
-            let samples: f64 = steps[1..]
-                .iter()
-                .map(|s| s["micro_batch"].as_f64().unwrap_or(micro_batch as f64))
-                .sum();
-            let dt = time(last) - time(first);
-            (dt > 0.0).then(|| samples / dt)
-        }
-        _ => steps.last().and_then(|s| s["samples_per_s"].as_f64()),
+    // Each step line carries the step's samples and wall time; the first step pays for
+    // warm-up and is left out. (Validation and saves between steps are not in the steps' time.)
+    let timed: Vec<(f64, f64)> = steps
+        .iter()
+        .skip(1)
+        .filter_map(|s| Some((s["samples"].as_f64()?, s["seconds"].as_f64()?)))
+        .collect();
+    let seconds: f64 = timed.iter().map(|t| t.1).sum();
+    let samples_per_s = if seconds > 0.0 {
+        Some(timed.iter().map(|t| t.0).sum::<f64>() / seconds)
+    } else {
+        steps.last().and_then(|s| s["samples_per_s"].as_f64())
     };
     Ok(Measured {
         micro_batch,
@@ -330,6 +343,9 @@ fn resolve_budget(args: &FitArgs, plan: &Plan, facts: &Facts) -> Result<Budget> 
     let total = facts.cuda_total_bytes;
     let (bytes, source, written_as) = if let Some(l) = &args.limit {
         let b = ByteSize::parse(l).map_err(|e| UsageError(format!("--limit: {e}")))?;
+        if b.0 == 0 {
+            return Err(UsageError("--limit 0: the budget must be more than nothing".into()).into());
+        }
         (b.0, "--limit".to_owned(), Some(("memory.limit", spec_size(b))))
     } else if let Some(f) = args.fraction {
         if !(f > 0.0 && f <= 1.0) {
@@ -519,6 +535,7 @@ pub fn fit(args: &FitArgs, quiet: bool) -> Result<()> {
         peak_bytes: m.peak_bytes,
         headroom_bytes: m.peak_bytes.map(|p| budget.bytes as i64 - p as i64),
         samples_per_s: m.samples_per_s,
+        min_batch_size: (spec.memory.min_batch_size > m.micro_batch).then_some(m.micro_batch),
     });
     let written = match (&recommendation, &args.write) {
         (Some(r), Some(out)) => Some(write_spec(args, r, &budget, out)?),
@@ -534,6 +551,7 @@ pub fn fit(args: &FitArgs, quiet: bool) -> Result<()> {
         settings: results,
         recommendation,
         written,
+        user_sets: args.spec.set.clone(),
     };
     if args.json {
         println!("{}", serde_json::to_string_pretty(&report)?);
@@ -541,6 +559,20 @@ pub fn fit(args: &FitArgs, quiet: bool) -> Result<()> {
         print!("{}", human(&report));
     }
     if report.recommendation.is_none() {
+        if !report.settings.iter().any(|s| s.applicable) {
+            return Err(UsageError(format!(
+                "no setting applies: the {} preset is not a sequence of blocks, so activation checkpointing does not apply to it; use --checkpointing off or both",
+                spec.model.preset
+            ))
+            .into());
+        }
+        if report.settings.iter().any(|s| s.largest_micro_batch.is_some()) {
+            return Err(OomExit(format!(
+                "no setting fits reliably in {}: each one that fitted ran out of memory when probed again; raise --margin or --limit",
+                human_bytes(budget.usable_bytes)
+            ))
+            .into());
+        }
         return Err(OomExit(format!(
             "nothing fits in {} (the {} budget less the margin): micro-batch 1 runs out of memory in every setting tried; raise --limit, lower --margin, or use a smaller model",
             human_bytes(budget.usable_bytes),
@@ -657,18 +689,26 @@ fn human(r: &Report) -> String {
                 )
             }
             None => {
-                out += &format!(
-                    "  run it with: memtrain run {} --set train.batch_size={} --set train.accumulation_steps={} --set train.precision={} --set train.activation_checkpointing={}",
-                    r.spec.display(),
-                    rec.batch_size,
-                    rec.accumulation_steps,
-                    rec.setting.precision.name(),
-                    rec.setting.activation_checkpointing
-                );
-                if let Some((key, v)) = &r.budget.written_as {
-                    out += &format!(" --set {key}={}", v.to_string().trim());
+                let mut sets: Vec<String> = r.user_sets.clone();
+                sets.extend([
+                    format!("train.batch_size={}", rec.batch_size),
+                    format!("train.accumulation_steps={}", rec.accumulation_steps),
+                    format!("train.precision={}", rec.setting.precision.name()),
+                    format!(
+                        "train.activation_checkpointing={}",
+                        rec.setting.activation_checkpointing
+                    ),
+                ]);
+                if let Some(m) = rec.min_batch_size {
+                    sets.push(format!("memory.min_batch_size={m}"));
                 }
-                out += "\n  (or write the tuned spec with --write OUT.toml)\n";
+                let line: Vec<String> = sets.iter().map(|s| format!("--set {s}")).collect();
+                out += &format!("  run it with: memtrain run {} {}\n", r.spec.display(), line.join(" "));
+                if r.budget.written_as.is_some() {
+                    out += "  under the same budget: add it to the spec, or write the tuned spec (budget included) with --write OUT.toml\n";
+                } else {
+                    out += "  (or write the tuned spec with --write OUT.toml)\n";
+                }
             }
         }
     }
@@ -688,6 +728,9 @@ fn write_spec(args: &FitArgs, rec: &Recommendation, budget: &Budget, out: &Path)
             v(rec.setting.activation_checkpointing.into()),
         ),
     ];
+    if let Some(m) = rec.min_batch_size {
+        edits.push(("memory.min_batch_size", v(m.into())));
+    }
     if let Some((key, value)) = &budget.written_as {
         let other = if *key == "memory.limit" {
             "memory.fraction"

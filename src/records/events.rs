@@ -24,6 +24,8 @@ pub enum Event {
 #[derive(Debug, Clone, Serialize)]
 pub struct StartEvent {
     pub job: String,
+    /// The global step the session starts from (0, or the checkpoint's when resuming).
+    pub step: i64,
     pub device: String,
     pub resumed: bool,
     pub micro_batch: i64,
@@ -63,6 +65,9 @@ pub struct StepEvent {
     pub loss: f64,
     pub lr: f64,
     pub micro_batch: i64,
+    /// The step's samples (its group) and its wall time, architecture step included.
+    pub samples: i64,
+    pub seconds: f64,
     pub samples_per_s: f64,
     /// Current figures after this step; peaks since the previous step line.
     pub memory: StepMemory,

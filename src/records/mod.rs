@@ -109,34 +109,37 @@ impl Recorder {
     }
 }
 
-/// The TensorBoard scalars of an event: per step and per epoch, at the global step.
-fn scalars(event: &Event) -> Option<(i64, Vec<(&'static str, f64)>)> {
-    let bytes = |v: Option<u64>| v.map_or(f64::NAN, |b| b as f64);
+type Scalar = (&'static str, Option<f64>);
+
+/// The TensorBoard scalars of an event: per step and per epoch, at the global step. `None`
+/// values are absent (no reserved memory on the CPU); a NaN loss is written as NaN.
+fn scalars(event: &Event) -> Option<(i64, Vec<Scalar>)> {
+    let bytes = |v: Option<u64>| v.map(|b| b as f64);
     match event {
         Event::Step(s) => Some((
             s.step,
             vec![
-                ("train/loss", s.loss),
-                ("train/lr", s.lr),
-                ("train/samples_per_s", s.samples_per_s),
-                ("train/micro_batch", s.micro_batch as f64),
-                ("train/loss_scale", s.loss_scale.unwrap_or(f64::NAN)),
+                ("train/loss", Some(s.loss)),
+                ("train/lr", Some(s.lr)),
+                ("train/samples_per_s", Some(s.samples_per_s)),
+                ("train/micro_batch", Some(s.micro_batch as f64)),
+                ("train/loss_scale", s.loss_scale),
                 ("memory/allocated_bytes", bytes(s.memory.allocated_bytes)),
                 ("memory/peak_allocated_bytes", bytes(s.memory.peak_allocated_bytes)),
                 ("memory/reserved_bytes", bytes(s.memory.reserved_bytes)),
                 ("memory/peak_reserved_bytes", bytes(s.memory.peak_reserved_bytes)),
-                ("memory/rss_bytes", s.memory.rss_bytes as f64),
+                ("memory/rss_bytes", Some(s.memory.rss_bytes as f64)),
             ],
         )),
         Event::Epoch(e) => Some((
             e.step,
             vec![
-                ("epoch/train_loss", e.train_loss),
-                ("epoch/train_acc", e.train_acc),
-                ("epoch/val_loss", e.val_loss.unwrap_or(f64::NAN)),
-                ("epoch/val_acc", e.val_acc.unwrap_or(f64::NAN)),
-                ("epoch/lr", e.lr),
-                ("epoch/samples_per_s", e.samples_per_s),
+                ("epoch/train_loss", Some(e.train_loss)),
+                ("epoch/train_acc", Some(e.train_acc)),
+                ("epoch/val_loss", e.val_loss),
+                ("epoch/val_acc", e.val_acc),
+                ("epoch/lr", Some(e.lr)),
+                ("epoch/samples_per_s", Some(e.samples_per_s)),
                 ("epoch/peak_allocated_bytes", bytes(e.memory.peak_allocated_bytes)),
             ],
         )),

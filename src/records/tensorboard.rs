@@ -43,14 +43,15 @@ impl EventWriter {
         &self.path
     }
 
-    /// One event holding `values` as scalars at `step`, flushed so a killed run keeps it.
-    pub fn scalars(&mut self, step: i64, wall_time: f64, values: &[(&str, f64)]) -> Result<()> {
+    /// One event holding the present `values` as scalars at `step`, flushed so a killed run
+    /// keeps it.
+    pub fn scalars(&mut self, step: i64, wall_time: f64, values: &[(&str, Option<f64>)]) -> Result<()> {
         let mut summary = vec![];
-        for (tag, v) in values.iter().filter(|(_, v)| v.is_finite()) {
+        for (tag, v) in values.iter().filter_map(|(t, v)| Some((t, (*v)?))) {
             let mut value = vec![];
             bytes_field(&mut value, 1, tag.as_bytes());
             key(&mut value, 2, 5);
-            value.extend_from_slice(&(*v as f32).to_le_bytes());
+            value.extend_from_slice(&(v as f32).to_le_bytes());
             bytes_field(&mut summary, 1, &value);
         }
         let mut event = vec![];
@@ -121,8 +122,16 @@ mod tests {
     fn records_are_framed_with_lengths_and_checksums() {
         let dir = tempfile::tempdir().unwrap();
         let mut w = EventWriter::create(dir.path()).unwrap();
-        w.scalars(7, 1.5, &[("train/loss", 0.25), ("skipped", f64::NAN)])
-            .unwrap();
+        w.scalars(
+            7,
+            1.5,
+            &[
+                ("train/loss", Some(0.25)),
+                ("skipped", None),
+                ("diverged", Some(f64::NAN)),
+            ],
+        )
+        .unwrap();
         let bytes = fs::read(w.path()).unwrap();
         let mut at = 0;
         let mut records = vec![];
@@ -139,7 +148,11 @@ mod tests {
         assert_eq!(records.len(), 2);
         assert!(records[0].windows(13).any(|w| w == b"brain.Event:2"));
         assert!(records[1].windows(10).any(|w| w == b"train/loss"));
-        assert!(!records[1].windows(7).any(|w| w == b"skipped"), "NaN is left out");
+        assert!(
+            !records[1].windows(7).any(|w| w == b"skipped"),
+            "an absent value is left out"
+        );
+        assert!(records[1].windows(8).any(|w| w == b"diverged"), "a NaN is written");
         assert!(records[1].windows(4).any(|w| w == 0.25f32.to_le_bytes()));
     }
 }

@@ -7,6 +7,40 @@ use crate::human::human_bytes;
 
 pub const WIDTH: u32 = 960;
 
+/// Points per series: a chart is under 1,000 pixels wide, so more only makes the page heavy.
+pub const MAX_POINTS: usize = 2000;
+
+/// At most `max` points: the first and last, and each bucket's lowest and highest in step
+/// order, so peaks survive the thinning.
+pub fn thin(points: &[(f64, f64)], max: usize) -> Vec<(f64, f64)> {
+    if points.len() <= max || max < 4 {
+        return points.to_vec();
+    }
+    let buckets = (max - 2) / 2;
+    let inner = &points[1..points.len() - 1];
+    let size = inner.len().div_ceil(buckets);
+    let mut out = vec![points[0]];
+    for chunk in inner.chunks(size) {
+        let lo = chunk
+            .iter()
+            .enumerate()
+            .min_by(|a, b| a.1 .1.total_cmp(&b.1 .1))
+            .unwrap();
+        let hi = chunk
+            .iter()
+            .enumerate()
+            .max_by(|a, b| a.1 .1.total_cmp(&b.1 .1))
+            .unwrap();
+        let (first, second) = if lo.0 <= hi.0 { (lo, hi) } else { (hi, lo) };
+        out.push(*first.1);
+        if first.0 != second.0 {
+            out.push(*second.1);
+        }
+    }
+    out.push(points[points.len() - 1]);
+    out
+}
+
 /// How a chart's y values read.
 #[derive(Debug, Clone, Copy)]
 pub enum Axis {
@@ -137,14 +171,22 @@ pub fn line_chart(c: &LineChart) -> Result<Option<String>> {
                     .map(|&x| PathElement::new(vec![(x, y0), (x, y1)], RGBColor(200, 200, 200).stroke_width(1))),
             )
             .map_err(err)?;
-        let mut kinds: Vec<MarkKind> = c.marks.iter().map(|m| m.kind).collect();
+        // One line per pixel column and kind is all the eye can see.
+        let column = (x1 - x0) / WIDTH as f64;
+        let mut seen = std::collections::HashSet::new();
+        let marks: Vec<&Mark> = c
+            .marks
+            .iter()
+            .filter(|m| seen.insert((m.kind, (m.step / column) as i64)))
+            .collect();
+        let mut kinds: Vec<MarkKind> = marks.iter().map(|m| m.kind).collect();
         kinds.sort();
         kinds.dedup();
         for k in kinds {
             let color = mark_color(k);
             chart
                 .draw_series(
-                    c.marks
+                    marks
                         .iter()
                         .filter(|m| m.kind == k)
                         .map(|m| PathElement::new(vec![(m.step, y0), (m.step, y1)], color.stroke_width(2))),
@@ -357,6 +399,19 @@ pub fn request_bars(map: &SegmentMap) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn thinning_keeps_the_ends_and_every_buckets_extremes() {
+        let pts: Vec<(f64, f64)> = (0..10_000).map(|i| (i as f64, ((i * 7919) % 1000) as f64)).collect();
+        let thin_pts = thin(&pts, 200);
+        assert!(thin_pts.len() <= 200, "{}", thin_pts.len());
+        assert_eq!(thin_pts[0], pts[0]);
+        assert_eq!(*thin_pts.last().unwrap(), *pts.last().unwrap());
+        assert!(thin_pts.windows(2).all(|w| w[0].0 < w[1].0), "still in step order");
+        let max = thin_pts.iter().map(|p| p.1).fold(0.0, f64::max);
+        assert_eq!(max, 999.0, "the peak survives");
+        assert_eq!(thin(&pts[..50], 200), pts[..50].to_vec());
+    }
 
     #[test]
     fn tick_labels_have_the_digits_their_span_needs() {

@@ -64,7 +64,7 @@ pub struct EpochPoint {
 }
 
 /// Something that happened at a step, marked on the memory timeline.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum MarkKind {
     Oom,
     Backoff,
@@ -115,6 +115,8 @@ pub struct Run {
     /// oom/report.json and the allocator's segments from oom/snapshot.pickle.
     pub oom_report: Option<Value>,
     pub segments: Option<SegmentMap>,
+    /// Why oom/snapshot.pickle could not be drawn, when it could not.
+    pub snapshot_error: Option<String>,
     pub unreadable_lines: usize,
 }
 
@@ -146,7 +148,18 @@ impl Run {
                     run.device = v["device"].as_str().unwrap_or_default().to_owned();
                     run.cap_bytes = v.get("cap").and_then(|c| c.get("bytes")).and_then(Value::as_f64);
                     if v["resumed"].as_bool() == Some(true) {
-                        run.mark(last_step, MarkKind::Resume, "resumed from a checkpoint".into());
+                        // A session resumed from an earlier checkpoint (after a crash) redoes the
+                        // steps after it: the new records replace the old ones from there.
+                        let from = f("step").unwrap_or(last_step);
+                        run.steps.retain(|p| p.step <= from);
+                        run.epochs.retain(|e| e.step <= from);
+                        run.marks.retain(|m| m.step <= from);
+                        run.mark(
+                            from,
+                            MarkKind::Resume,
+                            format!("resumed from the checkpoint at step {from}"),
+                        );
+                        last_step = from;
                     }
                 }
                 "step" => {
@@ -195,7 +208,11 @@ impl Run {
                     };
                     let error = v["error"].as_str().unwrap_or_default();
                     let phase = v["phase"].as_str().unwrap_or("step");
-                    run.mark(step, kind, format!("OOM in {phase}: {what}; {}", first_line(error)));
+                    run.mark(
+                        step,
+                        kind,
+                        format!("OOM in {phase}: {what}; {}", crate::shim::first_line(error)),
+                    );
                 }
                 "grow_back" => run.mark(
                     step,
@@ -239,17 +256,20 @@ impl Run {
         }
         let pickle = dir.join("oom/snapshot.pickle");
         if pickle.exists() {
-            let bytes = fs::read(&pickle).with_context(|| format!("reading {}", pickle.display()))?;
             let error = run
                 .oom_report
                 .as_ref()
                 .and_then(|r| r["error"].as_str())
                 .unwrap_or_default()
                 .to_owned();
-            run.segments = Some(
-                SegmentMap::from_pickle(&bytes, &error)
-                    .with_context(|| format!("reading the allocator snapshot {}", pickle.display()))?,
-            );
+            // A snapshot that cannot be read costs the segment map, not the report.
+            match fs::read(&pickle)
+                .context("reading it")
+                .and_then(|b| SegmentMap::from_pickle(&b, &error))
+            {
+                Ok(m) => run.segments = Some(m),
+                Err(e) => run.snapshot_error = Some(format!("{}: {e:#}", pickle.display())),
+            }
         }
         Ok(run)
     }
@@ -366,6 +386,9 @@ impl Run {
                     .unwrap_or_default()
             ));
         }
+        if let Some(e) = &self.snapshot_error {
+            line(format!("note: the allocator snapshot could not be drawn: {e}"));
+        }
         if self.unreadable_lines > 0 {
             line(format!(
                 "note: {} unreadable line(s) in metrics.jsonl were skipped",
@@ -374,10 +397,6 @@ impl Run {
         }
         out
     }
-}
-
-fn first_line(s: &str) -> &str {
-    s.lines().next().unwrap_or(s)
 }
 
 #[cfg(test)]
@@ -416,6 +435,27 @@ mod tests {
         assert!(text.contains("OOM events: 1"), "{text}");
         assert!(text.contains("peak memory: 400 B allocated"), "{text}");
         assert!(text.contains("1 unreadable line"), "{text}");
+    }
+
+    #[test]
+    fn a_session_resumed_from_an_earlier_checkpoint_replaces_the_steps_after_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let step = |s: i64, loss: f64| {
+            format!(r#"{{"type":"step","epoch":1,"step":{s},"loss":{loss},"lr":0.1,"samples_per_s":1,"memory":{{}}}}"#)
+        };
+        let mut lines = vec![r#"{"type":"start","job":"j","device":"cpu","resumed":false,"step":0}"#.to_owned()];
+        lines.extend((1..=5).map(|s| step(s, 1.0)));
+        lines.push(r#"{"type":"start","job":"j","device":"cpu","resumed":true,"step":3}"#.to_owned());
+        lines.extend((4..=6).map(|s| step(s, 2.0)));
+        fs::write(dir.path().join("metrics.jsonl"), lines.join("\n")).unwrap();
+        let run = Run::load(dir.path()).unwrap();
+        let steps: Vec<(f64, f64)> = run.steps.iter().map(|p| (p.step, p.loss)).collect();
+        assert_eq!(
+            steps,
+            [(1.0, 1.0), (2.0, 1.0), (3.0, 1.0), (4.0, 2.0), (5.0, 2.0), (6.0, 2.0)]
+        );
+        assert_eq!(run.marks.len(), 1);
+        assert_eq!((run.marks[0].kind, run.marks[0].step), (MarkKind::Resume, 3.0));
     }
 
     #[test]

@@ -16,11 +16,12 @@ const GREEN: RGBColor = RGBColor(44, 160, 44);
 const PURPLE: RGBColor = RGBColor(117, 107, 177);
 
 fn series(name: &'static str, color: RGBColor, width: u32, run: &Run, f: impl Fn(&StepPoint) -> Option<f64>) -> Series {
+    let points: Vec<(f64, f64)> = run.steps.iter().filter_map(|p| Some((p.step, f(p)?))).collect();
     Series {
         name,
         color,
         width,
-        points: run.steps.iter().filter_map(|p| Some((p.step, f(p)?))).collect(),
+        points: charts::thin(&points, charts::MAX_POINTS),
     }
 }
 
@@ -156,6 +157,9 @@ pub fn render(run: &Run) -> Result<String> {
     if !figures.iter().any(|(id, _)| *id == "loss") {
         h += &events_table(run);
     }
+    if let Some(e) = &run.snapshot_error {
+        writeln!(h, "<p>The allocator snapshot could not be drawn: {}</p>", escape(e))?;
+    }
     if let Some(map) = &run.segments {
         h += "<h2>Allocator at the OOM</h2>\n";
         writeln!(
@@ -270,7 +274,7 @@ fn events_table(run: &Run) -> String {
     }
     let mut h =
         String::from("<h2>Events</h2>\n<table id=\"events\"><tr><th>step</th><th>event</th><th>detail</th></tr>\n");
-    for m in &run.marks {
+    for m in run.marks.iter().take(MAX_EVENT_ROWS) {
         let c = charts::mark_color(m.kind);
         let oom = matches!(m.kind, MarkKind::Oom | MarkKind::Fail);
         h += &format!(
@@ -284,5 +288,14 @@ fn events_table(run: &Run) -> String {
             escape(&m.detail)
         );
     }
+    if run.marks.len() > MAX_EVENT_ROWS {
+        h += &format!(
+            "<tr><td colspan=\"3\">{} more in metrics.jsonl</td></tr>\n",
+            run.marks.len() - MAX_EVENT_ROWS
+        );
+    }
     h + "</table>\n"
 }
+
+/// A page stays a page: a cache cleared every step of a long run is summed up, not listed.
+const MAX_EVENT_ROWS: usize = 500;

@@ -191,6 +191,7 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
     let setup = crate::memory::sample(crate::memory::Place::of(device));
     recorder.emit(&Event::Start(StartEvent {
         job: spec.job.name.clone(),
+        step: state.global_step,
         device: device_name(device),
         resumed: plan.resume.is_some(),
         micro_batch: shape.micro_batch,

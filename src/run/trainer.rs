@@ -353,10 +353,13 @@ impl Trainer {
                 tracing::error!("out of memory in {phase} ({reason}); memory.on_oom has nothing left to try");
                 // The run ends here: lift the CPU cap so the last good state can be written.
                 shim::cpu_alloc_set_cap(None);
-                let saved = self.save_checkpoint("oom").map(|(p, _)| p.display().to_string());
-                let note = match &saved {
-                    Ok(p) => format!("last good state saved to {p}; resume with --resume after adding \"backoff\" to memory.on_oom, or with a smaller train.batch_size"),
-                    Err(e) => format!("no checkpoint could be written: {e:#}"),
+                let note = if self.settings.max_steps.is_some() {
+                    "no checkpoint (--max-steps)".to_owned()
+                } else {
+                    match self.save_checkpoint("oom") {
+                        Ok((p, _)) => format!("last good state saved to {}; resume with --resume after adding \"backoff\" to memory.on_oom, or with a smaller train.batch_size", p.display()),
+                        Err(e) => format!("no checkpoint could be written: {e:#}"),
+                    }
                 };
                 self.write_summary(Status::Oom)?;
                 Err(OomExit(format!("out of memory in {phase}: {reason}; {note}")).into())
@@ -658,13 +661,15 @@ impl Trainer {
             let order = data::epoch_order(n, self.settings.seed, epoch);
             let groups: Vec<&[i64]> = order.chunks(e as usize).collect();
             memory::reset_peaks(self.place());
-            self.windows = StepWindows::default();
+            // The line window carries over: a record's peaks cover every step since the last.
+            self.windows.epoch = StepMemory::default();
             let t0 = Instant::now();
             let mut seen_this_session = 0u64;
             self.progress
                 .start_epoch(epoch, epochs, steps_per_epoch as u64, self.state.groups_done as u64);
             for group in &groups[self.state.groups_done as usize..] {
                 let group = group.to_vec();
+                let t_step = Instant::now();
                 let measure = self.preflight_pending;
                 if measure {
                     memory::reset_peaks(self.place());
@@ -689,6 +694,7 @@ impl Trainer {
                 self.state.epoch_correct += out.correct;
                 self.state.epoch_seen += group.len() as i64;
                 seen_this_session += group.len() as u64;
+                let step_seconds = t_step.elapsed().as_secs_f64();
                 self.read_step_memory();
                 let cleared = self.cache.after_step(self.place(), self.state.global_step as u64);
                 self.record_clear(cleared)?;
@@ -703,6 +709,8 @@ impl Trainer {
                         loss,
                         lr,
                         micro_batch: self.shape().micro_batch,
+                        samples: group.len() as i64,
+                        seconds: step_seconds,
                         samples_per_s: rate,
                         memory: std::mem::take(&mut self.windows.line),
                         loss_scale: self.state.scaler.map(|s| s.scale),
@@ -792,7 +800,9 @@ impl Trainer {
             let every = self.settings.checkpoint_every;
             let last_epoch = self.state.epoch == epochs;
             self.state.finished = last_epoch;
-            if last_epoch || (every > 0 && self.state.epoch % every == 0) {
+            // --max-steps is a smoke test or a fit probe: it leaves no checkpoint behind.
+            let probing = self.settings.max_steps.is_some();
+            if !probing && (last_epoch || (every > 0 && self.state.epoch % every == 0)) {
                 self.save_checkpoint("epoch").context("saving a checkpoint")?;
             }
             if self.settings.clear_on_epoch_end {

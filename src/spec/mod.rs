@@ -46,17 +46,22 @@ impl Override {
                 "--set {arg}: \"{key}\" is not a dotted key like train.batch_size"
             ));
         }
-        let value = format!("v = {raw}")
-            .parse::<toml_edit::DocumentMut>()
-            .ok()
-            .and_then(|d| d.get("v").and_then(|i| i.as_value().cloned()))
-            .unwrap_or_else(|| toml_edit::Value::from(raw));
         Ok(Override {
             key: key.to_owned(),
             raw: raw.to_owned(),
-            value,
+            value: toml_value(raw),
         })
     }
+}
+
+/// A value typed as TOML (`8`, `true`, `["a"]`, `"x"`), or the text as a string when it is not
+/// valid TOML.
+pub fn toml_value(raw: &str) -> toml_edit::Value {
+    format!("v = {raw}")
+        .parse::<toml_edit::DocumentMut>()
+        .ok()
+        .and_then(|d| d.get("v").and_then(|i| i.as_value().cloned()))
+        .unwrap_or_else(|| toml_edit::Value::from(raw))
 }
 
 /// A parsed, overridden and validated spec, with where it came from.
@@ -298,18 +303,24 @@ pub fn edited_text(
     for (key, value) in edits {
         match value {
             Some(v) => set_path(&mut doc, key, v.clone()).map_err(|m| one(format!("{key}: {m}")))?,
-            None => {
-                let (table, last) = match key.rsplit_once('.') {
-                    Some((t, l)) => (doc.get_mut(t).and_then(|i| i.as_table_like_mut()), l),
-                    None => (Some(doc.as_table_mut() as &mut dyn toml_edit::TableLike), *key),
-                };
-                if let Some(t) = table {
-                    t.remove(last);
-                }
-            }
+            None => remove_path(&mut doc, key),
         }
     }
     Ok(doc.to_string())
+}
+
+/// Removes a dotted key; a key (or a table on its path) that is not there is already removed.
+fn remove_path(doc: &mut toml_edit::DocumentMut, key: &str) {
+    let parts: Vec<&str> = key.split('.').map(str::trim).collect();
+    let (last, tables) = parts.split_last().expect("keys are non-empty");
+    let mut table: &mut dyn toml_edit::TableLike = doc.as_table_mut();
+    for part in tables {
+        match table.get_mut(part).and_then(|i| i.as_table_like_mut()) {
+            Some(t) => table = t,
+            None => return,
+        }
+    }
+    table.remove(last);
 }
 
 fn set_path(doc: &mut toml_edit::DocumentMut, key: &str, value: toml_edit::Value) -> Result<(), String> {
@@ -332,6 +343,32 @@ fn set_path(doc: &mut toml_edit::DocumentMut, key: &str, value: toml_edit::Value
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn edited_text_keeps_comments_sets_and_removes_nested_keys() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("s.toml");
+        std::fs::write(
+            &p,
+            "# mine\n[train]\nbatch_size = 8 # small\n[model.mlp]\nhidden = [4]\ninputs = 2\n",
+        )
+        .unwrap();
+        let out = edited_text(
+            &p,
+            &["train.lr=0.5".into()],
+            &[
+                ("train.batch_size", Some(toml_value("16"))),
+                ("model.mlp.hidden", None),
+                ("memory.fraction", None),
+            ],
+        )
+        .unwrap();
+        assert!(out.starts_with("# mine\n"), "{out}");
+        assert!(out.contains("batch_size = 16"), "{out}");
+        assert!(out.contains("lr = 0.5"), "{out}");
+        assert!(!out.contains("hidden") && out.contains("inputs = 2"), "{out}");
+        assert!(!out.contains("memory"), "removing an absent key adds nothing: {out}");
+    }
 
     fn load_str(text: &str, sets: &[&str]) -> Result<Spec, String> {
         let dir = tempfile::tempdir().unwrap();
