@@ -1,0 +1,69 @@
+"""The benchmark's jobs, shared by driver.py (memtrain's spec) and pytorch_job.py (the same job in
+plain PyTorch). Sized for a 2-core CPU: a few seconds of steps each."""
+
+JOBS = {
+    "mlp": {
+        "preset": "mlp",
+        "options": {"inputs": 256, "hidden": [1024, 1024], "num_classes": 10},
+        "shape": [256],
+        "samples": 2048,
+        "train": {"batch_size": 128, "optimizer": "adamw", "lr": 1e-3, "momentum": 0.0, "weight_decay": 0.01},
+        "steps": 40,
+    },
+    "resnet18": {
+        "preset": "resnet18",
+        "options": {"num_classes": 10, "image_size": 32},
+        "shape": [3, 32, 32],
+        "samples": 512,
+        "train": {"batch_size": 32, "optimizer": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 5e-4},
+        "steps": 12,
+    },
+    "vit": {
+        "preset": "vit",
+        "options": {"image_size": 32, "patch_size": 4, "layers": 4, "heads": 4, "hidden_dim": 128,
+                    "mlp_dim": 256, "dropout": 0.0, "attention_dropout": 0.0, "num_classes": 10},
+        "shape": [3, 32, 32],
+        "samples": 512,
+        "train": {"batch_size": 32, "optimizer": "adamw", "lr": 1e-3, "momentum": 0.0, "weight_decay": 0.05},
+        "steps": 12,
+    },
+}
+
+# (name, precision, activation checkpointing): every precision, and recomputation on its own and
+# with bf16-mixed.
+SETTINGS = [
+    ("fp32", "fp32", False),
+    ("fp16-mixed", "fp16-mixed", False),
+    ("bf16-mixed", "bf16-mixed", False),
+    ("bf16", "bf16", False),
+    ("fp32+ckpt", "fp32", True),
+    ("bf16-mixed+ckpt", "bf16-mixed", True),
+]
+
+
+def toml_value(v):
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return f'"{v}"'
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def memtrain_spec(job, init, data, val, precision, checkpointing, threads, device, seed=0):
+    j = JOBS[job]
+    t = j["train"]
+    lines = [
+        "[job]", f'name = "bench-{job}"', f"threads = {threads}", f'device = "{device}"', f"seed = {seed}",
+        "[model]", f'preset = "{j["preset"]}"', f'init_from = "{init}"',
+        f"[model.{j['preset']}]", *[f"{k} = {toml_value(v)}" for k, v in j["options"].items()],
+        "[data]", 'source = "npz"', f'path = "{data}"', f'val_path = "{val}"',
+        "[train]", "epochs = 100", f"batch_size = {t['batch_size']}", "accumulation_steps = 1",
+        f'optimizer = "{t["optimizer"]}"', f"lr = {t['lr']}", f"weight_decay = {t['weight_decay']}",
+        f'precision = "{precision}"', f"activation_checkpointing = {toml_value(checkpointing)}",
+    ]
+    if t["optimizer"] == "sgd":
+        lines.append(f"momentum = {t['momentum']}")
+    lines += ["[log]", "every_steps = 1", 'progress = "off"']
+    return "\n".join(lines) + "\n"

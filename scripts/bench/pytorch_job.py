@@ -1,0 +1,241 @@
+#!/usr/bin/env python3
+"""One benchmark job in plain PyTorch, written the way a PyTorch user writes it: torch.nn modules
+(torchvision's ResNet and VisionTransformer), torch.optim, torch.autocast and torch.amp.GradScaler
+for mixed precision, torch.utils.checkpoint for recomputation. The driver (driver.py) runs it
+beside `memtrain run` of the same job; the two are equivalent:
+
+- the same initial weights: this script writes them (`init`), memtrain reads them through
+  model.init_from;
+- the same data in the same order: memtrain's epoch order (SplitMix64, reimplemented in
+  tests/py/reference.py), the same groups;
+- the same step: forward, cross-entropy summed over the micro-batch and divided by the group
+  size, backward, the optimizer step, one host read of the loss per step;
+- the same threads (torch.set_num_threads).
+
+Memory on the CPU is counted by memtrain's own counting allocator: driver.py compiles
+src/shim/shim.cpp into a shared library, and this script installs it (c10::SetCPUAllocator)
+before the model is built, so both sides count the same bytes the same way. On CUDA it reads the
+caching allocator's peak.
+
+Subcommands:
+  init  --job J --out init.safetensors           the job's model, seeded, as safetensors
+  train --job J --init F --data d.npz ...        trains, writes a JSON result (--result)
+"""
+import argparse
+import ctypes
+import json
+import os
+import sys
+import time
+
+T_START = time.time()
+
+import torch  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "py"))
+import reference  # noqa: E402  (Mlp, epoch_order, safetensors)
+
+import jobs  # noqa: E402
+
+
+def build(job):
+    spec = jobs.JOBS[job]
+    if spec["preset"] == "mlp":
+        o = spec["options"]
+        return reference.Mlp([o["inputs"]] + o["hidden"] + [o["num_classes"]])
+    import torchvision
+
+    o = spec["options"]
+    if spec["preset"] == "resnet18":
+        return torchvision.models.resnet18(num_classes=o["num_classes"])
+    if spec["preset"] == "vit":
+        return torchvision.models.VisionTransformer(
+            image_size=o["image_size"], patch_size=o["patch_size"], num_layers=o["layers"],
+            num_heads=o["heads"], hidden_dim=o["hidden_dim"], mlp_dim=o["mlp_dim"],
+            dropout=o["dropout"], attention_dropout=o["attention_dropout"], num_classes=o["num_classes"])
+    raise SystemExit(f"no PyTorch twin for {job}")
+
+
+def blocks(model, job):
+    """The model as a chain of blocks, the same chain memtrain checkpoints."""
+    preset = jobs.JOBS[job]["preset"]
+    if preset == "resnet18":
+        m = model
+        stem = torch.nn.Sequential(m.conv1, m.bn1, m.relu, m.maxpool)
+        body = [b for layer in (m.layer1, m.layer2, m.layer3, m.layer4) for b in layer]
+        head = lambda h: m.fc(torch.flatten(m.avgpool(h), 1))  # noqa: E731
+        return [stem] + body + [head]
+    if preset == "vit":
+        m = model
+
+        def embed(x):
+            x = m._process_input(x)
+            x = torch.cat([m.class_token.expand(x.shape[0], -1, -1), x], dim=1)
+            return m.encoder.dropout(x + m.encoder.pos_embedding)
+
+        layers = list(m.encoder.layers)
+        head = lambda h: m.heads(m.encoder.ln(h)[:, 0])  # noqa: E731
+        return [embed] + layers + [head]
+    return None
+
+
+def forward(model, chain, x, checkpointing):
+    if not checkpointing or chain is None:
+        return model(x)
+    from torch.utils.checkpoint import checkpoint
+
+    h = x
+    for i, block in enumerate(chain):
+        # Every block but the head, as memtrain checkpoints its chain.
+        h = checkpoint(block, h, use_reentrant=False) if i < len(chain) - 1 else block(h)
+    return h
+
+
+class Counting:
+    """memtrain's counting CPU allocator, from the shim built as a shared library."""
+
+    class Stats(ctypes.Structure):
+        _fields_ = [("allocated", ctypes.c_int64), ("peak", ctypes.c_int64), ("cap", ctypes.c_int64),
+                    ("num_ooms", ctypes.c_int64), ("installed", ctypes.c_int)]
+
+    def __init__(self, path):
+        self.lib = ctypes.CDLL(path)
+        self.lib.mt_cpu_alloc_install.restype = ctypes.c_void_p
+        err = self.lib.mt_cpu_alloc_install()
+        if err:
+            raise SystemExit("could not install the counting allocator")
+
+    def reset(self):
+        self.lib.mt_cpu_alloc_reset_peak()
+
+    def peak(self):
+        s = Counting.Stats()
+        self.lib.mt_cpu_alloc_stats(ctypes.byref(s))
+        return s.peak
+
+
+def rss_peak_reset():
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def rss_peak():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def cmd_init(a):
+    torch.manual_seed(a.seed)
+    reference.write_safetensors(build(a.job).state_dict(), a.out)
+
+
+def cmd_train(a):
+    torch.set_num_threads(a.threads)
+    device = torch.device(a.device)
+    cuda = device.type == "cuda"
+    counting = Counting(a.counting) if a.counting and not cuda else None
+    model = build(a.job)
+    model.load_state_dict(reference.read_safetensors(a.init))
+    precision = a.precision
+    if precision == "bf16":
+        model = model.to(torch.bfloat16)
+    model = model.to(device)
+    model.train()
+    chain = blocks(model, a.job)
+    import numpy as np
+
+    d = np.load(a.data)
+    x_all, y_all = torch.from_numpy(d["x"]), torch.from_numpy(d["y"])
+    params = [p for _, p in sorted(model.named_parameters())]
+    o = jobs.JOBS[a.job]["train"]
+    if o["optimizer"] == "sgd":
+        opt = torch.optim.SGD(params, lr=o["lr"], momentum=o["momentum"], weight_decay=o["weight_decay"])
+    else:
+        opt = torch.optim.AdamW(params, lr=o["lr"], weight_decay=o["weight_decay"])
+    autocast_dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16-mixed" else None
+    batch = o["batch_size"]
+    n = len(y_all)
+    step_times, step_samples = [], []
+    started = None
+    if counting:
+        counting.reset()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    rss_peak_reset()
+    steps = 0
+    epoch = 0
+    while steps < a.steps:
+        order = reference.epoch_order(n, a.seed, epoch)
+        for s in range(0, n, batch):
+            if steps >= a.steps:
+                break
+            t = time.time()
+            if started is None:
+                started = t
+            idx = torch.tensor(order[s:s + batch])
+            x, y = x_all[idx].to(device), y_all[idx].to(device)
+            if precision == "bf16":
+                x = x.to(torch.bfloat16)
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+                logits = forward(model, chain, x, a.checkpointing)
+            loss = torch.nn.functional.cross_entropy(logits.float(), y, reduction="sum") / len(idx)
+            if scaler:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
+            loss.item()
+            step_times.append(time.time() - t)
+            step_samples.append(len(idx))
+            steps += 1
+        epoch += 1
+    timed = slice(1, None)
+    result = {
+        "startup_seconds": started - a.launched if a.launched else started - T_START,
+        "samples_per_s": sum(step_samples[timed]) / max(sum(step_times[timed]), 1e-12),
+        "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if cuda
+        else (counting.peak() if counting else None),
+        "peak_rss_bytes": rss_peak(),
+        "steps": steps,
+    }
+    with open(a.result, "w") as f:
+        json.dump(result, f)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("init")
+    s.add_argument("--job", required=True)
+    s.add_argument("--out", required=True)
+    s.add_argument("--seed", type=int, default=0)
+    s = sub.add_parser("train")
+    s.add_argument("--job", required=True)
+    s.add_argument("--init", required=True)
+    s.add_argument("--data", required=True)
+    s.add_argument("--precision", default="fp32")
+    s.add_argument("--checkpointing", action="store_true")
+    s.add_argument("--steps", type=int, required=True)
+    s.add_argument("--threads", type=int, default=2)
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--counting", default=None, help="the shim as a shared library (CPU memory)")
+    s.add_argument("--launched", type=float, default=None, help="when the driver started this process")
+    s.add_argument("--result", required=True)
+    a = p.parse_args()
+    {"init": cmd_init, "train": cmd_train}[a.cmd](a)
+
+
+if __name__ == "__main__":
+    main()
