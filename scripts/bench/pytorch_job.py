@@ -152,7 +152,8 @@ def cmd_train(a):
     import numpy as np
 
     d = np.load(a.data)
-    x_all, y_all = torch.from_numpy(d["x"]), torch.from_numpy(d["y"])
+    # Copied into tensors of their own, as memtrain holds its data: counted on both sides alike.
+    x_all, y_all = torch.from_numpy(d["x"]).clone(), torch.from_numpy(d["y"]).clone()
     params = [p for _, p in sorted(model.named_parameters())]
     o = jobs.JOBS[a.job]["train"]
     if o["optimizer"] == "sgd":
@@ -184,7 +185,7 @@ def cmd_train(a):
             x, y = x_all[idx].to(device), y_all[idx].to(device)
             if precision == "bf16":
                 x = x.to(torch.bfloat16)
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad(set_to_none=not a.keep_grads)
             with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
                 logits = forward(model, chain, x, a.checkpointing)
             loss = torch.nn.functional.cross_entropy(logits.float(), y, reduction="sum") / len(idx)
@@ -231,6 +232,8 @@ def main():
     s.add_argument("--device", default="cpu")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--counting", default=None, help="the shim as a shared library (CPU memory)")
+    s.add_argument("--keep-grads", action="store_true",
+                   help="zero_grad(set_to_none=False), as memtrain does: to measure what dropping them saves")
     s.add_argument("--launched", type=float, default=None, help="when the driver started this process")
     s.add_argument("--result", required=True)
     a = p.parse_args()
