@@ -283,6 +283,18 @@ impl Optimizer {
         }
     }
 
+    /// Releases every gradient, as PyTorch's default `zero_grad(set_to_none=True)`: the forward
+    /// pass of the next step runs without a copy of the parameters' size alive, and backward
+    /// makes them afresh (its first micro-batch writes the gradient instead of adding it to
+    /// zeros, which gives the same values).
+    pub fn drop_grads(&mut self) {
+        let params: Vec<Tensor> = self.params.iter().map(|(_, p)| p.shallow_clone()).collect();
+        if let Err(e) = crate::shim::drop_grads(&params) {
+            // Inside the OOM guard like any libtorch error; it cannot fail for a plain tensor.
+            panic!("{e}");
+        }
+    }
+
     /// Every state tensor, named `<slot>/<param name>` with slot `exp_avg` and `exp_avg_sq`
     /// (Adam, AdamW) or `momentum_buffer` (SGD with momentum; plain SGD has none), in parameter
     /// order. The tensors are the live state (shallow clones): copy them before the next `step`
@@ -914,6 +926,20 @@ mod tests {
             assert_eq!(values(&b), vec![1.0, 2.0, 3.0], "{:?}", h.kind);
             assert_ne!(values(&a), PARAM.to_vec(), "{:?}", h.kind);
         }
+    }
+
+    #[test]
+    fn drop_grads_releases_them_and_the_next_backward_makes_them_again() {
+        let p = Tensor::from_slice(&[1.0f32, 2.0]).set_requires_grad(true);
+        let mut opt = Optimizer::new(sgd(), vec![("w".into(), p.shallow_clone())]);
+        (&p * 3.0).sum(tch::Kind::Float).backward();
+        assert!(p.grad().defined());
+        opt.drop_grads();
+        assert!(!p.grad().defined());
+        opt.step(0.1);
+        assert_eq!(values(&p), vec![1.0, 2.0], "no gradient, no update");
+        (&p * 3.0).sum(tch::Kind::Float).backward();
+        assert_eq!(values(&p.grad()), vec![3.0, 3.0]);
     }
 
     #[test]

@@ -134,10 +134,10 @@ impl StepPipeline {
         oom::guarded_counting(
             || memory::oom_count(place),
             || {
-                // zero
-                opt.zero_grad();
+                // zero: gradients are released, as PyTorch's default zero_grad does
+                opt.drop_grads();
                 for o in others.iter_mut() {
-                    o.zero_grad();
+                    o.drop_grads();
                 }
                 // forward → loss → backward, per micro-batch
                 let n = work.group.len() as f64;

@@ -285,9 +285,10 @@ impl Trainer {
             StepError::Oom { kind, message } => (kind, message),
             StepError::Other(m) => return Err(anyhow::anyhow!("{phase} failed: {m}")),
         };
-        self.model.opt.zero_grad();
+        // Whatever the failed attempt left in the gradients goes, and their memory with it.
+        self.model.opt.drop_grads();
         if let Some((_, o)) = &mut self.model.extra {
-            o.zero_grad();
+            o.drop_grads();
         }
         self.clear_cache(ClearReason::Oom)?;
         let Outcome {

@@ -60,6 +60,7 @@ extern "C" {
     fn mt_rng_get_state(device_type: i32, index: i64, data: *mut *mut c_char, len: *mut u64) -> *mut c_char;
     fn mt_rng_set_state(device_type: i32, index: i64, data: *const c_char, len: u64) -> *mut c_char;
     fn mt_backward(outputs: *const *const C_tensor, grads: *const *const C_tensor, n: i64) -> *mut c_char;
+    fn mt_drop_grads(params: *const *const C_tensor, n: i64) -> *mut c_char;
     fn mt_amp_unscale(
         grads: *const *const C_tensor,
         n: i64,
@@ -368,6 +369,12 @@ pub fn backward(outputs: &[tch::Tensor], grads: &[tch::Tensor]) -> Result<()> {
 pub fn amp_unscale(grads: &[tch::Tensor], found_inf: &tch::Tensor, inv_scale: &tch::Tensor) -> Result<()> {
     let g: Vec<*const C_tensor> = grads.iter().map(|t| t.as_ptr()).collect();
     check(unsafe { mt_amp_unscale(g.as_ptr(), g.len() as i64, found_inf.as_ptr(), inv_scale.as_ptr()) })
+}
+
+/// Releases the parameters' gradients (`zero_grad(set_to_none=True)`).
+pub fn drop_grads(params: &[tch::Tensor]) -> Result<()> {
+    let p: Vec<*const C_tensor> = params.iter().map(|t| t.as_ptr()).collect();
+    check(unsafe { mt_drop_grads(p.as_ptr(), p.len() as i64) })
 }
 
 /// A loaded TorchScript module (`torch.jit.load`).

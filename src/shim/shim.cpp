@@ -433,6 +433,14 @@ char *mt_amp_unscale(at::Tensor **grads, int64_t n, at::Tensor *found_inf, at::T
   });
 }
 
+// optimizer.zero_grad(set_to_none=True): the parameters' gradients are released, so the next
+// forward pass runs without them and backward allocates them afresh.
+char *mt_drop_grads(at::Tensor **params, int64_t n) {
+  return guarded([&] {
+    for (int64_t i = 0; i < n; ++i) params[i]->mutable_grad().reset();
+  });
+}
+
 // ---------------------------------------------------------------------------------------------
 // TorchScript modules (the `torchscript` preset). The module's parameters and buffers are
 // handed out as tensors sharing their storage, so the VarStore that holds them trains,
