@@ -275,8 +275,9 @@ impl Optimizer {
     }
 
     /// Zeroes every defined grad in place (detached first, like PyTorch's
-    /// `zero_grad(set_to_none=False)`); undefined grads stay undefined. Keeping the grad tensors
-    /// allocated keeps memory use flat from step to step.
+    /// `zero_grad(set_to_none=False)`); undefined grads stay undefined. Training releases them
+    /// (`drop_grads`); the optimizer tests' reference loops zero them.
+    #[cfg(test)]
     pub fn zero_grad(&mut self) {
         for (_, p) in self.params.iter_mut() {
             p.zero_grad();
@@ -288,8 +289,7 @@ impl Optimizer {
     /// makes them afresh (its first micro-batch writes the gradient instead of adding it to
     /// zeros, which gives the same values).
     pub fn drop_grads(&mut self) {
-        let params: Vec<Tensor> = self.params.iter().map(|(_, p)| p.shallow_clone()).collect();
-        if let Err(e) = crate::shim::drop_grads(&params) {
+        if let Err(e) = crate::shim::drop_grads(self.params.iter().map(|(_, p)| p)) {
             // Inside the OOM guard like any libtorch error; it cannot fail for a plain tensor.
             panic!("{e}");
         }

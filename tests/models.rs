@@ -134,19 +134,7 @@ fn torchvision_resnet18_names() -> Vec<String> {
 fn resnet18_loads_a_torchvision_state_dict_and_trains_as_torchvision_does() {
     let t = Test::new();
     let dir = t.dir().to_path_buf();
-    let info: serde_json::Value = serde_json::from_str(&reference(
-        &dir,
-        &[
-            "torchvision",
-            "--model",
-            "resnet18",
-            "--classes",
-            "4",
-            "--out",
-            "init.safetensors",
-        ],
-    ))
-    .unwrap();
+    let info = torchvision_init(&dir, "resnet18", "4");
     let tv_names: Vec<String> = info["names"]
         .as_array()
         .unwrap()

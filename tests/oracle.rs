@@ -55,18 +55,7 @@ impl Model {
                 "mlp:init.safetensors"
             }
             Model::Resnet18 => {
-                reference(
-                    dir,
-                    &[
-                        "torchvision",
-                        "--model",
-                        "resnet18",
-                        "--classes",
-                        "4",
-                        "--out",
-                        "init.safetensors",
-                    ],
-                );
+                torchvision_init(dir, "resnet18", "4");
                 "torchvision:resnet18:init.safetensors"
             }
         }

@@ -278,15 +278,16 @@ impl Run {
         self.marks.push(Mark { step, kind, detail });
     }
 
-    fn summary_f64(&self, path: &[&str]) -> Option<f64> {
-        let mut v = self.summary.as_ref()?;
-        for k in path {
-            v = v.get(k)?;
-        }
-        v.as_f64()
+    /// A field of the summary by JSON pointer (`/memory/peak_rss_bytes`).
+    pub(crate) fn summary_at(&self, pointer: &str) -> Option<&Value> {
+        self.summary.as_ref()?.pointer(pointer)
     }
 
-    fn status(&self) -> &str {
+    fn summary_f64(&self, pointer: &str) -> Option<f64> {
+        self.summary_at(pointer)?.as_f64()
+    }
+
+    pub(crate) fn status(&self) -> &str {
         self.summary
             .as_ref()
             .and_then(|s| s["status"].as_str())
@@ -300,13 +301,13 @@ impl Run {
 
     pub fn peak_allocated(&self) -> Option<f64> {
         let from_steps = self.step_max(|p| p.peak_allocated.or(p.allocated));
-        let from_summary = self.summary_f64(&["memory", "peak_allocated_bytes"]);
+        let from_summary = self.summary_f64("/memory/peak_allocated_bytes");
         from_steps.into_iter().chain(from_summary).reduce(f64::max)
     }
 
     pub fn peak_reserved(&self) -> Option<f64> {
         let from_steps = self.step_max(|p| p.peak_reserved.or(p.reserved));
-        let from_summary = self.summary_f64(&["memory", "peak_reserved_bytes"]);
+        let from_summary = self.summary_f64("/memory/peak_reserved_bytes");
         from_steps.into_iter().chain(from_summary).reduce(f64::max)
     }
 
@@ -330,17 +331,17 @@ impl Run {
         if let Some(r) = self.peak_reserved() {
             mem += &format!(", {} reserved", human_bytes(r as u64));
         }
-        if let Some(r) = self.summary_f64(&["memory", "peak_rss_bytes"]) {
+        if let Some(r) = self.summary_f64("/memory/peak_rss_bytes") {
             mem += &format!(", {} RSS", human_bytes(r as u64));
         }
         if let Some(c) = self.cap_bytes {
             mem += &format!(" (cap {})", human_bytes(c as u64));
         }
         line(mem);
-        let clears = self.summary_f64(&["cache", "clears"]).unwrap_or(0.0);
-        let clear_s = self.summary_f64(&["cache", "clear_seconds"]).unwrap_or(0.0);
-        let syncs = self.summary_f64(&["cache", "syncs"]).unwrap_or(0.0);
-        let sync_s = self.summary_f64(&["cache", "sync_seconds"]).unwrap_or(0.0);
+        let clears = self.summary_f64("/cache/clears").unwrap_or(0.0);
+        let clear_s = self.summary_f64("/cache/clear_seconds").unwrap_or(0.0);
+        let syncs = self.summary_f64("/cache/syncs").unwrap_or(0.0);
+        let sync_s = self.summary_f64("/cache/sync_seconds").unwrap_or(0.0);
         line(format!(
             "cache clearing: {clears} clears took {}; {syncs} synchronisations took {}",
             human_duration(clear_s),
@@ -363,12 +364,12 @@ impl Run {
         for m in self.marks.iter().filter(|m| m.kind == MarkKind::GrowBack) {
             line(format!("  step {}: grew back, {}", m.step, m.detail));
         }
-        let rate = self.summary_f64(&["samples_per_s"]);
-        let wall = self.summary_f64(&["wall_seconds"]);
+        let rate = self.summary_f64("/samples_per_s");
+        let wall = self.summary_f64("/wall_seconds");
         line(format!(
             "throughput: {} samples/s over {} steps{}",
             rate.map(|r| format!("{r:.1}")).unwrap_or_else(|| "-".into()),
-            self.summary_f64(&["global_steps"])
+            self.summary_f64("/global_steps")
                 .or(self.steps.last().map(|s| s.step))
                 .unwrap_or(0.0),
             wall.map(|w| format!(", wall {}", human_duration(w)))

@@ -191,21 +191,14 @@ figure{margin:.8em 0}svg{max-width:100%;height:auto}.where{color:#666;font-size:
 
 fn facts_table(run: &Run) -> String {
     let mut rows: Vec<(&str, String)> = vec![];
-    let s = run.summary.as_ref();
-    let get = |path: &[&str]| -> Option<&serde_json::Value> {
-        let mut v = s?;
-        for k in path {
-            v = v.get(k)?;
-        }
-        Some(v)
-    };
-    let num = |path: &[&str]| get(path).and_then(|v| v.as_f64());
+    let get = |pointer: &str| run.summary_at(pointer);
+    let num = |pointer: &str| get(pointer).and_then(|v| v.as_f64());
     rows.push(("status", run.status().to_owned()));
     rows.push(("device", run.device.clone()));
-    if let Some(e) = get(&["epochs_completed"]) {
+    if let Some(e) = get("/epochs_completed") {
         rows.push(("epochs completed", e.to_string()));
     }
-    let steps = num(&["global_steps"]).or(run.steps.last().map(|p| p.step));
+    let steps = num("/global_steps").or(run.steps.last().map(|p| p.step));
     rows.push(("optimizer steps", steps.unwrap_or(0.0).to_string()));
     let bytes = |v: Option<f64>| v.map(|b| human_bytes(b as u64));
     if let Some(b) = bytes(run.peak_allocated()) {
@@ -214,28 +207,25 @@ fn facts_table(run: &Run) -> String {
     if let Some(b) = bytes(run.peak_reserved()) {
         rows.push(("peak reserved", b));
     }
-    if let Some(b) = bytes(num(&["memory", "peak_rss_bytes"])) {
+    if let Some(b) = bytes(num("/memory/peak_rss_bytes")) {
         rows.push(("peak RSS", b));
     }
     if let Some(b) = bytes(run.cap_bytes) {
         rows.push(("memory cap", b));
     }
-    if let Some(r) = num(&["samples_per_s"]) {
+    if let Some(r) = num("/samples_per_s") {
         rows.push(("samples/s", format!("{r:.1}")));
     }
-    if let Some(w) = num(&["wall_seconds"]) {
+    if let Some(w) = num("/wall_seconds") {
         rows.push(("wall time", human_duration(w)));
     }
-    if let (Some(n), Some(t)) = (num(&["cache", "clears"]), num(&["cache", "clear_seconds"])) {
+    if let (Some(n), Some(t)) = (num("/cache/clears"), num("/cache/clear_seconds")) {
         rows.push(("cache clears", format!("{n} ({})", human_duration(t))));
     }
-    if let (Some(n), Some(t)) = (
-        num(&["memory", "step_readings"]),
-        num(&["memory", "step_reading_seconds"]),
-    ) {
+    if let (Some(n), Some(t)) = (num("/memory/step_readings"), num("/memory/step_reading_seconds")) {
         rows.push(("per-step memory readings", format!("{n} ({})", human_duration(t))));
     }
-    if let Some(o) = get(&["oom"]) {
+    if let Some(o) = get("/oom") {
         rows.push((
             "OOM events",
             format!(
@@ -244,10 +234,10 @@ fn facts_table(run: &Run) -> String {
             ),
         ));
     }
-    if let Some(p) = get(&["precision", "mode"]).and_then(|v| v.as_str()) {
+    if let Some(p) = get("/precision/mode").and_then(|v| v.as_str()) {
         rows.push(("precision", p.to_owned()));
     }
-    if let Some(b) = get(&["batch"]) {
+    if let Some(b) = get("/batch") {
         rows.push((
             "batch",
             format!(

@@ -372,8 +372,8 @@ pub fn amp_unscale(grads: &[tch::Tensor], found_inf: &tch::Tensor, inv_scale: &t
 }
 
 /// Releases the parameters' gradients (`zero_grad(set_to_none=True)`).
-pub fn drop_grads(params: &[tch::Tensor]) -> Result<()> {
-    let p: Vec<*const C_tensor> = params.iter().map(|t| t.as_ptr()).collect();
+pub fn drop_grads<'a>(params: impl IntoIterator<Item = &'a tch::Tensor>) -> Result<()> {
+    let p: Vec<*const C_tensor> = params.into_iter().map(|t| t.as_ptr()).collect();
     check(unsafe { mt_drop_grads(p.as_ptr(), p.len() as i64) })
 }
 

@@ -436,6 +436,24 @@ pub fn reference(dir: &Path, args: &[&str]) -> String {
     String::from_utf8(o.stdout).unwrap()
 }
 
+/// torchvision's `model` with `classes` outputs, seeded, written by reference.py as
+/// `dir/init.safetensors`; returns its `{"parameters", "names"}`.
+pub fn torchvision_init(dir: &Path, model: &str, classes: &str) -> serde_json::Value {
+    let out = reference(
+        dir,
+        &[
+            "torchvision",
+            "--model",
+            model,
+            "--classes",
+            classes,
+            "--out",
+            "init.safetensors",
+        ],
+    );
+    serde_json::from_str(&out).unwrap()
+}
+
 /// The per-step training losses a run recorded (with `log.every_steps = 1`).
 pub fn step_losses(o: &Outcome) -> Vec<f64> {
     o.records("step").iter().map(|r| r["loss"].as_f64().unwrap()).collect()
