@@ -344,7 +344,9 @@ fn resolve_budget(args: &FitArgs, plan: &Plan, facts: &Facts) -> Result<Budget> 
     let (bytes, source, written_as) = if let Some(l) = &args.limit {
         let b = ByteSize::parse(l).map_err(|e| UsageError(format!("--limit: {e}")))?;
         if b.0 == 0 {
-            return Err(UsageError("--limit 0: the budget must be more than nothing".into()).into());
+            return Err(
+                UsageError("--limit 0: the budget must be more than nothing; give a size such as 4GiB".into()).into(),
+            );
         }
         (b.0, "--limit".to_owned(), Some(("memory.limit", spec_size(b))))
     } else if let Some(f) = args.fraction {
