@@ -92,6 +92,7 @@ def run_memtrain(a, work, job, setting, rep):
         "peak_allocated_bytes": max(s["memory"].get("peak_allocated_bytes", 0) for s in steps),
         "peak_rss_bytes": summary["memory"]["peak_rss_bytes"],
         "checkpointing": summary["precision"]["activation_checkpointing"],
+        "losses": [s["loss"] for s in steps],
     }
 
 
@@ -100,6 +101,7 @@ def run_pytorch(a, work, job, setting, rep, counting):
     result = os.path.join(work, f"pt-{job}-{name}-{rep}.json")
     cmd = [sys.executable, os.path.join(HERE, "pytorch_job.py"), "train", "--job", job,
            "--init", os.path.join(work, "init.safetensors"), "--data", os.path.join(work, "data.npz"),
+           "--val", os.path.join(work, "val.npz"),
            "--precision", precision, "--steps", str(jobs.JOBS[job]["steps"]), "--threads", str(a.threads),
            "--device", a.device, "--result", result]
     if ckpt:
@@ -111,6 +113,13 @@ def run_pytorch(a, work, job, setting, rep, counting):
     if p.returncode != 0:
         raise SystemExit(f"PyTorch {job} {name} failed ({p.returncode}):\n{p.stderr}")
     return json.load(open(result))
+
+
+def loss_gap(mt, pt):
+    """The largest relative difference between the two sides' per-step losses: near 1e-7 in fp32
+    (same computation), larger under reduced precision, where both round differently."""
+    gaps = [abs(m - q) / max(abs(q), 1e-12) for m, q in zip(mt["losses"], pt["losses"])]
+    return max(gaps) if gaps and len(mt["losses"]) == len(pt["losses"]) else float("nan")
 
 
 def med(xs):
@@ -141,7 +150,7 @@ def main():
     if cuda:
         print(f"# GPU: {torch.cuda.get_device_name(0)}")
     header = ("| job | setting | samples/s memtrain | PyTorch | ratio (range) | peak alloc memtrain | PyTorch | ratio "
-              "| peak RSS ratio | start-up memtrain | PyTorch |")
+              "| peak RSS ratio | start-up memtrain | PyTorch | loss gap |")
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     with tempfile.TemporaryDirectory() as tmp:
@@ -173,9 +182,11 @@ def main():
                       f"| {mib(med([m['peak_allocated_bytes'] for m in mt]))} "
                       f"| {mib(med([q['peak_allocated_bytes'] for q in pt]))} | {med(alloc):.2f} "
                       f"| {med(rss):.2f} | {med([m['startup_seconds'] for m in mt]):.2f} s "
-                      f"| {med([q['startup_seconds'] for q in pt]):.2f} s |", flush=True)
+                      f"| {med([q['startup_seconds'] for q in pt]):.2f} s "
+                      f"| {max(loss_gap(m, q) for m, q in zip(mt, pt)):.0e} |", flush=True)
     print("# ratio = memtrain / PyTorch (samples/s: above 1 is faster; memory: below 1 is less), median of the pairs;"
-          " start-up: launch to the first step")
+          " start-up: launch to the first step; loss gap: the largest relative difference between the two sides'"
+          " per-step losses")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,17 @@ JOBS = {
         "train": {"batch_size": 128, "optimizer": "adamw", "lr": 1e-3, "momentum": 0.0, "weight_decay": 0.01},
         "steps": 40,
     },
+    "darts": {
+        "preset": "darts",
+        "options": {"in_channels": 1, "input_length": 256, "num_classes": 5, "init_channels": 8, "num_cells": 3,
+                    "num_nodes": 2, "ops": ["none", "skip_connect", "max_pool_3", "avg_pool_3", "sep_conv_3",
+                                            "dil_conv_3", "attention_light"],
+                    "arch_lr": 3e-4, "arch_weight_decay": 1e-3},
+        "shape": [1, 256],
+        "samples": 256,
+        "train": {"batch_size": 16, "optimizer": "sgd", "lr": 0.025, "momentum": 0.9, "weight_decay": 3e-4},
+        "steps": 12,
+    },
     "resnet18": {
         "preset": "resnet18",
         "options": {"num_classes": 10, "image_size": 32},

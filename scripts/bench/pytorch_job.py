@@ -36,11 +36,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "py"))
 import reference  # noqa: E402  (Mlp, epoch_order, safetensors)
 
+import darts_twin  # noqa: E402
 import jobs  # noqa: E402
 
 
 def build(job):
     spec = jobs.JOBS[job]
+    if spec["preset"] == "darts":
+        return darts_twin.Darts(**spec["options"])
     if spec["preset"] == "mlp":
         o = spec["options"]
         return reference.Mlp([o["inputs"]] + o["hidden"] + [o["num_classes"]])
@@ -81,6 +84,8 @@ def blocks(model, job):
 
 
 def forward(model, chain, x, checkpointing):
+    if isinstance(model, darts_twin.Darts):
+        return model(x, checkpointing)
     if not checkpointing or chain is None:
         return model(x)
     from torch.utils.checkpoint import checkpoint
@@ -133,7 +138,9 @@ def rss_peak():
 
 def cmd_init(a):
     torch.manual_seed(a.seed)
-    reference.write_safetensors(build(a.job).state_dict(), a.out)
+    model = build(a.job)
+    state = model.state_for_memtrain() if isinstance(model, darts_twin.Darts) else model.state_dict()
+    reference.write_safetensors(state, a.out)
 
 
 def cmd_train(a):
@@ -142,7 +149,12 @@ def cmd_train(a):
     cuda = device.type == "cuda"
     counting = Counting(a.counting) if a.counting and not cuda else None
     model = build(a.job)
-    model.load_state_dict(reference.read_safetensors(a.init))
+    init = reference.read_safetensors(a.init)
+    darts = isinstance(model, darts_twin.Darts)
+    if darts:
+        model.load_from_memtrain(init)
+    else:
+        model.load_state_dict(init)
     precision = a.precision
     if precision == "bf16":
         model = model.to(torch.bfloat16)
@@ -154,7 +166,7 @@ def cmd_train(a):
     d = np.load(a.data)
     # Copied into tensors of their own, as memtrain holds its data: counted on both sides alike.
     x_all, y_all = torch.from_numpy(d["x"]).clone(), torch.from_numpy(d["y"]).clone()
-    params = [p for _, p in sorted(model.named_parameters())]
+    params = model.weight_parameters() if darts else [p for _, p in sorted(model.named_parameters())]
     o = jobs.JOBS[a.job]["train"]
     if o["optimizer"] == "sgd":
         opt = torch.optim.SGD(params, lr=o["lr"], momentum=o["momentum"], weight_decay=o["weight_decay"])
@@ -162,9 +174,52 @@ def cmd_train(a):
         opt = torch.optim.AdamW(params, lr=o["lr"], weight_decay=o["weight_decay"])
     autocast_dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16-mixed" else None
+
+    def loss_of(x, y):
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
+            logits = forward(model, chain, x, a.checkpointing)
+        return torch.nn.functional.cross_entropy(logits.float(), y, reduction="sum") / len(y)
+
+    arch = None
+    if darts:
+        # DARTS (first order): before each weight step, an Adam step of the architecture weights
+        # on the next held-out micro-batch, as memtrain's extra step; its own scaler for fp16.
+        v = np.load(a.val)
+        xv_all, yv_all = torch.from_numpy(v["x"]).clone(), torch.from_numpy(v["y"]).clone()
+        opts = jobs.JOBS[a.job]["options"]
+        arch = {
+            "opt": torch.optim.Adam(model.arch_parameters(), lr=opts["arch_lr"], betas=(0.5, 0.999),
+                                    weight_decay=opts["arch_weight_decay"]),
+            "scaler": torch.amp.GradScaler(device.type) if precision == "fp16-mixed" else None,
+            "cursor": 0,
+            "orders": {},
+        }
+
+    def arch_step():
+        nv = len(yv_all)
+        b = min(o["batch_size"], nv)
+        ks = range(arch["cursor"], arch["cursor"] + b)
+        for k in ks:
+            arch["orders"].setdefault(k // nv, reference.epoch_order(nv, a.seed + 7919, k // nv))
+        idx = torch.tensor([arch["orders"][k // nv][k % nv] for k in ks])
+        arch["cursor"] += b
+        x, y = xv_all[idx].to(device), yv_all[idx].to(device)
+        if precision == "bf16":
+            x = x.to(torch.bfloat16)
+        arch["opt"].zero_grad()
+        opt.zero_grad()
+        loss = loss_of(x, y)
+        s = arch["scaler"]
+        if s:
+            s.scale(loss).backward()
+            s.step(arch["opt"])
+            s.update()
+        else:
+            loss.backward()
+            arch["opt"].step()
     batch = o["batch_size"]
     n = len(y_all)
-    step_times, step_samples = [], []
+    step_times, step_samples, losses = [], [], []
     started = None
     if counting:
         counting.reset()
@@ -185,10 +240,11 @@ def cmd_train(a):
             x, y = x_all[idx].to(device), y_all[idx].to(device)
             if precision == "bf16":
                 x = x.to(torch.bfloat16)
+            if arch:
+                arch_step()
+                arch["opt"].zero_grad()
             opt.zero_grad(set_to_none=not a.keep_grads)
-            with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-                logits = forward(model, chain, x, a.checkpointing)
-            loss = torch.nn.functional.cross_entropy(logits.float(), y, reduction="sum") / len(idx)
+            loss = loss_of(x, y)
             if scaler:
                 scaler.scale(loss).backward()
                 scaler.step(opt)
@@ -196,7 +252,7 @@ def cmd_train(a):
             else:
                 loss.backward()
                 opt.step()
-            loss.item()
+            losses.append(loss.item())
             step_times.append(time.time() - t)
             step_samples.append(len(idx))
             steps += 1
@@ -209,6 +265,7 @@ def cmd_train(a):
         else (counting.peak() if counting else None),
         "peak_rss_bytes": rss_peak(),
         "steps": steps,
+        "losses": losses,
     }
     with open(a.result, "w") as f:
         json.dump(result, f)
@@ -225,6 +282,7 @@ def main():
     s.add_argument("--job", required=True)
     s.add_argument("--init", required=True)
     s.add_argument("--data", required=True)
+    s.add_argument("--val", default=None, help="held-out data (darts' architecture step)")
     s.add_argument("--precision", default="fp32")
     s.add_argument("--checkpointing", action="store_true")
     s.add_argument("--steps", type=int, required=True)

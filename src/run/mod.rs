@@ -368,16 +368,16 @@ fn copy_into(vs: &nn::VarStore, tensors: &[(String, Tensor)], what: &str) -> Res
     if !missing.is_empty() || !unexpected.is_empty() || !misshaped.is_empty() {
         let mut msg = format!("{what} does not match the model:");
         if !missing.is_empty() {
-            msg += &format!("\n  missing (in the model, not in the file): {}", missing.join(", "));
+            msg += &format!("\n  missing (in the model, not in the file): {}", few(&missing, ", "));
         }
         if !unexpected.is_empty() {
             msg += &format!(
                 "\n  unexpected (in the file, not in the model): {}",
-                unexpected.join(", ")
+                few(&unexpected, ", ")
             );
         }
         if !misshaped.is_empty() {
-            msg += &format!("\n  mis-shaped: {}", misshaped.join("; "));
+            msg += &format!("\n  mis-shaped: {}", few(&misshaped, "; "));
         }
         return Err(UsageError(msg).into());
     }
@@ -388,6 +388,17 @@ fn copy_into(vs: &nn::VarStore, tensors: &[(String, Tensor)], what: &str) -> Res
         }
     });
     Ok(())
+}
+
+/// The first few names of a list and how many more: a model has thousands of tensors, and a
+/// renamed module would otherwise print all of them.
+fn few<S: AsRef<str>>(names: &[S], sep: &str) -> String {
+    const SHOWN: usize = 8;
+    let mut s = names.iter().take(SHOWN).map(AsRef::as_ref).collect::<Vec<_>>().join(sep);
+    if names.len() > SHOWN {
+        s += &format!("{sep}… and {} more ({} in all)", names.len() - SHOWN, names.len());
+    }
+    s
 }
 
 fn init_from(vs: &nn::VarStore, path: &Path) -> Result<()> {
@@ -415,4 +426,19 @@ fn init_from(vs: &nn::VarStore, path: &Path) -> Result<()> {
     })?;
     let label = format!("model.init_from {}", path.display());
     setup_step(&what, || copy_into(vs, &tensors, &label))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::few;
+
+    #[test]
+    fn few_names_and_a_count_of_the_rest() {
+        assert_eq!(few(&["a", "b"], ", "), "a, b");
+        let many: Vec<String> = (0..11).map(|i| format!("n{i}")).collect();
+        assert_eq!(
+            few(&many, "; "),
+            "n0; n1; n2; n3; n4; n5; n6; n7; … and 3 more (11 in all)"
+        );
+    }
 }
