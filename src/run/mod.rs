@@ -32,6 +32,7 @@ pub use trainer::{LoopSettings, Model, Trainer};
 pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
     let t_start = Instant::now();
     oom::install_hook();
+    crate::sysmem::warm_malloc_thresholds();
     // Before anything is loaded, so every CPU tensor byte of the run is counted.
     shim::cpu_alloc_install().context("installing the counting CPU allocator")?;
     let loaded = spec::load_args(&args.spec.file, &args.spec.set, &model::validate)?;
