@@ -4,7 +4,13 @@ use std::path::PathBuf;
 
 fn main() {
     println!("cargo:rerun-if-changed=src/shim/shim.cpp");
+    println!("cargo:rerun-if-changed=src/shim/dist.cpp");
+    println!("cargo:rerun-if-changed=src/shim/guard.h");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
+    println!("cargo:rerun-if-env-changed=MEMTRAIN_GLOO_INCLUDE");
+    println!("cargo:rerun-if-env-changed=MEMTRAIN_NCCL_INCLUDE");
+    println!("cargo:rerun-if-env-changed=MEMTRAIN_CUDA_INCLUDE");
+    println!("cargo::rustc-check-cfg=cfg(memtrain_dist)");
     // torch-sys declares `links = "tch"` and prints `libtorch_lib`, which cargo hands to
     // direct dependents as DEP_TCH_LIBTORCH_LIB.
     let lib = PathBuf::from(
@@ -31,6 +37,7 @@ fn main() {
         build.define("MEMTRAIN_HAVE_CUDA", None);
     }
     build.compile("memtrain_shim");
+    distributed(&root, &abi, have_cuda);
 
     // RUNPATH (not RPATH) so that LD_LIBRARY_PATH can still point the binary at another
     // torch 2.11 install, such as a lab machine's own PyTorch.
@@ -45,4 +52,66 @@ fn main() {
         println!("cargo:rustc-link-arg=-lc10_cuda");
         println!("cargo:rustc-link-arg=-Wl,--as-needed");
     }
+}
+
+/// The data-parallel part of the shim (src/shim/dist.cpp), when its headers are here: Gloo's
+/// (Debian/Ubuntu: libgloo-dev; or MEMTRAIN_GLOO_INCLUDE) for the CPU, NCCL's (the nvidia-nccl
+/// wheel PyTorch installs, found beside torch; or MEMTRAIN_NCCL_INCLUDE) for CUDA. libtorch
+/// itself carries both backends' code; only their headers are missing from the wheel. Without
+/// either, memtrain builds without data-parallel training and says so when asked for it.
+fn distributed(root: &std::path::Path, abi: &str, have_cuda: bool) {
+    let found = |var: &str, candidates: &[PathBuf], probe: &str| -> Option<PathBuf> {
+        env::var_os(var)
+            .map(PathBuf::from)
+            .into_iter()
+            .chain(candidates.iter().cloned())
+            .find(|d| d.join(probe).exists())
+    };
+    let gloo = found(
+        "MEMTRAIN_GLOO_INCLUDE",
+        &[PathBuf::from("/usr/include"), PathBuf::from("/usr/local/include")],
+        "gloo/config.h",
+    );
+    // ProcessGroupNCCL.hpp also needs the CUDA toolkit's headers (cuda_runtime.h with its
+    // crt/); the wheels carry only part of them, so NCCL needs a toolkit on the build machine.
+    let site = root.parent().map(PathBuf::from);
+    let cuda_include = env::var_os("MEMTRAIN_CUDA_INCLUDE")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain([PathBuf::from("/usr/local/cuda/include")])
+        .find(|d| d.join("crt/host_config.h").exists());
+    let nccl = match (have_cuda, &cuda_include) {
+        (true, Some(_)) => {
+            let candidates: Vec<PathBuf> = site.iter().map(|s| s.join("nvidia/nccl/include")).collect();
+            found("MEMTRAIN_NCCL_INCLUDE", &candidates, "nccl.h")
+        }
+        _ => None,
+    };
+    if gloo.is_none() && nccl.is_none() {
+        println!(
+            "cargo:warning=memtrain: neither Gloo's headers (libgloo-dev) nor NCCL's were found; \
+             building without data-parallel training (run --nproc)"
+        );
+        return;
+    }
+    let mut build = cc::Build::new();
+    build
+        .cpp(true)
+        .pic(true)
+        .warnings(false)
+        .include(root.join("include"))
+        .include(root.join("include/torch/csrc/api/include"))
+        .flag("-std=c++17")
+        .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
+        .flag("-DGLOG_USE_GLOG_EXPORT")
+        .file("src/shim/dist.cpp");
+    if let Some(dir) = &gloo {
+        build.include(dir).define("USE_C10D_GLOO", None).define("MEMTRAIN_HAVE_GLOO", None);
+    }
+    if let Some(dir) = &nccl {
+        build.include(dir).define("USE_C10D_NCCL", None).define("MEMTRAIN_HAVE_NCCL", None);
+        build.include(cuda_include.as_ref().expect("checked with nccl")).define("USE_CUDA", None);
+    }
+    build.compile("memtrain_dist");
+    println!("cargo:rustc-cfg=memtrain_dist");
 }

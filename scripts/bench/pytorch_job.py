@@ -155,6 +155,7 @@ def cmd_train(a):
         model.load_from_memtrain(init)
     else:
         model.load_state_dict(init)
+    del init  # the loaded copies would otherwise count against PyTorch's peak
     precision = a.precision
     if precision == "bf16":
         model = model.to(torch.bfloat16)

@@ -1,6 +1,8 @@
 //! The bridge to the libtorch calls tch lacks (see shim.cpp): memory statistics, cache control,
 //! device memory info, versions, the allocator snapshot and the counting CPU allocator.
 //! Everything C++ stays behind this module.
+pub mod dist;
+
 use std::ffi::{c_char, CStr};
 
 use anyhow::{bail, Result};
