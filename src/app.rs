@@ -6,11 +6,18 @@ use crate::exit;
 use crate::spec;
 
 pub fn main(cli: Cli) -> i32 {
-    init_logging(cli.quiet, cli.verbose);
+    // Ranks other than 0 are quiet unless something goes wrong, and then say which rank.
+    let rank = std::env::var("RANK").ok().filter(|_| std::env::var("WORLD_SIZE").is_ok_and(|w| w != "1"));
+    let follower = rank.as_deref().is_some_and(|r| r != "0");
+    init_logging(cli.quiet || follower, cli.verbose);
+    let who = rank.map(|r| format!("rank {r}: ")).unwrap_or_default();
     let result = match cli.command {
         Command::Info { json } => info(json),
         Command::Check(args) => check(&args),
-        Command::Run(args) => crate::run::run(&args, cli.quiet),
+        Command::Run(args) => match launch_ranks(&args) {
+            Some(code) => return code,
+            None => crate::run::run(&args, cli.quiet),
+        },
         Command::Report { run_dir } => report(&run_dir),
         Command::Fit(args) => crate::fit::fit(&args, cli.quiet),
     };
@@ -20,11 +27,50 @@ pub fn main(cli: Cli) -> i32 {
             let code = exit::code_for(&e);
             if code == exit::USAGE && e.downcast_ref::<spec::SpecError>().is_some() {
                 // Spec errors already carry their location; one per line.
-                eprintln!("{e}");
+                eprintln!("{who}{e}");
             } else {
-                eprintln!("error: {e:#}");
+                eprintln!("{who}error: {e:#}");
             }
             code
+        }
+    }
+}
+
+/// `run --nproc N` (N > 1) outside a launched group: start the ranks and wait for them.
+fn launch_ranks(args: &crate::cli::RunArgs) -> Option<i32> {
+    let n = args.nproc.filter(|&n| n > 1)? as usize;
+    if std::env::var_os("WORLD_SIZE").is_some() {
+        eprintln!("error: --nproc inside a launched group (WORLD_SIZE is set): leave --nproc out under torchrun");
+        return Some(exit::USAGE);
+    }
+    // The same command line, less --nproc: each rank runs it with torchrun's variables.
+    let mut rest = vec![];
+    let mut it = std::env::args().skip(1);
+    while let Some(a) = it.next() {
+        if a == "--nproc" {
+            it.next();
+        } else if !a.starts_with("--nproc=") {
+            rest.push(a);
+        }
+    }
+    let timeout = match crate::dist::World::from_lookup(|k| match k {
+        "RANK" => Some("0".into()),
+        "WORLD_SIZE" => Some(n.to_string()),
+        "MASTER_ADDR" => Some("127.0.0.1".into()),
+        "MASTER_PORT" => Some("1".into()),
+        _ => std::env::var(k).ok(),
+    }) {
+        Ok(w) => w.map(|w| w.timeout).unwrap_or(crate::dist::DEFAULT_TIMEOUT),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            return Some(exit::USAGE);
+        }
+    };
+    match crate::dist::launch::launch(n, &rest, timeout) {
+        Ok(code) => Some(code),
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            Some(exit::FAILURE)
         }
     }
 }

@@ -60,6 +60,13 @@ pub struct RunArgs {
     /// Stop after N optimizer steps (a smoke test of a spec); records and report, no checkpoint.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(i64).range(1..))]
     pub max_steps: Option<i64>,
+    /// Train data-parallel on N ranks on this machine (N CPU processes, or one per GPU); the
+    /// effective batch stays global. Under torchrun, leave it out: the ranks join its group.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub nproc: Option<u32>,
+    /// Override a spec key on one rank only, e.g. --rank-set 1:memory.limit=64MiB (repeatable).
+    #[arg(long = "rank-set", value_name = "RANK:KEY=VALUE")]
+    pub rank_set: Vec<String>,
 }
 
 #[derive(Debug, Args)]

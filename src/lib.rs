@@ -9,6 +9,7 @@ pub mod atomic;
 pub mod checkpoint;
 pub mod cli;
 pub mod data;
+pub mod dist;
 pub mod estimate;
 pub mod exit;
 pub mod fault;

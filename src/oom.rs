@@ -15,6 +15,8 @@ pub enum OomKind {
     Cpu,
     /// cuDNN gives up with NOT_SUPPORTED when it has no workspace memory for any algorithm.
     Cudnn,
+    /// Data-parallel: another rank ran out of memory; this one rolls back with it.
+    Peer,
 }
 
 /// The error texts that are out-of-memory conditions, whatever layer reports them.

@@ -211,6 +211,36 @@ impl Optimizer {
     /// panic) therefore leaves parameters, state and step count exactly as they were, and the
     /// step can be retried.
     pub fn step(&mut self, lr: f64) {
+        let prepared = self.prepare();
+        self.apply(prepared, lr);
+    }
+
+    /// The step's first phase: every allocation it makes (per-device scalars, the workspace).
+    /// Data-parallel ranks agree on whether any of them ran out of memory between this and
+    /// [`Optimizer::apply`], which allocates nothing.
+    pub fn prepare(&mut self) -> Prepared {
+        let h = self.hyper;
+        let Optimizer { params, scalars, .. } = self;
+        tch::no_grad(|| {
+            let live: Vec<(usize, Tensor)> = params
+                .iter()
+                .enumerate()
+                .map(|(i, (_, p))| (i, p.grad()))
+                .filter(|(_, g)| g.defined())
+                .collect();
+            let mut workspace = Workspace::default();
+            for (i, _) in &live {
+                let p = &params[*i].1;
+                prepare_scalars(scalars, &h, p.device(), p.kind());
+                workspace.reserve(p, h.temporaries());
+            }
+            workspace.allocate();
+            Prepared { live, workspace }
+        })
+    }
+
+    /// The step's second phase, in place only: nothing here allocates tensor memory.
+    pub fn apply(&mut self, prepared: Prepared, lr: f64) {
         let h = self.hyper;
         let next = self.steps + 1;
         let consts = match h.kind {
@@ -231,6 +261,7 @@ impl Optimizer {
                 }
             }
         };
+        let Prepared { live, workspace } = prepared;
         let Optimizer {
             params,
             state,
@@ -239,21 +270,6 @@ impl Optimizer {
             ..
         } = self;
         tch::no_grad(|| {
-            // Phase 1: every allocation of the step.
-            let live: Vec<(usize, Tensor)> = params
-                .iter()
-                .enumerate()
-                .map(|(i, (_, p))| (i, p.grad()))
-                .filter(|(_, g)| g.defined())
-                .collect();
-            let mut workspace = Workspace::default();
-            for (i, _) in &live {
-                let p = &params[*i].1;
-                prepare_scalars(scalars, &h, p.device(), p.kind());
-                workspace.reserve(p, h.temporaries());
-            }
-            workspace.allocate();
-            // Phase 2: in place only; nothing here allocates tensor memory.
             for (i, grad) in &live {
                 let i = *i;
                 let param = &mut params[i].1;
@@ -439,6 +455,13 @@ fn scalars_for<'a>(
 
 /// Flat buffers, per (device, kind), for the temporaries of one parameter's update, sized for
 /// the largest parameter so that one allocation before the update loop serves every parameter.
+#[derive(Default)]
+/// What [`Optimizer::prepare`] allocated for one step: the gradients it found and the workspace.
+pub struct Prepared {
+    live: Vec<(usize, Tensor)>,
+    workspace: Workspace,
+}
+
 #[derive(Default)]
 struct Workspace {
     /// (device, kind, slots, numel) wanted, then the allocated buffers.

@@ -5,7 +5,7 @@ mod step;
 mod trainer;
 
 use std::fs;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -35,14 +35,53 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
     crate::sysmem::warm_malloc_thresholds();
     // Before anything is loaded, so every CPU tensor byte of the run is counted.
     shim::cpu_alloc_install().context("installing the counting CPU allocator")?;
-    let loaded = spec::load_args(&args.spec.file, &args.spec.set, &model::validate)?;
+    let world = crate::dist::World::from_env().map_err(|e| UsageError(format!("{e:#}")))?;
+    // Ranks other than 0 print nothing unless something goes wrong.
+    let quiet = quiet || world.as_ref().is_some_and(|w| w.rank != 0);
+    let mut sets = args.spec.set.clone();
+    match &world {
+        Some(w) => sets.extend(rank_sets(&args.rank_set, w.rank)?),
+        None if !args.rank_set.is_empty() => {
+            return Err(UsageError("--rank-set applies to data-parallel runs: add --nproc N (or launch with torchrun)".into()).into())
+        }
+        None => {}
+    }
+    let loaded = spec::load_args(&args.spec.file, &sets, &model::validate)?;
     let spec = loaded.spec;
     let request = Request {
         out: args.out.clone(),
         resume: args.resume.clone(),
     };
     let facts = Facts::probe(&spec, &request)?;
-    let plan = Plan::resolve(&spec, &request, &facts)?;
+    let mut plan = Plan::resolve(&spec, &request, &facts)?;
+    // Data-parallel: every rank has resolved its plan (and checked the run directory) before
+    // rank 0 creates anything; ranks other than 0 write to a private directory that goes away.
+    let mut private_dir = None;
+    let dist = match world {
+        Some(w) => {
+            if plan.device != DevicePlan::Cpu && !shim::dist::backends().nccl {
+                return Err(UsageError(format!(
+                    "data-parallel training on {} needs NCCL, and this memtrain was built without NCCL's headers; set job.device = \"cpu\" to train on Gloo, or build with a CUDA toolkit (see README)",
+                    device_name(plan.device.tch())
+                ))
+                .into());
+            }
+            let d = crate::dist::Dist::join(w, plan.device.tch())?;
+            d.barrier()?;
+            if d.rank() != 0 {
+                let dir = std::env::temp_dir().join(format!("memtrain-rank{}-{}", d.rank(), std::process::id()));
+                plan.run_dir = dir.clone();
+                private_dir = Some(RemoveOnDrop(dir));
+            }
+            if plan.threads.is_none() {
+                // The machine's cores split between this machine's ranks.
+                let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+                plan.threads = Some((cores / d.world.local_size).max(1) as _);
+            }
+            Some(d)
+        }
+        None => None,
+    };
     if let Some(msg) = &plan.nothing_to_do {
         // Nothing to train; leave the finished run's records exactly as they are.
         eprintln!("{msg}");
@@ -230,6 +269,20 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
     if let Some(conf) = &plan.alloc.conf {
         progress.println(&format!("Allocator: {conf}"));
     }
+    if let Some(d) = &dist {
+        // Rank 0's weights and buffers everywhere, as DDP does at start. (Optimizer state needs
+        // none: fresh, or read from the same checkpoint by every rank.)
+        let vars = vs.variables();
+        let mut names: Vec<&String> = vars.keys().collect();
+        names.sort();
+        let all: Vec<&Tensor> = names.iter().map(|n| &vars[*n]).collect();
+        d.broadcast(&all).context("sharing rank 0's model")?;
+    }
+    let mut dist = dist;
+    if let Some(d) = &mut dist {
+        let params: Vec<&Tensor> = opt.params().iter().map(|(_, t)| t).collect();
+        d.attach(&params).context("creating the gradient Reducer")?;
+    }
     let mut trainer = Trainer::new(
         settings,
         spec_toml,
@@ -252,7 +305,13 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
         plan.alloc.conf.clone(),
         t_start,
     )?;
+    let follower = dist.as_ref().is_some_and(|d| d.rank() != 0);
+    trainer.dist = dist;
     let result = trainer.train();
+    drop(private_dir);
+    if follower {
+        return result.map(|_| ());
+    }
     // Every run gets its report, interrupted and failed ones included.
     let report = crate::report::write(run_dir);
     match &report {
@@ -389,6 +448,30 @@ fn copy_into(vs: &nn::VarStore, tensors: &[(String, Tensor)], what: &str) -> Res
         }
     });
     Ok(())
+}
+
+/// `--rank-set R:KEY=VALUE` entries that apply to `rank`, as `--set` values.
+fn rank_sets(entries: &[String], rank: usize) -> Result<Vec<String>> {
+    let mut out = vec![];
+    for e in entries {
+        let (r, set) = e
+            .split_once(':')
+            .and_then(|(r, set)| Some((r.trim().parse::<usize>().ok()?, set)))
+            .ok_or_else(|| UsageError(format!("--rank-set {e:?}: expected RANK:KEY=VALUE, e.g. 1:memory.limit=64MiB")))?;
+        if r == rank {
+            out.push(set.to_owned());
+        }
+    }
+    Ok(out)
+}
+
+/// A directory removed when the run ends (a follower rank's private run directory).
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
 }
 
 /// The first few names of a list and how many more: a model has thousands of tensors, and a

@@ -28,6 +28,11 @@ use crate::shim::{self, Autocast};
 use crate::spec::Precision;
 
 use super::recompute;
+use crate::dist::{Dist, Local};
+
+fn other(e: anyhow::Error) -> StepError {
+    StepError::Other(format!("{e:#}"))
+}
 
 /// How inputs enter the model, in which dtype it computes, and how the loss is scaled.
 #[derive(Debug, Clone, Copy)]
@@ -80,6 +85,16 @@ pub struct Work<'a> {
     /// The model's buffers (BatchNorm running statistics): recomputation puts them back after
     /// running a block a second time, so they are updated once per forward.
     pub buffers: &'a [Tensor],
+    /// What the loss is divided by: the whole group's size, across all ranks.
+    pub divisor: f64,
+    /// False for a rank with no samples in this group: it runs one sample with a zero loss, so
+    /// its Reducer takes part, and reports nothing.
+    pub contributes: bool,
+    /// Data-parallel: this rank was asked to stop (agreed on in the exchange).
+    pub stop: bool,
+    /// Data-parallel: the gradients are synchronised by the Reducer (the weight step; the
+    /// architecture step is computed alike on every rank and needs none).
+    pub synced: bool,
 }
 
 /// Loss summed over the group's samples and the number classified correctly.
@@ -89,6 +104,8 @@ pub struct StepOutput {
     pub correct: i64,
     /// fp16-mixed: the gradients held inf or NaN, so the optimizer step was skipped.
     pub found_inf: bool,
+    /// Data-parallel: some rank was asked to stop; every rank stops after this step.
+    pub stop: bool,
 }
 
 impl StepPipeline {
@@ -129,9 +146,15 @@ impl StepPipeline {
         opt: &mut Optimizer,
         others: &mut [&mut Optimizer],
         work: &Work,
+        mut dist: Option<&mut Dist>,
     ) -> Result<StepOutput, StepError> {
         let place = self.place();
-        oom::guarded_counting(
+        let synced = |d: Option<&Dist>| d.filter(|_| work.synced).and_then(Dist::reducer).is_some();
+        let reducer = dist.as_deref().filter(|_| work.synced).and_then(Dist::reducer);
+        if let Some(r) = reducer {
+            r.enter().map_err(other)?;
+        }
+        let attempt = oom::guarded_counting(
             || memory::oom_count(place),
             || {
                 // zero: gradients are released, as PyTorch's default zero_grad does
@@ -140,11 +163,18 @@ impl StepPipeline {
                     o.drop_grads();
                 }
                 // forward → loss → backward, per micro-batch
-                let n = work.group.len() as f64;
+                let n = if work.contributes { work.divisor } else { f64::INFINITY };
                 let mut loss_sum = Tensor::zeros([], (Kind::Float, self.device));
                 let mut correct = Tensor::zeros([], (Kind::Int64, self.device));
                 let chain = net.chain().filter(|_| self.recompute);
-                for chunk in work.group.chunks(work.micro_batch.max(1)) {
+                let chunks: Vec<&[i64]> = work.group.chunks(work.micro_batch.max(1)).collect();
+                for (i, chunk) in chunks.iter().enumerate() {
+                    if i + 1 == chunks.len() {
+                        // The last micro-batch's backward synchronises (DDP outside no_sync).
+                        if let Some(r) = reducer {
+                            r.arm().unwrap_or_else(|e| panic!("{e:#}"));
+                        }
+                    }
                     let (loss, c) = match chain {
                         Some(chain) => recompute::forward_backward(self, chain, work, chunk, n),
                         None => {
@@ -155,6 +185,9 @@ impl StepPipeline {
                     };
                     loss_sum += loss.detach();
                     correct += c;
+                }
+                if let Some(r) = reducer {
+                    r.settle(false).unwrap_or_else(|e| panic!("{e:#}"));
                 }
                 // unscale
                 if work.step > 0 {
@@ -168,19 +201,81 @@ impl StepPipeline {
                 if self.clip_norm > 0.0 {
                     clip_grad_norm(opt.params(), self.clip_norm);
                 }
-                // optimizer step, unless the gradients are not finite
-                if !found_inf {
+                // optimizer step, its allocations first, unless the gradients are not finite
+                let prepared = if found_inf {
+                    None
+                } else {
                     let _squeeze = fault::squeeze_before_optimizer(work.step);
-                    opt.step(work.lr);
-                }
+                    Some(opt.prepare())
+                };
                 // One read per optimizer step; progress and records need the loss.
-                StepOutput {
-                    loss_sum: loss_sum.double_value(&[]),
-                    correct: correct.int64_value(&[]),
-                    found_inf,
-                }
+                let (loss_sum, correct) = if work.contributes {
+                    (loss_sum.double_value(&[]), correct.int64_value(&[]))
+                } else {
+                    (0.0, 0)
+                };
+                (loss_sum, correct, found_inf, prepared)
             },
-        )
+        );
+        let Some(d) = dist.as_deref_mut() else {
+            let (loss_sum, correct, found_inf, prepared) = attempt?;
+            if let Some(p) = prepared {
+                opt.apply(p, work.lr);
+            }
+            return Ok(StepOutput {
+                loss_sum,
+                correct,
+                found_inf,
+                stop: false,
+            });
+        };
+        // Data-parallel: whatever happened here, this rank takes part in every collective the
+        // others run, then all agree before any optimizer writes.
+        let failed = attempt.is_err();
+        if failed && synced(Some(d)) {
+            let r = d.reducer().expect("synced");
+            r.settle(true).map_err(|e| other(d.explain(e)))?;
+        }
+        let local = match &attempt {
+            Ok((loss_sum, correct, ..)) => Local {
+                failed: false,
+                stop: work.stop,
+                loss_sum: *loss_sum,
+                correct: *correct,
+            },
+            Err(_) => Local {
+                failed: true,
+                stop: work.stop,
+                loss_sum: 0.0,
+                correct: 0,
+            },
+        };
+        let agreed = d.exchange(&local, self.device).map_err(other)?;
+        if let Some(&first) = agreed.failed.first() {
+            if synced(Some(d)) {
+                // A failed backward leaves the Reducer mid-pass; every rank starts a fresh one.
+                let params: Vec<&Tensor> = opt.params().iter().map(|(_, t)| t).collect();
+                d.attach(&params).map_err(other)?;
+            }
+            return Err(match attempt {
+                Err(StepError::Other(m)) => StepError::Other(m),
+                Err(e) => e,
+                Ok(_) => StepError::Oom {
+                    kind: crate::oom::OomKind::Peer,
+                    message: format!("rank {first} ran out of memory"),
+                },
+            });
+        }
+        let (_, _, found_inf, prepared) = attempt.expect("no rank failed");
+        if let Some(p) = prepared {
+            opt.apply(p, work.lr);
+        }
+        Ok(StepOutput {
+            loss_sum: agreed.loss_sum,
+            correct: agreed.correct,
+            found_inf,
+            stop: agreed.stop,
+        })
     }
 
     /// The loss backward starts from: the group mean's share, times the loss scale.

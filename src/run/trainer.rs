@@ -121,6 +121,8 @@ pub struct Trainer {
     preflight_pending: bool,
     /// The extra steps' current validation round and its order.
     val_order: Option<(i64, Vec<i64>)>,
+    /// Data-parallel: this rank's group (None: a single process).
+    pub dist: Option<crate::dist::Dist>,
 }
 
 impl Trainer {
@@ -163,6 +165,7 @@ impl Trainer {
             windows: StepWindows::default(),
             session_steps: 0,
             val_order: None,
+            dist: None,
         })
     }
 
@@ -185,19 +188,37 @@ impl Trainer {
     /// One optimizer step of the weights over `group`.
     fn weight_step(&mut self, group: &[i64], lr: f64) -> Result<StepOutput, StepError> {
         let buffers = self.recompute_buffers();
+        let micro_batch = self.shape().micro_batch as usize;
+        // Data-parallel: this rank's share of the group; a rank left without samples runs the
+        // group's first one with a zero loss so that its Reducer takes part.
+        let (share, contributes) = match &self.dist {
+            Some(d) => {
+                let s = crate::dist::share(group, micro_batch, d.rank(), d.size());
+                if s.is_empty() {
+                    (&group[..1], false)
+                } else {
+                    (s, true)
+                }
+            }
+            None => (group, true),
+        };
         let work = Work {
             data: &self.data.train,
-            group,
-            micro_batch: self.shape().micro_batch as usize,
+            group: share,
+            micro_batch,
             lr,
             step: self.state.global_step + 1,
             epoch: self.state.epoch,
             loss_scale: self.state.scaler.map(|s| s.scale),
             buffers: &buffers,
+            divisor: group.len() as f64,
+            contributes,
+            stop: self.stop.requested(),
+            synced: true,
         };
         let Model { net, opt, extra, .. } = &mut self.model;
         let mut others: Vec<&mut Optimizer> = extra.iter_mut().map(|(_, o)| o).collect();
-        let out = self.pipeline.run(net.as_ref(), opt, &mut others, &work)?;
+        let out = self.pipeline.run(net.as_ref(), opt, &mut others, &work, self.dist.as_mut())?;
         // Only a step that succeeded moves the scaler.
         if let Some(s) = &mut self.state.scaler {
             s.update(out.found_inf);
@@ -242,6 +263,11 @@ impl Trainer {
             epoch: self.state.epoch,
             loss_scale: self.state.arch_scaler.map(|s| s.scale),
             buffers: &buffers,
+            divisor: idx.len() as f64,
+            contributes: true,
+            stop: false,
+            // Every rank computes the same architecture step on the same samples.
+            synced: false,
         };
         let Model { net, opt, extra, .. } = &mut self.model;
         let (_, arch_opt) = extra.as_mut().expect("checked above");
@@ -250,7 +276,7 @@ impl Trainer {
             clip_norm: 0.0,
             ..self.pipeline
         };
-        let out = pipeline.run(net.as_ref(), arch_opt, &mut [opt], &work)?;
+        let out = pipeline.run(net.as_ref(), arch_opt, &mut [opt], &work, self.dist.as_mut())?;
         if let Some(s) = &mut self.state.arch_scaler {
             s.update(out.found_inf);
         }
@@ -729,7 +755,12 @@ impl Trainer {
                 });
                 let stop = self.stop.clone();
                 crate::fault::await_signal_at(self.state.global_step, || stop.requested());
-                if self.stop.requested() {
+                // Data-parallel ranks stop on the step they agreed on, never on their own.
+                let stop_now = match &self.dist {
+                    Some(_) => out.stop,
+                    None => self.stop.requested(),
+                };
+                if stop_now {
                     self.progress.finish_epoch();
                     let (p, _) = self.save_checkpoint("interrupted")?;
                     self.write_summary(Status::Interrupted)?;

@@ -101,7 +101,7 @@ char *mt_dist_group_new(const char *host, int port, int rank, int size, int serv
     opts.port = static_cast<std::uint16_t>(port);
     opts.isServer = server != 0;
     opts.numWorkers = static_cast<std::size_t>(size);
-    opts.waitWorkers = server != 0;
+    opts.waitWorkers = true;  // every rank counts itself in; rank 0 waits for all
     opts.timeout = timeout;
     auto tcp = c10::make_intrusive<c10d::TCPStore>(std::string(host), opts);
     auto store = c10::make_intrusive<c10d::PrefixStore>(std::string(prefix), tcp);
