@@ -106,11 +106,19 @@ fn distributed(root: &std::path::Path, abi: &str, have_cuda: bool) {
         .flag("-DGLOG_USE_GLOG_EXPORT")
         .file("src/shim/dist.cpp");
     if let Some(dir) = &gloo {
-        build.include(dir).define("USE_C10D_GLOO", None).define("MEMTRAIN_HAVE_GLOO", None);
+        build
+            .include(dir)
+            .define("USE_C10D_GLOO", None)
+            .define("MEMTRAIN_HAVE_GLOO", None);
     }
     if let Some(dir) = &nccl {
-        build.include(dir).define("USE_C10D_NCCL", None).define("MEMTRAIN_HAVE_NCCL", None);
-        build.include(cuda_include.as_ref().expect("checked with nccl")).define("USE_CUDA", None);
+        build
+            .include(dir)
+            .define("USE_C10D_NCCL", None)
+            .define("MEMTRAIN_HAVE_NCCL", None);
+        build
+            .include(cuda_include.as_ref().expect("checked with nccl"))
+            .define("USE_CUDA", None);
     }
     build.compile("memtrain_dist");
     println!("cargo:rustc-cfg=memtrain_dist");

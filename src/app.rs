@@ -7,7 +7,9 @@ use crate::spec;
 
 pub fn main(cli: Cli) -> i32 {
     // Ranks other than 0 are quiet unless something goes wrong, and then say which rank.
-    let rank = std::env::var("RANK").ok().filter(|_| std::env::var("WORLD_SIZE").is_ok_and(|w| w != "1"));
+    let rank = std::env::var("RANK")
+        .ok()
+        .filter(|_| std::env::var("WORLD_SIZE").is_ok_and(|w| w != "1"));
     let follower = rank.as_deref().is_some_and(|r| r != "0");
     init_logging(cli.quiet || follower, cli.verbose);
     let who = rank.map(|r| format!("rank {r}: ")).unwrap_or_default();
@@ -25,6 +27,10 @@ pub fn main(cli: Cli) -> i32 {
         Ok(()) => exit::OK,
         Err(e) => {
             let code = exit::code_for(&e);
+            if follower && code == exit::INTERRUPTED {
+                // Rank 0 says where the checkpoint went.
+                return code;
+            }
             if code == exit::USAGE && e.downcast_ref::<spec::SpecError>().is_some() {
                 // Spec errors already carry their location; one per line.
                 eprintln!("{who}{e}");

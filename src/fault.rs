@@ -10,6 +10,7 @@ use crate::shim;
 /// `MEMTRAIN_FAULT_OOM_IN_OPTIMIZER_AT_STEP=N`: at global step N's first attempt, the CPU cap is
 /// lowered to the bytes allocated when the optimizer step begins, so its first allocation fails
 /// for real in the counting allocator. The guard puts the cap back when the step ends or unwinds.
+/// `N@R` fires on data-parallel rank R only (the RANK variable), for an OOM on one rank.
 pub const OOM_IN_OPTIMIZER: &str = "MEMTRAIN_FAULT_OOM_IN_OPTIMIZER_AT_STEP";
 
 static FIRED: AtomicBool = AtomicBool::new(false);
@@ -38,7 +39,16 @@ pub fn squeeze_before_optimizer(step: i64) -> Squeeze {
 }
 
 fn step_from(var: &'static str, cell: &'static OnceLock<Option<i64>>) -> Option<i64> {
-    *cell.get_or_init(|| std::env::var(var).ok().and_then(|v| v.parse().ok()))
+    *cell.get_or_init(|| {
+        let v = std::env::var(var).ok()?;
+        match v.split_once('@') {
+            Some((step, rank)) => {
+                let here = std::env::var("RANK").ok()?;
+                (here.trim() == rank.trim()).then(|| step.parse().ok()).flatten()
+            }
+            None => v.parse().ok(),
+        }
+    })
 }
 
 /// `MEMTRAIN_FAULT_ABORT_SAVE_AT_STEP=N`: the checkpoint save for global step N aborts the

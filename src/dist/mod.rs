@@ -44,7 +44,11 @@ impl World {
     pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Option<World>> {
         let num = |k: &str| -> Result<Option<usize>> {
             get(k)
-                .map(|v| v.trim().parse::<usize>().with_context(|| format!("{k}={v:?} is not a non-negative integer")))
+                .map(|v| {
+                    v.trim()
+                        .parse::<usize>()
+                        .with_context(|| format!("{k}={v:?} is not a non-negative integer"))
+                })
                 .transpose()
         };
         let (Some(rank), Some(size)) = (num("RANK")?, num("WORLD_SIZE")?) else {
@@ -56,9 +60,14 @@ impl World {
         if rank >= size {
             bail!("RANK={rank} is not below WORLD_SIZE={size}");
         }
-        let addr = get("MASTER_ADDR").context("WORLD_SIZE is set but MASTER_ADDR is not: the launcher must set both")?;
-        let port = get("MASTER_PORT").context("WORLD_SIZE is set but MASTER_PORT is not: the launcher must set both")?;
-        let port = port.trim().parse::<u16>().with_context(|| format!("MASTER_PORT={port:?} is not a port number"))?;
+        let addr =
+            get("MASTER_ADDR").context("WORLD_SIZE is set but MASTER_ADDR is not: the launcher must set both")?;
+        let port =
+            get("MASTER_PORT").context("WORLD_SIZE is set but MASTER_PORT is not: the launcher must set both")?;
+        let port = port
+            .trim()
+            .parse::<u16>()
+            .with_context(|| format!("MASTER_PORT={port:?} is not a port number"))?;
         let timeout = match get("MEMTRAIN_DIST_TIMEOUT") {
             Some(v) => Duration::from_secs_f64(
                 v.trim()
@@ -262,10 +271,19 @@ impl Dist {
     }
 }
 
+/// Whether `pid` still runs: a rank that just died may be a zombie until its launcher reaps
+/// it, and may take a moment to die after closing its sockets, so look a few times.
 fn alive(pid: i32) -> bool {
-    // SAFETY: signal 0 only checks that the process exists.
-    let r = unsafe { libc::kill(pid, 0) };
-    r == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
+    for _ in 0..10 {
+        let state = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .ok()
+            .and_then(|s| s.rsplit_once(") ").and_then(|(_, rest)| rest.chars().next()));
+        match state {
+            None | Some('Z') | Some('X') => return false,
+            Some(_) => std::thread::sleep(std::time::Duration::from_millis(100)),
+        }
+    }
+    true
 }
 
 #[cfg(test)]
@@ -300,9 +318,24 @@ mod tests {
     fn exchange_sums_in_rank_order_and_names_failed_ranks() {
         let size = 3;
         let locals = [
-            Local { failed: false, stop: false, loss_sum: 1.5, correct: 2 },
-            Local { failed: true, stop: false, loss_sum: 0.0, correct: 0 },
-            Local { failed: false, stop: true, loss_sum: 2.25, correct: 3 },
+            Local {
+                failed: false,
+                stop: false,
+                loss_sum: 1.5,
+                correct: 2,
+            },
+            Local {
+                failed: true,
+                stop: false,
+                loss_sum: 0.0,
+                correct: 0,
+            },
+            Local {
+                failed: false,
+                stop: true,
+                loss_sum: 2.25,
+                correct: 3,
+            },
         ];
         let mut sum = vec![0.0; 4 * size];
         for (r, l) in locals.iter().enumerate() {
@@ -312,7 +345,12 @@ mod tests {
         }
         assert_eq!(
             read_exchange(size, &sum),
-            Agreed { failed: vec![1], stop: true, loss_sum: 3.75, correct: 5 }
+            Agreed {
+                failed: vec![1],
+                stop: true,
+                loss_sum: 3.75,
+                correct: 5
+            }
         );
     }
 
@@ -322,7 +360,10 @@ mod tests {
             move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
         };
         assert_eq!(World::from_lookup(env(&[])).unwrap(), None);
-        assert_eq!(World::from_lookup(env(&[("RANK", "0"), ("WORLD_SIZE", "1")])).unwrap(), None);
+        assert_eq!(
+            World::from_lookup(env(&[("RANK", "0"), ("WORLD_SIZE", "1")])).unwrap(),
+            None
+        );
         let w = World::from_lookup(env(&[
             ("RANK", "1"),
             ("WORLD_SIZE", "2"),
@@ -333,7 +374,10 @@ mod tests {
         ]))
         .unwrap()
         .unwrap();
-        assert_eq!((w.rank, w.size, w.local_rank, w.port, w.agent_store), (1, 2, 1, 29500, true));
+        assert_eq!(
+            (w.rank, w.size, w.local_rank, w.port, w.agent_store),
+            (1, 2, 1, 29500, true)
+        );
         let e = World::from_lookup(env(&[("RANK", "2"), ("WORLD_SIZE", "2")])).unwrap_err();
         assert!(e.to_string().contains("not below"), "{e}");
         let e = World::from_lookup(env(&[("RANK", "0"), ("WORLD_SIZE", "2")])).unwrap_err();

@@ -42,7 +42,10 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
     match &world {
         Some(w) => sets.extend(rank_sets(&args.rank_set, w.rank)?),
         None if !args.rank_set.is_empty() => {
-            return Err(UsageError("--rank-set applies to data-parallel runs: add --nproc N (or launch with torchrun)".into()).into())
+            return Err(UsageError(
+                "--rank-set applies to data-parallel runs: add --nproc N (or launch with torchrun)".into(),
+            )
+            .into())
         }
         None => {}
     }
@@ -457,7 +460,11 @@ fn rank_sets(entries: &[String], rank: usize) -> Result<Vec<String>> {
         let (r, set) = e
             .split_once(':')
             .and_then(|(r, set)| Some((r.trim().parse::<usize>().ok()?, set)))
-            .ok_or_else(|| UsageError(format!("--rank-set {e:?}: expected RANK:KEY=VALUE, e.g. 1:memory.limit=64MiB")))?;
+            .ok_or_else(|| {
+                UsageError(format!(
+                    "--rank-set {e:?}: expected RANK:KEY=VALUE, e.g. 1:memory.limit=64MiB"
+                ))
+            })?;
         if r == rank {
             out.push(set.to_owned());
         }
@@ -478,7 +485,12 @@ impl Drop for RemoveOnDrop {
 /// renamed module would otherwise print all of them.
 fn few<S: AsRef<str>>(names: &[S], sep: &str) -> String {
     const SHOWN: usize = 8;
-    let mut s = names.iter().take(SHOWN).map(AsRef::as_ref).collect::<Vec<_>>().join(sep);
+    let mut s = names
+        .iter()
+        .take(SHOWN)
+        .map(AsRef::as_ref)
+        .collect::<Vec<_>>()
+        .join(sep);
     if names.len() > SHOWN {
         s += &format!("{sep}… and {} more ({} in all)", names.len() - SHOWN, names.len());
     }

@@ -218,7 +218,9 @@ impl Trainer {
         };
         let Model { net, opt, extra, .. } = &mut self.model;
         let mut others: Vec<&mut Optimizer> = extra.iter_mut().map(|(_, o)| o).collect();
-        let out = self.pipeline.run(net.as_ref(), opt, &mut others, &work, self.dist.as_mut())?;
+        let out = self
+            .pipeline
+            .run(net.as_ref(), opt, &mut others, &work, self.dist.as_mut())?;
         // Only a step that succeeded moves the scaler.
         if let Some(s) = &mut self.state.scaler {
             s.update(out.found_inf);

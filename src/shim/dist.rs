@@ -44,7 +44,8 @@ extern "C" {
     fn mt_dist_allgather(g: *mut MtGroup, input: *const C_tensor, out: *const *const C_tensor, n: i64) -> *mut c_char;
     fn mt_dist_barrier(g: *mut MtGroup) -> *mut c_char;
     fn mt_dist_store_set(g: *mut MtGroup, key: *const c_char, value: *const c_char) -> *mut c_char;
-    fn mt_dist_store_get(g: *mut MtGroup, key: *const c_char, buf: *mut c_char, cap: i64, len: *mut i64) -> *mut c_char;
+    fn mt_dist_store_get(g: *mut MtGroup, key: *const c_char, buf: *mut c_char, cap: i64, len: *mut i64)
+        -> *mut c_char;
     fn mt_reducer_new(
         g: *mut MtGroup,
         params: *const *const C_tensor,
@@ -169,7 +170,15 @@ impl Group {
         let k = CString::new(key)?;
         let mut buf = vec![0u8; 256];
         let mut len = 0i64;
-        check(unsafe { mt_dist_store_get(self.ptr, k.as_ptr(), buf.as_mut_ptr().cast(), buf.len() as i64, &mut len) })?;
+        check(unsafe {
+            mt_dist_store_get(
+                self.ptr,
+                k.as_ptr(),
+                buf.as_mut_ptr().cast(),
+                buf.len() as i64,
+                &mut len,
+            )
+        })?;
         buf.truncate((len as usize).min(buf.len()));
         Ok(String::from_utf8_lossy(&buf).into_owned())
     }
@@ -229,7 +238,14 @@ impl Reducer {
         let p = ptrs(params.iter().copied());
         let mut ptr = std::ptr::null_mut();
         check(unsafe {
-            mt_reducer_new(group.ptr, p.as_ptr(), p.len() as i64, FIRST_BUCKET_BYTES, BUCKET_BYTES, &mut ptr)
+            mt_reducer_new(
+                group.ptr,
+                p.as_ptr(),
+                p.len() as i64,
+                FIRST_BUCKET_BYTES,
+                BUCKET_BYTES,
+                &mut ptr,
+            )
         })?;
         Ok(Reducer { ptr })
     }

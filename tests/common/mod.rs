@@ -346,7 +346,7 @@ impl Outcome {
 }
 
 impl Test {
-    fn args_replaced(mut self, a: &[&str]) -> Self {
+    pub fn args_replaced(mut self, a: &[&str]) -> Self {
         self.args = a.iter().map(|s| s.to_string()).collect();
         self.expected = 0;
         self.stderr.clear();

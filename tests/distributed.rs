@@ -1,0 +1,243 @@
+//! Data-parallel training on c10d with Gloo: `run --nproc 2` on the CPU, against one process.
+mod common;
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// A job whose 2-rank run takes each micro-batch of a 1-rank run on one rank: accumulation 2.
+/// (A group too small to split at micro-batch boundaries, such as an epoch's short last one, is
+/// split in slices: the same gradient, summed in another order.)
+fn mlp() -> Test {
+    Test::new()
+        .set("train.epochs", 2)
+        .set("train.batch_size", 64)
+        .set("train.accumulation_steps", 2)
+        .set("train.grad_clip_norm", 1.0)
+}
+
+fn darts() -> Test {
+    Test::new().spec(table(
+        "[job]\nthreads = 1\ndevice = \"cpu\"\n[model]\npreset = \"darts\"\n[model.darts]\ninput_length = 32\n\
+         init_channels = 8\nnum_cells = 3\nnum_nodes = 2\nnum_classes = 3\n\
+         ops = [\"none\", \"skip_connect\", \"max_pool_3\", \"sep_conv_3\", \"attention_light\"]\n\
+         [data]\nsource = \"synthetic\"\nsamples = 64\nval_fraction = 0.25\n\
+         [train]\nepochs = 2\nbatch_size = 8\naccumulation_steps = 2\noptimizer = \"sgd\"\nlr = 0.025\n\
+         momentum = 0.9\ngrad_clip_norm = 5.0\n[log]\nprogress = \"off\"\n",
+    ))
+}
+
+fn losses(o: &Outcome) -> Vec<f64> {
+    o.records("step").iter().map(|r| r["loss"].as_f64().unwrap()).collect()
+}
+
+fn assert_close_losses(a: &[f64], b: &[f64]) {
+    assert_eq!(a.len(), b.len(), "step counts differ");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!((x - y).abs() <= 1e-6 * x.abs().max(1e-12), "step {}: {x} vs {y}", i + 1);
+    }
+}
+
+/// Largest difference between the parameters of two model files, relative to the largest.
+/// BatchNorm running statistics are left out: with data-parallel training they are rank 0's, from
+/// rank 0's micro-batches only, as with DDP.
+fn weight_gap(a: &Path, b: &Path) -> f64 {
+    let params = |p: &Path| -> Vec<(String, tch::Tensor)> {
+        tensors(p)
+            .into_iter()
+            .filter(|(n, _)| !n.contains("running_"))
+            .collect()
+    };
+    let (ta, tb) = (params(a), params(b));
+    assert_eq!(ta.len(), tb.len());
+    let mut gap: f64 = 0.0;
+    let mut scale: f64 = 0.0;
+    for ((na, x), (nb, y)) in ta.iter().zip(&tb) {
+        assert_eq!(na, nb);
+        gap = gap.max((x - y).abs().max().double_value(&[]));
+        scale = scale.max(x.abs().max().double_value(&[]));
+    }
+    gap / scale
+}
+
+fn two_ranks_equal_one(t: Test) {
+    let one = t.clone().name("one").run();
+    let two = t.clone().name("two").arg("--nproc").arg("2").run();
+    assert_close_losses(&losses(&one), &losses(&two));
+    let gap = weight_gap(&one.final_model(), &two.final_model());
+    assert!(gap <= 1e-6, "final weights differ by {gap:e} (relative)");
+    // Rank 0 alone writes the run directory and prints; the other rank's output is nowhere.
+    assert_eq!(two.stderr.matches("memtrain: job").count(), 1, "{}", two.stderr);
+    assert!(!two.stderr.contains("memtrain-rank1"), "{}", two.stderr);
+}
+
+#[test]
+fn two_ranks_train_the_mlp_one_process_trains() {
+    two_ranks_equal_one(mlp());
+}
+
+#[test]
+fn two_ranks_train_the_darts_supernet_one_process_trains() {
+    two_ranks_equal_one(darts());
+}
+
+#[test]
+fn an_oom_on_one_rank_backs_off_both_on_the_same_group() {
+    let t = mlp().set("memory.on_oom", vec!["backoff", "fail"]);
+    let clean = t.clone().name("clean").arg("--nproc").arg("2").run();
+    // Rank 1's counting allocator refuses its optimizer step's first allocation at step 3.
+    let hit = t
+        .clone()
+        .name("hit")
+        .arg("--nproc")
+        .arg("2")
+        .env("MEMTRAIN_FAULT_OOM_IN_OPTIMIZER_AT_STEP", "3@1")
+        .run();
+    let ooms = hit.records("oom");
+    assert_eq!(ooms.len(), 1, "{ooms:?}");
+    assert_eq!(ooms[0]["step"], 2, "after two completed steps");
+    assert_eq!(ooms[0]["decision"]["action"], "backoff", "{}", ooms[0]);
+    assert!(
+        ooms[0]["error"].as_str().unwrap().contains("rank 1 ran out of memory"),
+        "{}",
+        ooms[0]
+    );
+    let micro: Vec<i64> = hit
+        .records("step")
+        .iter()
+        .map(|r| r["micro_batch"].as_i64().unwrap())
+        .collect();
+    assert_eq!(&micro[..2], &[64, 64]);
+    assert!(micro[2..].iter().all(|&m| m == 32), "{micro:?}");
+    // Same groups, same model; only the micro-batch split (summation order) differs.
+    assert_close_losses(&losses(&clean), &losses(&hit));
+    let gap = weight_gap(&clean.final_model(), &hit.final_model());
+    assert!(gap <= 1e-6, "final weights differ by {gap:e} (relative)");
+}
+
+#[test]
+fn ctrl_c_stops_every_rank_and_resume_continues_on_two_ranks_or_one() {
+    let t = mlp();
+    let whole = t.clone().name("whole").run();
+    let cut = t
+        .clone()
+        .name("cut")
+        .arg("--nproc")
+        .arg("2")
+        .interrupt_after_step(5)
+        .exit(130)
+        .stderr_has("interrupted at epoch 1")
+        .run();
+    let saved = cut.records("checkpoint");
+    assert_eq!(saved.len(), 1, "one checkpoint, from rank 0: {saved:?}");
+    // A copy of the interrupted run resumes on one rank; the original on two.
+    let copy = cut.test.dir().join("cut-copy");
+    copy_dir(&cut.out, &copy);
+    let two = cut.resume().arg("--nproc").arg("2").run();
+    let one = cut.resume().args_replaced(&["--resume", copy.to_str().unwrap()]).run();
+    for (name, dir) in [("two ranks", &two.out), ("one rank", &copy)] {
+        let gap = weight_gap(&whole.final_model(), &final_model(dir));
+        assert!(gap <= 1e-6, "resumed on {name}: final weights differ by {gap:e}");
+    }
+    drop(one);
+}
+
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let dest = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &dest);
+        } else {
+            std::fs::copy(e.path(), dest).unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_killed_rank_stops_the_other_with_its_name() {
+    let t = mlp().set("train.epochs", 400).name("killed");
+    std::fs::write(t.spec_path(), toml::to_string(&digits_with(&t)).unwrap()).unwrap();
+    let mut child = memtrain()
+        .args([
+            "run",
+            t.spec_path().to_str().unwrap(),
+            "--out",
+            t.out_dir().to_str().unwrap(),
+            "--nproc",
+            "2",
+        ])
+        .env("MEMTRAIN_DIST_TIMEOUT", "20")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until rank 0 trains (its first record), then kill rank 1.
+    let started = Instant::now();
+    while !t.out_dir().join("metrics.jsonl").exists() {
+        assert!(started.elapsed() < Duration::from_secs(60), "the ranks never started");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let ranks = children_of(child.id());
+    assert_eq!(ranks.len(), 2, "{ranks:?}");
+    let rank1 = *ranks
+        .iter()
+        .find(|p| {
+            std::fs::read(format!("/proc/{p}/environ"))
+                .unwrap()
+                .split(|&b| b == 0)
+                .any(|v| v == b"RANK=1")
+        })
+        .expect("a child with RANK=1");
+    unsafe { libc::kill(rank1, libc::SIGKILL) };
+    let waited = Instant::now();
+    let status = child.wait().unwrap();
+    assert!(
+        waited.elapsed() < Duration::from_secs(50),
+        "took {:?}",
+        waited.elapsed()
+    );
+    let mut stderr = String::new();
+    use std::io::Read;
+    child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
+    assert_ne!(status.code(), Some(0), "{stderr}");
+    assert!(stderr.contains("rank 1 was killed (SIGKILL)"), "{stderr}");
+    assert!(
+        stderr.contains(&format!("rank 1 (pid {rank1}) stopped answering")),
+        "{stderr}"
+    );
+}
+
+/// The spec a Test would write, for a run started by hand.
+fn digits_with(t: &Test) -> toml::Table {
+    let _ = t;
+    let mut s = digits_spec();
+    s["train"].as_table_mut().unwrap().insert("epochs".into(), 400.into());
+    s["train"]
+        .as_table_mut()
+        .unwrap()
+        .insert("batch_size".into(), 64.into());
+    s["train"]
+        .as_table_mut()
+        .unwrap()
+        .insert("accumulation_steps".into(), 2.into());
+    s["log"].as_table_mut().unwrap().insert("progress".into(), "off".into());
+    s
+}
+
+/// Child processes of `pid`, oldest first (the launcher starts rank 0 first).
+fn children_of(pid: u32) -> Vec<i32> {
+    let mut out = vec![];
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let path = task.unwrap().path().join("children");
+        if let Ok(s) = std::fs::read_to_string(path) {
+            out.extend(s.split_whitespace().map(|p| p.parse::<i32>().unwrap()));
+        }
+    }
+    out.sort();
+    out
+}
