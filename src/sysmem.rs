@@ -71,6 +71,31 @@ pub fn reset_peak_rss() -> bool {
     fs::write("/proc/self/clear_refs", "5").is_ok()
 }
 
+/// Largest threshold glibc's dynamic mmap rule reaches on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX).
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+const GLIBC_DYNAMIC_MMAP_MAX: usize = 32 << 20;
+
+/// Raises glibc's malloc thresholds the way glibc itself does, before training starts.
+///
+/// glibc serves a request above its mmap threshold (128 KiB at start) with a fresh mmap, and
+/// returns the top of the heap to the kernel once more than the trim threshold is free there.
+/// Freeing an mmapped chunk raises both (mmap to that chunk's size, trim to twice it), up to
+/// 32 MiB. A Python process has long passed through that by the time it trains; memtrain had
+/// not, so with gradients released every step (as PyTorch does) a bf16 MLP's few-MiB buffers
+/// went back to the kernel and were faulted in again each step: 2.3× the page faults and half
+/// PyTorch's speed. Freeing one 32 MiB chunk at start takes the same path glibc's rule takes.
+/// `mallopt` would freeze the thresholds instead (it turns the dynamic rule off), which is
+/// what made a capped DARTS run 1.6× slower when M_MMAP_THRESHOLD was set.
+pub fn warm_malloc_thresholds() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: a plain malloc/free pair; black_box keeps the compiler from eliding it.
+    unsafe {
+        // A little under the maximum: the chunk (request, header, page rounding) must not exceed it.
+        let p = std::hint::black_box(libc::malloc(GLIBC_DYNAMIC_MMAP_MAX - (64 << 10)));
+        libc::free(p);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -112,30 +137,5 @@ mod tests {
         // Other tests in this process allocate and free meanwhile: loose bounds.
         assert!(after >= now + (32 << 20), "{now} -> {after}");
         assert!(after.abs_diff(status) < 32 << 20, "statm {after} vs status {status}");
-    }
-}
-
-/// Largest threshold glibc's dynamic mmap rule reaches on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX).
-#[cfg(all(target_os = "linux", target_env = "gnu"))]
-const GLIBC_DYNAMIC_MMAP_MAX: usize = 32 << 20;
-
-/// Raises glibc's malloc thresholds the way glibc itself does, before training starts.
-///
-/// glibc serves a request above its mmap threshold (128 KiB at start) with a fresh mmap, and
-/// returns the top of the heap to the kernel once more than the trim threshold is free there.
-/// Freeing an mmapped chunk raises both (mmap to that chunk's size, trim to twice it), up to
-/// 32 MiB. A Python process has long passed through that by the time it trains; memtrain had
-/// not, so with gradients released every step (as PyTorch does) a bf16 MLP's few-MiB buffers
-/// went back to the kernel and were faulted in again each step: 2.3× the page faults and half
-/// PyTorch's speed. Freeing one 32 MiB chunk at start takes the same path glibc's rule takes.
-/// `mallopt` would freeze the thresholds instead (it turns the dynamic rule off), which is
-/// what made a capped DARTS run 1.6× slower when M_MMAP_THRESHOLD was set.
-pub fn warm_malloc_thresholds() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: a plain malloc/free pair; black_box keeps the compiler from eliding it.
-    unsafe {
-        // A little under the maximum: the chunk (request, header, page rounding) must not exceed it.
-        let p = std::hint::black_box(libc::malloc(GLIBC_DYNAMIC_MMAP_MAX - (64 << 10)));
-        libc::free(p);
     }
 }

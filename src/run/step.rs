@@ -146,7 +146,7 @@ impl StepPipeline {
         opt: &mut Optimizer,
         others: &mut [&mut Optimizer],
         work: &Work,
-        mut dist: Option<&mut Dist>,
+        dist: Option<&mut Dist>,
     ) -> Result<StepOutput, StepError> {
         let place = self.place();
         let synced = |d: Option<&Dist>| d.filter(|_| work.synced).and_then(Dist::reducer).is_some();
@@ -217,7 +217,7 @@ impl StepPipeline {
                 (loss_sum, correct, found_inf, prepared)
             },
         );
-        let Some(d) = dist.as_deref_mut() else {
+        let Some(d) = dist else {
             let (loss_sum, correct, found_inf, prepared) = attempt?;
             if let Some(p) = prepared {
                 opt.apply(p, work.lr);
