@@ -22,17 +22,8 @@ fn main() {
     // Same ABI flag torch-sys compiles its own wrapper with; the PyTorch 2.11 wheels use the new ABI.
     let abi = env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".to_owned());
 
-    let mut build = cc::Build::new();
-    build
-        .cpp(true)
-        .pic(true)
-        .warnings(false)
-        .include(root.join("include"))
-        .include(root.join("include/torch/csrc/api/include"))
-        .flag("-std=c++17")
-        .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
-        .flag("-DGLOG_USE_GLOG_EXPORT")
-        .file("src/shim/shim.cpp");
+    let mut build = torch_cpp(&root, &abi);
+    build.file("src/shim/shim.cpp");
     if have_cuda {
         build.define("MEMTRAIN_HAVE_CUDA", None);
     }
@@ -94,17 +85,8 @@ fn distributed(root: &std::path::Path, abi: &str, have_cuda: bool) {
         );
         return;
     }
-    let mut build = cc::Build::new();
-    build
-        .cpp(true)
-        .pic(true)
-        .warnings(false)
-        .include(root.join("include"))
-        .include(root.join("include/torch/csrc/api/include"))
-        .flag("-std=c++17")
-        .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
-        .flag("-DGLOG_USE_GLOG_EXPORT")
-        .file("src/shim/dist.cpp");
+    let mut build = torch_cpp(root, abi);
+    build.file("src/shim/dist.cpp");
     if let Some(dir) = &gloo {
         build
             .include(dir)
@@ -122,4 +104,19 @@ fn distributed(root: &std::path::Path, abi: &str, have_cuda: bool) {
     }
     build.compile("memtrain_dist");
     println!("cargo:rustc-cfg=memtrain_dist");
+}
+
+/// A C++ build against libtorch's headers, with the flags torch-sys compiles its own wrapper with.
+fn torch_cpp(root: &std::path::Path, abi: &str) -> cc::Build {
+    let mut build = cc::Build::new();
+    build
+        .cpp(true)
+        .pic(true)
+        .warnings(false)
+        .include(root.join("include"))
+        .include(root.join("include/torch/csrc/api/include"))
+        .flag("-std=c++17")
+        .flag(format!("-D_GLIBCXX_USE_CXX11_ABI={abi}"))
+        .flag("-DGLOG_USE_GLOG_EXPORT");
+    build
 }

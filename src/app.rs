@@ -49,6 +49,11 @@ fn launch_ranks(args: &crate::cli::RunArgs) -> Option<i32> {
         eprintln!("error: --nproc inside a launched group (WORLD_SIZE is set): leave --nproc out under torchrun");
         return Some(exit::USAGE);
     }
+    // A bad --rank-set is said once, here, rather than by every rank.
+    if let Err(e) = crate::run::rank_sets(&args.rank_set, usize::MAX) {
+        eprintln!("error: {e:#}");
+        return Some(exit::USAGE);
+    }
     // The same command line, less --nproc: each rank runs it with torchrun's variables.
     let mut rest = vec![];
     let mut it = std::env::args().skip(1);

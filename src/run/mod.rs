@@ -457,7 +457,7 @@ fn copy_into(vs: &nn::VarStore, tensors: &[(String, Tensor)], what: &str) -> Res
 }
 
 /// `--rank-set R:KEY=VALUE` entries that apply to `rank`, as `--set` values.
-fn rank_sets(entries: &[String], rank: usize) -> Result<Vec<String>> {
+pub(crate) fn rank_sets(entries: &[String], rank: usize) -> Result<Vec<String>> {
     let mut out = vec![];
     for e in entries {
         let (r, set) = e

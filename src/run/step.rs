@@ -149,8 +149,8 @@ impl StepPipeline {
         dist: Option<&mut Dist>,
     ) -> Result<StepOutput, StepError> {
         let place = self.place();
-        let synced = |d: Option<&Dist>| d.filter(|_| work.synced).and_then(Dist::reducer).is_some();
         let reducer = dist.as_deref().filter(|_| work.synced).and_then(Dist::reducer);
+        let synced = reducer.is_some();
         if let Some(r) = reducer {
             r.enter().map_err(other)?;
         }
@@ -232,7 +232,7 @@ impl StepPipeline {
         // Data-parallel: whatever happened here, this rank takes part in every collective the
         // others run, then all agree before any optimizer writes.
         let failed = attempt.is_err();
-        if failed && synced(Some(d)) {
+        if failed && synced {
             let r = d.reducer().expect("synced");
             r.settle(true).map_err(|e| other(d.explain(e)))?;
         }
@@ -252,7 +252,7 @@ impl StepPipeline {
         };
         let agreed = d.exchange(&local, self.device).map_err(other)?;
         if let Some(&first) = agreed.failed.first() {
-            if synced(Some(d)) {
+            if synced {
                 // A failed backward leaves the Reducer mid-pass; every rank starts a fresh one.
                 let params: Vec<&Tensor> = opt.params().iter().map(|(_, t)| t).collect();
                 d.attach(&params).map_err(other)?;
