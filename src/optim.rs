@@ -155,6 +155,40 @@ pub struct Optimizer {
     buffer_ready: Vec<bool>,
     steps: i64,
     scalars: Vec<Scalars>,
+    /// Sharded state (ZeRO stage 1): which rank owns each parameter; None: this process owns all.
+    shard: Option<Shard>,
+}
+
+/// Which rank steps each parameter when optimizer state is sharded across data-parallel ranks.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Shard {
+    pub rank: usize,
+    /// `owners[i]`: the rank that holds parameter `i`'s state and computes its update.
+    pub owners: Vec<usize>,
+}
+
+impl Shard {
+    /// Balances state bytes: parameters largest first, each to the rank holding least so far
+    /// (the lowest such rank on ties), as PyTorch's ZeroRedundancyOptimizer partitions. Every
+    /// rank computes the same assignment from the same sizes.
+    pub fn balanced(numels: &[i64], ranks: usize, rank: usize) -> Shard {
+        let mut order: Vec<usize> = (0..numels.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(numels[i]));
+        let mut load = vec![0i64; ranks.max(1)];
+        let mut owners = vec![0; numels.len()];
+        for i in order {
+            let r = (0..load.len())
+                .min_by_key(|&r| (load[r], r))
+                .expect("at least one rank");
+            owners[i] = r;
+            load[r] += numels[i];
+        }
+        Shard { rank, owners }
+    }
+
+    fn owns(&self, i: usize) -> bool {
+        self.owners[i] == self.rank
+    }
 }
 
 impl std::fmt::Debug for Optimizer {
@@ -171,11 +205,22 @@ impl Optimizer {
     /// An optimizer over `params` (name, variable), typically shallow clones of a VarStore's
     /// trainable variables. Allocates the state (zeros like each parameter).
     pub fn new(hyper: Hyper, params: Vec<(String, Tensor)>) -> Self {
+        Self::sharded(hyper, params, None)
+    }
+
+    /// With `shard`, state is allocated for this rank's parameters only and `step` updates only
+    /// them; the caller brings the others from their owners afterwards.
+    pub fn sharded(hyper: Hyper, params: Vec<(String, Tensor)>, shard: Option<Shard>) -> Self {
         let slots = hyper.state_slots().len();
+        let owns = |i: usize| shard.as_ref().is_none_or(|s| s.owns(i));
         let state = tch::no_grad(|| {
             params
                 .iter()
-                .map(|(_, p)| (0..slots).map(|_| p.zeros_like()).collect())
+                .enumerate()
+                .map(|(i, (_, p))| match owns(i) {
+                    true => (0..slots).map(|_| p.zeros_like()).collect(),
+                    false => Vec::new(),
+                })
                 .collect()
         });
         Optimizer {
@@ -185,7 +230,21 @@ impl Optimizer {
             state,
             steps: 0,
             scalars: Vec::new(),
+            shard,
         }
+    }
+
+    pub fn shard(&self) -> Option<&Shard> {
+        self.shard.as_ref()
+    }
+
+    fn owns(&self, i: usize) -> bool {
+        self.shard.as_ref().is_none_or(|s| s.owns(i))
+    }
+
+    /// Parameter `i`'s state tensors, one per slot (empty for a parameter another rank owns).
+    pub fn state_of(&self, i: usize) -> &[Tensor] {
+        &self.state[i]
     }
 
     pub fn hyper(&self) -> &Hyper {
@@ -220,11 +279,13 @@ impl Optimizer {
     /// [`Optimizer::apply`], which allocates nothing.
     pub fn prepare(&mut self) -> Prepared {
         let h = self.hyper;
+        let owned: Vec<bool> = (0..self.params.len()).map(|i| self.owns(i)).collect();
         let Optimizer { params, scalars, .. } = self;
         tch::no_grad(|| {
             let live: Vec<(usize, Tensor)> = params
                 .iter()
                 .enumerate()
+                .filter(|(i, _)| owned[*i])
                 .map(|(i, (_, p))| (i, p.grad()))
                 .filter(|(_, g)| g.defined())
                 .collect();
@@ -314,16 +375,26 @@ impl Optimizer {
     /// Every state tensor, named `<slot>/<param name>` with slot `exp_avg` and `exp_avg_sq`
     /// (Adam, AdamW) or `momentum_buffer` (SGD with momentum; plain SGD has none), in parameter
     /// order. The tensors are the live state (shallow clones): copy them before the next `step`
-    /// if a snapshot is needed.
+    /// if a snapshot is needed. Sharded: this rank's parameters only.
     pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
         let slots = self.hyper.state_slots();
         let mut out = Vec::with_capacity(self.params.len() * slots.len());
         for ((name, _), st) in self.params.iter().zip(&self.state) {
             for (slot, t) in slots.iter().zip(st) {
-                out.push((format!("{slot}/{name}"), t.shallow_clone()));
+                out.push((state_name(slot, name), t.shallow_clone()));
             }
         }
         out
+    }
+
+    /// The name of every state tensor of parameter `i`, owned here or not, in slot order.
+    pub fn state_names_of(&self, i: usize) -> Vec<String> {
+        let name = &self.params[i].0;
+        self.hyper
+            .state_slots()
+            .iter()
+            .map(|slot| state_name(slot, name))
+            .collect()
     }
 
     /// Restores state saved by `state_tensors` and the step count. The names must be exactly
@@ -331,7 +402,9 @@ impl Optimizer {
     /// match its parameter; tensors are copied into the existing state, onto each parameter's
     /// device and kind. Nothing changes when an error is returned.
     ///
-    /// SGD momentum buffers count as initialised when `steps_taken > 0`.
+    /// SGD momentum buffers count as initialised when `steps_taken > 0`. Sharded: the saved
+    /// state is the whole optimizer's (gathered when it was written, whatever the rank count
+    /// then); this rank copies its own parameters' part and checks the names of all.
     pub fn load_state(&mut self, tensors: &[(String, Tensor)], steps_taken: i64) -> Result<()> {
         if steps_taken < 0 {
             bail!("optimizer state: negative step count {steps_taken}");
@@ -350,11 +423,11 @@ impl Optimizer {
         let mut sources: Vec<Vec<&Tensor>> = Vec::with_capacity(self.params.len());
         let mut shape_errors = Vec::new();
         let mut known = HashSet::with_capacity(self.params.len() * slots.len());
-        for (name, p) in &self.params {
+        for (i, (name, p)) in self.params.iter().enumerate() {
             let want = p.size();
             let mut row = Vec::with_capacity(slots.len());
             for slot in slots {
-                let full = format!("{slot}/{name}");
+                let full = state_name(slot, name);
                 match given.get(full.as_str()) {
                     Some(src) => {
                         if src.size() != want {
@@ -365,6 +438,9 @@ impl Optimizer {
                     None => missing.push(full.clone()),
                 }
                 known.insert(full);
+            }
+            if !self.owns(i) {
+                row.clear();
             }
             sources.push(row);
         }
@@ -411,6 +487,10 @@ impl Optimizer {
         });
         self.scalars.retain(|s| s.device == device);
     }
+}
+
+fn state_name(slot: &str, param: &str) -> String {
+    format!("{slot}/{param}")
 }
 
 /// Whether (device, kind) uses scalar tensors: not reduced-precision kinds off the CPU, which
@@ -963,6 +1043,50 @@ mod tests {
         assert_eq!(values(&p), vec![1.0, 2.0], "no gradient, no update");
         (&p * 3.0).sum(tch::Kind::Float).backward();
         assert_eq!(values(&p.grad()), vec![3.0, 3.0]);
+    }
+
+    #[test]
+    fn shards_balance_state_largest_first_and_cover_every_parameter() {
+        let s = Shard::balanced(&[100, 10, 60, 50, 1], 2, 1);
+        // 100 -> 0; 60 -> 1; 50 -> 1 (60 < 100); 10 -> 0 (100 < 110); 1 -> 1 (110 = 110: lower rank 0)
+        assert_eq!(s.owners, vec![0, 0, 1, 1, 0]);
+        assert_eq!(Shard::balanced(&[5, 5, 5], 3, 0).owners, vec![0, 1, 2]);
+        assert_eq!(Shard::balanced(&[5, 5], 1, 0).owners, vec![0, 0]);
+    }
+
+    #[test]
+    fn a_sharded_optimizer_steps_and_keeps_only_its_parameters() {
+        let (a, b) = (leaf(&PARAM, &[2, 3]), leaf(&[1.0, 2.0], &[2]));
+        let params = vec![("a".into(), a.shallow_clone()), ("b".into(), b.shallow_clone())];
+        let shard = Shard {
+            rank: 1,
+            owners: vec![0, 1],
+        };
+        let mut opt = Optimizer::sharded(adam(), params, Some(shard));
+        let names: Vec<String> = opt.state_tensors().into_iter().map(|(n, _)| n).collect();
+        assert_eq!(names, ["exp_avg/b", "exp_avg_sq/b"]);
+        assert_eq!(opt.state_names_of(0), ["exp_avg/a", "exp_avg_sq/a"]);
+        set_grad(&a, &GRADS[0]);
+        set_grad(&b, &[0.5, 0.5]);
+        opt.step(LR);
+        assert_eq!(values(&a), PARAM.to_vec(), "rank 0's parameter is not stepped here");
+        assert_ne!(values(&b), vec![1.0, 2.0]);
+        // The whole optimizer's saved state loads: own part copied, the rest checked and skipped.
+        let full: Vec<(String, Tensor)> = ["exp_avg/a", "exp_avg_sq/a"]
+            .iter()
+            .map(|n| (n.to_string(), Tensor::ones([2, 3], (Kind::Float, Device::Cpu))))
+            .chain(
+                ["exp_avg/b", "exp_avg_sq/b"]
+                    .iter()
+                    .map(|n| (n.to_string(), Tensor::full([2], 7.0, (Kind::Float, Device::Cpu)))),
+            )
+            .collect();
+        opt.load_state(&full, 3).unwrap();
+        assert_eq!(values(&opt.state_of(1)[0]), vec![7.0, 7.0]);
+        assert!(opt.state_of(0).is_empty());
+        // A name missing for a parameter another rank owns is still an error.
+        let e = opt.load_state(&full[1..], 3).unwrap_err();
+        assert!(e.to_string().contains("missing exp_avg/a"), "{e}");
     }
 
     #[test]

@@ -144,6 +144,91 @@ fn ctrl_c_stops_every_rank_and_resume_continues_on_two_ranks_or_one() {
     drop(one);
 }
 
+/// Peak allocated bytes of each rank over epoch 1, from rank 0's record (before any checkpoint,
+/// whose gathering adds to rank 0's later peaks).
+fn first_epoch_rank_peaks(o: &Outcome) -> Vec<u64> {
+    let epochs = o.records("epoch");
+    let ranks = epochs[0]["ranks"].as_array().expect("an epoch record lists every rank");
+    ranks
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            assert_eq!(r["rank"], i as u64);
+            r["peak_allocated_bytes"].as_u64().unwrap()
+        })
+        .collect()
+}
+
+#[test]
+fn sharded_optimizer_state_trains_the_same_weights_with_less_memory_per_rank() {
+    let hidden = 256;
+    let t = mlp().set("model.mlp.hidden", vec![hidden]);
+    let plain = t.clone().name("plain").arg("--nproc").arg("2").run();
+    let sharded = t
+        .clone()
+        .name("sharded")
+        .set("train.shard_optimizer_state", true)
+        .arg("--nproc")
+        .arg("2")
+        .run();
+    // The owner computes exactly the update every rank would: bit-identical.
+    assert_eq!(losses(&plain), losses(&sharded));
+    let gap = weight_gap(&plain.final_model(), &sharded.final_model());
+    assert_eq!(gap, 0.0, "sharded and unsharded weights differ");
+    let (p, s) = (first_epoch_rank_peaks(&plain), first_epoch_rank_peaks(&sharded));
+    assert_eq!((p.len(), s.len()), (2, 2));
+    for r in 0..2 {
+        assert!(s[r] < p[r], "rank {r}: sharded peak {} not below {}", s[r], p[r]);
+    }
+    // Adam keeps two fp32 tensors per parameter; sharded over 2 ranks, about half of that state
+    // is gone from the ranks together.
+    let numel = 64 * hidden + hidden + hidden * 10 + 10;
+    let state = 2 * 4 * numel as u64;
+    let saved = p.iter().sum::<u64>() - s.iter().sum::<u64>();
+    assert!(
+        saved >= state / 2,
+        "sharding saved {saved} bytes of {state} bytes of state"
+    );
+    // The summary carries every rank's run-wide peaks too, and the report shows them.
+    let ranks = sharded.summary()["memory"]["ranks"].as_array().unwrap().len();
+    assert_eq!(ranks, 2);
+    let html = std::fs::read_to_string(sharded.out.join("report.html")).unwrap();
+    assert!(html.contains("id=\"ranks\""), "report has no per-rank table");
+}
+
+#[test]
+fn a_sharded_checkpoint_resumes_on_one_rank_and_a_single_one_on_two_sharded() {
+    let t = mlp();
+    let whole = t.clone().name("whole").run();
+    // Sharded on 2 ranks, cut, resumed by one process: the checkpoint holds the whole state.
+    let cut = t
+        .clone()
+        .name("cut")
+        .set("train.shard_optimizer_state", true)
+        .arg("--nproc")
+        .arg("2")
+        .interrupt_after_step(5)
+        .exit(130)
+        .run();
+    let one = cut.resume().run();
+    let gap = weight_gap(&whole.final_model(), &one.final_model());
+    assert!(
+        gap <= 1e-6,
+        "sharded checkpoint resumed on one rank: weights differ by {gap:e}"
+    );
+    // One process, cut, resumed on 2 ranks with sharded state.
+    let single = t.clone().name("single").interrupt_after_step(5).exit(130).run();
+    let two = single
+        .resume()
+        .arg("--nproc")
+        .arg("2")
+        .arg("--set")
+        .arg("train.shard_optimizer_state=true")
+        .run();
+    let gap = weight_gap(&whole.final_model(), &two.final_model());
+    assert!(gap <= 1e-6, "resumed on two sharded ranks: weights differ by {gap:e}");
+}
+
 fn copy_dir(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
     for e in std::fs::read_dir(from).unwrap() {

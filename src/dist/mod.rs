@@ -15,6 +15,8 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use tch::{Device, Kind, Tensor};
 
+use crate::optim::Optimizer;
+use crate::records::RankPeak;
 use crate::shim::dist::{Group, Join, Reducer};
 
 /// How long a collective waits for the other ranks before failing (a dead or hung rank).
@@ -230,6 +232,67 @@ impl Dist {
         self.group.allreduce_sum(&t).map_err(|e| self.explain(e))?;
         let back = Vec::<f64>::try_from(t.to_device(Device::Cpu)).context("reading the exchange")?;
         Ok(read_exchange(self.world.size, &back))
+    }
+
+    /// Sharded optimizer state, after the owners' step: every parameter takes its owner's
+    /// updated values (in place, one broadcast each, all in flight together).
+    pub fn sync_shards(&self, opt: &Optimizer) -> Result<()> {
+        let Some(shard) = opt.shard() else { return Ok(()) };
+        let params: Vec<&Tensor> = opt.params().iter().map(|(_, t)| t).collect();
+        tch::no_grad(|| self.group.broadcast_each(&params, &shard.owners)).map_err(|e| self.explain(e))
+    }
+
+    /// The whole optimizer state on rank 0, for a checkpoint any rank count can resume from:
+    /// each state tensor is sent by its owner, one at a time, so rank 0 holds at most the full
+    /// state and the other ranks nothing extra. Ranks other than 0 get an empty list. Unsharded:
+    /// this rank's own state, no communication.
+    pub fn gather_state(&self, opt: &Optimizer) -> Result<Vec<(String, Tensor)>> {
+        let Some(shard) = opt.shard() else {
+            return Ok(opt.state_tensors());
+        };
+        let mut out = Vec::new();
+        let mut tag = 0i32;
+        for (i, (_, p)) in opt.params().iter().enumerate() {
+            let owner = shard.owners[i];
+            for (s, name) in opt.state_names_of(i).into_iter().enumerate() {
+                tag = tag.wrapping_add(1);
+                match (self.rank(), owner) {
+                    (0, 0) => out.push((name, opt.state_of(i)[s].shallow_clone())),
+                    (0, from) => {
+                        let t = tch::no_grad(|| p.zeros_like());
+                        self.group.recv(&t, from, tag).map_err(|e| self.explain(e))?;
+                        out.push((name, t));
+                    }
+                    (me, _) if me == owner => self
+                        .group
+                        .send(&opt.state_of(i)[s], 0, tag)
+                        .map_err(|e| self.explain(e))?,
+                    _ => {}
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Every rank's peaks, from each rank's own (collective: every rank calls it).
+    pub fn peaks(&self, own: RankPeak) -> Result<Vec<RankPeak>> {
+        let opt = |v: Option<u64>| v.map_or(-1.0, |b| b as f64);
+        let got = self.gather(&[
+            opt(own.peak_allocated_bytes),
+            opt(own.peak_reserved_bytes),
+            own.peak_rss_bytes as f64,
+        ])?;
+        let back = |v: f64| (v >= 0.0).then_some(v as u64);
+        Ok(got
+            .iter()
+            .enumerate()
+            .map(|(rank, v)| RankPeak {
+                rank,
+                peak_allocated_bytes: back(v[0]),
+                peak_reserved_bytes: back(v[1]),
+                peak_rss_bytes: v[2] as u64,
+            })
+            .collect())
     }
 
     /// Every rank's `values` (same length everywhere), rank by rank.

@@ -90,6 +90,15 @@ pub struct EpochResult {
     pub samples_per_s: f64,
 }
 
+/// One data-parallel rank's memory peaks, as rank 0 records them for every rank.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct RankPeak {
+    pub rank: usize,
+    pub peak_allocated_bytes: Option<u64>,
+    pub peak_reserved_bytes: Option<u64>,
+    pub peak_rss_bytes: u64,
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct EpochEvent {
     #[serde(flatten)]
@@ -103,6 +112,9 @@ pub struct EpochEvent {
     pub memory: MemorySample,
     pub cache: CachePolicy,
     pub genotype: Option<Genotype>,
+    /// Data-parallel: every rank's peaks over the epoch, rank 0's included.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ranks: Vec<RankPeak>,
 }
 
 impl std::ops::Deref for EpochEvent {
@@ -207,6 +219,9 @@ pub struct MemorySummary {
     /// The per-step memory readings and the time they took, to show they cost next to nothing.
     pub step_readings: u64,
     pub step_reading_seconds: f64,
+    /// Data-parallel: every rank's peaks over the run, rank 0's included.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ranks: Vec<RankPeak>,
 }
 
 #[derive(Debug, Default, Clone, Serialize)]

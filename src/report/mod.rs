@@ -100,6 +100,15 @@ pub struct Mark {
     pub detail: String,
 }
 
+/// One data-parallel rank's peaks over the run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RankPeaks {
+    pub rank: u64,
+    pub allocated: Option<u64>,
+    pub reserved: Option<u64>,
+    pub rss: u64,
+}
+
 /// A run directory's records, parsed leniently: a killed run's last line may be cut short,
 /// and older runs lack newer fields.
 #[derive(Debug, Default)]
@@ -311,6 +320,21 @@ impl Run {
         from_steps.into_iter().chain(from_summary).reduce(f64::max)
     }
 
+    /// Data-parallel runs: each rank's peaks over the run (summary.json's `memory.ranks`).
+    pub(crate) fn rank_peaks(&self) -> Vec<RankPeaks> {
+        let Some(list) = self.summary_at("/memory/ranks").and_then(|v| v.as_array()) else {
+            return Vec::new();
+        };
+        list.iter()
+            .map(|r| RankPeaks {
+                rank: r["rank"].as_u64().unwrap_or_default(),
+                allocated: r["peak_allocated_bytes"].as_u64(),
+                reserved: r["peak_reserved_bytes"].as_u64(),
+                rss: r["peak_rss_bytes"].as_u64().unwrap_or_default(),
+            })
+            .collect()
+    }
+
     /// The lines `memtrain report` prints: peak memory, cache-clear cost, OOMs and what was
     /// done about them, throughput.
     pub fn text_summary(&self) -> String {
@@ -338,6 +362,14 @@ impl Run {
             mem += &format!(" (cap {})", human_bytes(c as u64));
         }
         line(mem);
+        for r in self.rank_peaks() {
+            line(format!(
+                "  rank {}: {} allocated, {} RSS",
+                r.rank,
+                r.allocated.map(human_bytes).unwrap_or_else(|| "-".into()),
+                human_bytes(r.rss)
+            ));
+        }
         let clears = self.summary_f64("/cache/clears").unwrap_or(0.0);
         let clear_s = self.summary_f64("/cache/clear_seconds").unwrap_or(0.0);
         let syncs = self.summary_f64("/cache/syncs").unwrap_or(0.0);

@@ -144,6 +144,7 @@ pub fn render(run: &Run) -> Result<String> {
     writeln!(h, "<p class=\"where\">{}</p>", escape(&run.dir.display().to_string()))?;
     h += &facts_table(run);
     h += "<h2>Memory</h2>\n";
+    h += &ranks_table(run);
     if run.steps.is_empty() {
         h += "<p>No step lines were recorded (the run ended before its first step, or <code>log.every_steps</code> is 0).</p>\n";
     }
@@ -253,6 +254,28 @@ fn facts_table(run: &Run) -> String {
     let mut h = String::from("<table id=\"facts\">\n");
     for (k, v) in rows {
         h += &format!("<tr><th>{}</th><td>{}</td></tr>\n", escape(k), escape(&v));
+    }
+    h + "</table>\n"
+}
+
+/// Data-parallel runs: every rank's peaks over the run, from summary.json.
+fn ranks_table(run: &Run) -> String {
+    let ranks = run.rank_peaks();
+    if ranks.is_empty() {
+        return String::new();
+    }
+    let cell = |v: Option<u64>| v.map(human_bytes).unwrap_or_else(|| "-".into());
+    let mut h = String::from(
+        "<table id=\"ranks\"><tr><th>rank</th><th>peak allocated</th><th>peak reserved</th><th>peak RSS</th></tr>\n",
+    );
+    for r in ranks {
+        h += &format!(
+            "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>\n",
+            r.rank,
+            cell(r.allocated),
+            cell(r.reserved),
+            human_bytes(r.rss)
+        );
     }
     h + "</table>\n"
 }

@@ -18,7 +18,7 @@ use crate::human::human_bytes;
 use crate::memory::CachePolicy;
 use crate::model::{self, ARCH_PREFIX};
 use crate::oom::{self, BatchShape, StepError};
-use crate::optim::{Hyper, LrSchedule, Optimizer};
+use crate::optim::{Hyper, LrSchedule, Optimizer, Shard};
 use crate::plan::{DevicePlan, Facts, Plan, Request};
 use crate::progress::Progress;
 use crate::records::{Event, Recorder, StartEvent, Status};
@@ -114,8 +114,16 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
 
     let t = &spec.train;
     let (weights, arch) = split_params(&vs);
+    // ZeRO stage 1: this rank keeps (and steps) only its share of the optimizer state.
+    let shard = match &dist {
+        Some(d) if t.shard_optimizer_state => {
+            let numels: Vec<i64> = weights.iter().map(|(_, p)| p.numel() as i64).collect();
+            Some(Shard::balanced(&numels, d.size(), d.rank()))
+        }
+        _ => None,
+    };
     let mut opt = setup_step("creating the optimizer state", || {
-        Optimizer::new(Hyper::from_train(t), weights)
+        Optimizer::sharded(Hyper::from_train(t), weights, shard)
     })?;
     let mut extra = match model::extra_step(&spec.model) {
         Some(x) => Some((

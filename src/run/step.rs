@@ -269,6 +269,9 @@ impl StepPipeline {
         let (_, _, found_inf, prepared) = attempt.expect("no rank failed");
         if let Some(p) = prepared {
             opt.apply(p, work.lr);
+            // Sharded state: each rank updated its own parameters; every rank takes them. (A
+            // skipped step is skipped alike everywhere: the summed gradients are the same.)
+            d.sync_shards(opt).map_err(other)?;
         }
         Ok(StepOutput {
             loss_sum: agreed.loss_sum,

@@ -386,7 +386,8 @@ impl Trainer {
                     "no checkpoint (--max-steps)".to_owned()
                 } else {
                     match self.save_checkpoint("oom") {
-                        Ok((p, _)) => format!("last good state saved to {}; resume with --resume after adding \"backoff\" to memory.on_oom, or with a smaller train.batch_size", p.display()),
+                        Ok(None) => "rank 0 saves the last good state".to_owned(),
+                        Ok(Some((p, _))) => format!("last good state saved to {}; resume with --resume after adding \"backoff\" to memory.on_oom, or with a smaller train.batch_size", p.display()),
                         Err(e) => format!("no checkpoint could be written: {e:#}"),
                     }
                 };
@@ -570,13 +571,17 @@ impl Trainer {
         Ok(Some((loss / n as f64, correct as f64 / n as f64)))
     }
 
-    fn checkpoint_contents(&self) -> (NamedTensors, NamedTensors) {
+    fn checkpoint_contents(&self) -> Result<(NamedTensors, NamedTensors)> {
         let mut model: Vec<(String, Tensor)> = self.model.vs.variables().into_iter().collect();
         model.sort_by(|a, b| a.0.cmp(&b.0));
-        let mut optim: Vec<(String, Tensor)> = self
-            .model
-            .opt
-            .state_tensors()
+        // Sharded optimizer state comes together on rank 0, whatever the rank count.
+        let weight_state = match &self.dist {
+            Some(d) => d
+                .gather_state(&self.model.opt)
+                .context("gathering the sharded optimizer state")?,
+            None => self.model.opt.state_tensors(),
+        };
+        let mut optim: Vec<(String, Tensor)> = weight_state
             .into_iter()
             .map(|(n, t)| (format!("weight/{n}"), t))
             .collect();
@@ -595,11 +600,18 @@ impl Trainer {
                 Err(e) => tracing::warn!("saving the {name} generator state: {e}"),
             }
         }
-        (model, optim)
+        Ok((model, optim))
     }
 
-    /// Saves, records the memory spike of the save, and clears the cache if configured.
-    pub fn save_checkpoint(&mut self, why: &str) -> Result<(PathBuf, u64)> {
+    /// A data-parallel rank other than 0: it takes part in every collective but writes no
+    /// checkpoint.
+    fn follower(&self) -> bool {
+        self.dist.as_ref().is_some_and(|d| d.rank() != 0)
+    }
+
+    /// Saves, records the memory spike of the save, and clears the cache if configured. None on
+    /// a data-parallel rank other than 0, which only helps gather the state rank 0 writes.
+    pub fn save_checkpoint(&mut self, why: &str) -> Result<Option<(PathBuf, u64)>> {
         let t0 = Instant::now();
         let place = self.place();
         let before = memory::sample(place);
@@ -610,7 +622,10 @@ impl Trainer {
         self.state.accumulation_steps = pos.shape.accumulation_steps;
         self.state.clean_steps = pos.clean_steps;
         self.state.activation_checkpointing = pos.recompute;
-        let (model, optim) = self.checkpoint_contents();
+        let (model, optim) = self.checkpoint_contents()?;
+        if self.follower() {
+            return Ok(None);
+        }
         let saved = self.store.save(&checkpoint::Contents {
             model,
             optimizer: optim,
@@ -635,7 +650,7 @@ impl Trainer {
             step: self.state.global_step,
         };
         self.emit(Event::Checkpoint(e))?;
-        Ok((path, size))
+        Ok(Some((path, size)))
     }
 
     fn clear_cache(&mut self, reason: ClearReason) -> Result<()> {
@@ -764,13 +779,13 @@ impl Trainer {
                 };
                 if stop_now {
                     self.progress.finish_epoch();
-                    let (p, _) = self.save_checkpoint("interrupted")?;
+                    let saved = self.save_checkpoint("interrupted")?;
                     self.write_summary(Status::Interrupted)?;
+                    let at = saved.map_or("rank 0's run directory".into(), |(p, _)| p.display().to_string());
                     return Err(Interrupted(format!(
-                        "interrupted at epoch {} step {}; checkpoint saved to {}; continue with --resume",
+                        "interrupted at epoch {} step {}; checkpoint saved to {at}; continue with --resume",
                         epoch + 1,
                         self.state.global_step,
-                        p.display()
                     ))
                     .into());
                 }
@@ -791,6 +806,9 @@ impl Trainer {
             let mut mem = memory::sample(self.place());
             mem.include(&self.windows.epoch);
             self.note_peaks();
+            let ranks = self
+                .rank_peaks(mem.peak_allocated_bytes, mem.peak_reserved_bytes, mem.peak_rss_bytes)
+                .context("gathering every rank's memory peaks")?;
             let seen = self.state.epoch_seen.max(1) as f64;
             let result = EpochResult {
                 epoch: epoch + 1,
@@ -818,6 +836,7 @@ impl Trainer {
                 memory: mem,
                 cache: self.cache.clone(),
                 genotype,
+                ranks,
             };
             self.emit(Event::Epoch(ev))?;
             self.state.monitored = match self.settings.monitor {
@@ -861,8 +880,31 @@ impl Trainer {
         t.peak_rss = t.peak_rss.max(m.peak_rss_bytes);
     }
 
+    /// Data-parallel: every rank's peaks (a collective); empty for a single process.
+    fn rank_peaks(&self, allocated: Option<u64>, reserved: Option<u64>, rss: u64) -> Result<Vec<RankPeak>> {
+        match &self.dist {
+            Some(d) => d.peaks(RankPeak {
+                rank: d.rank(),
+                peak_allocated_bytes: allocated,
+                peak_reserved_bytes: reserved,
+                peak_rss_bytes: rss,
+            }),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// Every status it is called with is reached by all data-parallel ranks together, so the
+    /// ranks' peaks can be gathered here.
     pub fn write_summary(&mut self, status: Status) -> Result<()> {
         self.note_peaks();
+        let t = &self.totals;
+        let ranks = match self.rank_peaks(t.peak_allocated, t.peak_reserved, t.peak_rss) {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!("the summary lists no per-rank peaks: {e:#}");
+                Vec::new()
+            }
+        };
         let shape = self.shape();
         let configured = self.recovery.configured();
         let t = &self.totals;
@@ -893,6 +935,7 @@ impl Trainer {
                 peak_rss_bytes: t.peak_rss,
                 step_readings: t.step_readings,
                 step_reading_seconds: t.step_reading_seconds,
+                ranks,
             },
             cache: Some(self.cache.clone()),
             oom: self.recovery.counts().clone(),

@@ -145,6 +145,37 @@ char *mt_dist_broadcast(MtGroup *g, at::Tensor **tensors, int64_t n, int root) {
   });
 }
 
+// Tensor i takes rank roots[i]'s values, in place and uncoalesced (no flat copy is allocated):
+// the updated parameters of a sharded optimizer step, each from the rank that owns it. All
+// broadcasts are launched before any is waited for.
+char *mt_dist_broadcast_each(MtGroup *g, at::Tensor **tensors, const int64_t *roots, int64_t n) {
+  return guarded([&] {
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    for (int64_t i = 0; i < n; ++i) {
+      std::vector<at::Tensor> ts{*tensors[i]};
+      c10d::BroadcastOptions o;
+      o.rootRank = roots[i];
+      works.push_back(g->pg->broadcast(ts, o));
+    }
+    for (auto &w : works) w->wait();
+  });
+}
+
+// Point to point: `t` to rank `dst`, or `t` from rank `src`, matched by `tag`.
+char *mt_dist_send(MtGroup *g, at::Tensor *t, int dst, int tag) {
+  return guarded([&] {
+    std::vector<at::Tensor> ts{*t};
+    g->pg->send(ts, dst, tag)->wait();
+  });
+}
+
+char *mt_dist_recv(MtGroup *g, at::Tensor *t, int src, int tag) {
+  return guarded([&] {
+    std::vector<at::Tensor> ts{*t};
+    g->pg->recv(ts, src, tag)->wait();
+  });
+}
+
 // In-place sum across ranks.
 char *mt_dist_allreduce_sum(MtGroup *g, at::Tensor *t) {
   return guarded([&] {

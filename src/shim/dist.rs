@@ -40,6 +40,9 @@ extern "C" {
     ) -> *mut c_char;
     fn mt_dist_group_free(g: *mut MtGroup);
     fn mt_dist_broadcast(g: *mut MtGroup, t: *const *const C_tensor, n: i64, root: i32) -> *mut c_char;
+    fn mt_dist_broadcast_each(g: *mut MtGroup, t: *const *const C_tensor, roots: *const i64, n: i64) -> *mut c_char;
+    fn mt_dist_send(g: *mut MtGroup, t: *const C_tensor, dst: i32, tag: i32) -> *mut c_char;
+    fn mt_dist_recv(g: *mut MtGroup, t: *const C_tensor, src: i32, tag: i32) -> *mut c_char;
     fn mt_dist_allreduce_sum(g: *mut MtGroup, t: *const C_tensor) -> *mut c_char;
     fn mt_dist_allgather(g: *mut MtGroup, input: *const C_tensor, out: *const *const C_tensor, n: i64) -> *mut c_char;
     fn mt_dist_barrier(g: *mut MtGroup) -> *mut c_char;
@@ -148,6 +151,22 @@ impl Group {
         check(unsafe { mt_dist_broadcast(self.ptr, p.as_ptr(), p.len() as i64, root as i32) })
     }
 
+    /// Tensor i takes rank `roots[i]`'s values, in place.
+    pub fn broadcast_each(&self, tensors: &[&Tensor], roots: &[usize]) -> Result<()> {
+        assert_eq!(tensors.len(), roots.len());
+        let p = ptrs(tensors.iter().copied());
+        let r: Vec<i64> = roots.iter().map(|&r| r as i64).collect();
+        check(unsafe { mt_dist_broadcast_each(self.ptr, p.as_ptr(), r.as_ptr(), p.len() as i64) })
+    }
+
+    pub fn send(&self, t: &Tensor, dst: usize, tag: i32) -> Result<()> {
+        check(unsafe { mt_dist_send(self.ptr, t.as_ptr(), dst as i32, tag) })
+    }
+
+    pub fn recv(&self, t: &Tensor, src: usize, tag: i32) -> Result<()> {
+        check(unsafe { mt_dist_recv(self.ptr, t.as_ptr(), src as i32, tag) })
+    }
+
     pub fn allreduce_sum(&self, t: &Tensor) -> Result<()> {
         check(unsafe { mt_dist_allreduce_sum(self.ptr, t.as_ptr()) })
     }
@@ -193,6 +212,15 @@ impl Group {
         )
     }
     pub fn broadcast(&self, _: &[&Tensor], _: usize) -> Result<()> {
+        unreachable!("no group without distributed support")
+    }
+    pub fn broadcast_each(&self, _: &[&Tensor], _: &[usize]) -> Result<()> {
+        unreachable!("no group without distributed support")
+    }
+    pub fn send(&self, _: &Tensor, _: usize, _: i32) -> Result<()> {
+        unreachable!("no group without distributed support")
+    }
+    pub fn recv(&self, _: &Tensor, _: usize, _: i32) -> Result<()> {
         unreachable!("no group without distributed support")
     }
     pub fn allreduce_sum(&self, _: &Tensor) -> Result<()> {

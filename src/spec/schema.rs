@@ -318,6 +318,8 @@ pub struct Train {
     /// Keep only the activations at block boundaries and recompute each block in the backward
     /// pass (presets built as a sequence of blocks).
     pub activation_checkpointing: bool,
+    /// Data-parallel: each parameter's optimizer state lives on one rank only (ZeRO stage 1).
+    pub shard_optimizer_state: bool,
     pub schedule: Schedule,
     /// Optimizer steps of linear warmup from 0 to `lr`.
     pub warmup_steps: i64,
@@ -344,6 +346,7 @@ impl Default for Train {
             grad_clip_norm: 0.0,
             precision: Precision::Fp32,
             activation_checkpointing: false,
+            shard_optimizer_state: false,
             schedule: Schedule::Constant,
             warmup_steps: 0,
             lr_step_epochs: 10,
