@@ -62,7 +62,13 @@ pub fn classify_step(text: &str, allocator_ooms_rose: bool) -> Option<OomKind> {
 /// A failure inside a guarded region: an OOM the policy may absorb, or any other error.
 #[derive(Debug, Clone)]
 pub enum StepError {
-    Oom { kind: OomKind, message: String },
+    Oom {
+        kind: OomKind,
+        message: String,
+    },
+    /// Data-parallel: another rank stopped answering before this step wrote anything, so the
+    /// state is the last completed step's and can still be saved.
+    PeerLost(String),
     Other(String),
 }
 

@@ -295,6 +295,17 @@ fn a_killed_rank_stops_the_other_with_its_name() {
         stderr.contains(&format!("rank 1 (pid {rank1}) stopped answering")),
         "{stderr}"
     );
+    // Rank 0 saved the last completed step on its own, and one process resumes from it.
+    assert!(stderr.contains("was saved to"), "{stderr}");
+    let resumed = memtrain()
+        .args(["run", t.spec_path().to_str().unwrap(), "--resume"])
+        .arg(t.out_dir())
+        .args(["--max-steps", "2"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&resumed.stderr);
+    assert_eq!(resumed.status.code(), Some(0), "{err}");
+    assert!(err.contains("stopped after 2 optimizer steps"), "{err}");
 }
 
 /// The spec a Test would write, for a run started by hand.

@@ -320,16 +320,11 @@ impl Dist {
             .collect();
         if gone.is_empty() {
             e.context(format!(
-                "rank {}: a collective with the other ranks failed (a rank on another host died or hung past the {} s timeout?)",
-                self.world.rank,
+                "a collective with the other ranks failed (a rank on another host died or hung past the {} s timeout?)",
                 self.world.timeout.as_secs()
             ))
         } else {
-            e.context(format!(
-                "rank {}: {} stopped answering: it died; stopping",
-                self.world.rank,
-                gone.join(", ")
-            ))
+            e.context(format!("{} stopped answering: it died; stopping", gone.join(", ")))
         }
     }
 }

@@ -406,7 +406,7 @@ fn setup_step<T>(what: &str, f: impl FnOnce() -> T) -> Result<T> {
             ))
             .into()
         }
-        StepError::Other(m) => anyhow::anyhow!("{what} failed: {m}"),
+        StepError::Other(m) | StepError::PeerLost(m) => anyhow::anyhow!("{what} failed: {m}"),
     })
 }
 

@@ -34,6 +34,11 @@ fn other(e: anyhow::Error) -> StepError {
     StepError::Other(format!("{e:#}"))
 }
 
+/// A collective failed before the optimizer wrote anything.
+fn peer_lost(e: anyhow::Error) -> StepError {
+    StepError::PeerLost(format!("{e:#}"))
+}
+
 /// How inputs enter the model, in which dtype it computes, and how the loss is scaled.
 #[derive(Debug, Clone, Copy)]
 pub struct PrecisionStage {
@@ -152,7 +157,7 @@ impl StepPipeline {
         let reducer = dist.as_deref().filter(|_| work.synced).and_then(Dist::reducer);
         let synced = reducer.is_some();
         if let Some(r) = reducer {
-            r.enter().map_err(other)?;
+            r.enter().map_err(peer_lost)?;
         }
         let attempt = oom::guarded_counting(
             || memory::oom_count(place),
@@ -234,7 +239,7 @@ impl StepPipeline {
         let failed = attempt.is_err();
         if failed && synced {
             let r = d.reducer().expect("synced");
-            r.settle(true).map_err(|e| other(d.explain(e)))?;
+            r.settle(true).map_err(|e| peer_lost(d.explain(e)))?;
         }
         let local = match &attempt {
             Ok((loss_sum, correct, ..)) => Local {
@@ -250,7 +255,7 @@ impl StepPipeline {
                 correct: 0,
             },
         };
-        let agreed = d.exchange(&local, self.device).map_err(other)?;
+        let agreed = d.exchange(&local, self.device).map_err(peer_lost)?;
         if let Some(&first) = agreed.failed.first() {
             if synced {
                 // A failed backward leaves the Reducer mid-pass; every rank starts a fresh one.

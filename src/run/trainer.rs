@@ -312,6 +312,10 @@ impl Trainer {
         let (kind, message) = match err {
             StepError::Oom { kind, message } => (kind, message),
             StepError::Other(m) => return Err(anyhow::anyhow!("{phase} failed: {m}")),
+            StepError::PeerLost(m) => {
+                let note = self.save_without_peers();
+                return Err(anyhow::anyhow!("{phase} failed: {m}{note}"));
+            }
         };
         // Whatever the failed attempt left in the gradients goes, and their memory with it.
         self.model.opt.drop_grads();
@@ -393,6 +397,32 @@ impl Trainer {
                 };
                 self.write_summary(Status::Oom)?;
                 Err(OomExit(format!("out of memory in {phase}: {reason}; {note}")).into())
+            }
+        }
+    }
+
+    /// Another rank is gone mid-step, before any optimizer wrote: rank 0 saves the last
+    /// completed step on its own, without another collective (one would wait on the lost rank).
+    /// Sharded optimizer state cannot be saved: part of it was on the lost rank.
+    fn save_without_peers(&mut self) -> String {
+        let rank0 = self.dist.as_ref().is_some_and(|d| d.rank() == 0);
+        self.dist = None;
+        if !rank0 {
+            String::new()
+        } else if self.settings.max_steps.is_some() {
+            "; no checkpoint (--max-steps)".into()
+        } else if self.model.opt.shard().is_some() {
+            "; no checkpoint: the optimizer state is sharded and the lost rank held part of it; resume from the last one".into()
+        } else {
+            match self.save_checkpoint("rank lost") {
+                Ok(Some((p, _))) => format!(
+                    "; the last completed step (epoch {} step {}) was saved to {}; continue with --resume",
+                    self.state.epoch + 1,
+                    self.state.global_step,
+                    p.display()
+                ),
+                Ok(None) => String::new(),
+                Err(e) => format!("; no checkpoint could be written: {e:#}"),
             }
         }
     }
@@ -806,9 +836,14 @@ impl Trainer {
             let mut mem = memory::sample(self.place());
             mem.include(&self.windows.epoch);
             self.note_peaks();
-            let ranks = self
-                .rank_peaks(mem.peak_allocated_bytes, mem.peak_reserved_bytes, mem.peak_rss_bytes)
-                .context("gathering every rank's memory peaks")?;
+            let ranks = match self.rank_peaks(mem.peak_allocated_bytes, mem.peak_reserved_bytes, mem.peak_rss_bytes) {
+                Ok(r) => r,
+                Err(e) => {
+                    // Every step of the epoch is done: what is saved resumes at its end.
+                    let note = self.save_without_peers();
+                    return Err(anyhow::anyhow!("gathering every rank's memory peaks: {e:#}{note}"));
+                }
+            };
             let seen = self.state.epoch_seen.max(1) as f64;
             let result = EpochResult {
                 epoch: epoch + 1,
