@@ -229,6 +229,53 @@ fn a_sharded_checkpoint_resumes_on_one_rank_and_a_single_one_on_two_sharded() {
     assert!(gap <= 1e-6, "resumed on two sharded ranks: weights differ by {gap:e}");
 }
 
+/// torchrun (the bootstrap environment's, `--standalone`: its agent hosts the store) launching
+/// memtrain as its workers, as users launch PyTorch jobs.
+#[test]
+fn a_torchrun_launch_trains_as_nproc_does() {
+    let t = mlp();
+    let ours = t.clone().name("nproc").arg("--nproc").arg("2").run();
+    let theirs = t.clone().name("torchrun");
+    std::fs::write(theirs.spec_path(), toml::to_string(&ours_spec(&ours)).unwrap()).unwrap();
+    let python = std::env::var("MEMTRAIN_PYTHON").expect("MEMTRAIN_PYTHON: run the tests through scripts/test");
+    let o = std::process::Command::new(python)
+        .args([
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--no-python",
+        ])
+        .arg(env!("CARGO_BIN_EXE_memtrain"))
+        .arg("run")
+        .arg(theirs.spec_path())
+        .arg("--out")
+        .arg(theirs.out_dir())
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "torchrun failed:\n{stderr}");
+    let steps = |dir: &Path| -> Vec<f64> {
+        records(dir, "step")
+            .iter()
+            .map(|r| r["loss"].as_f64().unwrap())
+            .collect()
+    };
+    assert_eq!(
+        steps(&ours.out),
+        steps(&theirs.out_dir()),
+        "same group, same split, same losses"
+    );
+    assert_eq!(ours.final_bytes(), file_bytes(&final_model(&theirs.out_dir())));
+}
+
+/// The spec file a finished test run used.
+fn ours_spec(o: &Outcome) -> toml::Table {
+    toml::from_str(&std::fs::read_to_string(o.test.spec_path()).unwrap()).unwrap()
+}
+
 fn copy_dir(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
     for e in std::fs::read_dir(from).unwrap() {

@@ -573,10 +573,11 @@ impl Trainer {
 
     fn validate(&mut self) -> Result<Option<(f64, f64)>> {
         let n = self.data.val.len();
-        if n == 0 {
+        if n == 0 || self.follower() {
+            // Data-parallel: rank 0 alone validates; it alone records and keeps the best.
             return Ok(None);
         }
-        let (loss, correct) = self.with_recovery("validation", |t| {
+        let pass = |t: &mut Self| {
             let b = t.shape().micro_batch as usize;
             let place = t.place();
             oom::guarded_counting(
@@ -597,7 +598,26 @@ impl Trainer {
                     })
                 },
             )
-        })?;
+        };
+        let (loss, correct) = if self.dist.is_some() {
+            // The recovery machine must change on every rank or none; rank 0 alone validates, so
+            // an OOM here skips this epoch's validation instead.
+            match pass(self) {
+                Ok(v) => v,
+                Err(StepError::Oom { message, .. }) => {
+                    tracing::warn!(
+                        "validation ran out of memory ({}); skipped this epoch, training goes on unchanged",
+                        first_line(&message)
+                    );
+                    return Ok(None);
+                }
+                Err(StepError::Other(m) | StepError::PeerLost(m)) => {
+                    return Err(anyhow::anyhow!("validation failed: {m}"))
+                }
+            }
+        } else {
+            self.with_recovery("validation", pass)?
+        };
         Ok(Some((loss / n as f64, correct as f64 / n as f64)))
     }
 
