@@ -276,6 +276,20 @@ fn ours_spec(o: &Outcome) -> toml::Table {
     toml::from_str(&std::fs::read_to_string(o.test.spec_path()).unwrap()).unwrap()
 }
 
+#[test]
+fn a_per_rank_setting_is_limited_to_memory_keys() {
+    let bad = mlp()
+        .name("bad")
+        .arg("--nproc")
+        .arg("2")
+        .arg("--rank-set")
+        .arg("1:train.shard_optimizer_state=true")
+        .exit(2)
+        .stderr_has("only memory.* keys can differ between ranks")
+        .run();
+    assert!(!bad.out.exists(), "nothing is written for a rejected command line");
+}
+
 fn copy_dir(from: &Path, to: &Path) {
     std::fs::create_dir_all(to).unwrap();
     for e in std::fs::read_dir(from).unwrap() {

@@ -117,6 +117,8 @@ pub fn share(group: &[i64], micro_batch: usize, rank: usize, size: usize) -> &[i
 pub struct Agreed {
     /// Ranks that ran out of memory.
     pub failed: Vec<usize>,
+    /// Ranks whose step failed for another reason: every rank stops.
+    pub broken: Vec<usize>,
     /// Some rank was asked to stop.
     pub stop: bool,
     /// Summed over ranks in rank order.
@@ -124,10 +126,19 @@ pub struct Agreed {
     pub correct: i64,
 }
 
+/// How a rank's step went, as the exchange carries it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Outcome {
+    Done,
+    OutOfMemory,
+    /// Any other error: not something a smaller micro-batch fixes.
+    Broken,
+}
+
 /// This rank's side of the exchange.
 #[derive(Debug, Clone, Copy)]
 pub struct Local {
-    pub failed: bool,
+    pub outcome: Outcome,
     pub stop: bool,
     pub loss_sum: f64,
     pub correct: i64,
@@ -136,7 +147,11 @@ pub struct Local {
 /// One slot per rank and field, summed: every rank reads every rank's values.
 fn exchange_layout(size: usize, rank: usize, l: &Local) -> Vec<f64> {
     let mut v = vec![0.0; 4 * size];
-    v[rank] = f64::from(u8::from(l.failed));
+    v[rank] = match l.outcome {
+        Outcome::Done => 0.0,
+        Outcome::OutOfMemory => 1.0,
+        Outcome::Broken => 2.0,
+    };
     v[size + rank] = f64::from(u8::from(l.stop));
     v[2 * size + rank] = l.loss_sum;
     v[3 * size + rank] = l.correct as f64;
@@ -145,7 +160,8 @@ fn exchange_layout(size: usize, rank: usize, l: &Local) -> Vec<f64> {
 
 fn read_exchange(size: usize, v: &[f64]) -> Agreed {
     Agreed {
-        failed: (0..size).filter(|&r| v[r] > 0.0).collect(),
+        failed: (0..size).filter(|&r| v[r] == 1.0).collect(),
+        broken: (0..size).filter(|&r| v[r] == 2.0).collect(),
         stop: (0..size).any(|r| v[size + r] > 0.0),
         loss_sum: (0..size).fold(0.0, |a, r| a + v[2 * size + r]),
         correct: (0..size).map(|r| v[3 * size + r] as i64).sum(),
@@ -155,6 +171,8 @@ fn read_exchange(size: usize, v: &[f64]) -> Agreed {
 /// A rank in a running group.
 pub struct Dist {
     pub world: World,
+    /// Where the group's collectives run (CUDA for NCCL, the CPU for Gloo).
+    device: Device,
     group: Group,
     reducer: Option<Reducer>,
     /// Every rank's process id, to name a rank that died (same host only).
@@ -196,6 +214,7 @@ impl Dist {
         }
         Ok(Dist {
             world,
+            device,
             group,
             reducer: None,
             pids,
@@ -226,9 +245,9 @@ impl Dist {
         self.reducer.as_ref()
     }
 
-    pub fn exchange(&self, local: &Local, device: Device) -> Result<Agreed> {
+    pub fn exchange(&self, local: &Local) -> Result<Agreed> {
         let v = exchange_layout(self.world.size, self.world.rank, local);
-        let t = Tensor::from_slice(&v).to_kind(Kind::Double).to_device(device);
+        let t = Tensor::from_slice(&v).to_kind(Kind::Double).to_device(self.device);
         self.group.allreduce_sum(&t).map_err(|e| self.explain(e))?;
         let back = Vec::<f64>::try_from(t.to_device(Device::Cpu)).context("reading the exchange")?;
         Ok(read_exchange(self.world.size, &back))
@@ -259,7 +278,8 @@ impl Dist {
                 match (self.rank(), owner) {
                     (0, 0) => out.push((name, opt.state_of(i)[s].shallow_clone())),
                     (0, from) => {
-                        let t = tch::no_grad(|| p.zeros_like());
+                        let t = tch::no_grad(|| p.f_zeros_like())
+                            .context("rank 0 holding the other ranks' optimizer state")?;
                         self.group.recv(&t, from, tag).map_err(|e| self.explain(e))?;
                         out.push((name, t));
                     }
@@ -295,13 +315,14 @@ impl Dist {
             .collect())
     }
 
-    /// Every rank's `values` (same length everywhere), rank by rank.
+    /// Every rank's `values` (same length everywhere), rank by rank. On the group's device:
+    /// an NCCL group has no CPU backend.
     pub fn gather(&self, values: &[f64]) -> Result<Vec<Vec<f64>>> {
-        let input = Tensor::from_slice(values).to_kind(Kind::Double);
+        let input = Tensor::from_slice(values).to_kind(Kind::Double).to_device(self.device);
         let out: Vec<Tensor> = (0..self.world.size).map(|_| input.zeros_like()).collect();
         self.group.allgather(&input, &out).map_err(|e| self.explain(e))?;
         out.iter()
-            .map(|t| Vec::<f64>::try_from(t).context("reading a gathered value"))
+            .map(|t| Vec::<f64>::try_from(t.to_device(Device::Cpu)).context("reading a gathered value"))
             .collect()
     }
 
@@ -377,19 +398,19 @@ mod tests {
         let size = 3;
         let locals = [
             Local {
-                failed: false,
+                outcome: Outcome::Done,
                 stop: false,
                 loss_sum: 1.5,
                 correct: 2,
             },
             Local {
-                failed: true,
+                outcome: Outcome::OutOfMemory,
                 stop: false,
                 loss_sum: 0.0,
                 correct: 0,
             },
             Local {
-                failed: false,
+                outcome: Outcome::Broken,
                 stop: true,
                 loss_sum: 2.25,
                 correct: 3,
@@ -405,6 +426,7 @@ mod tests {
             read_exchange(size, &sum),
             Agreed {
                 failed: vec![1],
+                broken: vec![2],
                 stop: true,
                 loss_sum: 3.75,
                 correct: 5

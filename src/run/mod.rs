@@ -476,6 +476,14 @@ pub(crate) fn rank_sets(entries: &[String], rank: usize) -> Result<Vec<String>> 
                     "--rank-set {e:?}: expected RANK:KEY=VALUE, e.g. 1:memory.limit=64MiB"
                 ))
             })?;
+        // Ranks must agree on everything that decides which collectives they run (optimizer,
+        // sharding, batch, checkpoints); memory is what differs between devices.
+        if !set.trim_start().starts_with("memory.") {
+            return Err(UsageError(format!(
+                "--rank-set {e:?}: only memory.* keys can differ between ranks (e.g. 1:memory.limit=64MiB); use --set for the others"
+            ))
+            .into());
+        }
         if r == rank {
             out.push(set.to_owned());
         }

@@ -28,7 +28,7 @@ use crate::shim::{self, Autocast};
 use crate::spec::Precision;
 
 use super::recompute;
-use crate::dist::{Dist, Local};
+use crate::dist::{Dist, Local, Outcome};
 
 fn other(e: anyhow::Error) -> StepError {
     StepError::Other(format!("{e:#}"))
@@ -243,19 +243,30 @@ impl StepPipeline {
         }
         let local = match &attempt {
             Ok((loss_sum, correct, ..)) => Local {
-                failed: false,
+                outcome: Outcome::Done,
                 stop: work.stop,
                 loss_sum: *loss_sum,
                 correct: *correct,
             },
-            Err(_) => Local {
-                failed: true,
+            Err(e) => Local {
+                outcome: match e {
+                    StepError::Oom { .. } => Outcome::OutOfMemory,
+                    _ => Outcome::Broken,
+                },
                 stop: work.stop,
                 loss_sum: 0.0,
                 correct: 0,
             },
         };
-        let agreed = d.exchange(&local, self.device).map_err(peer_lost)?;
+        let agreed = d.exchange(&local).map_err(peer_lost)?;
+        if let Some(&first) = agreed.broken.first() {
+            // Not an OOM: no recovery decision applies; every rank stops, the broken one with
+            // its own error.
+            return Err(match attempt {
+                Err(StepError::Other(m)) => StepError::Other(m),
+                _ => StepError::Other(format!("rank {first} failed (its own message says why); stopping")),
+            });
+        }
         if let Some(&first) = agreed.failed.first() {
             if synced {
                 // A failed backward leaves the Reducer mid-pass; every rank starts a fresh one.
@@ -275,7 +286,8 @@ impl StepPipeline {
         if let Some(p) = prepared {
             opt.apply(p, work.lr);
             // Sharded state: each rank updated its own parameters; every rank takes them. (A
-            // skipped step is skipped alike everywhere: the summed gradients are the same.)
+            // skipped fp16 step is skipped alike everywhere, as long as the inf check reads the
+            // summed gradients, which are the same on every rank.)
             d.sync_shards(opt).map_err(other)?;
         }
         Ok(StepOutput {

@@ -406,7 +406,14 @@ impl Trainer {
     /// Sharded optimizer state cannot be saved: part of it was on the lost rank.
     fn save_without_peers(&mut self) -> String {
         let rank0 = self.dist.as_ref().is_some_and(|d| d.rank() == 0);
+        let note = self.save_alone(rank0);
+        // After the save (dropping a group can block on a hung peer with NCCL); no collective
+        // runs from here on.
         self.dist = None;
+        note
+    }
+
+    fn save_alone(&mut self, rank0: bool) -> String {
         if !rank0 {
             String::new()
         } else if self.settings.max_steps.is_some() {
@@ -573,8 +580,7 @@ impl Trainer {
 
     fn validate(&mut self) -> Result<Option<(f64, f64)>> {
         let n = self.data.val.len();
-        if n == 0 || self.follower() {
-            // Data-parallel: rank 0 alone validates; it alone records and keeps the best.
+        if n == 0 {
             return Ok(None);
         }
         let pass = |t: &mut Self| {
@@ -600,8 +606,10 @@ impl Trainer {
             )
         };
         let (loss, correct) = if self.dist.is_some() {
-            // The recovery machine must change on every rank or none; rank 0 alone validates, so
-            // an OOM here skips this epoch's validation instead.
+            // Every rank validates (rank 0's result is recorded), at the same time, so no rank
+            // waits on another past the collective timeout. The recovery machine must change on
+            // every rank or none, and validation has no agreement step, so an OOM here skips this
+            // epoch's validation on that rank instead.
             match pass(self) {
                 Ok(v) => v,
                 Err(StepError::Oom { message, .. }) => {
