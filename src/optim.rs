@@ -191,6 +191,11 @@ impl Shard {
     }
 }
 
+/// Whether this process steps parameter `i`: always, unless the state is sharded.
+fn steps_param(shard: Option<&Shard>, i: usize) -> bool {
+    shard.is_none_or(|s| s.owns(i))
+}
+
 impl std::fmt::Debug for Optimizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Optimizer")
@@ -212,12 +217,11 @@ impl Optimizer {
     /// them; the caller brings the others from their owners afterwards.
     pub fn sharded(hyper: Hyper, params: Vec<(String, Tensor)>, shard: Option<Shard>) -> Self {
         let slots = hyper.state_slots().len();
-        let owns = |i: usize| shard.as_ref().is_none_or(|s| s.owns(i));
         let state = tch::no_grad(|| {
             params
                 .iter()
                 .enumerate()
-                .map(|(i, (_, p))| match owns(i) {
+                .map(|(i, (_, p))| match steps_param(shard.as_ref(), i) {
                     true => (0..slots).map(|_| p.zeros_like()).collect(),
                     false => Vec::new(),
                 })
@@ -236,10 +240,6 @@ impl Optimizer {
 
     pub fn shard(&self) -> Option<&Shard> {
         self.shard.as_ref()
-    }
-
-    fn owns(&self, i: usize) -> bool {
-        self.shard.as_ref().is_none_or(|s| s.owns(i))
     }
 
     /// Parameter `i`'s state tensors, one per slot (empty for a parameter another rank owns).
@@ -279,13 +279,14 @@ impl Optimizer {
     /// [`Optimizer::apply`], which allocates nothing.
     pub fn prepare(&mut self) -> Prepared {
         let h = self.hyper;
-        let owned: Vec<bool> = (0..self.params.len()).map(|i| self.owns(i)).collect();
-        let Optimizer { params, scalars, .. } = self;
+        let Optimizer {
+            params, scalars, shard, ..
+        } = self;
         tch::no_grad(|| {
             let live: Vec<(usize, Tensor)> = params
                 .iter()
                 .enumerate()
-                .filter(|(i, _)| owned[*i])
+                .filter(|(i, _)| steps_param(shard.as_ref(), *i))
                 .map(|(i, (_, p))| (i, p.grad()))
                 .filter(|(_, g)| g.defined())
                 .collect();
@@ -439,7 +440,7 @@ impl Optimizer {
                 }
                 known.insert(full);
             }
-            if !self.owns(i) {
+            if !steps_param(self.shard.as_ref(), i) {
                 row.clear();
             }
             sources.push(row);

@@ -43,11 +43,8 @@ def micro_of(job):
 def run_memtrain(a, work, job, ranks, sharded, rep):
     spec = os.path.join(work, f"mt-{ranks}-{sharded}.toml")
     text = jobs.memtrain_spec(job, os.path.join(work, "init.safetensors"), os.path.join(work, "data.npz"),
-                              os.path.join(work, "val.npz"), "fp32", False, a.threads // ranks, "cpu")
-    text = text.replace(f"batch_size = {jobs.JOBS[job]['train']['batch_size']}", f"batch_size = {micro_of(job)}")
-    text = text.replace("accumulation_steps = 1", f"accumulation_steps = {ACCUMULATION}")
-    if sharded:
-        text = text.replace("[log]", "shard_optimizer_state = true\n[log]")
+                              os.path.join(work, "val.npz"), "fp32", False, a.threads // ranks, "cpu",
+                              batch_size=micro_of(job), accumulation=ACCUMULATION, shard_optimizer_state=sharded)
     with open(spec, "w") as f:
         f.write(text)
     out = os.path.join(work, f"mt-{ranks}-{sharded}-{rep}")
@@ -115,11 +112,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for job in a.jobs.split(","):
             work = os.path.join(tmp, job)
-            os.makedirs(work)
-            subprocess.run([sys.executable, os.path.join(HERE, "pytorch_job.py"), "init", "--job", job,
-                            "--out", os.path.join(work, "init.safetensors")], check=True)
-            driver.write_data(job, os.path.join(work, "data.npz"))
-            driver.write_data(job, os.path.join(work, "val.npz"), seed=1, samples=8)
+            driver.prepare_job(job, work)
             for ranks, sharded in [(1, False), (2, False), (2, True)]:
                 mt, pt = [], []
                 for rep in range(a.reps):

@@ -69,6 +69,16 @@ def write_data(job, path, seed=0, samples=None):
     np.savez(path, x=x, y=y)
 
 
+def prepare_job(job, work):
+    """`work` holds the job's initial weights (init.safetensors), data (data.npz) and a token
+    validation set (val.npz): memtrain validates at epoch ends, outside the timed steps."""
+    os.makedirs(work)
+    subprocess.run([sys.executable, os.path.join(HERE, "pytorch_job.py"), "init", "--job", job,
+                    "--out", os.path.join(work, "init.safetensors")], check=True)
+    write_data(job, os.path.join(work, "data.npz"))
+    write_data(job, os.path.join(work, "val.npz"), seed=1, samples=8)
+
+
 def run_memtrain(a, work, job, setting, rep):
     name, precision, ckpt = setting
     spec = os.path.join(work, f"{job}-{name}.toml")
@@ -156,12 +166,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         for job in a.jobs.split(","):
             work = os.path.join(tmp, job)
-            os.makedirs(work)
-            subprocess.run([sys.executable, os.path.join(HERE, "pytorch_job.py"), "init", "--job", job,
-                            "--out", os.path.join(work, "init.safetensors")], check=True)
-            write_data(job, os.path.join(work, "data.npz"))
-            # A token validation set: memtrain validates at epoch ends (outside the timed steps).
-            write_data(job, os.path.join(work, "val.npz"), seed=1, samples=8)
+            prepare_job(job, work)
             for setting in settings:
                 if setting[2] and jobs.JOBS[job]["preset"] == "mlp":
                     continue  # not a chain of blocks: memtrain skips checkpointing, so would PyTorch

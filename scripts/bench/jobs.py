@@ -62,7 +62,9 @@ def toml_value(v):
     return repr(v)
 
 
-def memtrain_spec(job, init, data, val, precision, checkpointing, threads, device, seed=0):
+def memtrain_spec(job, init, data, val, precision, checkpointing, threads, device, seed=0,
+                  batch_size=None, accumulation=1, shard_optimizer_state=False):
+    """The job as a memtrain spec; `batch_size` (the micro-batch) defaults to the job's."""
     j = JOBS[job]
     t = j["train"]
     lines = [
@@ -70,7 +72,8 @@ def memtrain_spec(job, init, data, val, precision, checkpointing, threads, devic
         "[model]", f'preset = "{j["preset"]}"', f'init_from = "{init}"',
         f"[model.{j['preset']}]", *[f"{k} = {toml_value(v)}" for k, v in j["options"].items()],
         "[data]", 'source = "npz"', f'path = "{data}"', f'val_path = "{val}"',
-        "[train]", "epochs = 100", f"batch_size = {t['batch_size']}", "accumulation_steps = 1",
+        "[train]", "epochs = 100", f"batch_size = {batch_size or t['batch_size']}",
+        f"accumulation_steps = {accumulation}", f"shard_optimizer_state = {toml_value(shard_optimizer_state)}",
         f'optimizer = "{t["optimizer"]}"', f"lr = {t['lr']}", f"weight_decay = {t['weight_decay']}",
         f'precision = "{precision}"', f"activation_checkpointing = {toml_value(checkpointing)}",
     ]
