@@ -64,7 +64,7 @@ pub struct RunArgs {
     /// effective batch stays global. Under torchrun, leave it out: the ranks join its group.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub nproc: Option<u32>,
-    /// Override a spec key on one rank only, e.g. --rank-set 1:memory.limit=64MiB (repeatable).
+    /// Override a memory.* spec key on one rank only, e.g. --rank-set 1:memory.limit=64MiB (repeatable).
     #[arg(long = "rank-set", value_name = "RANK:KEY=VALUE")]
     pub rank_set: Vec<String>,
 }
