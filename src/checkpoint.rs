@@ -37,10 +37,9 @@ pub struct TrainState {
     pub epoch_loss_sum: f64,
     pub epoch_correct: i64,
     pub epoch_seen: i64,
-    pub on_cpu_fallback: bool,
-    /// Activation checkpointing is on (from the spec or a "recompute" OOM decision).
+    /// The memory levers engaged at this point (`run::levers`), by name.
     #[serde(default)]
-    pub activation_checkpointing: bool,
+    pub levers: Vec<String>,
     /// fp16-mixed: the loss scalers of the weight step and the architecture step.
     #[serde(default)]
     pub scaler: Option<crate::scaler::GradScaler>,
@@ -49,6 +48,14 @@ pub struct TrainState {
     /// The monitored metric at this checkpoint, when validation ran.
     pub monitored: Option<f64>,
     pub finished: bool,
+}
+
+#[derive(Deserialize)]
+struct LegacyFlags {
+    #[serde(default)]
+    on_cpu_fallback: bool,
+    #[serde(default)]
+    activation_checkpointing: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -269,10 +276,17 @@ impl Store {
 
     /// A checkpoint's state alone (small; read while planning, before any tensor is loaded).
     pub fn load_state(dir: &Path) -> Result<TrainState> {
-        serde_json::from_slice(
-            &fs::read(dir.join("state.json")).with_context(|| format!("reading {}/state.json", dir.display()))?,
-        )
-        .with_context(|| format!("parsing {}/state.json", dir.display()))
+        let bytes = fs::read(dir.join("state.json")).with_context(|| format!("reading {}/state.json", dir.display()))?;
+        let parse = || format!("parsing {}/state.json", dir.display());
+        let mut state: TrainState = serde_json::from_slice(&bytes).with_context(parse)?;
+        // Checkpoints written before levers had names kept two of them as flags.
+        let flags: LegacyFlags = serde_json::from_slice(&bytes).with_context(parse)?;
+        for (on, name) in [(flags.on_cpu_fallback, "cpu"), (flags.activation_checkpointing, "recompute")] {
+            if on && !state.levers.iter().any(|l| l == name) {
+                state.levers.push(name.to_owned());
+            }
+        }
+        Ok(state)
     }
 
     pub fn load(dir: &Path) -> Result<Loaded> {
@@ -305,8 +319,7 @@ mod tests {
             epoch_loss_sum: 0.0,
             epoch_correct: 0,
             epoch_seen: 0,
-            on_cpu_fallback: false,
-            activation_checkpointing: false,
+            levers: vec![],
             scaler: None,
             arch_scaler: None,
             monitored,
@@ -349,5 +362,22 @@ mod tests {
             .collect();
         assert_eq!(names, ["step-000000002", "step-000000003", "step-000000004"]);
         assert_eq!(Store::load(&store.latest().unwrap()).unwrap().state.global_step, 4);
+    }
+
+    #[test]
+    fn levers_are_saved_by_name_and_old_flags_are_read_as_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = state(1, None);
+        s.levers = vec!["recompute".into()];
+        let json = serde_json::to_value(&s).unwrap();
+        assert_eq!(json["levers"], serde_json::json!(["recompute"]));
+        assert!(json.get("on_cpu_fallback").is_none());
+        // A checkpoint from before levers had names.
+        let mut old = json.as_object().unwrap().clone();
+        old.remove("levers");
+        old.insert("on_cpu_fallback".into(), true.into());
+        old.insert("activation_checkpointing".into(), true.into());
+        fs::write(dir.path().join("state.json"), serde_json::to_vec(&old).unwrap()).unwrap();
+        assert_eq!(Store::load_state(dir.path()).unwrap().levers, ["cpu", "recompute"]);
     }
 }

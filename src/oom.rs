@@ -7,6 +7,8 @@ use std::sync::Once;
 
 use serde::Serialize;
 
+use crate::shim::{grad_enabled, set_grad_enabled};
+
 /// What kind of allocation failure an error text describes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -100,18 +102,6 @@ fn panic_text(payload: &(dyn std::any::Any + Send)) -> String {
     }
 }
 
-/// Sets autograd's grad mode and returns the previous one (tch does not expose this).
-fn set_grad_enabled(on: bool) -> bool {
-    // SAFETY: a plain call into libtorch's C API that toggles a thread-local flag.
-    unsafe { torch_sys::at_grad_set_enabled(on as i32) != 0 }
-}
-
-fn grad_enabled() -> bool {
-    let prev = set_grad_enabled(true);
-    set_grad_enabled(prev);
-    prev
-}
-
 /// tch's libtorch messages end in a C++ backtrace; keep the reason.
 pub fn short_message(text: &str) -> String {
     let t = text.trim_start_matches("called `Result::unwrap()` on an `Err` value: ");
@@ -174,28 +164,52 @@ impl BatchShape {
     }
 }
 
-/// What to do about one OOM (decided by `run::recovery`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case", tag = "action")]
-pub enum Decision {
-    /// Turn activation checkpointing on for the rest of the run and retry at the same shape.
-    Recompute,
-    /// Retry the failed work with this shape (same effective batch).
-    Backoff { to: BatchShape },
-    /// Move the run to the CPU and retry.
-    MoveToCpu,
-    /// Nothing left to try: save and end the run.
-    Fail,
+/// What was done about one OOM (decided by `run::recovery`): the action of the lever engaged
+/// (`"recompute"`, `"backoff"` with the shape it went `to`, `"move_to_cpu"`), or `"fail"`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Decision {
+    pub action: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub to: Option<BatchShape>,
 }
 
-/// OOM counts over a run, for summary.json.
+impl Decision {
+    pub const FAIL: &'static str = "fail";
+
+    pub fn fail() -> Decision {
+        Decision {
+            action: Self::FAIL.into(),
+            to: None,
+        }
+    }
+
+    pub fn is_fail(&self) -> bool {
+        self.action == Self::FAIL
+    }
+}
+
+/// OOM counts over a run, for summary.json: OOM events, engagements of each lever under the
+/// lever's count name (`"backoffs"`), and grow-backs.
 #[derive(Debug, Default, Clone, PartialEq, Eq, Serialize)]
 pub struct OomCounts {
     pub events: u64,
-    pub recomputes: u64,
-    pub backoffs: u64,
-    pub cpu_fallbacks: u64,
+    #[serde(flatten)]
+    pub engaged: std::collections::BTreeMap<String, u64>,
     pub grow_backs: u64,
+}
+
+impl OomCounts {
+    /// Every name starts at 0, so the summary lists each lever whether or not it was engaged.
+    pub fn new<'a>(names: impl IntoIterator<Item = &'a str>) -> OomCounts {
+        OomCounts {
+            engaged: names.into_iter().map(|n| (n.to_owned(), 0)).collect(),
+            ..Default::default()
+        }
+    }
+
+    pub fn of(&self, name: &str) -> u64 {
+        self.engaged.get(name).copied().unwrap_or(0)
+    }
 }
 
 #[cfg(test)]

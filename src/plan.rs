@@ -167,7 +167,7 @@ impl Plan {
                 )));
             };
             start = reconcile(state.clone(), configured, spec.train.batch_size)?;
-            if start.on_cpu_fallback {
+            if start.levers.iter().any(|l| l == "cpu") {
                 // The run fell back to the CPU before this checkpoint; it continues there.
                 device = DevicePlan::Cpu;
             }
@@ -313,8 +313,7 @@ pub fn fresh_state(shape: BatchShape) -> TrainState {
         epoch_loss_sum: 0.0,
         epoch_correct: 0,
         epoch_seen: 0,
-        on_cpu_fallback: false,
-        activation_checkpointing: false,
+        levers: vec![],
         scaler: None,
         arch_scaler: None,
         monitored: None,
@@ -523,7 +522,7 @@ mod tests {
             accumulation_steps: 1,
         };
         let mut st = fresh_state(shape);
-        st.on_cpu_fallback = true;
+        st.levers = vec!["cpu".into()];
         st.epoch = 1;
         let f = Facts {
             cuda_devices: 1,

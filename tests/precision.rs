@@ -139,10 +139,10 @@ fn recompute_turns_checkpointing_on_and_keeps_the_batch() {
     let ooms = capped.records("oom");
     assert_eq!(ooms.len(), 1);
     assert_eq!(ooms[0]["decision"]["action"], "recompute");
-    // Kept for a resume.
+    // Kept for a resume, under the lever's name.
     assert_eq!(
-        json(&capped.final_model().with_file_name("state.json"))["activation_checkpointing"],
-        true
+        json(&capped.final_model().with_file_name("state.json"))["levers"],
+        serde_json::json!(["recompute"])
     );
     // Same weights as a run with checkpointing from the start: the failed attempt left nothing.
     let reference = wide_darts()

@@ -1,4 +1,5 @@
 //! `memtrain run`: spec → plan → (limits, environment, loading) → trainer → records.
+pub mod levers;
 mod recompute;
 mod recovery;
 mod step;
@@ -25,7 +26,8 @@ use crate::records::{Event, Recorder, StartEvent, Status};
 use crate::spec::{self, Precision};
 use crate::{atomic, shim};
 
-pub use recovery::{GrowBack, Outcome, Position, Recovery};
+pub use levers::{Engaged, Position};
+pub use recovery::{GrowBack, Outcome, Policy, Recovery};
 pub use step::{PrecisionStage, StepOutput, StepPipeline, Work};
 pub use trainer::{LoopSettings, Model, Trainer};
 
@@ -175,17 +177,9 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
             r.state.micro_batch
         );
     }
-    if t.activation_checkpointing && built.net.chain().is_none() {
-        tracing::warn!(
-            "train.activation_checkpointing: the {} preset is not a sequence of blocks, so activation checkpointing does not apply; the run goes on without it",
-            spec.model.preset
-        );
-    }
     let mut state = plan.start.clone();
-    // A spec that asks for checkpointing turns it on; a resumed run keeps it on once a
-    // "recompute" decision turned it on. fp16-mixed starts (or, switched on at a resume, takes
-    // up) a loss scaler; other precisions drop it.
-    state.activation_checkpointing |= t.activation_checkpointing;
+    // fp16-mixed starts (or, switched on at a resume, takes up) a loss scaler; other precisions
+    // drop it.
     if t.precision.scales_loss() {
         state.scaler.get_or_insert_with(Default::default);
         if extra.is_some() {
@@ -205,21 +199,31 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
     fs::create_dir_all(run_dir).with_context(|| format!("creating run directory {}", run_dir.display()))?;
     atomic::write_atomic(&run_dir.join("config.resolved.toml"), spec_toml.as_bytes())?;
     let m = &spec.memory;
-    let recovery = Recovery::new(
-        m.on_oom.clone(),
-        m.min_batch_size,
-        m.grow_back_after,
-        plan.configured,
+    let engaged = Engaged::from_names(&state.levers).map_err(|e| UsageError(format!("the checkpoint's state: {e}")))?;
+    let mut recovery = Recovery::new(
+        Policy {
+            on_oom: m.on_oom.clone(),
+            min_batch: m.min_batch_size,
+            grow_back_after: m.grow_back_after,
+            configured: plan.configured,
+            planned_on_cpu: plan.device == DevicePlan::Cpu,
+            has_blocks: built.net.chain().is_some(),
+            reported: plan.oom_reported,
+        },
         Position {
             shape,
             clean_steps: state.clean_steps,
-            on_cpu_fallback: state.on_cpu_fallback,
-            recompute: state.activation_checkpointing,
+            engaged,
         },
-        plan.device == DevicePlan::Cpu,
-        built.net.chain().is_some(),
-        plan.oom_reported,
     );
+    if t.activation_checkpointing {
+        if let Err(why) = recovery.engage_configured(&levers::Recompute) {
+            tracing::warn!(
+                "train.activation_checkpointing: {why} ({} preset), so activation checkpointing does not apply; the run goes on without it",
+                spec.model.preset
+            );
+        }
+    }
     let settings = LoopSettings {
         job: spec.job.name.clone(),
         epochs: t.epochs,
@@ -237,7 +241,8 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
         device,
         precision: PrecisionStage { precision: t.precision },
         clip_norm: t.grad_clip_norm,
-        recompute: state.activation_checkpointing && built.net.chain().is_some(),
+        // Engaged levers set it, here and on an OOM.
+        recompute: false,
     };
     let mut recorder = Recorder::open(run_dir, &spec_toml, spec.log.tensorboard)?;
     let train_samples = data.train.len();

@@ -1,17 +1,39 @@
-//! OOM recovery as a state machine: it owns the batch shape in force, the clean-step count, the
-//! CPU fallback and the counters, and decides every transition. No libtorch in here: the
-//! trainer reports what happened (an OOM, a clean step) and carries out what comes back.
+//! OOM recovery as a state machine: the only owner of the run's position (the batch shape in
+//! force, the clean-step count and the levers engaged) and of the counters. It walks
+//! `memory.on_oom`'s levers and decides every transition; the levers say what applies. No
+//! libtorch in here: the trainer reports what happened (an OOM, a clean step) and carries out
+//! what comes back on the parts.
+use super::levers::{lever, Engaged, Lever, Position, Situation, LEVERS};
 use crate::oom::{BatchShape, Decision, OomCounts};
 use crate::spec::OomAction;
 
-/// One OOM's outcome: the decision, the shape before it, the actions that did not apply, and
-/// whether this was the run's first OOM (which gets the `oom/` report).
+/// One OOM's outcome: the lever engaged (None: nothing left, the run fails), the position
+/// before and after, the levers that did not apply and why, and whether this was the run's
+/// first OOM (which gets the `oom/` report).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outcome {
-    pub decision: Decision,
-    pub before: BatchShape,
+    pub engaged: Option<&'static str>,
+    pub before: Position,
+    pub after: Position,
     pub skipped: Vec<String>,
     pub first: bool,
+}
+
+impl Outcome {
+    pub fn lever(&self) -> Option<&'static dyn Lever> {
+        self.engaged.and_then(lever)
+    }
+
+    /// As the OOM record states it.
+    pub fn decision(&self) -> Decision {
+        match self.lever() {
+            None => Decision::fail(),
+            Some(l) => Decision {
+                action: l.action().into(),
+                to: (self.after.shape != self.before.shape).then_some(self.after.shape),
+            },
+        }
+    }
 }
 
 /// A grow-back the machine decided after enough clean steps.
@@ -21,69 +43,46 @@ pub struct GrowBack {
     pub after: BatchShape,
 }
 
+/// What recovery is told once, at the start of a run.
+#[derive(Debug, Clone)]
+pub struct Policy {
+    /// `memory.on_oom`, in order.
+    pub on_oom: Vec<OomAction>,
+    pub min_batch: i64,
+    /// 0: never grow back.
+    pub grow_back_after: i64,
+    /// The spec's batch shape; its product never changes.
+    pub configured: BatchShape,
+    /// The run was planned on the CPU.
+    pub planned_on_cpu: bool,
+    /// The model is a sequence of blocks.
+    pub has_blocks: bool,
+    /// An earlier session already wrote the `oom/` report.
+    pub reported: bool,
+}
+
 #[derive(Debug, Clone)]
 pub struct Recovery {
-    actions: Vec<OomAction>,
-    min_batch: i64,
-    /// 0: never grow back.
-    grow_back_after: i64,
-    configured: BatchShape,
-    shape: BatchShape,
-    clean_steps: i64,
-    on_cpu: bool,
-    /// Whether the model can recompute (its preset is a sequence of blocks).
-    has_blocks: bool,
-    /// Whether activation checkpointing is on now.
-    recompute: bool,
-    reported: bool,
+    policy: Policy,
+    at: Position,
     counts: OomCounts,
 }
 
-/// Where a run stands, as checkpoints save it and resumes restore it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Position {
-    pub shape: BatchShape,
-    pub clean_steps: i64,
-    pub on_cpu_fallback: bool,
-    /// Activation checkpointing is on (configured, or turned on by a "recompute" decision).
-    pub recompute: bool,
-}
-
 impl Recovery {
-    #[allow(clippy::too_many_arguments)]
-    /// `on_cpu`: the run is on the CPU (from the start or after a fallback), where "cpu" cannot
-    /// help. `reported`: an earlier session already wrote the `oom/` report.
-    pub fn new(
-        actions: Vec<OomAction>,
-        min_batch: i64,
-        grow_back_after: i64,
-        configured: BatchShape,
-        at: Position,
-        on_cpu: bool,
-        has_blocks: bool,
-        reported: bool,
-    ) -> Self {
+    pub fn new(policy: Policy, at: Position) -> Self {
         Recovery {
-            actions,
-            min_batch,
-            grow_back_after,
-            configured,
-            shape: at.shape,
-            clean_steps: at.clean_steps,
-            on_cpu: on_cpu || at.on_cpu_fallback,
-            has_blocks,
-            recompute: at.recompute,
-            reported,
-            counts: OomCounts::default(),
+            policy,
+            at,
+            counts: OomCounts::new(LEVERS.iter().map(|l| l.counted_as())),
         }
     }
 
     pub fn shape(&self) -> BatchShape {
-        self.shape
+        self.at.shape
     }
 
     pub fn configured(&self) -> BatchShape {
-        self.configured
+        self.policy.configured
     }
 
     pub fn counts(&self) -> &OomCounts {
@@ -91,108 +90,87 @@ impl Recovery {
     }
 
     pub fn clean_steps(&self) -> i64 {
-        self.clean_steps
+        self.at.clean_steps
     }
 
-    pub fn recompute(&self) -> bool {
-        self.recompute
+    /// What a checkpoint saves.
+    pub fn position(&self) -> Position {
+        self.at
     }
 
-    /// An OOM happened; the failed work will be retried unless the decision is `Fail`. Walks
-    /// `memory.on_oom` in order: the first action that still applies wins.
+    pub fn engaged(&self) -> Engaged {
+        self.at.engaged
+    }
+
+    fn situation(&self) -> Situation {
+        Situation {
+            at: self.at,
+            min_batch: self.policy.min_batch,
+            planned_on_cpu: self.policy.planned_on_cpu,
+            has_blocks: self.policy.has_blocks,
+        }
+    }
+
+    /// Engages a lever the spec asks for from the start (no OOM, nothing counted). Err: the
+    /// reason it does not apply; the run goes on without it.
+    pub fn engage_configured(&mut self, l: &dyn Lever) -> Result<(), String> {
+        if self.at.engaged.contains(l.name()) {
+            return Ok(());
+        }
+        l.applies(&self.situation())?;
+        self.at = Position {
+            clean_steps: self.at.clean_steps,
+            ..l.engaged(&self.situation())
+        };
+        Ok(())
+    }
+
+    /// An OOM happened; the failed work will be retried unless nothing was engaged. Walks
+    /// `memory.on_oom` in order: the first lever that applies wins.
     pub fn on_oom(&mut self) -> Outcome {
         self.counts.events += 1;
-        let first = !self.reported;
-        self.reported = true;
-        let before = self.shape;
+        let first = !self.policy.reported;
+        self.policy.reported = true;
+        let before = self.at;
         let mut skipped = vec![];
-        let mut decision = Decision::Fail;
-        for a in &self.actions {
-            match a {
-                OomAction::Recompute if !self.has_blocks => {
-                    skipped.push("recompute: the model is not a sequence of blocks".into())
-                }
-                OomAction::Recompute if self.recompute => {
-                    skipped.push("recompute: activation checkpointing is already on".into())
-                }
-                OomAction::Recompute => {
-                    decision = Decision::Recompute;
+        let mut engaged = None;
+        for a in &self.policy.on_oom {
+            let Some(l) = lever(a.name()) else { break };
+            match l.applies(&self.situation()) {
+                Ok(()) => {
+                    engaged = Some(l);
                     break;
                 }
-                OomAction::Backoff => match before.halved(self.min_batch) {
-                    Some(to) => {
-                        decision = Decision::Backoff { to };
-                        break;
-                    }
-                    None => skipped.push(format!(
-                        "backoff: micro-batch {} cannot be halved without going below memory.min_batch_size {}",
-                        before.micro_batch, self.min_batch
-                    )),
-                },
-                OomAction::Cpu if self.on_cpu => skipped.push("cpu: the run is already on the CPU".into()),
-                OomAction::Cpu => {
-                    decision = Decision::MoveToCpu;
-                    break;
-                }
-                OomAction::Fail => break,
+                Err(why) => skipped.push(format!("{}: {why}", l.name())),
             }
         }
-        match decision {
-            Decision::Recompute => {
-                self.counts.recomputes += 1;
-                self.recompute = true;
-                self.clean_steps = 0;
-            }
-            Decision::Backoff { to } => {
-                self.counts.backoffs += 1;
-                self.shape = to;
-                self.clean_steps = 0;
-            }
-            Decision::MoveToCpu => {
-                self.counts.cpu_fallbacks += 1;
-                self.on_cpu = true;
-                self.clean_steps = 0;
-            }
-            Decision::Fail => {}
+        if let Some(l) = engaged {
+            self.at = l.engaged(&self.situation());
+            *self.counts.engaged.entry(l.counted_as().to_owned()).or_default() += 1;
         }
         Outcome {
-            decision,
+            engaged: engaged.map(|l| l.name()),
             before,
+            after: self.at,
             skipped,
             first,
         }
     }
 
-    /// An optimizer step finished cleanly. After `grow_back_after` of them below the configured
-    /// micro-batch, the micro-batch doubles (at most back to the configured one).
+    /// An optimizer step finished cleanly. Levers that let go after enough clean steps do
+    /// (backoff: the micro-batch doubles, at most back to the configured one).
     pub fn on_clean_step(&mut self) -> Option<GrowBack> {
-        self.clean_steps += 1;
-        let after = self.grow_back_after;
-        if after <= 0 || self.shape.micro_batch >= self.configured.micro_batch || self.clean_steps < after {
-            return None;
-        }
-        let before = self.shape;
-        let micro = (before.micro_batch * 2).min(self.configured.micro_batch);
-        self.shape = BatchShape {
-            micro_batch: micro,
-            accumulation_steps: (self.configured.effective() + micro - 1) / micro,
-        };
-        self.clean_steps = 0;
+        self.at.clean_steps += 1;
+        let before = self.at.shape;
+        let released = LEVERS
+            .iter()
+            .find_map(|l| l.released(&self.at, self.policy.configured, self.policy.grow_back_after))?;
+        self.at = released;
         self.counts.grow_backs += 1;
         Some(GrowBack {
             before,
-            after: self.shape,
+            after: self.at.shape,
         })
-    }
-
-    /// What a checkpoint saves.
-    pub fn position(&self, on_cpu_fallback: bool) -> Position {
-        Position {
-            shape: self.shape,
-            clean_steps: self.clean_steps,
-            on_cpu_fallback,
-            recompute: self.recompute,
-        }
     }
 }
 
@@ -208,15 +186,45 @@ mod tests {
         }
     }
 
-    fn machine(actions: Vec<OomAction>, min: i64, grow: i64, on_cpu: bool) -> Recovery {
-        let s = shape(8, 1);
-        let at = Position {
+    fn fresh(s: BatchShape) -> Position {
+        Position {
             shape: s,
             clean_steps: 0,
-            on_cpu_fallback: false,
-            recompute: false,
-        };
-        Recovery::new(actions, min, grow, s, at, on_cpu, true, false)
+            engaged: Engaged::default(),
+        }
+    }
+
+    fn policy(on_oom: Vec<OomAction>, min: i64, grow: i64, on_cpu: bool) -> Policy {
+        Policy {
+            on_oom,
+            min_batch: min,
+            grow_back_after: grow,
+            configured: shape(8, 1),
+            planned_on_cpu: on_cpu,
+            has_blocks: true,
+            reported: false,
+        }
+    }
+
+    fn machine(on_oom: Vec<OomAction>, min: i64, grow: i64, on_cpu: bool) -> Recovery {
+        Recovery::new(policy(on_oom, min, grow, on_cpu), fresh(shape(8, 1)))
+    }
+
+    fn backoff_to(s: BatchShape) -> Decision {
+        Decision {
+            action: "backoff".into(),
+            to: Some(s),
+        }
+    }
+
+    fn counts(events: u64, recomputes: u64, backoffs: u64, cpu: u64, grow_backs: u64) -> OomCounts {
+        let mut c = OomCounts::new(["recomputes", "backoffs", "cpu_fallbacks"]);
+        c.events = events;
+        c.grow_backs = grow_backs;
+        c.engaged.insert("recomputes".into(), recomputes);
+        c.engaged.insert("backoffs".into(), backoffs);
+        c.engaged.insert("cpu_fallbacks".into(), cpu);
+        c
     }
 
     #[test]
@@ -224,37 +232,32 @@ mod tests {
         let mut r = machine(vec![Backoff, Cpu, Fail], 2, 0, false);
         let o = r.on_oom();
         assert!(o.first);
-        assert_eq!(o.decision, Decision::Backoff { to: shape(4, 2) });
-        assert_eq!(r.on_oom().decision, Decision::Backoff { to: shape(2, 4) });
+        assert_eq!(o.decision(), backoff_to(shape(4, 2)));
+        assert_eq!(r.on_oom().decision(), backoff_to(shape(2, 4)));
         let o = r.on_oom();
         assert!(!o.first, "only the first OOM is reported");
-        assert_eq!(o.decision, Decision::MoveToCpu);
+        assert_eq!(o.decision().action, "move_to_cpu");
         assert_eq!(o.skipped.len(), 1);
         // On the CPU now: "cpu" no longer applies, and the list ends in fail.
         let o = r.on_oom();
-        assert_eq!(o.decision, Decision::Fail);
+        assert!(o.decision().is_fail());
         assert_eq!(o.skipped.len(), 2);
-        assert_eq!(
-            r.counts(),
-            &OomCounts {
-                events: 4,
-                recomputes: 0,
-                backoffs: 2,
-                cpu_fallbacks: 1,
-                grow_backs: 0
-            }
-        );
+        assert_eq!(r.counts(), &counts(4, 0, 2, 1, 0));
         assert_eq!(r.shape(), shape(2, 4), "a failure changes nothing");
+        let json = serde_json::to_value(r.counts()).unwrap();
+        assert_eq!(json["backoffs"], 2, "counts keep their summary.json names: {json}");
+        assert_eq!(json["cpu_fallbacks"], 1);
+        assert_eq!(json["recomputes"], 0);
     }
 
     #[test]
     fn a_cpu_run_skips_cpu_with_a_reason_and_an_empty_list_fails() {
         let mut r = machine(vec![Cpu], 1, 0, true);
         let o = r.on_oom();
-        assert_eq!(o.decision, Decision::Fail);
+        assert!(o.decision().is_fail());
         assert_eq!(o.skipped, vec!["cpu: the run is already on the CPU".to_string()]);
         let mut r = machine(vec![], 1, 0, false);
-        assert_eq!(r.on_oom().decision, Decision::Fail);
+        assert!(r.on_oom().decision().is_fail());
     }
 
     #[test]
@@ -290,48 +293,65 @@ mod tests {
         let at = Position {
             shape: shape(2, 4),
             clean_steps: 5,
-            on_cpu_fallback: true,
-            recompute: false,
+            engaged: Engaged::default().with("cpu"),
         };
-        let mut r = Recovery::new(vec![Cpu, Fail], 1, 0, shape(8, 1), at, false, true, true);
+        let mut p = policy(vec![Cpu, Fail], 1, 0, false);
+        p.reported = true;
+        let mut r = Recovery::new(p, at);
         assert_eq!(r.shape(), shape(2, 4));
         let o = r.on_oom();
         assert!(!o.first, "the oom/ report of the earlier session stays");
-        assert_eq!(o.decision, Decision::Fail, "a fallen-back run is on the CPU");
+        assert!(o.decision().is_fail(), "a fallen-back run is on the CPU");
     }
 
     #[test]
     fn recompute_comes_first_once_then_the_next_action() {
         let mut r = machine(vec![Recompute, Backoff, Fail], 1, 0, false);
         let o = r.on_oom();
-        assert_eq!(o.decision, Decision::Recompute);
-        assert_eq!(o.before, shape(8, 1), "the shape is kept");
-        assert!(r.recompute() && r.position(false).recompute);
+        assert_eq!(
+            o.decision(),
+            Decision {
+                action: "recompute".into(),
+                to: None
+            }
+        );
+        assert_eq!(o.before.shape, shape(8, 1), "the shape is kept");
+        assert!(r.engaged().contains("recompute") && r.position().engaged.contains("recompute"));
         let o = r.on_oom();
-        assert_eq!(o.decision, Decision::Backoff { to: shape(4, 2) });
+        assert_eq!(o.decision(), backoff_to(shape(4, 2)));
         assert_eq!(
             o.skipped,
             vec!["recompute: activation checkpointing is already on".to_string()]
         );
-        assert_eq!(r.counts().recomputes, 1);
+        assert_eq!(r.counts().of("recomputes"), 1);
     }
 
     #[test]
     fn recompute_does_not_apply_to_a_model_without_blocks() {
-        let s = shape(8, 1);
-        let at = Position {
-            shape: s,
-            clean_steps: 0,
-            on_cpu_fallback: false,
-            recompute: false,
-        };
-        let mut r = Recovery::new(vec![Recompute, Fail], 1, 0, s, at, true, false, false);
+        let mut p = policy(vec![Recompute, Fail], 1, 0, true);
+        p.has_blocks = false;
+        let mut r = Recovery::new(p, fresh(shape(8, 1)));
         let o = r.on_oom();
-        assert_eq!(o.decision, Decision::Fail);
+        assert!(o.decision().is_fail());
         assert_eq!(
             o.skipped,
             vec!["recompute: the model is not a sequence of blocks".to_string()]
         );
-        assert!(!r.recompute());
+        assert!(!r.engaged().contains("recompute"));
+        assert_eq!(
+            r.engage_configured(&super::super::levers::Recompute),
+            Err("the model is not a sequence of blocks".into()),
+            "the spec's request gets the same reason"
+        );
+    }
+
+    #[test]
+    fn the_spec_engages_a_lever_without_counting_an_oom() {
+        let mut r = machine(vec![Recompute, Fail], 1, 0, false);
+        r.engage_configured(&super::super::levers::Recompute).unwrap();
+        assert!(r.engaged().contains("recompute"));
+        assert_eq!(r.counts(), &counts(0, 0, 0, 0, 0));
+        let o = r.on_oom();
+        assert!(o.decision().is_fail(), "already engaged: the list falls through to fail");
     }
 }

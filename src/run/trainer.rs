@@ -12,7 +12,8 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use tch::{nn, Device, Tensor};
 
-use super::recovery::{Outcome, Recovery};
+use super::levers::Parts;
+use super::recovery::Recovery;
 use super::step::{StepOutput, StepPipeline, Work};
 use crate::checkpoint::{self, NamedTensors, Store, TrainState};
 use crate::data::{self, Splits};
@@ -20,7 +21,7 @@ use crate::exit::{Interrupted, OomExit};
 use crate::human::{human_bytes, human_duration};
 use crate::memory::{self, CachePolicy, Cap, ClearReason, MemorySample, Place, StepMemory};
 use crate::model::{ExtraStep, Net};
-use crate::oom::{self, BatchShape, Decision, StepError};
+use crate::oom::{self, BatchShape, StepError};
 use crate::optim::{LrSchedule, Optimizer};
 use crate::progress::Progress;
 use crate::records::*;
@@ -143,7 +144,7 @@ impl Trainer {
         alloc_conf: Option<String>,
         t_start: Instant,
     ) -> Result<Self> {
-        Ok(Trainer {
+        let mut trainer = Trainer {
             preflight_pending: settings.preflight,
             settings,
             spec_toml,
@@ -166,7 +167,15 @@ impl Trainer {
             session_steps: 0,
             val_order: None,
             dist: None,
-        })
+        };
+        // Levers the spec asked for or a resumed checkpoint had engaged act on the parts now.
+        for lever in trainer.recovery.engaged().levers() {
+            lever.engage(&mut Parts {
+                model: &mut trainer.model,
+                pipeline: &mut trainer.pipeline,
+            });
+        }
+        Ok(trainer)
     }
 
     fn device(&self) -> Device {
@@ -323,16 +332,12 @@ impl Trainer {
             o.drop_grads();
         }
         self.clear_cache(ClearReason::Oom)?;
-        let Outcome {
-            decision,
-            before,
-            skipped,
-            first,
-        } = self.recovery.on_oom();
-        for s in &skipped {
+        let outcome = self.recovery.on_oom();
+        for s in &outcome.skipped {
             tracing::warn!("OOM policy: skipped {s}");
         }
-        let report = first.then(|| self.oom_report());
+        let report = outcome.first.then(|| self.oom_report());
+        let before = outcome.before.shape;
         let event = OomEvent {
             epoch: self.state.epoch + 1,
             step: self.state.global_step,
@@ -343,46 +348,28 @@ impl Trainer {
             device: self.device_name(),
             micro_batch_before: before.micro_batch,
             accumulation_before: before.accumulation_steps,
-            decision,
-            skipped,
+            decision: outcome.decision(),
+            skipped: outcome.skipped.clone(),
             report,
         };
         self.emit(Event::Oom(event))?;
         let reason = first_line(&message);
-        match decision {
-            Decision::Recompute => {
+        match outcome.lever() {
+            Some(lever) => {
                 tracing::warn!(
-                    "out of memory in {phase} at epoch {} step {} ({reason}); recomputing: activation checkpointing is on for the rest of the run, micro-batch stays {}",
+                    "out of memory in {phase} at epoch {} step {} on {} ({reason}); {}",
                     self.state.epoch + 1,
                     self.state.global_step,
-                    before.micro_batch
+                    self.device_name(),
+                    lever.said(&outcome.before, &outcome.after)
                 );
-                self.pipeline.recompute = true;
-                self.state.activation_checkpointing = true;
+                lever.engage(&mut Parts {
+                    model: &mut self.model,
+                    pipeline: &mut self.pipeline,
+                });
                 Ok(())
             }
-            Decision::Backoff { to } => {
-                tracing::warn!(
-                    "out of memory in {phase} at epoch {} step {} ({reason}); backing off: micro-batch {} -> {}, accumulation {} -> {} (effective batch stays {})",
-                    self.state.epoch + 1,
-                    self.state.global_step,
-                    before.micro_batch,
-                    to.micro_batch,
-                    before.accumulation_steps,
-                    to.accumulation_steps,
-                    self.recovery.configured().effective()
-                );
-                Ok(())
-            }
-            Decision::MoveToCpu => {
-                tracing::warn!(
-                    "out of memory on {} in {phase} ({reason}); MOVING THE RUN TO THE CPU as memory.on_oom says. It continues, slower.",
-                    self.device_name()
-                );
-                self.move_to_cpu();
-                Ok(())
-            }
-            Decision::Fail => {
+            None => {
                 tracing::error!("out of memory in {phase} ({reason}); memory.on_oom has nothing left to try");
                 // The run ends here: lift the CPU cap so the last good state can be written.
                 shim::cpu_alloc_set_cap(None);
@@ -456,28 +443,6 @@ impl Trainer {
             snapshot,
             record_history: self.settings.record_history,
         }
-    }
-
-    /// Moves parameters, their gradients and both optimizers' state to the CPU.
-    /// (`VarStore::set_device` alone leaves `.grad` behind on the GPU.)
-    fn move_to_cpu(&mut self) {
-        let cpu = Device::Cpu;
-        tch::no_grad(|| {
-            for (_, p) in self.model.vs.variables() {
-                let g = p.grad();
-                if g.defined() && g.device() != cpu {
-                    g.shallow_clone().set_data(&g.to_device(cpu));
-                }
-            }
-        });
-        self.model.vs.set_device(cpu);
-        self.model.opt.to_device(cpu);
-        if let Some((_, o)) = &mut self.model.extra {
-            o.to_device(cpu);
-        }
-        self.pipeline.device = cpu;
-        self.state.on_cpu_fallback = true;
-        let _ = shim::empty_cache();
     }
 
     /// Runs `f` until it succeeds or recovery gives up.
@@ -675,11 +640,11 @@ impl Trainer {
         let before = memory::sample(place);
         memory::reset_peaks(place);
         self.state.weight_steps = self.model.opt.steps_taken();
-        let pos = self.recovery.position(self.state.on_cpu_fallback);
+        let pos = self.recovery.position();
         self.state.micro_batch = pos.shape.micro_batch;
         self.state.accumulation_steps = pos.shape.accumulation_steps;
         self.state.clean_steps = pos.clean_steps;
-        self.state.activation_checkpointing = pos.recompute;
+        self.state.levers = pos.engaged.names().into_iter().map(str::to_owned).collect();
         let (model, optim) = self.checkpoint_contents()?;
         if self.follower() {
             return Ok(None);
@@ -1011,7 +976,7 @@ impl Trainer {
                 loss_scale: self.state.scaler.map(|s| s.scale),
                 skipped_steps: self.state.scaler.map_or(0, |s| s.skipped_steps)
                     + self.state.arch_scaler.map_or(0, |s| s.skipped_steps),
-                activation_checkpointing: self.pipeline.recompute,
+                activation_checkpointing: self.recovery.engaged().contains("recompute"),
             },
         };
         self.emit(Event::End(summary))

@@ -338,6 +338,18 @@ impl Drop for Autocast {
     }
 }
 
+/// Sets autograd's grad mode and returns the previous one (tch does not expose this).
+pub fn set_grad_enabled(on: bool) -> bool {
+    // SAFETY: a plain call into libtorch's C API that toggles a thread-local flag.
+    unsafe { torch_sys::at_grad_set_enabled(on as i32) != 0 }
+}
+
+pub fn grad_enabled() -> bool {
+    let prev = set_grad_enabled(true);
+    set_grad_enabled(prev);
+    prev
+}
+
 pub fn autocast_enabled(device: tch::Device) -> bool {
     unsafe { mt_autocast_enabled(device_parts(device).0) != 0 }
 }

@@ -402,6 +402,20 @@ pub enum OomAction {
     Fail,
 }
 
+impl OomAction {
+    pub const ALL: [OomAction; 4] = [OomAction::Recompute, OomAction::Backoff, OomAction::Cpu, OomAction::Fail];
+
+    /// The spec's word for it, which is also the name of the lever it engages (all but "fail").
+    pub fn name(self) -> &'static str {
+        match self {
+            OomAction::Recompute => "recompute",
+            OomAction::Backoff => "backoff",
+            OomAction::Cpu => "cpu",
+            OomAction::Fail => "fail",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Memory {

@@ -1,0 +1,86 @@
+//! Activation checkpointing as a lever: the forward keeps only block boundaries and each block
+//! runs again in backward (`run::recompute`). Engaged by `train.activation_checkpointing` or by
+//! a "recompute" OOM decision; the micro-batch stays.
+use super::{Lever, Parts, Position, Search, Situation};
+use crate::estimate::Estimate;
+
+pub struct Recompute;
+
+impl Lever for Recompute {
+    fn name(&self) -> &'static str {
+        "recompute"
+    }
+
+    fn counted_as(&self) -> &'static str {
+        "recomputes"
+    }
+
+    fn applies(&self, s: &Situation) -> Result<(), String> {
+        if !s.has_blocks {
+            Err("the model is not a sequence of blocks".into())
+        } else if s.at.engaged.contains(self.name()) {
+            Err("activation checkpointing is already on".into())
+        } else {
+            Ok(())
+        }
+    }
+
+    fn engage(&self, parts: &mut Parts<'_>) {
+        parts.pipeline.recompute = true;
+    }
+
+    fn said(&self, before: &Position, _after: &Position) -> String {
+        format!(
+            "recomputing: activation checkpointing is on for the rest of the run, micro-batch stays {}",
+            before.shape.micro_batch
+        )
+    }
+
+    fn estimate(&self, _e: &Estimate) -> String {
+        "activations: only block boundaries are kept, plus one block's at a time in backward; costs about one more forward per step".into()
+    }
+
+    fn search(&self) -> Search {
+        Search::Toggle
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{Engaged, Situation};
+    use super::*;
+    use crate::oom::BatchShape;
+
+    fn at(engaged: Engaged, has_blocks: bool) -> Situation {
+        Situation {
+            at: Position {
+                shape: BatchShape {
+                    micro_batch: 8,
+                    accumulation_steps: 1,
+                },
+                clean_steps: 3,
+                engaged,
+            },
+            min_batch: 1,
+            planned_on_cpu: false,
+            has_blocks,
+        }
+    }
+
+    #[test]
+    fn applies_once_to_a_chain_and_keeps_the_shape() {
+        let s = at(Engaged::default(), true);
+        assert_eq!(Recompute.applies(&s), Ok(()));
+        let after = Recompute.engaged(&s);
+        assert!(after.engaged.contains("recompute"));
+        assert_eq!((after.shape, after.clean_steps), (s.at.shape, 0));
+        assert_eq!(
+            Recompute.applies(&at(after.engaged, true)),
+            Err("activation checkpointing is already on".into())
+        );
+        assert_eq!(
+            Recompute.applies(&at(Engaged::default(), false)),
+            Err("the model is not a sequence of blocks".into())
+        );
+    }
+}
