@@ -122,6 +122,7 @@ fn check(args: &SpecArgs) -> Result<()> {
     print!("{}", spec::to_toml(&loaded.spec));
     println!();
     print!("{est}");
+    print!("{}", crate::run::levers::check_lines(&loaded.spec, &est));
     Ok(())
 }
 

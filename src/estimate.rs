@@ -23,6 +23,8 @@ pub struct Estimate {
     pub optimizer: String,
     pub micro_batch: i64,
     pub accumulation_steps: i64,
+    /// The model is a sequence of blocks.
+    pub has_blocks: bool,
 }
 
 impl Estimate {
@@ -76,6 +78,7 @@ pub fn estimate(spec: &Spec) -> Result<Estimate> {
         optimizer: format!("{:?}", t.optimizer).to_lowercase(),
         micro_batch: t.batch_size,
         accumulation_steps: t.accumulation_steps,
+        has_blocks: c.has_blocks,
     })
 }
 

@@ -390,3 +390,39 @@ fn every_shipped_config_checks() {
         Test::new().no_spec().command("check").arg(p.to_str().unwrap()).run();
     }
 }
+
+#[test]
+fn check_lists_every_lever_with_when_it_comes_in_or_why_it_does_not_apply() {
+    // The digits MLP is no sequence of blocks: recomputation cannot help it, and says why.
+    let r = check()
+        .set("memory.on_oom", vec!["recompute", "backoff", "fail"])
+        .set("train.batch_size", 1)
+        .run();
+    let levers = r.stdout.split("levers ").nth(1).unwrap_or_else(|| panic!("{}", r.stdout));
+    for line in [
+        "recompute  on an OOM (memory.on_oom entry 1); does not apply: the model is not a sequence of blocks",
+        "backoff    on an OOM (memory.on_oom entry 2); does not apply: micro-batch 1 cannot be halved",
+        "cpu        not in memory.on_oom; does not apply: the run is already on the CPU",
+    ] {
+        assert!(levers.contains(line), "missing {line:?} in\n{levers}");
+    }
+    // A chain of blocks with checkpointing asked for: engaged by the spec from the start.
+    let r = check()
+        .spec(table(
+            "[job]\ndevice = \"cuda\"\n[model]\npreset = \"vit\"\n[model.vit]\nimage_size = 8\npatch_size = 4\n\
+             hidden_dim = 16\nlayers = 2\nheads = 2\nmlp_dim = 32\nnum_classes = 10\n[train]\nbatch_size = 8\n\
+             activation_checkpointing = true\n",
+        ))
+        .run();
+    assert!(
+        r.stdout.contains("recompute  on from the start (spec); activations: only block boundaries"),
+        "{}",
+        r.stdout
+    );
+    assert!(
+        r.stdout.contains("backoff    on an OOM (memory.on_oom entry 1); activations: shrink with the micro-batch"),
+        "{}",
+        r.stdout
+    );
+    assert!(r.stdout.contains("cpu        not in memory.on_oom; the whole bill ("), "{}", r.stdout);
+}

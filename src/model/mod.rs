@@ -77,6 +77,8 @@ pub struct Counts {
     pub weights: u64,
     pub arch_weights: u64,
     pub buffers: u64,
+    /// The model is a sequence of blocks (levers that work block by block apply).
+    pub has_blocks: bool,
 }
 
 /// A preset: its name, its options (the `[model.<name>]` table; left-out keys take the
@@ -234,8 +236,12 @@ pub fn extra_step(model: &Model) -> Option<ExtraStep> {
 /// Static counts for `memtrain check`: a CPU build's variables by role.
 pub fn counts(model: &Model) -> Result<Counts> {
     let vs = nn::VarStore::new(Device::Cpu);
-    drop(tch::no_grad(|| build(&vs.root(), model))?);
-    let mut c = Counts::default();
+    let built = tch::no_grad(|| build(&vs.root(), model))?;
+    let mut c = Counts {
+        has_blocks: built.net.chain().is_some(),
+        ..Counts::default()
+    };
+    drop(built);
     for (name, t) in vs.variables() {
         let n = t.numel() as u64;
         if name.starts_with(ARCH_PREFIX) {

@@ -216,11 +216,12 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
             engaged,
         },
     );
-    if t.activation_checkpointing {
-        if let Err(why) = recovery.engage_configured(&levers::Recompute) {
+    for (key, lever) in levers::configured(&spec) {
+        if let Err(why) = recovery.engage_configured(lever) {
             tracing::warn!(
-                "train.activation_checkpointing: {why} ({} preset), so activation checkpointing does not apply; the run goes on without it",
-                spec.model.preset
+                "{key}: {why} ({} preset), so {} does not apply; the run goes on without it",
+                spec.model.preset,
+                lever.name()
             );
         }
     }

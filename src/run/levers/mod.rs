@@ -169,6 +169,37 @@ impl<'de> Deserialize<'de> for Engaged {
     }
 }
 
+/// The levers the spec turns on from the start, with the key that does.
+pub fn configured(spec: &crate::spec::Spec) -> Vec<(&'static str, &'static dyn Lever)> {
+    let mut on: Vec<(&'static str, &'static dyn Lever)> = vec![];
+    if spec.train.activation_checkpointing {
+        on.push(("train.activation_checkpointing", &Recompute));
+    }
+    on
+}
+
+/// `check`'s levers section for a spec and its estimate: each lever as the run would start.
+pub fn check_lines(spec: &crate::spec::Spec, e: &Estimate) -> String {
+    let s = Situation {
+        at: Position {
+            shape: BatchShape {
+                micro_batch: spec.train.batch_size,
+                accumulation_steps: spec.train.accumulation_steps,
+            },
+            clean_steps: 0,
+            engaged: Engaged::default(),
+        },
+        min_batch: spec.memory.min_batch_size,
+        planned_on_cpu: spec.job.device == crate::spec::Device::Cpu,
+        has_blocks: e.has_blocks,
+    };
+    let on_oom: Vec<&str> = spec.memory.on_oom.iter().map(|a| a.name()).collect();
+    let by_spec = configured(spec)
+        .iter()
+        .fold(Engaged::default(), |e, (_, l)| e.with(l.name()));
+    bill_lines(e, &s, &on_oom, by_spec)
+}
+
 /// `check`'s lines on the levers: what each would do to the bill, and when it comes into play
 /// under the spec (`engaged_by_spec`: levers the spec turns on from the start).
 pub fn bill_lines(e: &Estimate, s: &Situation, on_oom: &[&str], engaged_by_spec: Engaged) -> String {
