@@ -24,9 +24,9 @@ pub struct TrainState {
     pub groups_done: i64,
     pub global_step: i64,
     pub weight_steps: i64,
-    pub arch_steps: i64,
-    /// Validation samples the architecture steps have consumed (their stream position).
-    pub val_cursor: i64,
+    /// The architecture step's own position (DARTS); its part owns it while the run goes on.
+    #[serde(flatten)]
+    pub arch: ArchState,
     pub micro_batch: i64,
     pub accumulation_steps: i64,
     /// The configured effective batch (samples per optimizer step) the run was started with.
@@ -40,14 +40,24 @@ pub struct TrainState {
     /// The memory levers engaged at this point (`run::levers`), by name.
     #[serde(default)]
     pub levers: Vec<String>,
-    /// fp16-mixed: the loss scalers of the weight step and the architecture step.
+    /// fp16-mixed: the loss scaler of the weight step.
     #[serde(default)]
     pub scaler: Option<crate::scaler::GradScaler>,
-    #[serde(default)]
-    pub arch_scaler: Option<crate::scaler::GradScaler>,
     /// The monitored metric at this checkpoint, when validation ran.
     pub monitored: Option<f64>,
     pub finished: bool,
+}
+
+/// Where the architecture step (DARTS) stands: its steps, its place in the held-out stream and
+/// its loss scaler.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+pub struct ArchState {
+    pub arch_steps: i64,
+    /// Validation samples the architecture steps have consumed (their stream position).
+    pub val_cursor: i64,
+    /// fp16-mixed: the architecture step's loss scaler.
+    #[serde(default)]
+    pub arch_scaler: Option<crate::scaler::GradScaler>,
 }
 
 #[derive(Deserialize)]
@@ -276,12 +286,16 @@ impl Store {
 
     /// A checkpoint's state alone (small; read while planning, before any tensor is loaded).
     pub fn load_state(dir: &Path) -> Result<TrainState> {
-        let bytes = fs::read(dir.join("state.json")).with_context(|| format!("reading {}/state.json", dir.display()))?;
+        let bytes =
+            fs::read(dir.join("state.json")).with_context(|| format!("reading {}/state.json", dir.display()))?;
         let parse = || format!("parsing {}/state.json", dir.display());
         let mut state: TrainState = serde_json::from_slice(&bytes).with_context(parse)?;
         // Checkpoints written before levers had names kept two of them as flags.
         let flags: LegacyFlags = serde_json::from_slice(&bytes).with_context(parse)?;
-        for (on, name) in [(flags.on_cpu_fallback, "cpu"), (flags.activation_checkpointing, "recompute")] {
+        for (on, name) in [
+            (flags.on_cpu_fallback, "cpu"),
+            (flags.activation_checkpointing, "recompute"),
+        ] {
             if on && !state.levers.iter().any(|l| l == name) {
                 state.levers.push(name.to_owned());
             }
@@ -310,8 +324,7 @@ mod tests {
             groups_done: 0,
             global_step: step,
             weight_steps: step,
-            arch_steps: 0,
-            val_cursor: 0,
+            arch: ArchState::default(),
             micro_batch: 4,
             accumulation_steps: 1,
             effective_batch: 4,
@@ -321,7 +334,6 @@ mod tests {
             epoch_seen: 0,
             levers: vec![],
             scaler: None,
-            arch_scaler: None,
             monitored,
             finished: false,
         }

@@ -1,5 +1,13 @@
 //! Formatting shared by every human-facing line.
 
+/// "cpu", "cuda:0": how records and messages name a device.
+pub fn device_name(d: tch::Device) -> String {
+    match d {
+        tch::Device::Cuda(i) => format!("cuda:{i}"),
+        _ => "cpu".into(),
+    }
+}
+
 /// "1.50 GiB", "512.0 MiB", "10 B".
 pub fn human_bytes(b: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];

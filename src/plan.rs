@@ -304,8 +304,7 @@ pub fn fresh_state(shape: BatchShape) -> TrainState {
         groups_done: 0,
         global_step: 0,
         weight_steps: 0,
-        arch_steps: 0,
-        val_cursor: 0,
+        arch: Default::default(),
         micro_batch: shape.micro_batch,
         accumulation_steps: shape.accumulation_steps,
         effective_batch: shape.effective(),
@@ -315,7 +314,6 @@ pub fn fresh_state(shape: BatchShape) -> TrainState {
         epoch_seen: 0,
         levers: vec![],
         scaler: None,
-        arch_scaler: None,
         monitored: None,
         finished: false,
     }

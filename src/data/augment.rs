@@ -6,7 +6,7 @@
 //! backoff changed, see exactly the same images.
 use tch::{Kind, Tensor};
 
-use super::{stream, SplitMix64};
+use super::rng::{stream, SplitMix64};
 
 const TAG_AUGMENT: u64 = 0x6175_676d_656e_7400; // "augment"
 

@@ -456,7 +456,7 @@ pub fn fit(args: &FitArgs, quiet: bool) -> Result<()> {
     let budget = resolve_budget(args, &plan, &facts)?;
     let settings = settings(args, &spec, cuda)?;
     let effective = plan.configured.effective();
-    let device = crate::run::device_name(plan.device.tch());
+    let device = crate::human::device_name(plan.device.tch());
     let say = |s: String| {
         if !quiet {
             eprintln!("{s}");

@@ -43,21 +43,12 @@ use serde::{Deserialize, Serialize};
 use tch::nn::{self, Module, ModuleT, RNN};
 use tch::{Kind, Tensor};
 
-use super::{Built, ExtraStep, Net, Preset};
+use super::preset::{run_chain, Built, Chain, ExtraStep, Genotype, Net, Preset};
 use crate::optim::Hyper;
 use crate::spec::OptimizerKind;
 
 /// Channels of the stem, as a multiple of `init_channels` (3 in DARTS).
 const STEM_MULTIPLIER: i64 = 3;
-
-/// Per node, the two strongest incoming edges as (operation, input index).
-///
-/// Input index `j`: 0 and 1 are the cell inputs `s0` and `s1`, `2 + i` is intermediate node `i`.
-#[derive(Debug, Clone, Serialize, PartialEq)]
-pub struct Genotype {
-    pub normal: Vec<Vec<(String, usize)>>,
-    pub reduce: Vec<Vec<(String, usize)>>,
-}
 
 /// Number of MixedOp edges in a cell with `num_nodes` intermediate nodes.
 fn num_edges(num_nodes: usize) -> usize {
@@ -774,7 +765,7 @@ impl Darts {
 /// once, as in the plain forward), one block per cell, and the head. The state between blocks is
 /// `[s0, s1, normal edge weights…, reduce edge weights…]`; the weights pass through every cell
 /// unchanged.
-impl super::Chain for Darts {
+impl Chain for Darts {
     fn blocks(&self) -> usize {
         self.cells.len() + 2
     }
@@ -823,10 +814,10 @@ fn edge_weights(alpha: &Tensor) -> Vec<Vec<Tensor>> {
 
 impl Net for Darts {
     fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
-        super::run_chain(self, xs, train)
+        run_chain(self, xs, train)
     }
 
-    fn chain(&self) -> Option<&dyn super::Chain> {
+    fn chain(&self) -> Option<&dyn Chain> {
         Some(self)
     }
 

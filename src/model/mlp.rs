@@ -3,7 +3,7 @@ use tch::{nn, nn::Module, Tensor};
 
 use anyhow::Result;
 
-use super::{Built, Net, Preset};
+use super::preset::{Built, Net, Preset};
 use serde::{Deserialize, Serialize};
 
 pub struct MlpPreset;

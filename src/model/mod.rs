@@ -5,71 +5,20 @@
 mod darts;
 mod layers;
 mod mlp;
+mod preset;
 mod resnet;
 mod torchscript;
 mod vit;
 
 use anyhow::Result;
 use serde::de::DeserializeOwned;
-use serde::Serialize;
-use tch::{nn, Device, Tensor};
+use tch::{nn, Device};
 
-use crate::optim::Hyper;
 use crate::spec::{self, Model};
 
-pub use darts::{derive_genotype, Darts, DartsOptions, Genotype};
+pub use darts::{derive_genotype, Darts, DartsOptions};
 pub use mlp::Mlp;
-
-/// Variables whose name starts with this are architecture weights (DARTS α): trained by
-/// their own optimizer on held-out data, never by the weight optimizer.
-pub const ARCH_PREFIX: &str = "arch.";
-
-pub trait Net: std::fmt::Debug {
-    /// Logits `[batch, num_classes]` for inputs `[batch, ..input_shape]`.
-    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor;
-    /// The architecture the current α selects, for presets that search one.
-    fn genotype(&self) -> Option<Genotype> {
-        None
-    }
-    /// The model as a sequence of blocks, for activation checkpointing; None if it is not one.
-    fn chain(&self) -> Option<&dyn Chain> {
-        None
-    }
-}
-
-/// A model as a sequence of blocks: block 0 takes `[input]`, each block takes the previous
-/// block's outputs, the last returns `[logits]`. A block may pass a tensor through unchanged
-/// (the same tensor, not a copy). `forward_t` of such a model is `run_chain`, so plain and
-/// checkpointed runs build the same graph and their gradients agree bit for bit.
-pub trait Chain {
-    fn blocks(&self) -> usize;
-    fn block(&self, i: usize, state: &[Tensor], train: bool) -> Vec<Tensor>;
-}
-
-pub fn run_chain(c: &dyn Chain, x: &Tensor, train: bool) -> Tensor {
-    let mut state = vec![x.shallow_clone()];
-    for i in 0..c.blocks() {
-        state = c.block(i, &state, train);
-    }
-    state.pop().expect("the last block returns the logits")
-}
-
-/// A built preset and the shapes it expects.
-#[derive(Debug)]
-pub struct Built {
-    pub net: Box<dyn Net>,
-    /// Shape of one sample, without the batch dimension.
-    pub input_shape: Vec<i64>,
-    pub num_classes: i64,
-}
-
-/// A second optimizer step some presets take before each weight step, on held-out data, for
-/// the variables under `ARCH_PREFIX` (DARTS's architecture step).
-#[derive(Debug, Clone, Copy)]
-pub struct ExtraStep {
-    pub lr: f64,
-    pub hyper: Hyper,
-}
+pub use preset::{run_chain, Built, Chain, ExtraStep, Genotype, Net, Preset, ARCH_PREFIX};
 
 /// Values by role, as the static estimate counts them.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -79,20 +28,6 @@ pub struct Counts {
     pub buffers: u64,
     /// The model is a sequence of blocks (levers that work block by block apply).
     pub has_blocks: bool,
-}
-
-/// A preset: its name, its options (the `[model.<name>]` table; left-out keys take the
-/// defaults), their checks, how it is built, and any extra step it needs. Adding one is its own
-/// file and one line in `PRESETS`.
-pub trait Preset: Sync {
-    type Options: Serialize + DeserializeOwned + Default;
-    const NAME: &'static str;
-    /// Problems with the options, as (option name, message).
-    fn check(o: &Self::Options) -> Vec<(&'static str, String)>;
-    fn build(root: &nn::Path, o: &Self::Options) -> Result<Built>;
-    fn extra_step(_o: &Self::Options) -> Option<ExtraStep> {
-        None
-    }
 }
 
 /// The registry: one line per preset.
@@ -310,7 +245,7 @@ mod tests {
         assert_eq!(b.net.chain().unwrap().blocks(), 3 + 2);
         let logits = b
             .net
-            .forward_t(&Tensor::zeros([2, 3, 32, 32], tch::kind::FLOAT_CPU), false);
+            .forward_t(&tch::Tensor::zeros([2, 3, 32, 32], tch::kind::FLOAT_CPU), false);
         assert_eq!(logits.size(), vec![2, 5]);
         let names: Vec<String> = vs.variables().into_keys().collect();
         for n in [

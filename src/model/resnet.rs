@@ -16,7 +16,7 @@ use tch::nn::{self, Init, Module};
 use tch::Tensor;
 
 use super::layers::{self, BatchNorm2d};
-use super::{Built, Chain, Net, Preset};
+use super::preset::{run_chain, Built, Chain, Net, Preset};
 
 /// `[model.resnet18]` (and `resnet34`, `resnet50`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -237,7 +237,7 @@ impl Chain for ResNet {
 
 impl Net for ResNet {
     fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
-        super::run_chain(self, xs, train)
+        run_chain(self, xs, train)
     }
 
     fn chain(&self) -> Option<&dyn Chain> {

@@ -17,7 +17,7 @@ use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use tch::{nn, Kind, Tensor};
 
-use super::{Built, Net, Preset};
+use super::preset::{Built, Net, Preset};
 use crate::exit::UsageError;
 use crate::shim::{self, ScriptModule};
 

@@ -14,7 +14,7 @@ use tch::nn::{self, Init, Module};
 use tch::Tensor;
 
 use super::layers::{self, LayerNorm};
-use super::{Built, Chain, Net, Preset};
+use super::preset::{run_chain, Built, Chain, Net, Preset};
 
 /// `[model.vit]`; the defaults are ViT-B/16.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -264,7 +264,7 @@ impl Chain for Vit {
 
 impl Net for Vit {
     fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
-        super::run_chain(self, xs, train)
+        run_chain(self, xs, train)
     }
 
     fn chain(&self) -> Option<&dyn Chain> {

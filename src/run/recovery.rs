@@ -352,6 +352,9 @@ mod tests {
         assert!(r.engaged().contains("recompute"));
         assert_eq!(r.counts(), &counts(0, 0, 0, 0, 0));
         let o = r.on_oom();
-        assert!(o.decision().is_fail(), "already engaged: the list falls through to fail");
+        assert!(
+            o.decision().is_fail(),
+            "already engaged: the list falls through to fail"
+        );
     }
 }

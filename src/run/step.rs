@@ -3,9 +3,9 @@
 //! 1. **zero**: every trainable gradient is zeroed (kept allocated, so memory stays flat);
 //! 2. per micro-batch: **forward** and **loss** (sum-reduced cross-entropy in fp32 divided by the
 //!    group's size, so the accumulated gradient is the group mean however the group is split),
-//!    then **backward**. The precision stage wraps forward and loss in an autocast region for
-//!    the mixed modes and multiplies the loss by the scaler's scale for fp16-mixed. With
-//!    recomputation on, forward and backward are the checkpointed pair of `recompute`;
+//!    then **backward**, by the forward part (`forward`): it wraps forward and loss in an
+//!    autocast region for the mixed modes, multiplies the loss by the scaler's scale for
+//!    fp16-mixed, and with recomputation on runs the checkpointed pair;
 //! 3. **unscale** (fp16-mixed): gradients divided by the scale in one fused kernel that also
 //!    finds inf and NaN; such a step is **skipped** (no optimizer step, no step counted);
 //! 4. **clip** the global gradient norm when asked (on unscaled gradients);
@@ -16,19 +16,18 @@
 //! optimizer state and the scaler as they were (the caller updates the scaler only after a
 //! step succeeded), so the group can be retried whole. A data-parallel all-reduce goes between
 //! backward and unscale.
-use tch::{Device, Kind, Reduction, Tensor};
+use tch::{Kind, Tensor};
 
+use super::execution::Execution;
+use super::forward::{Forward, Micro};
 use crate::data::Dataset;
+use crate::dist::{Dist, Local, Outcome};
 use crate::fault;
 use crate::memory::{self, Place};
 use crate::model::Net;
 use crate::oom::{self, StepError};
 use crate::optim::{clip_grad_norm, Optimizer};
-use crate::shim::{self, Autocast};
-use crate::spec::Precision;
-
-use super::recompute;
-use crate::dist::{Dist, Local, Outcome};
+use crate::shim;
 
 fn other(e: anyhow::Error) -> StepError {
     StepError::Other(format!("{e:#}"))
@@ -39,40 +38,12 @@ fn peer_lost(e: anyhow::Error) -> StepError {
     StepError::PeerLost(format!("{e:#}"))
 }
 
-/// How inputs enter the model, in which dtype it computes, and how the loss is scaled.
-#[derive(Debug, Clone, Copy)]
-pub struct PrecisionStage {
-    pub precision: Precision,
-}
-
-impl PrecisionStage {
-    /// Places a batch on the device in the dtype the model's weights have (the mixed modes keep
-    /// fp32 weights and let autocast cast).
-    pub fn input(&self, x: &Tensor, device: Device) -> Tensor {
-        let x = x.to_device(device);
-        match self.precision {
-            Precision::Bf16 => x.to_kind(Kind::BFloat16),
-            _ => x,
-        }
-    }
-
-    /// An autocast region for the mixed modes (None otherwise); it ends when dropped.
-    pub fn autocast(&self, device: Device) -> Option<Autocast> {
-        let dtype = self.precision.autocast()?;
-        // Entering only sets thread-local flags; it cannot fail short of a broken libtorch.
-        Some(Autocast::enter(device, dtype).expect("autocast state can be set"))
-    }
-}
-
-/// The fixed parts of every step: device, precision, clipping and recomputation.
+/// The fixed parts of every step: the forward part and clipping.
 #[derive(Debug, Clone, Copy)]
 pub struct StepPipeline {
-    pub device: Device,
-    pub precision: PrecisionStage,
+    pub forward: Forward,
     /// 0: no clipping.
     pub clip_norm: f64,
-    /// Activation checkpointing: the forward keeps only block boundaries (models with a chain).
-    pub recompute: bool,
 }
 
 /// What one step trains on: a group of sample indices, split into micro-batches.
@@ -115,31 +86,7 @@ pub struct StepOutput {
 
 impl StepPipeline {
     pub fn place(&self) -> Place {
-        Place::of(self.device)
-    }
-
-    /// Sum-reduced cross-entropy and correct count of one micro-batch.
-    pub fn forward_loss(
-        &self,
-        net: &dyn Net,
-        data: &Dataset,
-        idx: &[i64],
-        epoch: i64,
-        train: bool,
-    ) -> (Tensor, Tensor) {
-        let (x, y) = data.batch_at(idx, epoch);
-        let x = self.precision.input(&x, self.device);
-        let _autocast = self.precision.autocast(self.device);
-        self.loss(&net.forward_t(&x, train), &y)
-    }
-
-    /// Sum-reduced cross-entropy in fp32 and the correct count, from logits.
-    pub fn loss(&self, logits: &Tensor, y: &Tensor) -> (Tensor, Tensor) {
-        let y = y.to_device(self.device);
-        let logits = logits.to_kind(Kind::Float);
-        let loss = logits.cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, 0.0);
-        let correct = logits.argmax(-1, false).eq_tensor(&y).sum(Kind::Int64);
-        (loss, correct)
+        Place::of(self.forward.device)
     }
 
     /// Runs the pipeline once for `work`, stepping `opt`; `others` are optimizers whose
@@ -151,10 +98,10 @@ impl StepPipeline {
         opt: &mut Optimizer,
         others: &mut [&mut Optimizer],
         work: &Work,
-        dist: Option<&mut Dist>,
+        exec: &mut Execution,
     ) -> Result<StepOutput, StepError> {
         let place = self.place();
-        let reducer = dist.as_deref().filter(|_| work.synced).and_then(Dist::reducer);
+        let reducer = exec.group().filter(|_| work.synced).and_then(Dist::reducer);
         let synced = reducer.is_some();
         if let Some(r) = reducer {
             r.enter().map_err(peer_lost)?;
@@ -169,9 +116,9 @@ impl StepPipeline {
                 }
                 // forward → loss → backward, per micro-batch
                 let n = if work.contributes { work.divisor } else { f64::INFINITY };
-                let mut loss_sum = Tensor::zeros([], (Kind::Float, self.device));
-                let mut correct = Tensor::zeros([], (Kind::Int64, self.device));
-                let chain = net.chain().filter(|_| self.recompute);
+                let device = self.forward.device;
+                let mut loss_sum = Tensor::zeros([], (Kind::Float, device));
+                let mut correct = Tensor::zeros([], (Kind::Int64, device));
                 let chunks: Vec<&[i64]> = work.group.chunks(work.micro_batch.max(1)).collect();
                 for (i, chunk) in chunks.iter().enumerate() {
                     if i + 1 == chunks.len() {
@@ -180,14 +127,14 @@ impl StepPipeline {
                             r.arm().unwrap_or_else(|e| panic!("{e:#}"));
                         }
                     }
-                    let (loss, c) = match chain {
-                        Some(chain) => recompute::forward_backward(self, chain, work, chunk, n),
-                        None => {
-                            let (loss, c) = self.forward_loss(net, work.data, chunk, work.epoch, true);
-                            self.scaled(&loss, n, work.loss_scale).backward();
-                            (loss, c)
-                        }
+                    let micro = Micro {
+                        data: work.data,
+                        idx: chunk,
+                        epoch: work.epoch,
+                        buffers: work.buffers,
+                        loss_scale: work.loss_scale,
                     };
+                    let (loss, c) = self.forward.forward_backward(net, &micro, n);
                     loss_sum += loss.detach();
                     correct += c;
                 }
@@ -222,7 +169,7 @@ impl StepPipeline {
                 (loss_sum, correct, found_inf, prepared)
             },
         );
-        let Some(d) = dist else {
+        let Some(d) = exec.group_mut() else {
             let (loss_sum, correct, found_inf, prepared) = attempt?;
             if let Some(p) = prepared {
                 opt.apply(p, work.lr);
@@ -298,15 +245,6 @@ impl StepPipeline {
         })
     }
 
-    /// The loss backward starts from: the group mean's share, times the loss scale.
-    pub fn scaled(&self, loss: &Tensor, n: f64, scale: Option<f64>) -> Tensor {
-        let l = loss / n;
-        match scale {
-            Some(s) => l * s,
-            None => l,
-        }
-    }
-
     /// Divides the gradients by `scale` in place; true if any is inf or NaN.
     fn unscale(&self, opt: &Optimizer, scale: f64) -> bool {
         let grads: Vec<Tensor> = opt
@@ -315,8 +253,9 @@ impl StepPipeline {
             .map(|(_, p)| p.grad())
             .filter(|g| g.defined())
             .collect();
-        let found_inf = Tensor::zeros([1], (Kind::Float, self.device));
-        let inv_scale = Tensor::full([1], 1.0 / scale, (Kind::Float, self.device));
+        let device = self.forward.device;
+        let found_inf = Tensor::zeros([1], (Kind::Float, device));
+        let inv_scale = Tensor::full([1], 1.0 / scale, (Kind::Float, device));
         if let Err(e) = shim::amp_unscale(&grads, &found_inf, &inv_scale) {
             // Surfaces through the OOM guard like any libtorch error.
             panic!("{e}");

@@ -10,51 +10,26 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use tch::{nn, Device, Tensor};
+use tch::{Device, Tensor};
 
-use super::levers::Parts;
+use super::components::{Components, LoopSettings, Outputs};
+use super::execution::Execution;
+use super::levers;
+use super::parts::{ArchAt, ArchStep, Model, Parts};
 use super::recovery::Recovery;
 use super::step::{StepOutput, StepPipeline, Work};
-use crate::checkpoint::{self, NamedTensors, Store, TrainState};
+use crate::checkpoint::{self, NamedTensors, TrainState};
 use crate::data::{self, Splits};
 use crate::exit::{Interrupted, OomExit};
-use crate::human::{human_bytes, human_duration};
-use crate::memory::{self, CachePolicy, Cap, ClearReason, MemorySample, Place, StepMemory};
-use crate::model::{ExtraStep, Net};
+use crate::human::{device_name, human_bytes, human_duration};
+use crate::memory::{self, ClearReason, MemorySample, Place, StepMemory};
 use crate::oom::{self, BatchShape, StepError};
-use crate::optim::{LrSchedule, Optimizer};
+use crate::optim::Optimizer;
 use crate::progress::Progress;
 use crate::records::*;
 use crate::shim;
 use crate::signals::StopFlag;
 use crate::spec::Monitor;
-
-/// The loop's settings, taken from the spec once.
-#[derive(Debug, Clone)]
-pub struct LoopSettings {
-    pub job: String,
-    pub epochs: i64,
-    pub seed: i64,
-    pub log_every: i64,
-    pub checkpoint_every: i64,
-    pub monitor: Monitor,
-    pub clear_on_epoch_end: bool,
-    pub clear_after_checkpoint: bool,
-    pub preflight: bool,
-    pub record_history: bool,
-    /// `--max-steps`: stop after this many optimizer steps of this session.
-    pub max_steps: Option<i64>,
-}
-
-/// The model and what trains it.
-pub struct Model {
-    pub vs: nn::VarStore,
-    pub net: Box<dyn Net>,
-    pub opt: Optimizer,
-    /// The preset's extra step (DARTS's architecture step) and its optimizer.
-    pub extra: Option<(ExtraStep, Optimizer)>,
-    pub sched: LrSchedule,
-}
 
 /// What a step attempt changes outside parameters and optimizer state: the model's buffers and
 /// the generators' states, as they were before the step.
@@ -99,87 +74,74 @@ struct StepWindows {
     epoch: StepMemory,
 }
 
-pub struct Trainer {
-    pub settings: LoopSettings,
-    pub spec_toml: String,
-    pub model: Model,
-    pub data: Splits,
-    pub pipeline: StepPipeline,
-    pub recovery: Recovery,
-    pub cache: CachePolicy,
-    pub recorder: Recorder,
-    pub progress: Progress,
-    pub store: Store,
-    pub state: TrainState,
-    pub stop: StopFlag,
-    pub cap: Option<Cap>,
-    pub alloc_conf: Option<String>,
-    pub t_start: Instant,
+/// This session of the loop: its start, the stop flag, what it has done so far.
+struct Session {
+    t_start: Instant,
+    stop: StopFlag,
     last: Option<EpochResult>,
     totals: Totals,
     windows: StepWindows,
-    session_steps: i64,
+    steps: i64,
     preflight_pending: bool,
-    /// The extra steps' current validation round and its order.
-    val_order: Option<(i64, Vec<i64>)>,
-    /// Data-parallel: this rank's group (None: a single process).
-    pub dist: Option<crate::dist::Dist>,
+}
+
+pub struct Trainer {
+    settings: LoopSettings,
+    model: Model,
+    arch: Option<ArchStep>,
+    data: Splits,
+    pipeline: StepPipeline,
+    recovery: Recovery,
+    execution: Execution,
+    out: Outputs,
+    state: TrainState,
+    session: Session,
 }
 
 impl Trainer {
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        settings: LoopSettings,
-        spec_toml: String,
-        model: Model,
-        data: Splits,
-        pipeline: StepPipeline,
-        recovery: Recovery,
-        cache: CachePolicy,
-        recorder: Recorder,
-        progress: Progress,
-        store: Store,
-        state: TrainState,
-        cap: Option<Cap>,
-        alloc_conf: Option<String>,
-        t_start: Instant,
-    ) -> Result<Self> {
+    pub fn new(c: Components, t_start: Instant) -> Result<Self> {
         let mut trainer = Trainer {
-            preflight_pending: settings.preflight,
-            settings,
-            spec_toml,
-            model,
-            data,
-            pipeline,
-            recovery,
-            cache,
-            recorder,
-            progress,
-            store,
-            state,
-            stop: StopFlag::install()?,
-            cap,
-            alloc_conf,
-            t_start,
-            last: None,
-            totals: Totals::default(),
-            windows: StepWindows::default(),
-            session_steps: 0,
-            val_order: None,
-            dist: None,
+            session: Session {
+                t_start,
+                stop: StopFlag::install()?,
+                last: None,
+                totals: Totals::default(),
+                windows: StepWindows::default(),
+                steps: 0,
+                preflight_pending: c.settings.preflight,
+            },
+            settings: c.settings,
+            model: c.model,
+            arch: c.arch,
+            data: c.data,
+            pipeline: c.pipeline,
+            recovery: c.recovery,
+            execution: c.execution,
+            out: c.out,
+            state: c.state,
         };
         // Levers the spec asked for or a resumed checkpoint had engaged act on the parts now.
-        for lever in trainer.recovery.engaged().levers() {
-            lever.engage(&mut Parts {
-                model: &mut trainer.model,
-                pipeline: &mut trainer.pipeline,
-            });
+        for lever in levers::engaged(&trainer.recovery.engaged()) {
+            lever.engage(&mut trainer.parts());
         }
         Ok(trainer)
     }
 
+    fn parts(&mut self) -> Parts<'_> {
+        Parts {
+            model: &mut self.model,
+            arch: self.arch.as_mut(),
+            forward: &mut self.pipeline.forward,
+        }
+    }
+
+    /// Where the run's terminal lines go (the report line, the last words).
+    pub fn progress(&self) -> &Progress {
+        &self.out.progress
+    }
+
     fn device(&self) -> Device {
-        self.pipeline.device
+        self.pipeline.forward.device
     }
 
     fn place(&self) -> Place {
@@ -187,7 +149,7 @@ impl Trainer {
     }
 
     pub fn device_name(&self) -> String {
-        super::device_name(self.device())
+        device_name(self.device())
     }
 
     fn shape(&self) -> BatchShape {
@@ -198,19 +160,7 @@ impl Trainer {
     fn weight_step(&mut self, group: &[i64], lr: f64) -> Result<StepOutput, StepError> {
         let buffers = self.recompute_buffers();
         let micro_batch = self.shape().micro_batch as usize;
-        // Data-parallel: this rank's share of the group; a rank left without samples runs the
-        // group's first one with a zero loss so that its Reducer takes part.
-        let (share, contributes) = match &self.dist {
-            Some(d) => {
-                let s = crate::dist::share(group, micro_batch, d.rank(), d.size());
-                if s.is_empty() {
-                    (&group[..1], false)
-                } else {
-                    (s, true)
-                }
-            }
-            None => (group, true),
-        };
+        let (share, contributes) = self.execution.share(group, micro_batch);
         let work = Work {
             data: &self.data.train,
             group: share,
@@ -222,14 +172,14 @@ impl Trainer {
             buffers: &buffers,
             divisor: group.len() as f64,
             contributes,
-            stop: self.stop.requested(),
+            stop: self.session.stop.requested(),
             synced: true,
         };
-        let Model { net, opt, extra, .. } = &mut self.model;
-        let mut others: Vec<&mut Optimizer> = extra.iter_mut().map(|(_, o)| o).collect();
+        let Model { net, opt, .. } = &mut self.model;
+        let mut others: Vec<&mut Optimizer> = self.arch.iter_mut().map(|a| &mut a.opt).collect();
         let out = self
             .pipeline
-            .run(net.as_ref(), opt, &mut others, &work, self.dist.as_mut())?;
+            .run(net.as_ref(), opt, &mut others, &work, &mut self.execution)?;
         // Only a step that succeeded moves the scaler.
         if let Some(s) = &mut self.state.scaler {
             s.update(out.found_inf);
@@ -240,79 +190,33 @@ impl Trainer {
     /// The model's buffers (BatchNorm running statistics), which recomputation restores; empty
     /// when recomputation is off.
     fn recompute_buffers(&self) -> Vec<Tensor> {
-        if !self.pipeline.recompute {
-            return vec![];
+        match self.pipeline.forward.recompute {
+            true => self.model.buffers(),
+            false => vec![],
         }
-        let mut v: Vec<(String, Tensor)> = self
-            .model
-            .vs
-            .variables()
-            .into_iter()
-            .filter(|(_, t)| !t.requires_grad())
-            .collect();
-        v.sort_by(|a, b| a.0.cmp(&b.0));
-        v.into_iter().map(|(_, t)| t).collect()
     }
 
-    /// The preset's extra step on the next held-out micro-batch (DARTS: first-order α step).
-    fn extra_step(&mut self) -> Result<(), StepError> {
-        let Some((extra, _)) = &self.model.extra else {
+    /// The architecture step (DARTS), when the preset has one.
+    fn arch_step(&mut self) -> Result<(), StepError> {
+        let buffers = self.recompute_buffers();
+        let micro_batch = self.shape().micro_batch;
+        let Some(arch) = &mut self.arch else {
             return Ok(());
         };
-        let lr = extra.lr;
-        let nval = self.data.val.len();
-        let b = self.shape().micro_batch.min(nval);
-        let start = self.state.val_cursor;
-        let idx: Vec<i64> = (0..b).map(|k| self.val_index(start + k)).collect();
-        let buffers = self.recompute_buffers();
-        let work = Work {
-            data: &self.data.val,
-            group: &idx,
-            micro_batch: idx.len(),
-            lr,
-            step: -1,
+        let at = ArchAt {
+            net: self.model.net.as_ref(),
+            weights: &mut self.model.opt,
+            val: &self.data.val,
+            micro_batch,
             epoch: self.state.epoch,
-            loss_scale: self.state.arch_scaler.map(|s| s.scale),
             buffers: &buffers,
-            divisor: idx.len() as f64,
-            contributes: true,
-            stop: false,
-            // Every rank computes the same architecture step on the same samples.
-            synced: false,
+            pipeline: &self.pipeline,
         };
-        let Model { net, opt, extra, .. } = &mut self.model;
-        let (_, arch_opt) = extra.as_mut().expect("checked above");
-        // The architecture step neither clips nor shares the weights' clipping.
-        let pipeline = StepPipeline {
-            clip_norm: 0.0,
-            ..self.pipeline
-        };
-        let out = pipeline.run(net.as_ref(), arch_opt, &mut [opt], &work, self.dist.as_mut())?;
-        if let Some(s) = &mut self.state.arch_scaler {
-            s.update(out.found_inf);
-        }
-        self.state.arch_steps += 1;
-        self.state.val_cursor += b;
-        Ok(())
-    }
-
-    /// The k-th validation sample of the endless, per-round shuffled stream the extra step
-    /// reads. The permutation of each round is computed once and kept until the stream moves on.
-    fn val_index(&mut self, k: i64) -> i64 {
-        let n = self.data.val.len();
-        let round = k / n;
-        if self.val_order.as_ref().is_none_or(|(r, _)| *r != round) {
-            self.val_order = Some((
-                round,
-                data::epoch_order(n, self.settings.seed.wrapping_add(7919), round),
-            ));
-        }
-        let (_, order) = self.val_order.as_ref().expect("just filled");
-        order[(k % n) as usize]
+        arch.run(at, &mut self.execution)
     }
 
     fn emit(&mut self, e: Event) -> Result<()> {
-        self.recorder.emit(&e)
+        self.out.recorder.emit(&e)
     }
 
     /// Carries out the recovery machine's decision for one OOM. Ok: retry the failed work;
@@ -328,8 +232,8 @@ impl Trainer {
         };
         // Whatever the failed attempt left in the gradients goes, and their memory with it.
         self.model.opt.drop_grads();
-        if let Some((_, o)) = &mut self.model.extra {
-            o.drop_grads();
+        if let Some(a) = &mut self.arch {
+            a.opt.drop_grads();
         }
         self.clear_cache(ClearReason::Oom)?;
         let outcome = self.recovery.on_oom();
@@ -363,10 +267,7 @@ impl Trainer {
                     self.device_name(),
                     lever.said(&outcome.before, &outcome.after)
                 );
-                lever.engage(&mut Parts {
-                    model: &mut self.model,
-                    pipeline: &mut self.pipeline,
-                });
+                lever.engage(&mut self.parts());
                 Ok(())
             }
             None => {
@@ -392,11 +293,11 @@ impl Trainer {
     /// completed step on its own, without another collective (one would wait on the lost rank).
     /// Sharded optimizer state cannot be saved: part of it was on the lost rank.
     fn save_without_peers(&mut self) -> String {
-        let rank0 = self.dist.as_ref().is_some_and(|d| d.rank() == 0);
+        let rank0 = self.execution.group().is_some_and(|d| d.rank() == 0);
         let note = self.save_alone(rank0);
         // After the save (dropping a group can block on a hung peer with NCCL); no collective
         // runs from here on.
-        self.dist = None;
+        self.execution.lose_peers();
         note
     }
 
@@ -438,8 +339,8 @@ impl Trainer {
         OomReport {
             allocator_stats: stats,
             memory: memory::sample(self.place()),
-            cap: self.cap.clone(),
-            allocator_conf: self.alloc_conf.clone(),
+            cap: self.settings.cap.clone(),
+            allocator_conf: self.settings.alloc_conf.clone(),
             snapshot,
             record_history: self.settings.record_history,
         }
@@ -516,7 +417,7 @@ impl Trainer {
             Some(p) => (p, "peak allocated"),
             None => (m.peak_rss_bytes, "peak RSS"),
         };
-        let cap = self.cap.as_ref().map(|c| c.bytes);
+        let cap = self.settings.cap.as_ref().map(|c| c.bytes);
         let headroom = cap.map(|c| c as i64 - used as i64);
         let head = match (headroom, cap) {
             (Some(h), Some(c)) if h >= 0 => {
@@ -526,7 +427,7 @@ impl Trainer {
             _ => "no cap set".into(),
         };
         let shape = self.shape();
-        self.progress.println(&format!(
+        self.out.progress.println(&format!(
             "Preflight: the first step at micro-batch {} used {} ({measure}); {head}",
             shape.micro_batch,
             human_bytes(used)
@@ -559,9 +460,10 @@ impl Trainer {
                         let mut correct = 0i64;
                         let idx: Vec<i64> = (0..n).collect();
                         for chunk in idx.chunks(b) {
-                            let (l, c) = t
-                                .pipeline
-                                .forward_loss(t.model.net.as_ref(), &t.data.val, chunk, 0, false);
+                            let (l, c) =
+                                t.pipeline
+                                    .forward
+                                    .forward_loss(t.model.net.as_ref(), &t.data.val, chunk, 0, false);
                             loss += l.double_value(&[]);
                             correct += c.int64_value(&[]);
                         }
@@ -570,7 +472,7 @@ impl Trainer {
                 },
             )
         };
-        let (loss, correct) = if self.dist.is_some() {
+        let (loss, correct) = if self.execution.group().is_some() {
             // Every rank validates (rank 0's result is recorded), at the same time, so no rank
             // waits on another past the collective timeout. The recovery machine must change on
             // every rank or none, and validation has no agreement step, so an OOM here skips this
@@ -598,18 +500,13 @@ impl Trainer {
         let mut model: Vec<(String, Tensor)> = self.model.vs.variables().into_iter().collect();
         model.sort_by(|a, b| a.0.cmp(&b.0));
         // Sharded optimizer state comes together on rank 0, whatever the rank count.
-        let weight_state = match &self.dist {
-            Some(d) => d
-                .gather_state(&self.model.opt)
-                .context("gathering the sharded optimizer state")?,
-            None => self.model.opt.state_tensors(),
-        };
+        let weight_state = self.execution.state_tensors(&self.model.opt)?;
         let mut optim: Vec<(String, Tensor)> = weight_state
             .into_iter()
             .map(|(n, t)| (format!("weight/{n}"), t))
             .collect();
-        if let Some((_, a)) = &self.model.extra {
-            optim.extend(a.state_tensors().into_iter().map(|(n, t)| (format!("arch/{n}"), t)));
+        if let Some(a) = &self.arch {
+            optim.extend(a.opt.state_tensors().into_iter().map(|(n, t)| (format!("arch/{n}"), t)));
         }
         // The generators dropout draws from, so a resumed run draws the same masks.
         let device = self.device();
@@ -629,7 +526,7 @@ impl Trainer {
     /// A data-parallel rank other than 0: it takes part in every collective but writes no
     /// checkpoint.
     fn follower(&self) -> bool {
-        self.dist.as_ref().is_some_and(|d| d.rank() != 0)
+        !self.execution.leads()
     }
 
     /// Saves, records the memory spike of the save, and clears the cache if configured. None on
@@ -644,22 +541,25 @@ impl Trainer {
         self.state.micro_batch = pos.shape.micro_batch;
         self.state.accumulation_steps = pos.shape.accumulation_steps;
         self.state.clean_steps = pos.clean_steps;
-        self.state.levers = pos.engaged.names().into_iter().map(str::to_owned).collect();
+        self.state.levers = pos.engaged.names().iter().map(|n| n.to_string()).collect();
+        if let Some(a) = &self.arch {
+            self.state.arch = a.state.clone();
+        }
         let (model, optim) = self.checkpoint_contents()?;
         if self.follower() {
             return Ok(None);
         }
-        let saved = self.store.save(&checkpoint::Contents {
+        let saved = self.out.store.save(&checkpoint::Contents {
             model,
             optimizer: optim,
             state: &self.state,
-            spec_toml: &self.spec_toml,
+            spec_toml: &self.settings.spec_toml,
         });
         let peak = memory::window_peak(place);
         let base = before.allocated_bytes.unwrap_or(before.rss_bytes);
         let spike = peak.saturating_sub(base);
         let (path, size) = saved?;
-        self.totals.checkpoint_spikes.push(spike);
+        self.session.totals.checkpoint_spikes.push(spike);
         if self.settings.clear_after_checkpoint {
             self.clear_cache(ClearReason::Checkpoint)?;
         }
@@ -677,7 +577,7 @@ impl Trainer {
     }
 
     fn clear_cache(&mut self, reason: ClearReason) -> Result<()> {
-        let cleared = self.cache.clear(self.place(), reason);
+        let cleared = self.out.cache.clear(self.place(), reason);
         self.record_clear(cleared)
     }
 
@@ -695,10 +595,10 @@ impl Trainer {
     fn read_step_memory(&mut self) {
         let t = Instant::now();
         let m = memory::step_reading(self.place());
-        self.windows.line.fold(&m);
-        self.windows.epoch.fold(&m);
-        self.totals.step_readings += 1;
-        self.totals.step_reading_seconds += t.elapsed().as_secs_f64();
+        self.session.windows.line.fold(&m);
+        self.session.windows.epoch.fold(&m);
+        self.session.totals.step_readings += 1;
+        self.session.totals.step_reading_seconds += t.elapsed().as_secs_f64();
     }
 
     fn after_clean_step(&mut self) -> Result<()> {
@@ -729,20 +629,21 @@ impl Trainer {
             let groups: Vec<&[i64]> = order.chunks(e as usize).collect();
             memory::reset_peaks(self.place());
             // The line window carries over: a record's peaks cover every step since the last.
-            self.windows.epoch = StepMemory::default();
+            self.session.windows.epoch = StepMemory::default();
             let t0 = Instant::now();
             let mut seen_this_session = 0u64;
-            self.progress
+            self.out
+                .progress
                 .start_epoch(epoch, epochs, steps_per_epoch as u64, self.state.groups_done as u64);
             for group in &groups[self.state.groups_done as usize..] {
                 let group = group.to_vec();
                 let t_step = Instant::now();
-                let measure = self.preflight_pending;
+                let measure = self.session.preflight_pending;
                 if measure {
                     memory::reset_peaks(self.place());
                 }
-                if self.model.extra.is_some() {
-                    self.with_recovery("architecture step", |t| t.extra_step())?;
+                if self.arch.is_some() {
+                    self.with_recovery("architecture step", |t| t.arch_step())?;
                 }
                 let lr = self.model.sched.lr_at(self.model.opt.steps_taken());
                 let out = self.with_recovery("training step", |t| {
@@ -752,7 +653,7 @@ impl Trainer {
                     t.weight_step(&group, lr)
                 })?;
                 if measure {
-                    self.preflight_pending = false;
+                    self.session.preflight_pending = false;
                     self.report_preflight()?;
                 }
                 self.state.groups_done += 1;
@@ -763,7 +664,7 @@ impl Trainer {
                 seen_this_session += group.len() as u64;
                 let step_seconds = t_step.elapsed().as_secs_f64();
                 self.read_step_memory();
-                let cleared = self.cache.after_step(self.place(), self.state.global_step as u64);
+                let cleared = self.out.cache.after_step(self.place(), self.state.global_step as u64);
                 self.record_clear(cleared)?;
                 self.after_clean_step()?;
                 let loss = out.loss_sum / group.len() as f64;
@@ -779,29 +680,27 @@ impl Trainer {
                         samples: group.len() as i64,
                         seconds: step_seconds,
                         samples_per_s: rate,
-                        memory: std::mem::take(&mut self.windows.line),
+                        memory: std::mem::take(&mut self.session.windows.line),
                         loss_scale: self.state.scaler.map(|s| s.scale),
                         skipped: out.found_inf,
                     };
                     self.emit(Event::Step(e))?;
                 }
                 let mem = self
+                    .session
                     .windows
                     .epoch
                     .allocated_bytes
-                    .unwrap_or(self.windows.epoch.rss_bytes);
-                self.progress.step(self.state.groups_done as u64, || {
+                    .unwrap_or(self.session.windows.epoch.rss_bytes);
+                self.out.progress.step(self.state.groups_done as u64, || {
                     format!("loss {loss:.4}  {rate:.1} samples/s  mem {}", human_bytes(mem))
                 });
-                let stop = self.stop.clone();
+                let stop = self.session.stop.clone();
                 crate::fault::await_signal_at(self.state.global_step, || stop.requested());
                 // Data-parallel ranks stop on the step they agreed on, never on their own.
-                let stop_now = match &self.dist {
-                    Some(_) => out.stop,
-                    None => self.stop.requested(),
-                };
+                let stop_now = self.execution.stops(out.stop, self.session.stop.requested());
                 if stop_now {
-                    self.progress.finish_epoch();
+                    self.out.progress.finish_epoch();
                     let saved = self.save_checkpoint("interrupted")?;
                     self.write_summary(Status::Interrupted)?;
                     let at = saved.map_or("rank 0's run directory".into(), |(p, _)| p.display().to_string());
@@ -812,22 +711,22 @@ impl Trainer {
                     ))
                     .into());
                 }
-                self.session_steps += 1;
-                if self.settings.max_steps.is_some_and(|m| self.session_steps >= m) {
-                    self.progress.finish_epoch();
-                    self.totals.samples_trained += seen_this_session;
-                    self.totals.train_seconds += t0.elapsed().as_secs_f64();
+                self.session.steps += 1;
+                if self.settings.max_steps.is_some_and(|m| self.session.steps >= m) {
+                    self.out.progress.finish_epoch();
+                    self.session.totals.samples_trained += seen_this_session;
+                    self.session.totals.train_seconds += t0.elapsed().as_secs_f64();
                     self.write_summary(Status::StepLimit)?;
                     return Ok(Status::StepLimit);
                 }
             }
-            self.progress.finish_epoch();
+            self.out.progress.finish_epoch();
             let seconds = t0.elapsed().as_secs_f64();
-            self.totals.samples_trained += seen_this_session;
-            self.totals.train_seconds += seconds;
+            self.session.totals.samples_trained += seen_this_session;
+            self.session.totals.train_seconds += seconds;
             let val = self.validate()?;
             let mut mem = memory::sample(self.place());
-            mem.include(&self.windows.epoch);
+            mem.include(&self.session.windows.epoch);
             self.note_peaks();
             let ranks = match self.rank_peaks(mem.peak_allocated_bytes, mem.peak_reserved_bytes, mem.peak_rss_bytes) {
                 Ok(r) => r,
@@ -848,9 +747,10 @@ impl Trainer {
                 samples_per_s: seen_this_session as f64 / seconds.max(1e-9),
             };
             let genotype = self.model.net.genotype();
-            self.progress.println(&epoch_line(&result, &mem, epochs));
+            self.out.progress.println(&epoch_line(&result, &mem, epochs));
             if let Some(g) = &genotype {
-                self.progress
+                self.out
+                    .progress
                     .println(&format!("  genotype: {}", serde_json::to_string(g)?));
             }
             let shape = self.shape();
@@ -862,7 +762,7 @@ impl Trainer {
                 accumulation_steps: shape.accumulation_steps,
                 device: self.device_name(),
                 memory: mem,
-                cache: self.cache.clone(),
+                cache: self.out.cache.clone(),
                 genotype,
                 ranks,
             };
@@ -872,7 +772,7 @@ impl Trainer {
                 Monitor::ValAcc => result.val_acc,
                 Monitor::TrainLoss => Some(result.train_loss),
             };
-            self.last = Some(result);
+            self.session.last = Some(result);
             self.state.epoch += 1;
             self.state.groups_done = 0;
             self.state.epoch_loss_sum = 0.0;
@@ -895,14 +795,14 @@ impl Trainer {
     }
 
     pub fn last(&self) -> Option<&EpochResult> {
-        self.last.as_ref()
+        self.session.last.as_ref()
     }
 
     fn note_peaks(&mut self) {
         let mut m = memory::sample(self.place());
-        m.include(&self.windows.epoch);
+        m.include(&self.session.windows.epoch);
         let max = memory::max_opt;
-        let t = &mut self.totals;
+        let t = &mut self.session.totals;
         t.peak_allocated = max(t.peak_allocated, m.peak_allocated_bytes);
         t.peak_reserved = max(t.peak_reserved, m.peak_reserved_bytes);
         t.peak_rss = t.peak_rss.max(m.peak_rss_bytes);
@@ -910,22 +810,19 @@ impl Trainer {
 
     /// Data-parallel: every rank's peaks (a collective); empty for a single process.
     fn rank_peaks(&self, allocated: Option<u64>, reserved: Option<u64>, rss: u64) -> Result<Vec<RankPeak>> {
-        match &self.dist {
-            Some(d) => d.peaks(RankPeak {
-                rank: d.rank(),
-                peak_allocated_bytes: allocated,
-                peak_reserved_bytes: reserved,
-                peak_rss_bytes: rss,
-            }),
-            None => Ok(Vec::new()),
-        }
+        self.execution.peaks(RankPeak {
+            rank: 0,
+            peak_allocated_bytes: allocated,
+            peak_reserved_bytes: reserved,
+            peak_rss_bytes: rss,
+        })
     }
 
     /// Every status it is called with is reached by all data-parallel ranks together, so the
     /// ranks' peaks can be gathered here.
     pub fn write_summary(&mut self, status: Status) -> Result<()> {
         self.note_peaks();
-        let t = &self.totals;
+        let t = &self.session.totals;
         let ranks = match self.rank_peaks(t.peak_allocated, t.peak_reserved, t.peak_rss) {
             Ok(r) => r,
             Err(e) => {
@@ -935,7 +832,7 @@ impl Trainer {
         };
         let shape = self.shape();
         let configured = self.recovery.configured();
-        let t = &self.totals;
+        let t = &self.session.totals;
         let summary = Summary {
             status,
             exit_code: status.exit_code(),
@@ -944,10 +841,10 @@ impl Trainer {
             epochs_completed: self.state.epoch,
             global_steps: self.state.global_step,
             samples_trained: t.samples_trained,
-            wall_seconds: self.t_start.elapsed().as_secs_f64(),
+            wall_seconds: self.session.t_start.elapsed().as_secs_f64(),
             train_seconds: t.train_seconds,
             samples_per_s: t.samples_trained as f64 / t.train_seconds.max(1e-9),
-            last: self.last.clone(),
+            last: self.session.last.clone(),
             batch: BatchSummary {
                 configured_micro_batch: configured.micro_batch,
                 configured_accumulation_steps: configured.accumulation_steps,
@@ -956,8 +853,8 @@ impl Trainer {
                 final_accumulation_steps: shape.accumulation_steps,
             },
             memory: MemorySummary {
-                cap: self.cap.clone(),
-                allocator_conf: self.alloc_conf.clone(),
+                cap: self.settings.cap.clone(),
+                allocator_conf: self.settings.alloc_conf.clone(),
                 peak_allocated_bytes: t.peak_allocated,
                 peak_reserved_bytes: t.peak_reserved,
                 peak_rss_bytes: t.peak_rss,
@@ -965,17 +862,21 @@ impl Trainer {
                 step_reading_seconds: t.step_reading_seconds,
                 ranks,
             },
-            cache: Some(self.cache.clone()),
+            cache: Some(self.out.cache.clone()),
             oom: self.recovery.counts().clone(),
             checkpoints: CheckpointSummary {
                 saved: t.checkpoint_spikes.len(),
                 max_spike_bytes: t.checkpoint_spikes.iter().max().copied(),
             },
             precision: PrecisionSummary {
-                mode: self.pipeline.precision.precision.name(),
+                mode: self.pipeline.forward.precision.precision.name(),
                 loss_scale: self.state.scaler.map(|s| s.scale),
                 skipped_steps: self.state.scaler.map_or(0, |s| s.skipped_steps)
-                    + self.state.arch_scaler.map_or(0, |s| s.skipped_steps),
+                    + self
+                        .arch
+                        .as_ref()
+                        .and_then(|a| a.state.arch_scaler)
+                        .map_or(0, |s| s.skipped_steps),
                 activation_checkpointing: self.recovery.engaged().contains("recompute"),
             },
         };

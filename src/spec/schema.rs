@@ -403,7 +403,12 @@ pub enum OomAction {
 }
 
 impl OomAction {
-    pub const ALL: [OomAction; 4] = [OomAction::Recompute, OomAction::Backoff, OomAction::Cpu, OomAction::Fail];
+    pub const ALL: [OomAction; 4] = [
+        OomAction::Recompute,
+        OomAction::Backoff,
+        OomAction::Cpu,
+        OomAction::Fail,
+    ];
 
     /// The spec's word for it, which is also the name of the lever it engages (all but "fail").
     pub fn name(self) -> &'static str {

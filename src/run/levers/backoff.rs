@@ -2,7 +2,7 @@
 //! Engaged again and again down to `memory.min_batch_size`; released by doubling back after
 //! `memory.grow_back_after` clean steps. It changes only the position: the trainer reads the
 //! shape in force from `Recovery` at every step.
-use super::{Lever, Position, Search, Situation};
+use super::lever::{Lever, Position, Search, Situation};
 use crate::estimate::Estimate;
 use crate::oom::BatchShape;
 
@@ -36,7 +36,10 @@ impl Lever for Backoff {
     }
 
     fn released(&self, at: &Position, configured: BatchShape, after_clean_steps: i64) -> Option<Position> {
-        if after_clean_steps <= 0 || at.shape.micro_batch >= configured.micro_batch || at.clean_steps < after_clean_steps {
+        if after_clean_steps <= 0
+            || at.shape.micro_batch >= configured.micro_batch
+            || at.clean_steps < after_clean_steps
+        {
             return None;
         }
         let micro = (at.shape.micro_batch * 2).min(configured.micro_batch);

@@ -3,7 +3,7 @@
 //! (the plan puts it there).
 use tch::Device;
 
-use super::{Lever, Parts, Position, Search, Situation};
+use super::lever::{Lever, Parts, Position, Search, Situation};
 use crate::estimate::Estimate;
 use crate::human::human_bytes;
 
@@ -44,10 +44,10 @@ impl Lever for CpuFallback {
         });
         model.vs.set_device(cpu);
         model.opt.to_device(cpu);
-        if let Some((_, o)) = &mut model.extra {
-            o.to_device(cpu);
+        if let Some(a) = &mut parts.arch {
+            a.opt.to_device(cpu);
         }
-        parts.pipeline.device = cpu;
+        parts.forward.device = cpu;
         let _ = crate::shim::empty_cache();
     }
 
@@ -69,7 +69,7 @@ impl Lever for CpuFallback {
 
 #[cfg(test)]
 mod tests {
-    use super::super::Engaged;
+    use super::super::lever::Engaged;
     use super::*;
     use crate::oom::BatchShape;
 

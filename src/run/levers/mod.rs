@@ -1,27 +1,23 @@
 //! Memory levers: each term of the memory bill that a run can trade for time, one file per
-//! lever behind one trait, and one registry line each.
+//! lever behind one trait (`lever`), and one registry line each.
 //!
 //! A lever says whether it applies (purely, from where the run stands, with a reason when it
 //! does not), what engaging it does to the run's position (pure, so `Recovery` decides without
-//! libtorch) and to the parts (the model, its optimizers and the step pipeline), what `check`'s
+//! libtorch) and to the parts (the model, its optimizers and the forward part), what `check`'s
 //! estimate says of it and how `fit` searches it. `Recovery` alone decides which levers are
 //! engaged; checkpoints persist its `Position` (engaged levers by name, and the batch shape),
 //! and summary counts and OOM decisions are keyed by the lever's name.
 mod backoff;
 mod cpu;
+mod lever;
 mod recompute;
 
-use std::fmt;
-
-use serde::{Deserialize, Deserializer, Serialize, Serializer};
-
-use super::step::StepPipeline;
-use super::trainer::Model;
 use crate::estimate::Estimate;
 use crate::oom::BatchShape;
 
 pub use backoff::Backoff;
 pub use cpu::CpuFallback;
+pub use lever::{Engaged, Lever, Parts, Position, Search, Situation};
 pub use recompute::Recompute;
 
 /// Every lever, in the order `check` lists them. Adding one: its file and one line here.
@@ -32,114 +28,17 @@ pub fn lever(name: &str) -> Option<&'static dyn Lever> {
     LEVERS.iter().copied().find(|l| l.name() == name)
 }
 
-/// Where a run stands: the batch shape in force, the clean steps since the last OOM and the
-/// levers engaged. `Recovery` owns it; checkpoints save it and resumes restore it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Position {
-    pub shape: BatchShape,
-    pub clean_steps: i64,
-    pub engaged: Engaged,
+/// The engaged levers themselves.
+pub fn engaged(e: &Engaged) -> impl Iterator<Item = &'static dyn Lever> + '_ {
+    e.names().iter().filter_map(|n| lever(n))
 }
 
-/// What a lever's `applies` may look at: the position and the run's fixed facts.
-#[derive(Debug, Clone, Copy)]
-pub struct Situation {
-    pub at: Position,
-    /// `memory.min_batch_size`.
-    pub min_batch: i64,
-    /// The run was planned on the CPU (a fallback is `at.engaged`, not this).
-    pub planned_on_cpu: bool,
-    /// The model is a sequence of blocks (recomputation and block-wise placement need one).
-    pub has_blocks: bool,
-}
-
-/// How `fit` treats a lever.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Search {
-    /// Tried off and on, as one axis of the settings.
-    Toggle,
-    /// Searched by size: the largest setting that fits (the micro-batch).
-    Size,
-    /// Never recommended, for this reason.
-    Never(&'static str),
-}
-
-/// The parts a lever changes when engaged or released.
-pub struct Parts<'a> {
-    pub model: &'a mut Model,
-    pub pipeline: &'a mut StepPipeline,
-}
-
-pub trait Lever: Sync {
-    /// The name `memory.on_oom`, checkpoints and records use.
-    fn name(&self) -> &'static str;
-    /// The summary's count of engagements (`oom.recomputes`).
-    fn counted_as(&self) -> &'static str;
-    /// What an OOM record's decision calls an engagement (`decision.action`).
-    fn action(&self) -> &'static str {
-        self.name()
-    }
-    /// Whether engaging it now could help; the reason when it could not.
-    fn applies(&self, s: &Situation) -> Result<(), String>;
-    /// The position once engaged (only asked when it applies).
-    fn engaged(&self, s: &Situation) -> Position {
-        Position {
-            engaged: s.at.engaged.with(self.name()),
-            clean_steps: 0,
-            ..s.at
-        }
-    }
-    /// The position once released after enough clean steps, if this lever ever lets go.
-    fn released(&self, _at: &Position, _configured: BatchShape, _after_clean_steps: i64) -> Option<Position> {
-        None
-    }
-    /// What engaging it does to the parts (nothing for levers that only move the position).
-    fn engage(&self, _parts: &mut Parts<'_>) {}
-    /// The line the run prints when an OOM engages it.
-    fn said(&self, before: &Position, after: &Position) -> String;
-    /// What engaging it does to the bill, for `check`.
-    fn estimate(&self, e: &Estimate) -> String;
-    /// How `fit` searches it.
-    fn search(&self) -> Search;
-}
-
-/// A set of engaged levers (a bit per registry entry, so `Position` stays `Copy`). On the wire
-/// it is the list of their names.
-#[derive(Clone, Copy, Default, PartialEq, Eq)]
-pub struct Engaged(u32);
-
-impl Engaged {
-    fn bit(name: &str) -> u32 {
-        let i = LEVERS
-            .iter()
-            .position(|l| l.name() == name)
-            .unwrap_or_else(|| panic!("no lever is called {name:?}"));
-        1 << i
-    }
-
-    pub fn contains(self, name: &str) -> bool {
-        self.0 & Self::bit(name) != 0
-    }
-
-    #[must_use]
-    pub fn with(self, name: &str) -> Engaged {
-        Engaged(self.0 | Self::bit(name))
-    }
-
-    pub fn levers(self) -> impl Iterator<Item = &'static dyn Lever> {
-        LEVERS
-            .iter()
-            .enumerate()
-            .filter(move |(i, _)| self.0 & (1 << i) != 0)
-            .map(|(_, l)| *l)
-    }
-
-    pub fn names(self) -> Vec<&'static str> {
-        self.levers().map(|l| l.name()).collect()
-    }
-
-    pub fn from_names<S: AsRef<str>>(names: &[S]) -> Result<Engaged, String> {
-        names.iter().try_fold(Engaged::default(), |e, n| match lever(n.as_ref()) {
+/// Engaged levers from their names (a checkpoint's); an unknown name is an error that says
+/// which levers this memtrain knows.
+pub fn from_names<S: AsRef<str>>(names: &[S]) -> Result<Engaged, String> {
+    names
+        .iter()
+        .try_fold(Engaged::default(), |e, n| match lever(n.as_ref()) {
             Some(l) => Ok(e.with(l.name())),
             None => Err(format!(
                 "unknown lever {:?} (this memtrain knows {})",
@@ -147,26 +46,6 @@ impl Engaged {
                 LEVERS.iter().map(|l| l.name()).collect::<Vec<_>>().join(", ")
             )),
         })
-    }
-}
-
-impl fmt::Debug for Engaged {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_set().entries(self.names()).finish()
-    }
-}
-
-impl Serialize for Engaged {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        self.names().serialize(s)
-    }
-}
-
-impl<'de> Deserialize<'de> for Engaged {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let names = Vec::<String>::deserialize(d)?;
-        Engaged::from_names(&names).map_err(serde::de::Error::custom)
-    }
 }
 
 /// The levers the spec turns on from the start, with the key that does.
@@ -239,17 +118,19 @@ mod tests {
         names.sort();
         names.dedup();
         assert_eq!(names.len(), LEVERS.len());
-        assert!(LEVERS.len() <= 32, "Engaged is a 32-bit set");
     }
 
     #[test]
     fn engaged_levers_travel_as_their_names() {
-        let e = Engaged::default().with("cpu").with("recompute");
+        let e = Engaged::default().with("cpu").with("recompute").with("cpu");
         assert!(e.contains("cpu") && e.contains("recompute") && !e.contains("backoff"));
-        let json = serde_json::to_string(&e).unwrap();
-        assert_eq!(json, r#"["recompute","cpu"]"#, "registry order");
-        assert_eq!(serde_json::from_str::<Engaged>(&json).unwrap(), e);
-        let err = serde_json::from_str::<Engaged>(r#"["swap"]"#).unwrap_err().to_string();
+        assert_eq!(e.names(), ["cpu", "recompute"], "in the order engaged, once each");
+        assert_eq!(from_names(e.names()), Ok(e));
+        assert_eq!(
+            engaged(&e).map(|l| l.counted_as()).collect::<Vec<_>>(),
+            ["cpu_fallbacks", "recomputes"]
+        );
+        let err = from_names(&["swap"]).unwrap_err();
         assert!(err.contains("unknown lever \"swap\""), "{err}");
     }
 }

@@ -1,7 +1,7 @@
 //! Activation checkpointing as a lever: the forward keeps only block boundaries and each block
 //! runs again in backward (`run::recompute`). Engaged by `train.activation_checkpointing` or by
 //! a "recompute" OOM decision; the micro-batch stays.
-use super::{Lever, Parts, Position, Search, Situation};
+use super::lever::{Lever, Parts, Position, Search, Situation};
 use crate::estimate::Estimate;
 
 pub struct Recompute;
@@ -26,7 +26,7 @@ impl Lever for Recompute {
     }
 
     fn engage(&self, parts: &mut Parts<'_>) {
-        parts.pipeline.recompute = true;
+        parts.forward.recompute = true;
     }
 
     fn said(&self, before: &Position, _after: &Position) -> String {
@@ -47,7 +47,7 @@ impl Lever for Recompute {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{Engaged, Situation};
+    use super::super::lever::{Engaged, Situation};
     use super::*;
     use crate::oom::BatchShape;
 

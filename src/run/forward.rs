@@ -1,3 +1,6 @@
+//! The forward part of a step: how a micro-batch enters the model (device, dtype, autocast), the
+//! loss, and forward with backward, either plain or with activation checkpointing.
+//!
 //! Activation checkpointing: forward and backward of one micro-batch through a model's chain of
 //! blocks, keeping only the activations at block boundaries.
 //!
@@ -15,12 +18,107 @@
 //! Memory: the plain forward keeps every block's activations until backward; this keeps the block
 //! boundaries plus one block's activations at a time. Time: one more forward of every block but
 //! the last (about a third more per step for a model whose backward costs twice its forward).
-use tch::Tensor;
+use tch::{Device, Kind, Reduction, Tensor};
 
-use crate::model::Chain;
-use crate::shim;
+use crate::data::Dataset;
+use crate::model::{Chain, Net};
+use crate::shim::{self, Autocast};
+use crate::spec::Precision;
 
-use super::step::{StepPipeline, Work};
+/// How inputs enter the model, in which dtype it computes, and how the loss is scaled.
+#[derive(Debug, Clone, Copy)]
+pub struct PrecisionStage {
+    pub precision: Precision,
+}
+
+impl PrecisionStage {
+    /// Places a batch on the device in the dtype the model's weights have (the mixed modes keep
+    /// fp32 weights and let autocast cast).
+    pub fn input(&self, x: &Tensor, device: Device) -> Tensor {
+        let x = x.to_device(device);
+        match self.precision {
+            Precision::Bf16 => x.to_kind(Kind::BFloat16),
+            _ => x,
+        }
+    }
+
+    /// An autocast region for the mixed modes (None otherwise); it ends when dropped.
+    pub fn autocast(&self, device: Device) -> Option<Autocast> {
+        let dtype = self.precision.autocast()?;
+        // Entering only sets thread-local flags; it cannot fail short of a broken libtorch.
+        Some(Autocast::enter(device, dtype).expect("autocast state can be set"))
+    }
+}
+
+/// The forward part: device, precision and whether the forward is recomputed in backward
+/// (models with a chain; the `recompute` lever turns it on).
+#[derive(Debug, Clone, Copy)]
+pub struct Forward {
+    pub device: Device,
+    pub precision: PrecisionStage,
+    pub recompute: bool,
+}
+
+/// One micro-batch of a step, and what its backward needs.
+pub struct Micro<'a> {
+    pub data: &'a Dataset,
+    pub idx: &'a [i64],
+    /// The epoch (0-based) the samples are drawn in, which keys their augmentation.
+    pub epoch: i64,
+    /// The model's buffers (BatchNorm running statistics): recomputation puts them back after
+    /// running a block a second time, so they are updated once per forward.
+    pub buffers: &'a [Tensor],
+    /// fp16-mixed: the loss scale of this step.
+    pub loss_scale: Option<f64>,
+}
+
+impl Forward {
+    /// Sum-reduced cross-entropy and correct count of one micro-batch.
+    pub fn forward_loss(
+        &self,
+        net: &dyn Net,
+        data: &Dataset,
+        idx: &[i64],
+        epoch: i64,
+        train: bool,
+    ) -> (Tensor, Tensor) {
+        let (x, y) = data.batch_at(idx, epoch);
+        let x = self.precision.input(&x, self.device);
+        let _autocast = self.precision.autocast(self.device);
+        self.loss(&net.forward_t(&x, train), &y)
+    }
+
+    /// Sum-reduced cross-entropy in fp32 and the correct count, from logits.
+    pub fn loss(&self, logits: &Tensor, y: &Tensor) -> (Tensor, Tensor) {
+        let y = y.to_device(self.device);
+        let logits = logits.to_kind(Kind::Float);
+        let loss = logits.cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, 0.0);
+        let correct = logits.argmax(-1, false).eq_tensor(&y).sum(Kind::Int64);
+        (loss, correct)
+    }
+
+    /// The loss backward starts from: the group mean's share, times the loss scale.
+    pub fn scaled(&self, loss: &Tensor, n: f64, scale: Option<f64>) -> Tensor {
+        let l = loss / n;
+        match scale {
+            Some(s) => l * s,
+            None => l,
+        }
+    }
+
+    /// Forward, loss and backward of one micro-batch, the loss divided by `n` (the group's size)
+    /// before backward; returns the sum-reduced loss and the correct count.
+    pub fn forward_backward(&self, net: &dyn Net, m: &Micro, n: f64) -> (Tensor, Tensor) {
+        match net.chain().filter(|_| self.recompute) {
+            Some(chain) => recomputed(self, chain, m, n),
+            None => {
+                let (loss, c) = self.forward_loss(net, m.data, m.idx, m.epoch, true);
+                self.scaled(&loss, n, m.loss_scale).backward();
+                (loss, c)
+            }
+        }
+    }
+}
 
 /// Puts the generator state back when dropped, so an error inside a recomputation cannot leave
 /// the run's random stream rewound.
@@ -62,9 +160,9 @@ fn save_rng(device: tch::Device) -> Vec<(tch::Device, Vec<u8>)> {
 type Saved = (Vec<Tensor>, Vec<(tch::Device, Vec<u8>)>);
 
 /// Checkpointed forward, loss and backward of one micro-batch; returns the sum-reduced loss and
-/// the correct count, as `StepPipeline::forward_loss` does.
-pub fn forward_backward(p: &StepPipeline, chain: &dyn Chain, work: &Work, idx: &[i64], n: f64) -> (Tensor, Tensor) {
-    let (x, y) = work.data.batch_at(idx, work.epoch);
+/// the correct count, as `Forward::forward_loss` does.
+fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64) -> (Tensor, Tensor) {
+    let (x, y) = m.data.batch_at(m.idx, m.epoch);
     let x = p.precision.input(&x, p.device);
     let k = chain.blocks();
     let mut saved: Vec<Saved> = Vec::with_capacity(k);
@@ -78,7 +176,7 @@ pub fn forward_backward(p: &StepPipeline, chain: &dyn Chain, work: &Work, idx: &
         }
     });
     // The buffers as the one real forward left them.
-    let buffers: Vec<Tensor> = work.buffers.iter().map(|b| b.copy()).collect();
+    let buffers: Vec<Tensor> = m.buffers.iter().map(|b| b.copy()).collect();
 
     let leaves = |ts: &[Tensor]| -> Vec<Tensor> {
         ts.iter()
@@ -100,7 +198,7 @@ pub fn forward_backward(p: &StepPipeline, chain: &dyn Chain, work: &Work, idx: &
         };
         p.loss(&logits, &y)
     };
-    p.scaled(&loss, n, work.loss_scale).backward();
+    p.scaled(&loss, n, m.loss_scale).backward();
     let mut grads: Vec<Tensor> = head_in.iter().map(Tensor::grad).collect();
     drop(head_in);
 
@@ -132,7 +230,7 @@ pub fn forward_backward(p: &StepPipeline, chain: &dyn Chain, work: &Work, idx: &
         // After the backward: BatchNorm's backward holds the running statistics (and checks
         // their version), so they go back only once it has run.
         tch::no_grad(|| {
-            for (b, s) in work.buffers.iter().zip(&buffers) {
+            for (b, s) in m.buffers.iter().zip(&buffers) {
                 b.shallow_clone().copy_(s);
             }
         });

@@ -1,0 +1,85 @@
+//! What a preset is and what it builds: the trait every preset file implements, the network it
+//! returns and the optional chain of blocks. The registry (`model`) lists the presets; nothing
+//! here depends on which presets exist.
+use anyhow::Result;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use tch::{nn, Tensor};
+
+use crate::optim::Hyper;
+
+/// Variables whose name starts with this are architecture weights (DARTS α): trained by
+/// their own optimizer on held-out data, never by the weight optimizer.
+pub const ARCH_PREFIX: &str = "arch.";
+
+pub trait Net: std::fmt::Debug {
+    /// Logits `[batch, num_classes]` for inputs `[batch, ..input_shape]`.
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor;
+    /// The architecture the current α selects, for presets that search one.
+    fn genotype(&self) -> Option<Genotype> {
+        None
+    }
+    /// The model as a sequence of blocks, for activation checkpointing; None if it is not one.
+    fn chain(&self) -> Option<&dyn Chain> {
+        None
+    }
+}
+
+/// A model as a sequence of blocks: block 0 takes `[input]`, each block takes the previous
+/// block's outputs, the last returns `[logits]`. A block may pass a tensor through unchanged
+/// (the same tensor, not a copy). `forward_t` of such a model is `run_chain`, so plain and
+/// checkpointed runs build the same graph and their gradients agree bit for bit.
+pub trait Chain {
+    fn blocks(&self) -> usize;
+    fn block(&self, i: usize, state: &[Tensor], train: bool) -> Vec<Tensor>;
+}
+
+pub fn run_chain(c: &dyn Chain, x: &Tensor, train: bool) -> Tensor {
+    let mut state = vec![x.shallow_clone()];
+    for i in 0..c.blocks() {
+        state = c.block(i, &state, train);
+    }
+    state.pop().expect("the last block returns the logits")
+}
+
+/// A built preset and the shapes it expects.
+#[derive(Debug)]
+pub struct Built {
+    pub net: Box<dyn Net>,
+    /// Shape of one sample, without the batch dimension.
+    pub input_shape: Vec<i64>,
+    pub num_classes: i64,
+}
+
+/// A second optimizer step some presets take before each weight step, on held-out data, for
+/// the variables under `ARCH_PREFIX` (DARTS's architecture step).
+#[derive(Debug, Clone, Copy)]
+pub struct ExtraStep {
+    pub lr: f64,
+    pub hyper: Hyper,
+}
+
+/// A preset: its name, its options (the `[model.<name>]` table; left-out keys take the
+/// defaults), their checks, how it is built, and any extra step it needs. Adding one is its own
+/// file and one line in `PRESETS`.
+pub trait Preset: Sync {
+    type Options: Serialize + DeserializeOwned + Default;
+    const NAME: &'static str;
+    /// Problems with the options, as (option name, message).
+    fn check(o: &Self::Options) -> Vec<(&'static str, String)>;
+    fn build(root: &nn::Path, o: &Self::Options) -> Result<Built>;
+    fn extra_step(_o: &Self::Options) -> Option<ExtraStep> {
+        None
+    }
+}
+
+/// The architecture a search preset (DARTS) selects: per node, the two strongest incoming edges
+/// as (operation, input index).
+///
+/// Input index `j`: 0 and 1 are the cell inputs `s0` and `s1`, `2 + i` is intermediate node `i`.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Genotype {
+    pub normal: Vec<Vec<(String, usize)>>,
+    pub reduce: Vec<Vec<(String, usize)>>,
+}

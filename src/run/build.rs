@@ -1,0 +1,439 @@
+//! The plan's factories: from a resolved plan and its spec to the parts a run is made of. This
+//! is the one place below `run::run` that reads the spec; every part gets its own options.
+use std::fs;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use tch::{nn, Device, Tensor};
+
+use super::components::{Components, LoopSettings, Outputs};
+use super::execution::Execution;
+use super::forward::{Forward, PrecisionStage};
+use super::levers::{self, Position};
+use super::parts::{ArchStep, Model};
+use super::recovery::{Policy, Recovery};
+use super::step::StepPipeline;
+use crate::checkpoint::{NamedTensors, Store, TrainState};
+use crate::data::Splits;
+use crate::exit::{OomExit, UsageError};
+use crate::human::{device_name, human_bytes};
+use crate::memory::CachePolicy;
+use crate::model::{self, Built, ARCH_PREFIX};
+use crate::oom::{self, BatchShape, StepError};
+use crate::optim::{Hyper, LrSchedule, Optimizer, Shard};
+use crate::plan::{DevicePlan, Plan};
+use crate::progress::Progress;
+use crate::records::{Event, Recorder, StartEvent};
+use crate::spec::{self, Precision, Spec};
+use crate::{atomic, shim};
+
+/// What the command line adds to the plan.
+pub struct Session {
+    pub max_steps: Option<i64>,
+    pub quiet: bool,
+}
+
+impl Plan {
+    /// Builds every part of the run. The run directory appears only once the model, the data and
+    /// any checkpoint are known to be good.
+    pub fn build(&self, spec: &Spec, mut execution: Execution, session: Session) -> Result<Components> {
+        let device = self.device.tch();
+        tch::manual_seed(spec.job.seed);
+        let (vs, built) = self.build_model(spec)?;
+        // A data file that does not fit the model is bad input, like a bad spec: exit 2.
+        let data = setup_step("loading the data", || {
+            crate::data::load(&spec.data, &built.input_shape, built.num_classes, spec.job.seed)
+        })?
+        .map_err(|e| UsageError(format!("{e:#}")))?;
+        let (opt, arch) = self.build_optimizers(spec, &vs, &execution)?;
+        let mut model = Model {
+            sched: self.schedule(spec, &data),
+            vs,
+            net: built.net,
+            opt,
+        };
+        let mut state = self.start.clone();
+        let mut arch = arch.map(|(step, opt)| ArchStep::new(step, opt, state.arch.clone(), spec.job.seed));
+        self.restore(&mut model, arch.as_mut(), device)?;
+        scalers(spec, &mut state, arch.as_mut());
+        let recovery = self.recovery(spec, &state, model.net.chain().is_some())?;
+        let spec_toml = spec::to_toml(spec);
+        fs::create_dir_all(&self.run_dir)
+            .with_context(|| format!("creating run directory {}", self.run_dir.display()))?;
+        atomic::write_atomic(&self.run_dir.join("config.resolved.toml"), spec_toml.as_bytes())?;
+        let out = self.outputs(spec, &spec_toml, &state, &data, session.quiet)?;
+        // Optimizer state needs no sharing: fresh, or read from the same checkpoint by every rank.
+        let mut vars: Vec<(String, Tensor)> = model.vs.variables().into_iter().collect();
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        let params: Vec<&Tensor> = model.opt.params().iter().map(|(_, t)| t).collect();
+        execution.share_model(&vars, &params)?;
+        let m = &spec.memory;
+        Ok(Components {
+            settings: LoopSettings {
+                job: spec.job.name.clone(),
+                epochs: spec.train.epochs,
+                seed: spec.job.seed,
+                log_every: spec.log.every_steps,
+                checkpoint_every: spec.checkpoint.every_epochs,
+                monitor: spec.checkpoint.monitor,
+                clear_on_epoch_end: m.clear_on_epoch_end,
+                clear_after_checkpoint: m.clear_after_checkpoint,
+                preflight: m.preflight,
+                record_history: self.record_history,
+                max_steps: session.max_steps,
+                spec_toml,
+                cap: self.cap.clone(),
+                alloc_conf: self.alloc.conf.clone(),
+            },
+            model,
+            arch,
+            data,
+            pipeline: StepPipeline {
+                forward: Forward {
+                    device,
+                    precision: PrecisionStage {
+                        precision: spec.train.precision,
+                    },
+                    // Engaged levers set it, at the start and on an OOM.
+                    recompute: false,
+                },
+                clip_norm: spec.train.grad_clip_norm,
+            },
+            recovery,
+            execution,
+            out,
+            state,
+        })
+    }
+
+    fn build_model(&self, spec: &Spec) -> Result<(nn::VarStore, Built)> {
+        let mut vs = nn::VarStore::new(self.device.tch());
+        let built = setup_step("building the model", || model::build(&vs.root(), &spec.model))??;
+        if spec.train.precision == Precision::Bf16 {
+            vs.bfloat16();
+        }
+        if let Some(path) = &spec.model.init_from {
+            init_from(&vs, path)?;
+        }
+        Ok((vs, built))
+    }
+
+    /// The weights' optimizer (this rank's share of its state under ZeRO stage 1) and the
+    /// preset's extra step with its own optimizer.
+    fn build_optimizers(
+        &self,
+        spec: &Spec,
+        vs: &nn::VarStore,
+        execution: &Execution,
+    ) -> Result<(Optimizer, Option<(model::ExtraStep, Optimizer)>)> {
+        let t = &spec.train;
+        let (weights, arch) = split_params(vs);
+        let shard = match execution.group() {
+            Some(d) if t.shard_optimizer_state => {
+                let numels: Vec<i64> = weights.iter().map(|(_, p)| p.numel() as i64).collect();
+                Some(Shard::balanced(&numels, d.size(), d.rank()))
+            }
+            _ => None,
+        };
+        let opt = setup_step("creating the optimizer state", || {
+            Optimizer::sharded(Hyper::from_train(t), weights, shard)
+        })?;
+        let extra = match model::extra_step(&spec.model) {
+            Some(x) => Some((
+                x,
+                setup_step("creating the optimizer state", || Optimizer::new(x.hyper, arch))?,
+            )),
+            None => None,
+        };
+        Ok((opt, extra))
+    }
+
+    fn schedule(&self, spec: &Spec, data: &Splits) -> LrSchedule {
+        let t = &spec.train;
+        let effective = self.configured.effective();
+        let steps_per_epoch = (data.train.len() + effective - 1) / effective;
+        LrSchedule::from_train(t, steps_per_epoch * t.epochs, steps_per_epoch)
+    }
+
+    /// A resumed run's model, optimizer state and generators, from its checkpoint.
+    fn restore(&self, model: &mut Model, arch: Option<&mut ArchStep>, device: Device) -> Result<()> {
+        let Some(r) = &self.resume else { return Ok(()) };
+        let ck = setup_step("reading the checkpoint", || Store::load(&r.checkpoint))??;
+        setup_step("restoring the checkpoint", || {
+            copy_into(&model.vs, &ck.model, "checkpoint model")
+        })??;
+        let pick = |prefix: &str| -> NamedTensors {
+            ck.optimizer
+                .iter()
+                .filter_map(|(n, t)| n.strip_prefix(prefix).map(|s| (s.to_owned(), t.shallow_clone())))
+                .collect()
+        };
+        model.opt.load_state(&pick("weight/"), ck.state.weight_steps)?;
+        for (name, t) in pick("rng/") {
+            // A checkpoint from a CUDA run resumed on the CPU keeps only the CPU stream.
+            let d = match name.as_str() {
+                "cpu" => Device::Cpu,
+                _ if device != Device::Cpu => device,
+                _ => continue,
+            };
+            let bytes = Vec::<u8>::try_from(&t).context("reading a generator state from the checkpoint")?;
+            shim::set_rng_state(d, &bytes).context("restoring the generator state")?;
+        }
+        if let Some(a) = arch {
+            a.opt.load_state(&pick("arch/"), ck.state.arch.arch_steps)?;
+        }
+        tracing::info!(
+            "resuming from {} (epoch {}, step {}, micro-batch {})",
+            r.checkpoint.display(),
+            r.state.epoch + 1,
+            r.state.global_step,
+            r.state.micro_batch
+        );
+        Ok(())
+    }
+
+    /// Recovery at the run's position, with the levers the spec turns on engaged.
+    fn recovery(&self, spec: &Spec, state: &TrainState, has_blocks: bool) -> Result<Recovery> {
+        let m = &spec.memory;
+        let engaged =
+            levers::from_names(&state.levers).map_err(|e| UsageError(format!("the checkpoint's state: {e}")))?;
+        let mut recovery = Recovery::new(
+            Policy {
+                on_oom: m.on_oom.clone(),
+                min_batch: m.min_batch_size,
+                grow_back_after: m.grow_back_after,
+                configured: self.configured,
+                planned_on_cpu: self.device == DevicePlan::Cpu,
+                has_blocks,
+                reported: self.oom_reported,
+            },
+            Position {
+                shape: BatchShape {
+                    micro_batch: state.micro_batch,
+                    accumulation_steps: state.accumulation_steps,
+                },
+                clean_steps: state.clean_steps,
+                engaged,
+            },
+        );
+        for (key, lever) in levers::configured(spec) {
+            if let Err(why) = recovery.engage_configured(lever) {
+                tracing::warn!(
+                    "{key}: {why} ({} preset), so {} does not apply; the run goes on without it",
+                    spec.model.preset,
+                    lever.name()
+                );
+            }
+        }
+        Ok(recovery)
+    }
+
+    /// The records (with the start event), the terminal and its opening lines, checkpoints and
+    /// the cache policy.
+    fn outputs(&self, spec: &Spec, spec_toml: &str, state: &TrainState, data: &Splits, quiet: bool) -> Result<Outputs> {
+        let run_dir = &self.run_dir;
+        let device = self.device.tch();
+        let effective = self.configured.effective();
+        let mut recorder = Recorder::open(run_dir, spec_toml, spec.log.tensorboard)?;
+        let (train_samples, val_samples) = (data.train.len(), data.val.len());
+        let setup = crate::memory::sample(crate::memory::Place::of(device));
+        recorder.emit(&Event::Start(StartEvent {
+            job: spec.job.name.clone(),
+            step: state.global_step,
+            device: device_name(device),
+            resumed: self.resume.is_some(),
+            micro_batch: state.micro_batch,
+            accumulation_steps: state.accumulation_steps,
+            effective_batch: effective,
+            cap: self.cap.clone(),
+            allocator_conf: self.alloc.conf.clone(),
+            allocator_conflicts: serde_json::to_value(&self.alloc.conflicts)?,
+            train_samples,
+            val_samples,
+            libtorch: shim::versions().libtorch,
+            setup_peak_allocated_bytes: setup.peak_allocated_bytes,
+            setup_peak_reserved_bytes: setup.peak_reserved_bytes,
+        }))?;
+        let progress = Progress::new(spec.log.progress, quiet);
+        progress.println(&format!(
+            "memtrain: job {} on {}; run directory {}",
+            spec.job.name,
+            device_name(device),
+            run_dir.display()
+        ));
+        progress.println(&format!(
+            "Effective batch size: {effective} (micro-batch {} x {} accumulation steps); {train_samples} training / {val_samples} validation samples",
+            state.micro_batch, state.accumulation_steps,
+        ));
+        progress.println(&match &self.cap {
+            Some(c) if c.kind == "cuda_fraction" => format!(
+                "Memory cap: {} of GPU memory (per-process fraction {:.4})",
+                human_bytes(c.bytes),
+                c.fraction.unwrap_or(1.0)
+            ),
+            Some(c) => format!("Memory cap: {} of CPU tensor memory", human_bytes(c.bytes)),
+            None => "Memory cap: none".into(),
+        });
+        if let Some(conf) = &self.alloc.conf {
+            progress.println(&format!("Allocator: {conf}"));
+        }
+        let m = &spec.memory;
+        Ok(Outputs {
+            recorder,
+            progress,
+            store: Store::new(
+                run_dir,
+                spec.checkpoint.keep_last as usize,
+                spec.checkpoint.keep_best,
+                spec.checkpoint.monitor.maximize(),
+            ),
+            cache: CachePolicy::new(m.cache_clear_every, m.auto_clear_threshold.0, m.sync_every as u64),
+        })
+    }
+}
+
+/// fp16-mixed starts (or, switched on at a resume, takes up) a loss scaler for each step that
+/// has one; other precisions drop them.
+fn scalers(spec: &Spec, state: &mut TrainState, arch: Option<&mut ArchStep>) {
+    let on = spec.train.precision.scales_loss();
+    for s in std::iter::once(&mut state.scaler).chain(arch.map(|a| &mut a.state.arch_scaler)) {
+        match on {
+            true => {
+                s.get_or_insert_with(Default::default);
+            }
+            false => *s = None,
+        }
+    }
+}
+
+/// Runs set-up work that allocates (building the model, loading data or a checkpoint), so an
+/// OOM there ends with exit 3 and a message that names the sizes instead of a panic.
+fn setup_step<T>(what: &str, f: impl FnOnce() -> T) -> Result<T> {
+    oom::guarded(f).map_err(|e| match e {
+        StepError::Oom { message, .. } => {
+            let s = shim::cpu_alloc_stats();
+            let cap = s
+                .cap
+                .map(|c| format!(" under the {} cap", human_bytes(c)))
+                .unwrap_or_default();
+            OomExit(format!(
+                "out of memory while {what}: {message}; {} of tensors were allocated{cap}. Raise memory.limit/memory.fraction, or use a smaller model or data set",
+                human_bytes(s.allocated)
+            ))
+            .into()
+        }
+        StepError::Other(m) | StepError::PeerLost(m) => anyhow::anyhow!("{what} failed: {m}"),
+    })
+}
+
+/// Weight-optimizer parameters: every trainable variable that is not an architecture weight,
+/// in name order so optimizer state lines up across runs.
+pub fn split_params(vs: &nn::VarStore) -> (NamedTensors, NamedTensors) {
+    let mut all: Vec<(String, Tensor)> = vs.variables().into_iter().filter(|(_, t)| t.requires_grad()).collect();
+    all.sort_by(|a, b| a.0.cmp(&b.0));
+    all.into_iter().partition(|(n, _)| !n.starts_with(ARCH_PREFIX))
+}
+/// Copies named tensors into the VarStore, insisting that names and shapes match exactly.
+fn copy_into(vs: &nn::VarStore, tensors: &[(String, Tensor)], what: &str) -> Result<()> {
+    let vars = vs.variables();
+    let mut missing: Vec<&str> = vars
+        .keys()
+        .map(String::as_str)
+        .filter(|k| !tensors.iter().any(|(n, _)| n == k))
+        .collect();
+    missing.sort();
+    let mut unexpected = vec![];
+    let mut misshaped = vec![];
+    for (name, t) in tensors {
+        match vars.get(name) {
+            None => unexpected.push(name.as_str()),
+            Some(v) if v.size() != t.size() => {
+                misshaped.push(format!("{name}: file {:?}, model {:?}", t.size(), v.size()))
+            }
+            Some(_) => {}
+        }
+    }
+    unexpected.sort();
+    misshaped.sort();
+    if !missing.is_empty() || !unexpected.is_empty() || !misshaped.is_empty() {
+        let mut msg = format!("{what} does not match the model:");
+        if !missing.is_empty() {
+            msg += &format!("\n  missing (in the model, not in the file): {}", few(&missing, ", "));
+        }
+        if !unexpected.is_empty() {
+            msg += &format!(
+                "\n  unexpected (in the file, not in the model): {}",
+                few(&unexpected, ", ")
+            );
+        }
+        if !misshaped.is_empty() {
+            msg += &format!("\n  mis-shaped: {}", few(&misshaped, "; "));
+        }
+        return Err(UsageError(msg).into());
+    }
+    tch::no_grad(|| {
+        for (name, t) in tensors {
+            let v = &vars[name];
+            v.shallow_clone().copy_(&t.to_device(v.device()).to_kind(v.kind()));
+        }
+    });
+    Ok(())
+}
+
+/// The first few names of a list and how many more: a model has thousands of tensors, and a
+/// renamed module would otherwise print all of them.
+fn few<S: AsRef<str>>(names: &[S], sep: &str) -> String {
+    const SHOWN: usize = 8;
+    let mut s = names
+        .iter()
+        .take(SHOWN)
+        .map(AsRef::as_ref)
+        .collect::<Vec<_>>()
+        .join(sep);
+    if names.len() > SHOWN {
+        s += &format!("{sep}… and {} more ({} in all)", names.len() - SHOWN, names.len());
+    }
+    s
+}
+
+fn init_from(vs: &nn::VarStore, path: &Path) -> Result<()> {
+    let what = format!("reading model.init_from {}", path.display());
+    let tensors = setup_step(&what, || Tensor::read_safetensors(path))?.map_err(|e| -> anyhow::Error {
+        let text = e.to_string();
+        if oom::classify(&text).is_some() {
+            let size = fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+            let cap = shim::cpu_alloc_stats().cap;
+            OomExit(format!(
+                "out of memory while {what} ({} on disk{}): {}; raise memory.limit/memory.fraction",
+                human_bytes(size),
+                cap.map(|c| format!(", cap {}", human_bytes(c))).unwrap_or_default(),
+                crate::shim::first_line(&oom::short_message(&text))
+            ))
+            .into()
+        } else {
+            UsageError(format!(
+                "model.init_from: cannot read {} as safetensors: {}",
+                path.display(),
+                crate::shim::first_line(&text)
+            ))
+            .into()
+        }
+    })?;
+    let label = format!("model.init_from {}", path.display());
+    setup_step(&what, || copy_into(vs, &tensors, &label))?
+}
+
+#[cfg(test)]
+mod tests {
+    use super::few;
+
+    #[test]
+    fn few_names_and_a_count_of_the_rest() {
+        assert_eq!(few(&["a", "b"], ", "), "a, b");
+        let many: Vec<String> = (0..11).map(|i| format!("n{i}")).collect();
+        assert_eq!(
+            few(&many, "; "),
+            "n0; n1; n2; n3; n4; n5; n6; n7; … and 3 more (11 in all)"
+        );
+    }
+}

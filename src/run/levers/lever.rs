@@ -1,0 +1,108 @@
+//! What every lever is: the trait, the position it acts on, and what it may look at. The
+//! registry (`levers`) lists them; nothing here depends on which levers exist.
+use std::fmt;
+
+pub use super::super::parts::Parts;
+use crate::estimate::Estimate;
+use crate::oom::BatchShape;
+
+/// Where a run stands: the batch shape in force, the clean steps since the last OOM and the
+/// levers engaged. `Recovery` owns it; checkpoints save it and resumes restore it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Position {
+    pub shape: BatchShape,
+    pub clean_steps: i64,
+    pub engaged: Engaged,
+}
+
+/// What a lever's `applies` may look at: the position and the run's fixed facts.
+#[derive(Debug, Clone, Copy)]
+pub struct Situation {
+    pub at: Position,
+    /// `memory.min_batch_size`.
+    pub min_batch: i64,
+    /// The run was planned on the CPU (a fallback is `at.engaged`, not this).
+    pub planned_on_cpu: bool,
+    /// The model is a sequence of blocks (recomputation and block-wise placement need one).
+    pub has_blocks: bool,
+}
+
+/// How `fit` treats a lever.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Search {
+    /// Tried off and on, as one axis of the settings.
+    Toggle,
+    /// Searched by size: the largest setting that fits (the micro-batch).
+    Size,
+    /// Never recommended, for this reason.
+    Never(&'static str),
+}
+
+pub trait Lever: Sync {
+    /// The name `memory.on_oom`, checkpoints and records use.
+    fn name(&self) -> &'static str;
+    /// The summary's count of engagements (`oom.recomputes`).
+    fn counted_as(&self) -> &'static str;
+    /// What an OOM record's decision calls an engagement (`decision.action`).
+    fn action(&self) -> &'static str {
+        self.name()
+    }
+    /// Whether engaging it now could help; the reason when it could not.
+    fn applies(&self, s: &Situation) -> Result<(), String>;
+    /// The position once engaged (only asked when it applies).
+    fn engaged(&self, s: &Situation) -> Position {
+        Position {
+            engaged: s.at.engaged.with(self.name()),
+            clean_steps: 0,
+            ..s.at
+        }
+    }
+    /// The position once released after enough clean steps, if this lever ever lets go.
+    fn released(&self, _at: &Position, _configured: BatchShape, _after_clean_steps: i64) -> Option<Position> {
+        None
+    }
+    /// What engaging it does to the parts (nothing for levers that only move the position).
+    fn engage(&self, _parts: &mut Parts<'_>) {}
+    /// The line the run prints when an OOM engages it.
+    fn said(&self, before: &Position, after: &Position) -> String;
+    /// What engaging it does to the bill, for `check`.
+    fn estimate(&self, e: &Estimate) -> String;
+    /// How `fit` searches it.
+    fn search(&self) -> Search;
+}
+
+/// The levers engaged, by name, in the order they were engaged (a small inline set, so
+/// `Position` stays `Copy`).
+#[derive(Clone, Copy, Default, PartialEq, Eq)]
+pub struct Engaged {
+    names: [&'static str; Engaged::MAX],
+    len: usize,
+}
+
+impl Engaged {
+    const MAX: usize = 8;
+
+    pub fn contains(&self, name: &str) -> bool {
+        self.names().contains(&name)
+    }
+
+    #[must_use]
+    pub fn with(mut self, name: &'static str) -> Engaged {
+        if !self.contains(name) {
+            assert!(self.len < Self::MAX, "more than {} levers engaged at once", Self::MAX);
+            self.names[self.len] = name;
+            self.len += 1;
+        }
+        self
+    }
+
+    pub fn names(&self) -> &[&'static str] {
+        &self.names[..self.len]
+    }
+}
+
+impl fmt::Debug for Engaged {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_set().entries(self.names()).finish()
+    }
+}

@@ -1,0 +1,121 @@
+//! The parts a memory lever acts on: the model with its weights' optimizer, the architecture
+//! step's driver, and (in `forward`) how the forward runs.
+use tch::{nn, Tensor};
+
+use super::execution::Execution;
+use super::forward::Forward;
+use super::step::{StepPipeline, Work};
+use crate::checkpoint::ArchState;
+use crate::data::{self, Dataset};
+use crate::model::{ExtraStep, Net};
+use crate::oom::StepError;
+use crate::optim::{LrSchedule, Optimizer};
+
+/// The model and what trains its weights.
+pub struct Model {
+    pub vs: nn::VarStore,
+    pub net: Box<dyn Net>,
+    pub opt: Optimizer,
+    pub sched: LrSchedule,
+}
+
+impl Model {
+    /// The model's buffers (BatchNorm running statistics) in name order.
+    pub fn buffers(&self) -> Vec<Tensor> {
+        let mut v: Vec<(String, Tensor)> = self
+            .vs
+            .variables()
+            .into_iter()
+            .filter(|(_, t)| !t.requires_grad())
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v.into_iter().map(|(_, t)| t).collect()
+    }
+}
+
+/// DARTS's architecture step as a driver of its own: before each weight step, one first-order
+/// step of the architecture weights on the next micro-batch of an endless, per-round shuffled
+/// stream of held-out samples, with its own optimizer, loss scaler and position.
+pub struct ArchStep {
+    pub step: ExtraStep,
+    pub opt: Optimizer,
+    pub state: ArchState,
+    /// The stream's current round and its order, computed once per round.
+    order: Option<(i64, Vec<i64>)>,
+    seed: i64,
+}
+
+impl ArchStep {
+    pub fn new(step: ExtraStep, opt: Optimizer, state: ArchState, seed: i64) -> Self {
+        ArchStep {
+            step,
+            opt,
+            state,
+            order: None,
+            seed,
+        }
+    }
+
+    /// The k-th sample of the held-out stream.
+    fn index(&mut self, n: i64, k: i64) -> i64 {
+        let round = k / n;
+        if self.order.as_ref().is_none_or(|(r, _)| *r != round) {
+            self.order = Some((round, data::epoch_order(n, self.seed.wrapping_add(7919), round)));
+        }
+        let (_, order) = self.order.as_ref().expect("just filled");
+        order[(k % n) as usize]
+    }
+
+    /// One architecture step at the weight step's micro-batch. The weights' gradients are
+    /// released with the architecture's, and it neither clips nor shares the weights' clipping.
+    pub fn run(&mut self, at: ArchAt<'_>, exec: &mut Execution) -> Result<(), StepError> {
+        let n = at.val.len();
+        let b = at.micro_batch.min(n);
+        let start = self.state.val_cursor;
+        let idx: Vec<i64> = (0..b).map(|k| self.index(n, start + k)).collect();
+        let work = Work {
+            data: at.val,
+            group: &idx,
+            micro_batch: idx.len(),
+            lr: self.step.lr,
+            step: -1,
+            epoch: at.epoch,
+            loss_scale: self.state.arch_scaler.map(|s| s.scale),
+            buffers: at.buffers,
+            divisor: idx.len() as f64,
+            contributes: true,
+            stop: false,
+            // Every rank computes the same architecture step on the same samples.
+            synced: false,
+        };
+        let pipeline = StepPipeline {
+            clip_norm: 0.0,
+            ..*at.pipeline
+        };
+        let out = pipeline.run(at.net, &mut self.opt, &mut [at.weights], &work, exec)?;
+        if let Some(s) = &mut self.state.arch_scaler {
+            s.update(out.found_inf);
+        }
+        self.state.arch_steps += 1;
+        self.state.val_cursor += b;
+        Ok(())
+    }
+}
+
+/// What an architecture step runs against.
+pub struct ArchAt<'a> {
+    pub net: &'a dyn Net,
+    pub weights: &'a mut Optimizer,
+    pub val: &'a Dataset,
+    pub micro_batch: i64,
+    pub epoch: i64,
+    pub buffers: &'a [Tensor],
+    pub pipeline: &'a StepPipeline,
+}
+
+/// The parts a memory lever changes when engaged or released.
+pub struct Parts<'a> {
+    pub model: &'a mut Model,
+    pub arch: Option<&'a mut ArchStep>,
+    pub forward: &'a mut Forward,
+}
