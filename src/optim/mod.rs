@@ -330,7 +330,7 @@ impl Optimizer {
     /// Moves all state tensors to `device`. The parameters are not touched: they are shallow
     /// clones of VarStore variables and follow the VarStore's own move (`set_data`).
     pub fn to_device(&mut self, device: Device) {
-        self.state.to_device(device);
+        self.state.move_to(device);
         self.multipliers.retain_on(device);
     }
 }

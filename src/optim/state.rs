@@ -150,7 +150,7 @@ impl StateStore {
     }
 
     /// Moves every state tensor to `device`.
-    pub fn to_device(&mut self, device: Device) {
+    pub fn move_to(&mut self, device: Device) {
         tch::no_grad(|| {
             for t in self.params.iter_mut().flat_map(|p| &mut p.tensors) {
                 if t.device() != device {
