@@ -7,7 +7,7 @@
 //! implementation, `maximize=False`, `amsgrad=False`, `dampening=0`) with every state tensor
 //! exposed by name.
 //!
-//! Each algorithm is a [`rule::Rule`] (`sgd`, `adam`): the state slots it keeps per parameter,
+//! Each algorithm is a `rule::Rule` (`sgd`, `adam`): the state slots it keeps per parameter,
 //! the temporaries an update needs and the update of one parameter. [`Optimizer`] is the
 //! container around a rule: it owns the parameters, where their state lives (`state`), which of
 //! them this process steps (`shard`), the per-device multipliers and temporaries (`forms`,
