@@ -555,7 +555,7 @@ def print_table(a, mt, pt, base_mt):
         eps = "; ".join(" ".join(f"{v:.2f}" for v in r["epoch_seconds"]) for r in rs)
         print(f"{name} epoch seconds per rep: {eps}")
     print(f"PyTorch Adam: {pt[0].get('adam_impl') if pt else '?'}; memtrain Adam: its own single-tensor "
-          f"implementation (src/optim.rs).")
+          f"implementation (src/optim/).")
 
     # A one-line answer, with the noise stated next to it.
     tm, tp = col(mt, "train_seconds"), col(pt, "train_seconds")

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Reference numbers for the tests in src/optim.rs, produced by PyTorch's own optimizers.
+"""Reference numbers for the tests in src/optim/tests.rs, produced by PyTorch's own optimizers.
 
 Usage: ~/.cache/memtrain/venv-torch-2.11.0/bin/python scripts/optim_reference.py
 
@@ -8,7 +8,7 @@ with lr 0.1 on a fixed 2x3 float32 parameter and a fixed sequence of 3 gradients
 them again in bfloat16), and
 torch.nn.utils.clip_grad_norm_ on fixed gradients, then prints the results as Rust constants.
 Every float32 is printed in its shortest round-trip form, so the Rust literals are the exact
-same float32 values PyTorch produced. Paste the output into the tests of src/optim.rs.
+same float32 values PyTorch produced. Paste the output into the tests of src/optim/tests.rs.
 """
 import numpy as np
 import torch

@@ -1,0 +1,62 @@
+//! Temporaries for the updates, allocated once per step before any parameter is touched.
+use tch::{Device, Kind, Tensor};
+
+/// Flat buffers, per (device, kind), for the temporaries of one parameter's update, sized for
+/// the largest parameter and the most temporaries, so that one allocation before the update
+/// loop serves every parameter.
+#[derive(Default)]
+pub struct Workspace {
+    wanted: Vec<Wanted>,
+    buffers: Vec<(Device, Kind, Vec<Tensor>)>,
+}
+
+struct Wanted {
+    device: Device,
+    kind: Kind,
+    temporaries: usize,
+    numel: i64,
+}
+
+impl Workspace {
+    /// Asks for `temporaries` tensors shaped like `p`.
+    pub fn reserve(&mut self, p: &Tensor, temporaries: usize) {
+        let (device, kind, numel) = (p.device(), p.kind(), p.numel() as i64);
+        match self.wanted.iter_mut().find(|w| w.device == device && w.kind == kind) {
+            Some(w) => {
+                w.numel = w.numel.max(numel);
+                w.temporaries = w.temporaries.max(temporaries);
+            }
+            None => self.wanted.push(Wanted {
+                device,
+                kind,
+                temporaries,
+                numel,
+            }),
+        }
+    }
+
+    /// Allocates everything reserved.
+    pub fn allocate(&mut self) {
+        self.buffers = self
+            .wanted
+            .iter()
+            .map(|w| {
+                let bufs = (0..w.temporaries).map(|_| Tensor::empty([w.numel], (w.kind, w.device)));
+                (w.device, w.kind, bufs.collect())
+            })
+            .collect();
+    }
+
+    /// Views of the buffers shaped like `p` (views allocate no tensor memory).
+    pub fn views(&self, p: &Tensor) -> Vec<Tensor> {
+        let (d, k) = (p.device(), p.kind());
+        let (_, _, bufs) = self
+            .buffers
+            .iter()
+            .find(|b| b.0 == d && b.1 == k)
+            .expect("reserved for every parameter");
+        let n = p.numel() as i64;
+        let shape = p.size();
+        bufs.iter().map(|b| b.narrow(0, 0, n).view(shape.as_slice())).collect()
+    }
+}
