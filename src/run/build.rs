@@ -221,7 +221,7 @@ impl Plan {
                 tracing::warn!(
                     "{key}: {why} ({} preset), so {} does not apply; the run goes on without it",
                     spec.model.preset,
-                    lever.name()
+                    lever.title()
                 );
             }
         }

@@ -26,8 +26,9 @@ use crate::fault;
 use crate::memory::{self, Place};
 use crate::model::Net;
 use crate::oom::{self, StepError};
-use crate::optim::{clip_grad_norm, Optimizer};
+use crate::optim::{clip_grad_norm, Optimizer, Prepared};
 use crate::shim;
+use crate::shim::dist::Reducer;
 
 fn other(e: anyhow::Error) -> StepError {
     StepError::Other(format!("{e:#}"))
@@ -73,6 +74,9 @@ pub struct Work<'a> {
     pub synced: bool,
 }
 
+/// What one guarded attempt yields: loss sum, correct count, inf found, the prepared step.
+type Attempt = (f64, i64, bool, Option<Prepared>);
+
 /// Loss summed over the group's samples and the number classified correctly.
 #[derive(Debug, Clone, Copy)]
 pub struct StepOutput {
@@ -108,66 +112,7 @@ impl StepPipeline {
         }
         let attempt = oom::guarded_counting(
             || memory::oom_count(place),
-            || {
-                // zero: gradients are released, as PyTorch's default zero_grad does
-                opt.drop_grads();
-                for o in others.iter_mut() {
-                    o.drop_grads();
-                }
-                // forward → loss → backward, per micro-batch
-                let n = if work.contributes { work.divisor } else { f64::INFINITY };
-                let device = self.forward.device;
-                let mut loss_sum = Tensor::zeros([], (Kind::Float, device));
-                let mut correct = Tensor::zeros([], (Kind::Int64, device));
-                let chunks: Vec<&[i64]> = work.group.chunks(work.micro_batch.max(1)).collect();
-                for (i, chunk) in chunks.iter().enumerate() {
-                    if i + 1 == chunks.len() {
-                        // The last micro-batch's backward synchronises (DDP outside no_sync).
-                        if let Some(r) = reducer {
-                            r.arm().unwrap_or_else(|e| panic!("{e:#}"));
-                        }
-                    }
-                    let micro = Micro {
-                        data: work.data,
-                        idx: chunk,
-                        epoch: work.epoch,
-                        buffers: work.buffers,
-                        loss_scale: work.loss_scale,
-                    };
-                    let (loss, c) = self.forward.forward_backward(net, &micro, n);
-                    loss_sum += loss.detach();
-                    correct += c;
-                }
-                if let Some(r) = reducer {
-                    r.settle(false).unwrap_or_else(|e| panic!("{e:#}"));
-                }
-                // unscale
-                if work.step > 0 {
-                    fault::plant_inf_at(work.step, opt.params());
-                }
-                let found_inf = match work.loss_scale {
-                    Some(scale) => self.unscale(opt, scale),
-                    None => false,
-                };
-                // clip
-                if self.clip_norm > 0.0 {
-                    clip_grad_norm(opt.params(), self.clip_norm);
-                }
-                // optimizer step, its allocations first, unless the gradients are not finite
-                let prepared = if found_inf {
-                    None
-                } else {
-                    let _squeeze = fault::squeeze_before_optimizer(work.step);
-                    Some(opt.prepare())
-                };
-                // One read per optimizer step; progress and records need the loss.
-                let (loss_sum, correct) = if work.contributes {
-                    (loss_sum.double_value(&[]), correct.int64_value(&[]))
-                } else {
-                    (0.0, 0)
-                };
-                (loss_sum, correct, found_inf, prepared)
-            },
+            || self.attempt(net, opt, others, work, reducer),
         );
         let Some(d) = exec.group_mut() else {
             let (loss_sum, correct, found_inf, prepared) = attempt?;
@@ -181,8 +126,90 @@ impl StepPipeline {
                 stop: false,
             });
         };
-        // Data-parallel: whatever happened here, this rank takes part in every collective the
-        // others run, then all agree before any optimizer writes.
+        self.agree(d, opt, work, synced, attempt)
+    }
+
+    /// One attempt inside the OOM guard: zero, forward and backward per micro-batch, unscale,
+    /// clip, and the optimizer's allocations; the loss sum, correct count, whether the
+    /// gradients held inf or NaN, and the prepared optimizer step.
+    fn attempt(
+        &self,
+        net: &dyn Net,
+        opt: &mut Optimizer,
+        others: &mut [&mut Optimizer],
+        work: &Work,
+        reducer: Option<&Reducer>,
+    ) -> Attempt {
+        // zero: gradients are released, as PyTorch's default zero_grad does
+        opt.drop_grads();
+        for o in others.iter_mut() {
+            o.drop_grads();
+        }
+        // forward → loss → backward, per micro-batch
+        let n = if work.contributes { work.divisor } else { f64::INFINITY };
+        let device = self.forward.device;
+        let mut loss_sum = Tensor::zeros([], (Kind::Float, device));
+        let mut correct = Tensor::zeros([], (Kind::Int64, device));
+        let chunks: Vec<&[i64]> = work.group.chunks(work.micro_batch.max(1)).collect();
+        for (i, chunk) in chunks.iter().enumerate() {
+            if i + 1 == chunks.len() {
+                // The last micro-batch's backward synchronises (DDP outside no_sync).
+                if let Some(r) = reducer {
+                    r.arm().unwrap_or_else(|e| panic!("{e:#}"));
+                }
+            }
+            let micro = Micro {
+                data: work.data,
+                idx: chunk,
+                epoch: work.epoch,
+                buffers: work.buffers,
+                loss_scale: work.loss_scale,
+            };
+            let (loss, c) = self.forward.forward_backward(net, &micro, n);
+            loss_sum += loss.detach();
+            correct += c;
+        }
+        if let Some(r) = reducer {
+            r.settle(false).unwrap_or_else(|e| panic!("{e:#}"));
+        }
+        // unscale
+        if work.step > 0 {
+            fault::plant_inf_at(work.step, opt.params());
+        }
+        let found_inf = match work.loss_scale {
+            Some(scale) => self.unscale(opt, scale),
+            None => false,
+        };
+        // clip
+        if self.clip_norm > 0.0 {
+            clip_grad_norm(opt.params(), self.clip_norm);
+        }
+        // optimizer step, its allocations first, unless the gradients are not finite
+        let prepared = if found_inf {
+            None
+        } else {
+            let _squeeze = fault::squeeze_before_optimizer(work.step);
+            Some(opt.prepare())
+        };
+        // One read per optimizer step; progress and records need the loss.
+        let (loss_sum, correct) = if work.contributes {
+            (loss_sum.double_value(&[]), correct.int64_value(&[]))
+        } else {
+            (0.0, 0)
+        };
+        (loss_sum, correct, found_inf, prepared)
+    }
+
+    /// Data-parallel: whatever happened here, this rank takes part in every collective the
+    /// others run, then all agree before any optimizer writes.
+    fn agree(
+        &self,
+        d: &mut Dist,
+        opt: &mut Optimizer,
+        work: &Work,
+        synced: bool,
+        attempt: Result<Attempt, StepError>,
+    ) -> Result<StepOutput, StepError> {
         let failed = attempt.is_err();
         if failed && synced {
             let r = d.reducer().expect("synced");

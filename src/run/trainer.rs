@@ -74,6 +74,12 @@ struct StepWindows {
     epoch: StepMemory,
 }
 
+/// An epoch's wall clock and the samples this session trained in it.
+struct EpochClock {
+    t0: Instant,
+    seen: u64,
+}
+
 /// This session of the loop: its start, the stop flag, what it has done so far.
 struct Session {
     t_start: Instant,
@@ -619,179 +625,223 @@ impl Trainer {
     }
 
     pub fn train(&mut self) -> Result<Status> {
-        let epochs = self.settings.epochs;
-        let n = self.data.train.len();
-        let e = self.recovery.configured().effective();
-        let steps_per_epoch = (n + e - 1) / e;
-        while self.state.epoch < epochs {
-            let epoch = self.state.epoch;
-            let order = data::epoch_order(n, self.settings.seed, epoch);
-            let groups: Vec<&[i64]> = order.chunks(e as usize).collect();
-            memory::reset_peaks(self.place());
-            // The line window carries over: a record's peaks cover every step since the last.
-            self.session.windows.epoch = StepMemory::default();
-            let t0 = Instant::now();
-            let mut seen_this_session = 0u64;
-            self.out
-                .progress
-                .start_epoch(epoch, epochs, steps_per_epoch as u64, self.state.groups_done as u64);
-            for group in &groups[self.state.groups_done as usize..] {
-                let group = group.to_vec();
-                let t_step = Instant::now();
-                let measure = self.session.preflight_pending;
-                if measure {
-                    memory::reset_peaks(self.place());
-                }
-                if self.arch.is_some() {
-                    self.with_recovery("architecture step", |t| t.arch_step())?;
-                }
-                let lr = self.model.sched.lr_at(self.model.opt.steps_taken());
-                let out = self.with_recovery("training step", |t| {
-                    if measure {
-                        memory::reset_peaks(t.place());
-                    }
-                    t.weight_step(&group, lr)
-                })?;
-                if measure {
-                    self.session.preflight_pending = false;
-                    self.report_preflight()?;
-                }
-                self.state.groups_done += 1;
-                self.state.global_step += 1;
-                self.state.epoch_loss_sum += out.loss_sum;
-                self.state.epoch_correct += out.correct;
-                self.state.epoch_seen += group.len() as i64;
-                seen_this_session += group.len() as u64;
-                let step_seconds = t_step.elapsed().as_secs_f64();
-                self.read_step_memory();
-                let cleared = self.out.cache.after_step(self.place(), self.state.global_step as u64);
-                self.record_clear(cleared)?;
-                self.after_clean_step()?;
-                let loss = out.loss_sum / group.len() as f64;
-                let rate = seen_this_session as f64 / t0.elapsed().as_secs_f64().max(1e-9);
-                let every = self.settings.log_every;
-                if every > 0 && self.state.global_step % every == 0 {
-                    let e = StepEvent {
-                        epoch: epoch + 1,
-                        step: self.state.global_step,
-                        loss,
-                        lr,
-                        micro_batch: self.shape().micro_batch,
-                        samples: group.len() as i64,
-                        seconds: step_seconds,
-                        samples_per_s: rate,
-                        memory: std::mem::take(&mut self.session.windows.line),
-                        loss_scale: self.state.scaler.map(|s| s.scale),
-                        skipped: out.found_inf,
-                    };
-                    self.emit(Event::Step(e))?;
-                }
-                let mem = self
-                    .session
-                    .windows
-                    .epoch
-                    .allocated_bytes
-                    .unwrap_or(self.session.windows.epoch.rss_bytes);
-                self.out.progress.step(self.state.groups_done as u64, || {
-                    format!("loss {loss:.4}  {rate:.1} samples/s  mem {}", human_bytes(mem))
-                });
-                let stop = self.session.stop.clone();
-                crate::fault::await_signal_at(self.state.global_step, || stop.requested());
-                // Data-parallel ranks stop on the step they agreed on, never on their own.
-                let stop_now = self.execution.stops(out.stop, self.session.stop.requested());
-                if stop_now {
-                    self.out.progress.finish_epoch();
-                    let saved = self.save_checkpoint("interrupted")?;
-                    self.write_summary(Status::Interrupted)?;
-                    let at = saved.map_or("rank 0's run directory".into(), |(p, _)| p.display().to_string());
-                    return Err(Interrupted(format!(
-                        "interrupted at epoch {} step {}; checkpoint saved to {at}; continue with --resume",
-                        epoch + 1,
-                        self.state.global_step,
-                    ))
-                    .into());
-                }
-                self.session.steps += 1;
-                if self.settings.max_steps.is_some_and(|m| self.session.steps >= m) {
-                    self.out.progress.finish_epoch();
-                    self.session.totals.samples_trained += seen_this_session;
-                    self.session.totals.train_seconds += t0.elapsed().as_secs_f64();
-                    self.write_summary(Status::StepLimit)?;
-                    return Ok(Status::StepLimit);
-                }
-            }
-            self.out.progress.finish_epoch();
-            let seconds = t0.elapsed().as_secs_f64();
-            self.session.totals.samples_trained += seen_this_session;
-            self.session.totals.train_seconds += seconds;
-            let val = self.validate()?;
-            let mut mem = memory::sample(self.place());
-            mem.include(&self.session.windows.epoch);
-            self.note_peaks();
-            let ranks = match self.rank_peaks(mem.peak_allocated_bytes, mem.peak_reserved_bytes, mem.peak_rss_bytes) {
-                Ok(r) => r,
-                Err(e) => {
-                    // Every step of the epoch is done: what is saved resumes at its end.
-                    let note = self.save_without_peers();
-                    return Err(anyhow::anyhow!("gathering every rank's memory peaks: {e:#}{note}"));
-                }
+        while self.state.epoch < self.settings.epochs {
+            let mut clock = EpochClock {
+                t0: Instant::now(),
+                seen: 0,
             };
-            let seen = self.state.epoch_seen.max(1) as f64;
-            let result = EpochResult {
-                epoch: epoch + 1,
-                train_loss: self.state.epoch_loss_sum / seen,
-                train_acc: self.state.epoch_correct as f64 / seen,
-                val_loss: val.map(|v| v.0),
-                val_acc: val.map(|v| v.1),
-                seconds,
-                samples_per_s: seen_this_session as f64 / seconds.max(1e-9),
-            };
-            let genotype = self.model.net.genotype();
-            self.out.progress.println(&epoch_line(&result, &mem, epochs));
-            if let Some(g) = &genotype {
-                self.out
-                    .progress
-                    .println(&format!("  genotype: {}", serde_json::to_string(g)?));
+            if let Some(status) = self.train_epoch(&mut clock)? {
+                return Ok(status);
             }
-            let shape = self.shape();
-            let ev = EpochEvent {
-                result: result.clone(),
-                step: self.state.global_step,
-                lr: self.model.sched.lr_at(self.model.opt.steps_taken()),
-                micro_batch: shape.micro_batch,
-                accumulation_steps: shape.accumulation_steps,
-                device: self.device_name(),
-                memory: mem,
-                cache: self.out.cache.clone(),
-                genotype,
-                ranks,
-            };
-            self.emit(Event::Epoch(ev))?;
-            self.state.monitored = match self.settings.monitor {
-                Monitor::ValLoss => result.val_loss,
-                Monitor::ValAcc => result.val_acc,
-                Monitor::TrainLoss => Some(result.train_loss),
-            };
-            self.session.last = Some(result);
-            self.state.epoch += 1;
-            self.state.groups_done = 0;
-            self.state.epoch_loss_sum = 0.0;
-            self.state.epoch_correct = 0;
-            self.state.epoch_seen = 0;
-            let every = self.settings.checkpoint_every;
-            let last_epoch = self.state.epoch == epochs;
-            self.state.finished = last_epoch;
-            // --max-steps is a smoke test or a fit probe: it leaves no checkpoint behind.
-            let probing = self.settings.max_steps.is_some();
-            if !probing && (last_epoch || (every > 0 && self.state.epoch % every == 0)) {
-                self.save_checkpoint("epoch").context("saving a checkpoint")?;
-            }
-            if self.settings.clear_on_epoch_end {
-                self.clear_cache(ClearReason::EpochEnd)?;
-            }
+            self.end_epoch(&clock)?;
         }
         self.write_summary(Status::Completed)?;
         Ok(Status::Completed)
+    }
+
+    /// The epoch's remaining optimizer steps. Some: the run stops here with this status.
+    fn train_epoch(&mut self, clock: &mut EpochClock) -> Result<Option<Status>> {
+        let (epoch, epochs) = (self.state.epoch, self.settings.epochs);
+        let n = self.data.train.len();
+        let e = self.recovery.configured().effective();
+        let order = data::epoch_order(n, self.settings.seed, epoch);
+        let groups: Vec<&[i64]> = order.chunks(e as usize).collect();
+        memory::reset_peaks(self.place());
+        // The line window carries over: a record's peaks cover every step since the last.
+        self.session.windows.epoch = StepMemory::default();
+        let steps_per_epoch = (n + e - 1) / e;
+        let done = self.state.groups_done as u64;
+        self.out
+            .progress
+            .start_epoch(epoch, epochs, steps_per_epoch as u64, done);
+        for group in &groups[self.state.groups_done as usize..] {
+            let out = self.optimizer_step(group, clock)?;
+            if let Some(status) = self.stop_point(&out, clock)? {
+                return Ok(Some(status));
+            }
+        }
+        self.out.progress.finish_epoch();
+        Ok(None)
+    }
+
+    /// One optimizer step over `group` (after the architecture step, if any), with recovery,
+    /// the preflight on the session's first, and its records.
+    fn optimizer_step(&mut self, group: &[i64], clock: &mut EpochClock) -> Result<StepOutput> {
+        let t_step = Instant::now();
+        let measure = self.session.preflight_pending;
+        if measure {
+            memory::reset_peaks(self.place());
+        }
+        if self.arch.is_some() {
+            self.with_recovery("architecture step", |t| t.arch_step())?;
+        }
+        let lr = self.model.sched.lr_at(self.model.opt.steps_taken());
+        let out = self.with_recovery("training step", |t| {
+            if measure {
+                memory::reset_peaks(t.place());
+            }
+            t.weight_step(group, lr)
+        })?;
+        if measure {
+            self.session.preflight_pending = false;
+            self.report_preflight()?;
+        }
+        self.state.groups_done += 1;
+        self.state.global_step += 1;
+        self.state.epoch_loss_sum += out.loss_sum;
+        self.state.epoch_correct += out.correct;
+        self.state.epoch_seen += group.len() as i64;
+        clock.seen += group.len() as u64;
+        let step_seconds = t_step.elapsed().as_secs_f64();
+        self.read_step_memory();
+        let cleared = self.out.cache.after_step(self.place(), self.state.global_step as u64);
+        self.record_clear(cleared)?;
+        self.after_clean_step()?;
+        self.record_step(&out, group.len(), lr, step_seconds, clock)?;
+        Ok(out)
+    }
+
+    fn record_step(
+        &mut self,
+        out: &StepOutput,
+        samples: usize,
+        lr: f64,
+        seconds: f64,
+        clock: &EpochClock,
+    ) -> Result<()> {
+        let loss = out.loss_sum / samples as f64;
+        let rate = clock.seen as f64 / clock.t0.elapsed().as_secs_f64().max(1e-9);
+        let every = self.settings.log_every;
+        if every > 0 && self.state.global_step % every == 0 {
+            let e = StepEvent {
+                epoch: self.state.epoch + 1,
+                step: self.state.global_step,
+                loss,
+                lr,
+                micro_batch: self.shape().micro_batch,
+                samples: samples as i64,
+                seconds,
+                samples_per_s: rate,
+                memory: std::mem::take(&mut self.session.windows.line),
+                loss_scale: self.state.scaler.map(|s| s.scale),
+                skipped: out.found_inf,
+            };
+            self.emit(Event::Step(e))?;
+        }
+        let w = &self.session.windows.epoch;
+        let mem = w.allocated_bytes.unwrap_or(w.rss_bytes);
+        self.out.progress.step(self.state.groups_done as u64, || {
+            format!("loss {loss:.4}  {rate:.1} samples/s  mem {}", human_bytes(mem))
+        });
+        Ok(())
+    }
+
+    /// After a step: an interrupt saves and ends the run; `--max-steps` ends it unsaved.
+    fn stop_point(&mut self, out: &StepOutput, clock: &EpochClock) -> Result<Option<Status>> {
+        let stop = self.session.stop.clone();
+        crate::fault::await_signal_at(self.state.global_step, || stop.requested());
+        // Data-parallel ranks stop on the step they agreed on, never on their own.
+        if self.execution.stops(out.stop, self.session.stop.requested()) {
+            self.out.progress.finish_epoch();
+            let saved = self.save_checkpoint("interrupted")?;
+            self.write_summary(Status::Interrupted)?;
+            let at = saved.map_or("rank 0's run directory".into(), |(p, _)| p.display().to_string());
+            return Err(Interrupted(format!(
+                "interrupted at epoch {} step {}; checkpoint saved to {at}; continue with --resume",
+                self.state.epoch + 1,
+                self.state.global_step,
+            ))
+            .into());
+        }
+        self.session.steps += 1;
+        if self.settings.max_steps.is_some_and(|m| self.session.steps >= m) {
+            self.out.progress.finish_epoch();
+            self.session.totals.samples_trained += clock.seen;
+            self.session.totals.train_seconds += clock.t0.elapsed().as_secs_f64();
+            self.write_summary(Status::StepLimit)?;
+            return Ok(Some(Status::StepLimit));
+        }
+        Ok(None)
+    }
+
+    /// Validation, the epoch's record and line, and the epoch's checkpoint.
+    fn end_epoch(&mut self, clock: &EpochClock) -> Result<()> {
+        let (epoch, epochs) = (self.state.epoch, self.settings.epochs);
+        let seconds = clock.t0.elapsed().as_secs_f64();
+        self.session.totals.samples_trained += clock.seen;
+        self.session.totals.train_seconds += seconds;
+        let val = self.validate()?;
+        let mut mem = memory::sample(self.place());
+        mem.include(&self.session.windows.epoch);
+        self.note_peaks();
+        let ranks = match self.rank_peaks(mem.peak_allocated_bytes, mem.peak_reserved_bytes, mem.peak_rss_bytes) {
+            Ok(r) => r,
+            Err(e) => {
+                // Every step of the epoch is done: what is saved resumes at its end.
+                let note = self.save_without_peers();
+                return Err(anyhow::anyhow!("gathering every rank's memory peaks: {e:#}{note}"));
+            }
+        };
+        let seen = self.state.epoch_seen.max(1) as f64;
+        let result = EpochResult {
+            epoch: epoch + 1,
+            train_loss: self.state.epoch_loss_sum / seen,
+            train_acc: self.state.epoch_correct as f64 / seen,
+            val_loss: val.map(|v| v.0),
+            val_acc: val.map(|v| v.1),
+            seconds,
+            samples_per_s: clock.seen as f64 / seconds.max(1e-9),
+        };
+        let genotype = self.model.net.genotype();
+        self.out.progress.println(&epoch_line(&result, &mem, epochs));
+        if let Some(g) = &genotype {
+            self.out
+                .progress
+                .println(&format!("  genotype: {}", serde_json::to_string(g)?));
+        }
+        let shape = self.shape();
+        let ev = EpochEvent {
+            result: result.clone(),
+            step: self.state.global_step,
+            lr: self.model.sched.lr_at(self.model.opt.steps_taken()),
+            micro_batch: shape.micro_batch,
+            accumulation_steps: shape.accumulation_steps,
+            device: self.device_name(),
+            memory: mem,
+            cache: self.out.cache.clone(),
+            genotype,
+            ranks,
+        };
+        self.emit(Event::Epoch(ev))?;
+        self.state.monitored = match self.settings.monitor {
+            Monitor::ValLoss => result.val_loss,
+            Monitor::ValAcc => result.val_acc,
+            Monitor::TrainLoss => Some(result.train_loss),
+        };
+        self.session.last = Some(result);
+        self.next_epoch()
+    }
+
+    /// Moves the position to the next epoch and saves there when it is due.
+    fn next_epoch(&mut self) -> Result<()> {
+        let s = &mut self.state;
+        s.epoch += 1;
+        s.groups_done = 0;
+        s.epoch_loss_sum = 0.0;
+        s.epoch_correct = 0;
+        s.epoch_seen = 0;
+        let every = self.settings.checkpoint_every;
+        let last_epoch = s.epoch == self.settings.epochs;
+        s.finished = last_epoch;
+        // --max-steps is a smoke test or a fit probe: it leaves no checkpoint behind.
+        let probing = self.settings.max_steps.is_some();
+        if !probing && (last_epoch || (every > 0 && self.state.epoch % every == 0)) {
+            self.save_checkpoint("epoch").context("saving a checkpoint")?;
+        }
+        if self.settings.clear_on_epoch_end {
+            self.clear_cache(ClearReason::EpochEnd)?;
+        }
+        Ok(())
     }
 
     pub fn last(&self) -> Option<&EpochResult> {

@@ -13,6 +13,10 @@ impl Lever for Backoff {
         "backoff"
     }
 
+    fn title(&self) -> &'static str {
+        "halving the micro-batch"
+    }
+
     fn counted_as(&self) -> &'static str {
         "backoffs"
     }

@@ -14,6 +14,10 @@ impl Lever for CpuFallback {
         "cpu"
     }
 
+    fn title(&self) -> &'static str {
+        "the CPU fallback"
+    }
+
     fn counted_as(&self) -> &'static str {
         "cpu_fallbacks"
     }

@@ -41,6 +41,8 @@ pub enum Search {
 pub trait Lever: Sync {
     /// The name `memory.on_oom`, checkpoints and records use.
     fn name(&self) -> &'static str;
+    /// What it is, in words ("activation checkpointing").
+    fn title(&self) -> &'static str;
     /// The summary's count of engagements (`oom.recomputes`).
     fn counted_as(&self) -> &'static str;
     /// What an OOM record's decision calls an engagement (`decision.action`).

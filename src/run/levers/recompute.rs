@@ -11,6 +11,10 @@ impl Lever for Recompute {
         "recompute"
     }
 
+    fn title(&self) -> &'static str {
+        "activation checkpointing"
+    }
+
     fn counted_as(&self) -> &'static str {
         "recomputes"
     }
