@@ -5,10 +5,10 @@ use std::cell::RefCell;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Once;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// What kind of allocation failure an error text describes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OomKind {
     Cuda,
@@ -153,7 +153,7 @@ pub fn guarded_counting<T>(ooms: impl Fn() -> u64, f: impl FnOnce() -> T) -> Res
 }
 
 /// The micro-batch and accumulation in force. Their product (the effective batch) never changes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BatchShape {
     pub micro_batch: i64,
     pub accumulation_steps: i64,
@@ -175,7 +175,7 @@ impl BatchShape {
 }
 
 /// What to do about one OOM (decided by `run::recovery`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "action")]
 pub enum Decision {
     /// Turn activation checkpointing on for the rest of the run and retry at the same shape.
@@ -189,7 +189,7 @@ pub enum Decision {
 }
 
 /// OOM counts over a run, for summary.json.
-#[derive(Debug, Default, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Default, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OomCounts {
     pub events: u64,
     pub recomputes: u64,

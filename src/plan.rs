@@ -278,7 +278,7 @@ fn resolve_cap(spec: &Spec, device: DevicePlan, facts: &Facts) -> Result<Option<
                 (None, None) => return Ok(None),
             };
             Ok(Some(Cap {
-                kind: "cuda_fraction",
+                kind: "cuda_fraction".into(),
                 bytes: (fraction * total as f64) as u64,
                 fraction: Some(fraction),
             }))
@@ -290,7 +290,7 @@ fn resolve_cap(spec: &Spec, device: DevicePlan, facts: &Facts) -> Result<Option<
                 (None, None) => return Ok(None),
             };
             Ok(Some(Cap {
-                kind: "cpu_tensor_bytes",
+                kind: "cpu_tensor_bytes".into(),
                 bytes,
                 fraction: m.fraction,
             }))
@@ -373,7 +373,7 @@ mod tests {
         assert_eq!(
             p.cap,
             Some(Cap {
-                kind: "cpu_tensor_bytes",
+                kind: "cpu_tensor_bytes".into(),
                 bytes: 100 << 20,
                 fraction: None
             })

@@ -53,7 +53,7 @@ const STEM_MULTIPLIER: i64 = 3;
 /// Per node, the two strongest incoming edges as (operation, input index).
 ///
 /// Input index `j`: 0 and 1 are the cell inputs `s0` and `s1`, `2 + i` is intermediate node `i`.
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Genotype {
     pub normal: Vec<Vec<(String, usize)>>,
     pub reduce: Vec<Vec<(String, usize)>>,

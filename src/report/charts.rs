@@ -87,7 +87,7 @@ pub struct LineChart<'a> {
 
 pub fn mark_color(k: MarkKind) -> RGBColor {
     match k {
-        MarkKind::Oom | MarkKind::Fail => RGBColor(214, 39, 40),
+        MarkKind::Fail => RGBColor(214, 39, 40),
         MarkKind::Backoff => RGBColor(255, 127, 14),
         MarkKind::Recompute => RGBColor(188, 189, 34),
         MarkKind::CpuFallback => RGBColor(140, 86, 75),

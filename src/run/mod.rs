@@ -253,7 +253,7 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
         effective_batch: effective,
         cap: plan.cap.clone(),
         allocator_conf: plan.alloc.conf.clone(),
-        allocator_conflicts: serde_json::to_value(&plan.alloc.conflicts)?,
+        allocator_conflicts: plan.alloc.conflicts.clone(),
         train_samples,
         val_samples,
         libtorch: shim::versions().libtorch,

@@ -570,7 +570,7 @@ impl Trainer {
             micro_batch: shape.micro_batch,
             accumulation_steps: shape.accumulation_steps,
             peak_bytes: used,
-            measure,
+            measure: measure.into(),
             cap_bytes: cap,
             headroom_bytes: headroom,
             device: self.device_name(),
@@ -897,7 +897,7 @@ impl Trainer {
                 accumulation_steps: shape.accumulation_steps,
                 device: self.device_name(),
                 memory: mem,
-                cache: self.cache.clone(),
+                cache: (&self.cache).into(),
                 genotype,
                 ranks,
             };
@@ -1000,14 +1000,14 @@ impl Trainer {
                 step_reading_seconds: t.step_reading_seconds,
                 ranks,
             },
-            cache: Some(self.cache.clone()),
+            cache: Some((&self.cache).into()),
             oom: self.recovery.counts().clone(),
             checkpoints: CheckpointSummary {
                 saved: t.checkpoint_spikes.len(),
                 max_spike_bytes: t.checkpoint_spikes.iter().max().copied(),
             },
             precision: PrecisionSummary {
-                mode: self.pipeline.precision.precision.name(),
+                mode: self.pipeline.precision.precision,
                 loss_scale: self.state.scaler.map(|s| s.scale),
                 skipped_steps: self.state.scaler.map_or(0, |s| s.skipped_steps)
                     + self.state.arch_scaler.map_or(0, |s| s.skipped_steps),
