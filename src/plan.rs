@@ -397,7 +397,7 @@ mod tests {
         assert_eq!(p.device, DevicePlan::Cuda(0));
         let cap = p.cap.unwrap();
         assert_eq!(
-            (cap.kind, cap.bytes, cap.fraction),
+            (cap.kind.as_str(), cap.bytes, cap.fraction),
             ("cuda_fraction", 2 << 30, Some(0.25))
         );
         assert_eq!(p.alloc.conf.as_deref(), Some("per_process_memory_fraction:0.250000"));

@@ -4,6 +4,8 @@
 //! write goes through `atomic`.
 mod events;
 mod read;
+#[cfg(test)]
+pub(crate) mod samples;
 mod tensorboard;
 
 use std::fs::{self, File, OpenOptions};

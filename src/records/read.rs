@@ -111,3 +111,112 @@ impl Event {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::records::samples::{self, lines};
+    use crate::records::{Recorder, Status};
+
+    #[test]
+    fn every_event_kind_reads_back_as_the_recorder_wrote_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut r = Recorder::open(dir.path(), "[job]\n", false).unwrap();
+        let events = samples::every_kind();
+        for e in &events {
+            r.emit(e).unwrap();
+        }
+        let read = read(dir.path()).unwrap();
+        assert_eq!(read.events, events);
+        assert_eq!(read.unreadable_lines, 0);
+        let Some(Event::End(end)) = events.last() else {
+            panic!("the samples end with the summary")
+        };
+        assert_eq!(read.summary.as_ref(), Some(end));
+    }
+
+    #[test]
+    fn a_loss_json_could_not_carry_reads_back_as_nan() {
+        let diverged = Event::Step(samples::step(1, f64::NAN, 1, 1));
+        let text = lines(&[diverged]);
+        assert!(text.contains(r#""loss":null"#), "{text}");
+        let read = RunRecords::parse(&text);
+        assert!(read.steps().next().unwrap().loss.is_nan());
+    }
+
+    #[test]
+    fn a_cut_last_line_is_counted_and_the_rest_is_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let events = [
+            Event::Start(samples::start(0, false, None)),
+            Event::Step(samples::step(1, 2.0, 1, 1)),
+        ];
+        let text = lines(&events) + r#"{"type":"step","epoch":2,"st"#;
+        fs::write(dir.path().join("metrics.jsonl"), text).unwrap();
+        let read = read(dir.path()).unwrap();
+        assert_eq!(read.events, events);
+        assert_eq!(read.unreadable_lines, 1);
+        assert_eq!(read.summary, None);
+    }
+
+    #[test]
+    fn a_session_resumed_from_an_earlier_checkpoint_replaces_the_records_after_it() {
+        let step = |s: i64, loss: f64| Event::Step(samples::step(s, loss, 1, 1));
+        let mut events = vec![
+            Event::Start(samples::start(0, false, None)),
+            Event::Preflight(samples::preflight()),
+        ];
+        events.extend((1..=5).map(|s| step(s, 1.0)));
+        events.push(Event::Checkpoint(samples::checkpoint(3)));
+        events.push(Event::Epoch(samples::epoch(5, 0.5)));
+        events.push(Event::Oom(samples::oom(5, samples::backoff())));
+        // A crash, then a session from the checkpoint at step 3: it redoes steps 4 and 5.
+        let resumed = Event::Start(samples::start(3, true, None));
+        events.push(resumed.clone());
+        events.extend((4..=6).map(|s| step(s, 2.0)));
+        let read = RunRecords::parse(&lines(&events));
+        let steps: Vec<(i64, f64)> = read.steps().map(|s| (s.step, s.loss)).collect();
+        assert_eq!(
+            steps,
+            [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0), (5, 2.0), (6, 2.0)]
+        );
+        // What happened up to the checkpoint stays, and so does the first session's start.
+        let kinds: Vec<&Event> = read.events.iter().filter(|e| !matches!(e, Event::Step(_))).collect();
+        assert_eq!(
+            kinds,
+            [
+                &events[0],
+                &events[1],
+                &Event::Checkpoint(samples::checkpoint(3)),
+                &resumed
+            ]
+        );
+        assert_eq!(read.ooms().count(), 0);
+    }
+
+    #[test]
+    fn summary_json_is_the_last_word_over_the_end_events() {
+        let dir = tempfile::tempdir().unwrap();
+        let events = [Event::End(samples::summary(Status::Interrupted, 2))];
+        fs::write(dir.path().join("metrics.jsonl"), lines(&events)).unwrap();
+        assert_eq!(read(dir.path()).unwrap().summary.unwrap().status, Status::Interrupted);
+        let later = samples::summary(Status::Completed, 4);
+        crate::atomic::write_json(&dir.path().join("summary.json"), &later).unwrap();
+        assert_eq!(read(dir.path()).unwrap().summary, Some(later));
+    }
+
+    #[test]
+    fn status_names_are_summary_json_s() {
+        for s in [Status::Completed, Status::Interrupted, Status::Oom, Status::StepLimit] {
+            assert_eq!(serde_json::to_value(s).unwrap(), s.name());
+        }
+    }
+
+    #[test]
+    fn a_directory_without_metrics_is_a_usage_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = read(dir.path()).unwrap_err();
+        assert_eq!(crate::exit::code_for(&e), crate::exit::USAGE);
+        assert!(e.to_string().contains("metrics.jsonl"));
+    }
+}

@@ -403,20 +403,21 @@ fn oom_error(dir: &Path) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::records::samples::{self, lines};
 
     #[test]
     fn reads_steps_epochs_and_marks_and_skips_a_cut_line() {
         let dir = tempfile::tempdir().unwrap();
-        let lines = [
-            r#"{"type":"start","job":"j","device":"cpu","resumed":false,"cap":{"kind":"cpu_tensor_bytes","bytes":1000}}"#,
-            r#"{"type":"step","epoch":1,"step":1,"loss":2.0,"lr":0.1,"samples_per_s":10,"memory":{"allocated_bytes":100,"peak_allocated_bytes":400,"rss_bytes":9}}"#,
-            r#"{"type":"oom","epoch":1,"step":1,"phase":"training step","error":"CPU cap\nmore","micro_batch_before":8,"accumulation_before":1,"decision":{"action":"backoff","to":{"micro_batch":4,"accumulation_steps":2}}}"#,
-            r#"{"type":"step","epoch":1,"step":2,"loss":1.5,"lr":0.1,"samples_per_s":12,"memory":{"allocated_bytes":120,"peak_allocated_bytes":300,"rss_bytes":9}}"#,
-            r#"{"type":"epoch","epoch":1,"step":2,"train_loss":1.7,"train_acc":0.5,"val_loss":1.6,"val_acc":0.6,"lr":0.1}"#,
-            r#"{"type":"cache_clear","step":2,"reason":"every","seconds":0.5,"released_bytes":2048}"#,
-            r#"{"type":"step","epoch":2,"st"#,
+        let events = [
+            Event::Start(samples::start(0, false, Some(1000))),
+            Event::Step(samples::step(1, 2.0, 100, 400)),
+            Event::Oom(samples::oom(1, samples::backoff())),
+            Event::Step(samples::step(2, 1.5, 120, 300)),
+            Event::Epoch(samples::epoch(2, 0.6)),
+            Event::CacheClear(samples::cache_clear(2)),
         ];
-        fs::write(dir.path().join("metrics.jsonl"), lines.join("\n")).unwrap();
+        let text = lines(&events) + r#"{"type":"step","epoch":2,"st"#;
+        fs::write(dir.path().join("metrics.jsonl"), text).unwrap();
         let run = Run::load(dir.path()).unwrap();
         assert_eq!(run.steps.len(), 2);
         assert_eq!(run.steps[1].loss, 1.5);
@@ -427,11 +428,11 @@ mod tests {
         assert_eq!(run.cap_bytes, Some(1000.0));
         let kinds: Vec<MarkKind> = run.marks.iter().map(|m| m.kind).collect();
         assert_eq!(kinds, [MarkKind::Backoff, MarkKind::CacheClear]);
-        assert!(
-            run.marks[0].detail.contains("backoff from micro-batch 8 x 1 to 4 x 2"),
-            "{:?}",
-            run.marks[0]
+        assert_eq!(
+            run.marks[0].detail,
+            "OOM in training step: backoff from micro-batch 8 x 1 to 4 x 2; CPU cap"
         );
+        assert_eq!(run.marks[1].detail, "every clear, 500 ms, released 2.00 KiB");
         let text = run.text_summary();
         assert!(text.contains("OOM events: 1"), "{text}");
         assert!(text.contains("peak memory: 400 B allocated"), "{text}");
@@ -439,16 +440,57 @@ mod tests {
     }
 
     #[test]
+    fn every_decision_and_event_has_its_mark() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join("metrics.jsonl"), lines(&samples::every_kind())).unwrap();
+        let run = Run::load(dir.path()).unwrap();
+        let marks: Vec<(f64, MarkKind, &str)> = run.marks.iter().map(|m| (m.step, m.kind, m.detail.as_str())).collect();
+        assert_eq!(
+            marks,
+            [
+                (1.0, MarkKind::Recompute, "OOM in training step: recompute at micro-batch 8 x 1; CPU cap"),
+                (
+                    1.0,
+                    MarkKind::Backoff,
+                    "OOM in training step: backoff from micro-batch 8 x 1 to 4 x 2; CPU cap"
+                ),
+                (1.0, MarkKind::CpuFallback, "OOM in training step: moved to the CPU; CPU cap"),
+                (2.0, MarkKind::CacheClear, "every clear, 500 ms, released 2.00 KiB"),
+                (2.0, MarkKind::GrowBack, "micro-batch 4 -> 8"),
+                (2.0, MarkKind::Checkpoint, "epoch checkpoint, 4.00 KiB in 125 ms"),
+                (3.0, MarkKind::Fail, "OOM in training step: failed at micro-batch 8 x 1; CPU cap"),
+            ]
+        );
+        let text = run.text_summary();
+        for line in [
+            "status oom",
+            "cache clearing: 1 clears took 500 ms; 2 synchronisations took 250 ms",
+            "OOM events: 4",
+            "  step 2: grew back, micro-batch 4 -> 8",
+            "  rank 0: 400 B allocated, 10 B RSS",
+            "throughput: 24.0 samples/s over 3 steps, wall 3.0 s",
+        ] {
+            assert!(text.contains(line), "{line}\n{text}");
+        }
+    }
+
+    #[test]
+    fn clear_reasons_are_named_as_their_records_spell_them() {
+        use ClearReason::*;
+        for r in [Every, Auto, EpochEnd, Checkpoint, Oom] {
+            assert_eq!(serde_json::to_value(r).unwrap(), clear_reason_name(r));
+        }
+    }
+
+    #[test]
     fn a_session_resumed_from_an_earlier_checkpoint_replaces_the_steps_after_it() {
         let dir = tempfile::tempdir().unwrap();
-        let step = |s: i64, loss: f64| {
-            format!(r#"{{"type":"step","epoch":1,"step":{s},"loss":{loss},"lr":0.1,"samples_per_s":1,"memory":{{}}}}"#)
-        };
-        let mut lines = vec![r#"{"type":"start","job":"j","device":"cpu","resumed":false,"step":0}"#.to_owned()];
-        lines.extend((1..=5).map(|s| step(s, 1.0)));
-        lines.push(r#"{"type":"start","job":"j","device":"cpu","resumed":true,"step":3}"#.to_owned());
-        lines.extend((4..=6).map(|s| step(s, 2.0)));
-        fs::write(dir.path().join("metrics.jsonl"), lines.join("\n")).unwrap();
+        let step = |s: i64, loss: f64| Event::Step(samples::step(s, loss, 1, 1));
+        let mut events = vec![Event::Start(samples::start(0, false, None))];
+        events.extend((1..=5).map(|s| step(s, 1.0)));
+        events.push(Event::Start(samples::start(3, true, None)));
+        events.extend((4..=6).map(|s| step(s, 2.0)));
+        fs::write(dir.path().join("metrics.jsonl"), lines(&events)).unwrap();
         let run = Run::load(dir.path()).unwrap();
         let steps: Vec<(f64, f64)> = run.steps.iter().map(|p| (p.step, p.loss)).collect();
         assert_eq!(
