@@ -185,7 +185,8 @@ impl Prober<'_> {
         let measured = match out.status.code() {
             Some(crate::exit::OK) => {
                 // A probe's own records; a missing one is fit's failure, not the user's input.
-                let records = records::read(&run_dir).map_err(|e| anyhow::anyhow!("reading a probe's records: {e:#}"))?;
+                let records =
+                    records::read(&run_dir).map_err(|e| anyhow::anyhow!("reading a probe's records: {e:#}"))?;
                 let summary = records
                     .summary
                     .as_ref()

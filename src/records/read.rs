@@ -176,10 +176,7 @@ mod tests {
         events.extend((4..=6).map(|s| step(s, 2.0)));
         let read = RunRecords::parse(&lines(&events));
         let steps: Vec<(i64, f64)> = read.steps().map(|s| (s.step, s.loss)).collect();
-        assert_eq!(
-            steps,
-            [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0), (5, 2.0), (6, 2.0)]
-        );
+        assert_eq!(steps, [(1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0), (5, 2.0), (6, 2.0)]);
         // What happened up to the checkpoint stays, and so does the first session's start.
         let kinds: Vec<&Event> = read.events.iter().filter(|e| !matches!(e, Event::Step(_))).collect();
         assert_eq!(
@@ -203,6 +200,36 @@ mod tests {
         let later = samples::summary(Status::Completed, 4);
         crate::atomic::write_json(&dir.path().join("summary.json"), &later).unwrap();
         assert_eq!(read(dir.path()).unwrap().summary, Some(later));
+    }
+
+    #[test]
+    fn the_first_oom_s_report_reads_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut r = Recorder::open(dir.path(), "[job]\n", false).unwrap();
+        let mut oom = samples::oom(4, samples::backoff());
+        let memory = samples::epoch(4, 0.5).memory;
+        oom.report = Some(crate::records::OomReport {
+            allocator_stats: Some(serde_json::json!({"num_ooms": 1})),
+            memory: memory.clone(),
+            cap: samples::start(0, false, Some(1000)).cap,
+            allocator_conf: None,
+            snapshot: Some(b"pickle".to_vec()),
+            record_history: true,
+        });
+        r.emit(&Event::Oom(oom.clone())).unwrap();
+        let file = read_oom_report(dir.path()).unwrap();
+        assert_eq!(
+            (file.step, file.micro_batch, file.error.as_str()),
+            (4, 8, oom.error.as_str())
+        );
+        assert_eq!(file.failing_batch_shape, oom.batch_shape);
+        assert_eq!(file.memory, memory);
+        assert_eq!(file.snapshot.as_deref(), Some("snapshot.pickle"));
+        assert_eq!(fs::read(dir.path().join("oom/snapshot.pickle")).unwrap(), b"pickle");
+        assert_eq!(fs::read_to_string(dir.path().join("oom/spec.toml")).unwrap(), "[job]\n");
+        // The event itself reads back without the report, which lives in oom/ only.
+        oom.report = None;
+        assert_eq!(read(dir.path()).unwrap().events, [Event::Oom(oom)]);
     }
 
     #[test]

@@ -189,11 +189,7 @@ impl Run {
                 self.mark(
                     o.step as f64,
                     kind,
-                    format!(
-                        "OOM in {}: {what}; {}",
-                        o.phase,
-                        crate::shim::first_line(&o.error)
-                    ),
+                    format!("OOM in {}: {what}; {}", o.phase, crate::shim::first_line(&o.error)),
                 );
             }
             Event::GrowBack(g) => self.mark(
@@ -397,7 +393,9 @@ fn clear_reason_name(r: ClearReason) -> &'static str {
 
 /// The error oom/report.json names: the segment map marks the request that failed with it.
 fn oom_error(dir: &Path) -> String {
-    crate::records::read_oom_report(dir).map(|r| r.error).unwrap_or_default()
+    crate::records::read_oom_report(dir)
+        .map(|r| r.error)
+        .unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -448,17 +446,29 @@ mod tests {
         assert_eq!(
             marks,
             [
-                (1.0, MarkKind::Recompute, "OOM in training step: recompute at micro-batch 8 x 1; CPU cap"),
+                (
+                    1.0,
+                    MarkKind::Recompute,
+                    "OOM in training step: recompute at micro-batch 8 x 1; CPU cap"
+                ),
                 (
                     1.0,
                     MarkKind::Backoff,
                     "OOM in training step: backoff from micro-batch 8 x 1 to 4 x 2; CPU cap"
                 ),
-                (1.0, MarkKind::CpuFallback, "OOM in training step: moved to the CPU; CPU cap"),
+                (
+                    1.0,
+                    MarkKind::CpuFallback,
+                    "OOM in training step: moved to the CPU; CPU cap"
+                ),
                 (2.0, MarkKind::CacheClear, "every clear, 500 ms, released 2.00 KiB"),
                 (2.0, MarkKind::GrowBack, "micro-batch 4 -> 8"),
                 (2.0, MarkKind::Checkpoint, "epoch checkpoint, 4.00 KiB in 125 ms"),
-                (3.0, MarkKind::Fail, "OOM in training step: failed at micro-batch 8 x 1; CPU cap"),
+                (
+                    3.0,
+                    MarkKind::Fail,
+                    "OOM in training step: failed at micro-batch 8 x 1; CPU cap"
+                ),
             ]
         );
         let text = run.text_summary();
