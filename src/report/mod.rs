@@ -47,7 +47,7 @@ pub struct StepPoint {
     pub reserved: Option<f64>,
     pub peak_allocated: Option<f64>,
     pub peak_reserved: Option<f64>,
-    pub rss: Option<f64>,
+    pub rss: f64,
 }
 
 /// One epoch line.
@@ -171,7 +171,7 @@ impl Run {
                     reserved: bytes(s.memory.reserved_bytes),
                     peak_allocated: bytes(s.memory.peak_allocated_bytes),
                     peak_reserved: bytes(s.memory.peak_reserved_bytes),
-                    rss: Some(s.memory.rss_bytes as f64),
+                    rss: s.memory.rss_bytes as f64,
                 });
             }
             Event::Epoch(e) => self.epochs.push(EpochPoint {

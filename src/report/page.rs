@@ -60,7 +60,7 @@ pub fn render(run: &Run) -> Result<String> {
     }
     let rss = LineChart {
         title: "Host memory (RSS) per step",
-        series: vec![series("RSS", GREEN, 2, run, |p| p.rss)],
+        series: vec![series("RSS", GREEN, 2, run, |p| Some(p.rss))],
         limit: None,
         height: 260,
         ..memory
