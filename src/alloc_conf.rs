@@ -1,7 +1,7 @@
 //! The caching allocator's configuration string. PyTorch reads PYTORCH_CUDA_ALLOC_CONF (which
 //! wins in 2.11) or PYTORCH_ALLOC_CONF once, at first allocator use, so it is set before any
 //! CUDA work and to the same value under both names.
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::spec::Allocator;
 
@@ -63,7 +63,7 @@ fn parse_pairs(s: &str) -> Vec<(String, String)> {
 }
 
 /// A key the environment already set to a different value than the spec.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Conflict {
     pub key: String,
     pub environment: String,

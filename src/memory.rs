@@ -3,7 +3,7 @@
 //! policy with what it cost.
 use std::time::Instant;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::shim;
 use crate::spec::CacheClear;
@@ -11,7 +11,7 @@ use crate::sysmem;
 
 /// One reading. `allocated`/`peak_allocated` are tensor bytes on the run's device (the CUDA
 /// allocator's, or the counting CPU allocator's); the reserved and device fields are CUDA-only.
-#[derive(Debug, Clone, Default, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct MemorySample {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub allocated_bytes: Option<u64>,
@@ -34,7 +34,7 @@ pub struct MemorySample {
 /// The reading taken after every optimizer step: the allocator's own counters (no device
 /// synchronisation, no driver call) and RSS from /proc/self/statm. Peaks are since the previous
 /// reading, which resets the allocator's peak counters; `fold` keeps the largest over a window.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepMemory {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub allocated_bytes: Option<u64>,
@@ -102,11 +102,11 @@ pub fn step_reading(place: Place) -> StepMemory {
 }
 
 /// The memory limit in force for a run.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Cap {
     /// "cuda_fraction" (the CUDA allocator's per-process fraction) or "cpu_tensor_bytes" (the
-    /// counting CPU allocator's cap on live tensor bytes).
-    pub kind: &'static str,
+    /// counting CPU allocator's cap on live tensor bytes). Owned, so records read back.
+    pub kind: String,
     pub bytes: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fraction: Option<f64>,
@@ -185,7 +185,7 @@ pub fn oom_count(place: Place) -> u64 {
 }
 
 /// Why the cache was cleared; counted separately in the summary.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ClearReason {
     Every,
@@ -288,7 +288,7 @@ impl CachePolicy {
 }
 
 /// One cache clear: why, what it cost, and what it gave back to the device.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Cleared {
     pub reason: ClearReason,
     pub seconds: f64,

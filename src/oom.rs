@@ -5,12 +5,12 @@ use std::cell::RefCell;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Once;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::shim::{grad_enabled, set_grad_enabled};
 
 /// What kind of allocation failure an error text describes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OomKind {
     Cuda,
@@ -143,7 +143,7 @@ pub fn guarded_counting<T>(ooms: impl Fn() -> u64, f: impl FnOnce() -> T) -> Res
 }
 
 /// The micro-batch and accumulation in force. Their product (the effective batch) never changes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct BatchShape {
     pub micro_batch: i64,
     pub accumulation_steps: i64,
@@ -166,10 +166,10 @@ impl BatchShape {
 
 /// What was done about one OOM (decided by `run::recovery`): the action of the lever engaged
 /// (`"recompute"`, `"backoff"` with the shape it went `to`, `"move_to_cpu"`), or `"fail"`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Decision {
     pub action: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub to: Option<BatchShape>,
 }
 
@@ -190,7 +190,7 @@ impl Decision {
 
 /// OOM counts over a run, for summary.json: OOM events, engagements of each lever under the
 /// lever's count name (`"backoffs"`), and grow-backs.
-#[derive(Debug, Default, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Default, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OomCounts {
     pub events: u64,
     #[serde(flatten)]

@@ -278,7 +278,7 @@ fn resolve_cap(spec: &Spec, device: DevicePlan, facts: &Facts) -> Result<Option<
                 (None, None) => return Ok(None),
             };
             Ok(Some(Cap {
-                kind: "cuda_fraction",
+                kind: "cuda_fraction".into(),
                 bytes: (fraction * total as f64) as u64,
                 fraction: Some(fraction),
             }))
@@ -290,7 +290,7 @@ fn resolve_cap(spec: &Spec, device: DevicePlan, facts: &Facts) -> Result<Option<
                 (None, None) => return Ok(None),
             };
             Ok(Some(Cap {
-                kind: "cpu_tensor_bytes",
+                kind: "cpu_tensor_bytes".into(),
                 bytes,
                 fraction: m.fraction,
             }))
@@ -370,7 +370,7 @@ mod tests {
         assert_eq!(
             p.cap,
             Some(Cap {
-                kind: "cpu_tensor_bytes",
+                kind: "cpu_tensor_bytes".into(),
                 bytes: 100 << 20,
                 fraction: None
             })
@@ -394,7 +394,7 @@ mod tests {
         assert_eq!(p.device, DevicePlan::Cuda(0));
         let cap = p.cap.unwrap();
         assert_eq!(
-            (cap.kind, cap.bytes, cap.fraction),
+            (cap.kind.as_str(), cap.bytes, cap.fraction),
             ("cuda_fraction", 2 << 30, Some(0.25))
         );
         assert_eq!(p.alloc.conf.as_deref(), Some("per_process_memory_fraction:0.250000"));

@@ -20,6 +20,7 @@ use crate::cli::{Checkpointing, FitArgs};
 use crate::exit::{OomExit, UsageError};
 use crate::human::{human_bytes, human_duration};
 use crate::plan::{DevicePlan, Facts, Plan, Request};
+use crate::records::{self, RunRecords, StepEvent};
 use crate::spec::{self, ByteSize, Precision};
 pub use search::{fastest, largest_fit, micro_batch_for, Measured};
 
@@ -183,21 +184,20 @@ impl Prober<'_> {
         let mut oom = None;
         let measured = match out.status.code() {
             Some(crate::exit::OK) => {
-                let summary: Value = std::fs::read(run_dir.join("summary.json"))
-                    .map_err(anyhow::Error::from)
-                    .and_then(|b| Ok(serde_json::from_slice(&b)?))
-                    .context("reading a probe's summary.json")?;
-                if setting.activation_checkpointing && summary["precision"]["activation_checkpointing"] != true {
+                // A probe's own records; a missing one is fit's failure, not the user's input.
+                let records =
+                    records::read(&run_dir).map_err(|e| anyhow::anyhow!("reading a probe's records: {e:#}"))?;
+                let summary = records
+                    .summary
+                    .as_ref()
+                    .context("a probe that completed wrote no summary.json")?;
+                if setting.activation_checkpointing && !summary.precision.activation_checkpointing {
                     return Err(ProbeError::NotApplicable);
                 }
-                measure(&run_dir, micro_batch, self.cuda)?
+                measure(&records, micro_batch, self.cuda)
             }
             Some(crate::exit::OOM) => {
-                let stderr = String::from_utf8_lossy(&out.stderr);
-                oom = stderr
-                    .lines()
-                    .find_map(|l| l.strip_prefix("error: "))
-                    .map(|l| l.split([';', ':']).next().unwrap_or(l).to_owned());
+                oom = where_oom(&run_dir);
                 Measured {
                     micro_batch,
                     fits: false,
@@ -268,49 +268,50 @@ fn probe_line(p: &Probe) -> String {
     )
 }
 
+/// Where a probe that exited 3 ran out: in the phase its OOM record names, or while setting up
+/// when it left no records (a run writes none until its model, data and optimizer are set up).
+fn where_oom(run_dir: &Path) -> Option<String> {
+    match records::read(run_dir) {
+        Ok(r) => r.ooms().last().map(|o| format!("out of memory in {}", o.phase)),
+        Err(_) => Some("out of memory while setting up".into()),
+    }
+}
+
 /// The probe's peak (reserved on CUDA: that is what the cap limits; allocated tensor bytes on
 /// the CPU) over all its steps, and its throughput over the steps after the first.
-fn measure(run_dir: &Path, micro_batch: i64, cuda: bool) -> Result<Measured> {
-    let text = std::fs::read_to_string(run_dir.join("metrics.jsonl")).context("reading a probe's metrics.jsonl")?;
-    let lines: Vec<Value> = text
-        .lines()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .collect();
-    let steps: Vec<&Value> = lines.iter().filter(|v| v["type"] == "step").collect();
-    let key = if cuda {
-        "peak_reserved_bytes"
-    } else {
-        "peak_allocated_bytes"
+fn measure(records: &RunRecords, micro_batch: i64, cuda: bool) -> Measured {
+    let steps: Vec<&StepEvent> = records.steps().collect();
+    let step_peak = |s: &StepEvent| match cuda {
+        true => s.memory.peak_reserved_bytes,
+        false => s.memory.peak_allocated_bytes,
     };
     // Setting up (data, model) counts too: the cap covers it, and it can be the larger.
-    let setup = lines
-        .iter()
-        .filter(|v| v["type"] == "start")
-        .filter_map(|v| v[format!("setup_{key}")].as_u64());
-    let peak = steps
-        .iter()
-        .filter_map(|s| s["memory"][key].as_u64())
-        .chain(setup)
-        .max();
+    let setup = records.starts().filter_map(|s| match cuda {
+        true => s.setup_peak_reserved_bytes,
+        false => s.setup_peak_allocated_bytes,
+    });
+    let peak = steps.iter().filter_map(|s| step_peak(s)).chain(setup).max();
     // Each step line carries the step's samples and wall time; the first step pays for
     // warm-up and is left out. (Validation and saves between steps are not in the steps' time.)
+    // A figure JSON could not carry (null, read back as NaN) is left out.
     let timed: Vec<(f64, f64)> = steps
         .iter()
         .skip(1)
-        .filter_map(|s| Some((s["samples"].as_f64()?, s["seconds"].as_f64()?)))
+        .filter(|s| s.seconds.is_finite())
+        .map(|s| (s.samples as f64, s.seconds))
         .collect();
     let seconds: f64 = timed.iter().map(|t| t.1).sum();
     let samples_per_s = if seconds > 0.0 {
         Some(timed.iter().map(|t| t.0).sum::<f64>() / seconds)
     } else {
-        steps.last().and_then(|s| s["samples_per_s"].as_f64())
+        steps.last().map(|s| s.samples_per_s).filter(|r| r.is_finite())
     };
-    Ok(Measured {
+    Measured {
         micro_batch,
         fits: true,
         peak_bytes: peak,
         samples_per_s,
-    })
+    }
 }
 
 fn parse_margin(text: &str, budget: u64) -> Result<u64, UsageError> {

@@ -3,7 +3,7 @@
 //! here depends on which presets exist.
 use anyhow::Result;
 use serde::de::DeserializeOwned;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use tch::{nn, Tensor};
 
@@ -78,7 +78,7 @@ pub trait Preset: Sync {
 /// as (operation, input index).
 ///
 /// Input index `j`: 0 and 1 are the cell inputs `s0` and `s1`, `2 + i` is intermediate node `i`.
-#[derive(Debug, Clone, Serialize, PartialEq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct Genotype {
     pub normal: Vec<Vec<(String, usize)>>,
     pub reduce: Vec<Vec<(String, usize)>>,

@@ -1,13 +1,22 @@
 //! What the training loop tells the recorder. Each event is one `metrics.jsonl` line whose
-//! `type` is the variant's snake_case name; `End` also becomes summary.json.
-use serde::Serialize;
+//! `type` is the variant's snake_case name; `End` also becomes summary.json. Every event reads
+//! back as it was written (`records::read`), so the report and fit use these types, not names.
+use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::Value;
 
+use crate::alloc_conf::Conflict;
 use crate::memory::{CachePolicy, Cap, Cleared, MemorySample, StepMemory};
 use crate::model::Genotype;
 use crate::oom::{Decision, OomCounts, OomKind};
+use crate::spec::Precision;
 
-#[derive(Debug, Clone, Serialize)]
+/// JSON has no NaN or infinity: serde_json writes them as null (a diverged loss), and they read
+/// back as NaN.
+fn nan_if_null<'de, D: Deserializer<'de>>(d: D) -> Result<f64, D::Error> {
+    Ok(Option::<f64>::deserialize(d)?.unwrap_or(f64::NAN))
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Event {
     Start(StartEvent),
@@ -21,7 +30,7 @@ pub enum Event {
     End(Summary),
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StartEvent {
     pub job: String,
     /// The global step the session starts from (0, or the checkpoint's when resuming).
@@ -33,7 +42,7 @@ pub struct StartEvent {
     pub effective_batch: i64,
     pub cap: Option<Cap>,
     pub allocator_conf: Option<String>,
-    pub allocator_conflicts: Value,
+    pub allocator_conflicts: Vec<Conflict>,
     pub train_samples: i64,
     pub val_samples: i64,
     pub libtorch: String,
@@ -46,28 +55,32 @@ pub struct StartEvent {
 }
 
 /// The first optimizer step of a session, measured against the cap.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PreflightEvent {
     pub micro_batch: i64,
     pub accumulation_steps: i64,
     pub peak_bytes: u64,
     /// What `peak_bytes` measures ("peak allocated", or "peak RSS" where tensors are not counted).
-    pub measure: &'static str,
+    pub measure: String,
     pub cap_bytes: Option<u64>,
     pub headroom_bytes: Option<i64>,
     pub device: String,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepEvent {
     pub epoch: i64,
     pub step: i64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub loss: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub lr: f64,
     pub micro_batch: i64,
     /// The step's samples (its group) and its wall time, architecture step included.
     pub samples: i64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub seconds: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub samples_per_s: f64,
     /// Current figures after this step; peaks since the previous step line.
     pub memory: StepMemory,
@@ -79,19 +92,23 @@ pub struct StepEvent {
 }
 
 /// Per-epoch results, also the summary's `final`.
-#[derive(Debug, Default, Clone, Serialize)]
+#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EpochResult {
     pub epoch: i64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub train_loss: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub train_acc: f64,
     pub val_loss: Option<f64>,
     pub val_acc: Option<f64>,
+    #[serde(deserialize_with = "nan_if_null")]
     pub seconds: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub samples_per_s: f64,
 }
 
 /// One data-parallel rank's memory peaks, as rank 0 records them for every rank.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct RankPeak {
     pub rank: usize,
     pub peak_allocated_bytes: Option<u64>,
@@ -99,21 +116,22 @@ pub struct RankPeak {
     pub peak_rss_bytes: u64,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct EpochEvent {
     #[serde(flatten)]
     pub result: EpochResult,
     /// The global optimizer step the epoch ended at.
     pub step: i64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub lr: f64,
     pub micro_batch: i64,
     pub accumulation_steps: i64,
     pub device: String,
     pub memory: MemorySample,
-    pub cache: CachePolicy,
+    pub cache: CacheCounters,
     pub genotype: Option<Genotype>,
     /// Data-parallel: every rank's peaks over the epoch, rank 0's included.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ranks: Vec<RankPeak>,
 }
 
@@ -124,18 +142,19 @@ impl std::ops::Deref for EpochEvent {
     }
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CheckpointEvent {
     pub reason: String,
     pub path: std::path::PathBuf,
     pub bytes: u64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub seconds: f64,
     pub spike_bytes: u64,
     pub epochs_completed: i64,
     pub step: i64,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct OomEvent {
     pub epoch: i64,
     pub step: i64,
@@ -154,7 +173,7 @@ pub struct OomEvent {
 }
 
 /// What `oom/report.json` adds to the event, and the CUDA allocator snapshot.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct OomReport {
     pub allocator_stats: Option<Value>,
     pub memory: MemorySample,
@@ -164,14 +183,34 @@ pub struct OomReport {
     pub record_history: bool,
 }
 
-#[derive(Debug, Clone, Serialize)]
+/// oom/report.json: the run's first OOM, where it happened and the allocator's state then.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct OomReportFile {
+    pub phase: String,
+    pub epoch: i64,
+    pub step: i64,
+    pub device: String,
+    pub failing_batch_shape: Vec<i64>,
+    pub micro_batch: i64,
+    pub accumulation_steps: i64,
+    pub error: String,
+    pub allocator_stats: Option<Value>,
+    pub memory: MemorySample,
+    pub cap: Option<Cap>,
+    pub allocator_conf: Option<String>,
+    /// The snapshot's file name in oom/, where one was taken.
+    pub snapshot: Option<String>,
+    pub record_history: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct GrowBackEvent {
     pub step: i64,
     pub micro_batch_before: i64,
     pub micro_batch: i64,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CacheClearEvent {
     pub step: i64,
     #[serde(flatten)]
@@ -179,7 +218,7 @@ pub struct CacheClearEvent {
 }
 
 /// How a run ended, for summary.json and the exit code.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Status {
     #[default]
@@ -191,6 +230,16 @@ pub enum Status {
 }
 
 impl Status {
+    /// As summary.json spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Status::Completed => "completed",
+            Status::Interrupted => "interrupted",
+            Status::Oom => "oom",
+            Status::StepLimit => "step_limit",
+        }
+    }
+
     pub fn exit_code(self) -> i32 {
         match self {
             Status::Completed | Status::StepLimit => crate::exit::OK,
@@ -200,7 +249,7 @@ impl Status {
     }
 }
 
-#[derive(Debug, Default, Clone, Serialize)]
+#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
 pub struct BatchSummary {
     pub configured_micro_batch: i64,
     pub configured_accumulation_steps: i64,
@@ -209,7 +258,7 @@ pub struct BatchSummary {
     pub final_accumulation_steps: i64,
 }
 
-#[derive(Debug, Default, Clone, Serialize)]
+#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
 pub struct MemorySummary {
     pub cap: Option<Cap>,
     pub allocator_conf: Option<String>,
@@ -218,19 +267,20 @@ pub struct MemorySummary {
     pub peak_rss_bytes: u64,
     /// The per-step memory readings and the time they took, to show they cost next to nothing.
     pub step_readings: u64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub step_reading_seconds: f64,
     /// Data-parallel: every rank's peaks over the run, rank 0's included.
-    #[serde(skip_serializing_if = "Vec::is_empty")]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ranks: Vec<RankPeak>,
 }
 
-#[derive(Debug, Default, Clone, Serialize)]
+#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
 pub struct CheckpointSummary {
     pub saved: usize,
     pub max_spike_bytes: Option<u64>,
 }
 
-#[derive(Debug, Default, Clone, Serialize)]
+#[derive(Debug, Default, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Summary {
     pub status: Status,
     pub exit_code: i32,
@@ -239,26 +289,65 @@ pub struct Summary {
     pub epochs_completed: i64,
     pub global_steps: i64,
     pub samples_trained: u64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub wall_seconds: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub train_seconds: f64,
+    #[serde(deserialize_with = "nan_if_null")]
     pub samples_per_s: f64,
     #[serde(rename = "final")]
     pub last: Option<EpochResult>,
     pub batch: BatchSummary,
     pub memory: MemorySummary,
-    pub cache: Option<CachePolicy>,
+    pub cache: Option<CacheCounters>,
     pub oom: OomCounts,
     pub checkpoints: CheckpointSummary,
     pub precision: PrecisionSummary,
 }
 
+/// The cache-clearing counters as records carry them (the policy itself stays with the run).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct CacheCounters {
+    pub clears: u64,
+    pub auto_clears: u64,
+    #[serde(deserialize_with = "nan_if_null")]
+    pub clear_seconds: f64,
+    pub syncs: u64,
+    #[serde(deserialize_with = "nan_if_null")]
+    pub sync_seconds: f64,
+}
+
+impl From<&CachePolicy> for CacheCounters {
+    fn from(p: &CachePolicy) -> Self {
+        CacheCounters {
+            clears: p.clears,
+            auto_clears: p.auto_clears,
+            clear_seconds: p.clear_seconds,
+            syncs: p.syncs,
+            sync_seconds: p.sync_seconds,
+        }
+    }
+}
+
 /// How the run computed: precision, the loss scaler's state, recomputation.
-#[derive(Debug, Default, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PrecisionSummary {
-    pub mode: &'static str,
+    pub mode: Precision,
     /// fp16-mixed: the scale at the end, and the optimizer steps skipped on inf/NaN.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<f64>,
     pub skipped_steps: u64,
     pub activation_checkpointing: bool,
+}
+
+/// A summary nobody filled in yet computes in the spec's default precision.
+impl Default for PrecisionSummary {
+    fn default() -> Self {
+        PrecisionSummary {
+            mode: Precision::Fp32,
+            loss_scale: None,
+            skipped_steps: 0,
+            activation_checkpointing: false,
+        }
+    }
 }

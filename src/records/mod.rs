@@ -3,6 +3,9 @@
 //! everything up to its last line), `summary.json`, `genotype.json` and `oom/`. Every whole-file
 //! write goes through `atomic`.
 mod events;
+mod read;
+#[cfg(test)]
+pub(crate) mod samples;
 mod tensorboard;
 
 use std::fs::{self, File, OpenOptions};
@@ -14,6 +17,7 @@ use serde_json::Value;
 
 pub use crate::atomic::{write_atomic, write_json};
 pub use events::*;
+pub use read::{read, read_oom_report, RunRecords};
 pub use tensorboard::EventWriter;
 
 pub struct Recorder {
@@ -94,17 +98,24 @@ impl Recorder {
             }
             None => None,
         };
-        write_json(
-            &dir.join("report.json"),
-            &serde_json::json!({
-                "phase": o.phase, "epoch": o.epoch, "step": o.step, "device": o.device,
-                "failing_batch_shape": o.batch_shape, "micro_batch": o.micro_batch_before,
-                "accumulation_steps": o.accumulation_before, "error": o.error,
-                "allocator_stats": r.allocator_stats, "memory": r.memory,
-                "cap": r.cap, "allocator_conf": r.allocator_conf,
-                "snapshot": snapshot, "record_history": r.record_history,
-            }),
-        )?;
+        let file = OomReportFile {
+            phase: o.phase.clone(),
+            epoch: o.epoch,
+            step: o.step,
+            device: o.device.clone(),
+            failing_batch_shape: o.batch_shape.clone(),
+            micro_batch: o.micro_batch_before,
+            accumulation_steps: o.accumulation_before,
+            error: o.error.clone(),
+            allocator_stats: r.allocator_stats.clone(),
+            memory: r.memory.clone(),
+            cap: r.cap.clone(),
+            allocator_conf: r.allocator_conf.clone(),
+            snapshot: snapshot.map(str::to_owned),
+            record_history: r.record_history,
+        };
+        // Through a JSON value, whose keys are sorted: the file keeps the layout it always had.
+        write_json(&dir.join("report.json"), &serde_json::to_value(&file)?)?;
         write_atomic(&dir.join("spec.toml"), self.spec_toml.as_bytes())
     }
 }

@@ -87,10 +87,12 @@ pub struct LineChart<'a> {
 
 pub fn mark_color(k: MarkKind) -> RGBColor {
     match k {
-        MarkKind::Oom | MarkKind::Fail => RGBColor(214, 39, 40),
-        MarkKind::Backoff => RGBColor(255, 127, 14),
-        MarkKind::Recompute => RGBColor(188, 189, 34),
-        MarkKind::CpuFallback => RGBColor(140, 86, 75),
+        MarkKind::Fail => RGBColor(214, 39, 40),
+        MarkKind::Lever("backoff") => RGBColor(255, 127, 14),
+        MarkKind::Lever("recompute") => RGBColor(188, 189, 34),
+        MarkKind::Lever("cpu") => RGBColor(140, 86, 75),
+        // A lever without a colour of its own yet.
+        MarkKind::Lever(_) => RGBColor(227, 119, 194),
         MarkKind::GrowBack => RGBColor(44, 160, 44),
         MarkKind::CacheClear => RGBColor(148, 103, 189),
         MarkKind::Checkpoint => RGBColor(127, 127, 127),

@@ -9,10 +9,11 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use serde_json::Value;
 
-use crate::exit::UsageError;
 use crate::human::{human_bytes, human_duration};
+use crate::memory::ClearReason;
+use crate::records::{Event, OomEvent, RankPeak, Summary};
+use crate::run::levers::{by_action, lever};
 
 pub use segments::{Block, BlockState, Segment, SegmentMap};
 
@@ -46,7 +47,7 @@ pub struct StepPoint {
     pub reserved: Option<f64>,
     pub peak_allocated: Option<f64>,
     pub peak_reserved: Option<f64>,
-    pub rss: Option<f64>,
+    pub rss: f64,
 }
 
 /// One epoch line.
@@ -66,10 +67,8 @@ pub struct EpochPoint {
 /// Something that happened at a step, marked on the memory timeline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum MarkKind {
-    Oom,
-    Backoff,
-    Recompute,
-    CpuFallback,
+    /// An OOM that engaged this lever (by name).
+    Lever(&'static str),
     Fail,
     GrowBack,
     CacheClear,
@@ -80,10 +79,7 @@ pub enum MarkKind {
 impl MarkKind {
     pub fn label(self) -> &'static str {
         match self {
-            MarkKind::Oom => "OOM",
-            MarkKind::Backoff => "backoff",
-            MarkKind::Recompute => "recompute",
-            MarkKind::CpuFallback => "CPU fallback",
+            MarkKind::Lever(name) => lever(name).map_or(name, |l| l.label()),
             MarkKind::Fail => "OOM, failed",
             MarkKind::GrowBack => "grow-back",
             MarkKind::CacheClear => "cache clear",
@@ -100,17 +96,8 @@ pub struct Mark {
     pub detail: String,
 }
 
-/// One data-parallel rank's peaks over the run.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RankPeaks {
-    pub rank: u64,
-    pub allocated: Option<u64>,
-    pub reserved: Option<u64>,
-    pub rss: u64,
-}
-
-/// A run directory's records, parsed leniently: a killed run's last line may be cut short,
-/// and older runs lack newer fields.
+/// A run directory's records as the report draws them. The records are read leniently (a
+/// killed run's last line may be cut short); oom/ may be missing or unreadable.
 #[derive(Debug, Default)]
 pub struct Run {
     pub dir: PathBuf,
@@ -120,9 +107,8 @@ pub struct Run {
     pub steps: Vec<StepPoint>,
     pub epochs: Vec<EpochPoint>,
     pub marks: Vec<Mark>,
-    pub summary: Option<Value>,
-    /// oom/report.json and the allocator's segments from oom/snapshot.pickle.
-    pub oom_report: Option<Value>,
+    pub summary: Option<Summary>,
+    /// The allocator's segments from oom/snapshot.pickle.
     pub segments: Option<SegmentMap>,
     /// Why oom/snapshot.pickle could not be drawn, when it could not.
     pub snapshot_error: Option<String>,
@@ -131,150 +117,22 @@ pub struct Run {
 
 impl Run {
     pub fn load(dir: &Path) -> Result<Self> {
-        let metrics = dir.join("metrics.jsonl");
-        let text = fs::read_to_string(&metrics).map_err(|e| {
-            UsageError(format!(
-                "{} has no readable metrics.jsonl ({e}); pass a run directory that `memtrain run` wrote (runs/<job> by default)",
-                dir.display()
-            ))
-        })?;
+        let records = crate::records::read(dir)?;
         let mut run = Run {
             dir: dir.to_owned(),
+            unreadable_lines: records.unreadable_lines,
             ..Default::default()
         };
-        let mut last_step = 0.0;
-        for line in text.lines().filter(|l| !l.trim().is_empty()) {
-            let Ok(v) = serde_json::from_str::<Value>(line) else {
-                run.unreadable_lines += 1;
-                continue;
-            };
-            let f = |k: &str| v.get(k).and_then(Value::as_f64);
-            let mem = |k: &str| v.get("memory").and_then(|m| m.get(k)).and_then(Value::as_f64);
-            let step = f("step").unwrap_or(last_step);
-            match v["type"].as_str().unwrap_or_default() {
-                "start" => {
-                    run.job = v["job"].as_str().unwrap_or_default().to_owned();
-                    run.device = v["device"].as_str().unwrap_or_default().to_owned();
-                    run.cap_bytes = v.get("cap").and_then(|c| c.get("bytes")).and_then(Value::as_f64);
-                    if v["resumed"].as_bool() == Some(true) {
-                        // A session resumed from an earlier checkpoint (after a crash) redoes the
-                        // steps after it: the new records replace the old ones from there.
-                        let from = f("step").unwrap_or(last_step);
-                        run.steps.retain(|p| p.step <= from);
-                        run.epochs.retain(|e| e.step <= from);
-                        run.marks.retain(|m| m.step <= from);
-                        run.mark(
-                            from,
-                            MarkKind::Resume,
-                            format!("resumed from the checkpoint at step {from}"),
-                        );
-                        last_step = from;
-                    }
-                }
-                "step" => {
-                    last_step = step;
-                    run.steps.push(StepPoint {
-                        step,
-                        epoch: v["epoch"].as_i64().unwrap_or(0),
-                        loss: f("loss").unwrap_or(f64::NAN),
-                        lr: f("lr").unwrap_or(f64::NAN),
-                        samples_per_s: f("samples_per_s").unwrap_or(f64::NAN),
-                        allocated: mem("allocated_bytes"),
-                        reserved: mem("reserved_bytes"),
-                        peak_allocated: mem("peak_allocated_bytes"),
-                        peak_reserved: mem("peak_reserved_bytes"),
-                        rss: mem("rss_bytes"),
-                    });
-                }
-                "epoch" => {
-                    last_step = step;
-                    run.epochs.push(EpochPoint {
-                        epoch: v["epoch"].as_i64().unwrap_or(0),
-                        step,
-                        train_loss: f("train_loss").unwrap_or(f64::NAN),
-                        train_acc: f("train_acc").unwrap_or(f64::NAN),
-                        val_loss: f("val_loss"),
-                        val_acc: f("val_acc"),
-                        lr: f("lr").unwrap_or(f64::NAN),
-                        samples_per_s: f("samples_per_s").unwrap_or(f64::NAN),
-                    });
-                }
-                "oom" => {
-                    let before = format!("micro-batch {} x {}", v["micro_batch_before"], v["accumulation_before"]);
-                    let d = &v["decision"];
-                    let (kind, what) = match d["action"].as_str().unwrap_or_default() {
-                        "backoff" => (
-                            MarkKind::Backoff,
-                            format!(
-                                "backoff from {before} to {} x {}",
-                                d["to"]["micro_batch"], d["to"]["accumulation_steps"]
-                            ),
-                        ),
-                        "recompute" => (MarkKind::Recompute, format!("recompute at {before}")),
-                        "move_to_cpu" => (MarkKind::CpuFallback, "moved to the CPU".into()),
-                        "fail" => (MarkKind::Fail, format!("failed at {before}")),
-                        _ => (MarkKind::Oom, before),
-                    };
-                    let error = v["error"].as_str().unwrap_or_default();
-                    let phase = v["phase"].as_str().unwrap_or("step");
-                    run.mark(
-                        step,
-                        kind,
-                        format!("OOM in {phase}: {what}; {}", crate::shim::first_line(error)),
-                    );
-                }
-                "grow_back" => run.mark(
-                    step,
-                    MarkKind::GrowBack,
-                    format!("micro-batch {} -> {}", v["micro_batch_before"], v["micro_batch"]),
-                ),
-                "cache_clear" => run.mark(
-                    step,
-                    MarkKind::CacheClear,
-                    format!(
-                        "{} clear, {}{}",
-                        v["reason"].as_str().unwrap_or("a"),
-                        human_duration(f("seconds").unwrap_or(0.0)),
-                        f("released_bytes")
-                            .map(|b| format!(", released {}", human_bytes(b as u64)))
-                            .unwrap_or_default()
-                    ),
-                ),
-                "checkpoint" => run.mark(
-                    step,
-                    MarkKind::Checkpoint,
-                    format!(
-                        "{} checkpoint, {} in {}",
-                        v["reason"].as_str().unwrap_or_default(),
-                        human_bytes(f("bytes").unwrap_or(0.0) as u64),
-                        human_duration(f("seconds").unwrap_or(0.0))
-                    ),
-                ),
-                "end" => run.summary = Some(v),
-                _ => {}
-            }
+        for event in &records.events {
+            run.add(event);
         }
-        // summary.json is the last word when present (metrics.jsonl holds one per session).
-        if let Ok(bytes) = fs::read(dir.join("summary.json")) {
-            if let Ok(v) = serde_json::from_slice(&bytes) {
-                run.summary = Some(v);
-            }
-        }
-        if let Ok(bytes) = fs::read(dir.join("oom/report.json")) {
-            run.oom_report = serde_json::from_slice(&bytes).ok();
-        }
+        run.summary = records.summary;
         let pickle = dir.join("oom/snapshot.pickle");
         if pickle.exists() {
-            let error = run
-                .oom_report
-                .as_ref()
-                .and_then(|r| r["error"].as_str())
-                .unwrap_or_default()
-                .to_owned();
             // A snapshot that cannot be read costs the segment map, not the report.
             match fs::read(&pickle)
                 .context("reading it")
-                .and_then(|b| SegmentMap::from_pickle(&b, &error))
+                .and_then(|b| SegmentMap::from_pickle(&b, &oom_error(dir)))
             {
                 Ok(m) => run.segments = Some(m),
                 Err(e) => run.snapshot_error = Some(format!("{}: {e:#}", pickle.display())),
@@ -283,23 +141,94 @@ impl Run {
         Ok(run)
     }
 
+    fn add(&mut self, event: &Event) {
+        match event {
+            Event::Start(s) => {
+                self.job = s.job.clone();
+                self.device = s.device.clone();
+                self.cap_bytes = s.cap.as_ref().map(|c| c.bytes as f64);
+                if s.resumed {
+                    let from = s.step as f64;
+                    self.mark(
+                        from,
+                        MarkKind::Resume,
+                        format!("resumed from the checkpoint at step {from}"),
+                    );
+                }
+            }
+            Event::Step(s) => {
+                let bytes = |b: Option<u64>| b.map(|b| b as f64);
+                self.steps.push(StepPoint {
+                    step: s.step as f64,
+                    epoch: s.epoch,
+                    loss: s.loss,
+                    lr: s.lr,
+                    samples_per_s: s.samples_per_s,
+                    allocated: bytes(s.memory.allocated_bytes),
+                    reserved: bytes(s.memory.reserved_bytes),
+                    peak_allocated: bytes(s.memory.peak_allocated_bytes),
+                    peak_reserved: bytes(s.memory.peak_reserved_bytes),
+                    rss: s.memory.rss_bytes as f64,
+                });
+            }
+            Event::Epoch(e) => self.epochs.push(EpochPoint {
+                epoch: e.epoch,
+                step: e.step as f64,
+                train_loss: e.train_loss,
+                train_acc: e.train_acc,
+                val_loss: e.val_loss,
+                val_acc: e.val_acc,
+                lr: e.lr,
+                samples_per_s: e.samples_per_s,
+            }),
+            Event::Oom(o) => {
+                let (kind, what) = decision_mark(o);
+                self.mark(
+                    o.step as f64,
+                    kind,
+                    format!("OOM in {}: {what}; {}", o.phase, crate::shim::first_line(&o.error)),
+                );
+            }
+            Event::GrowBack(g) => self.mark(
+                g.step as f64,
+                MarkKind::GrowBack,
+                format!("micro-batch {} -> {}", g.micro_batch_before, g.micro_batch),
+            ),
+            Event::CacheClear(c) => self.mark(
+                c.step as f64,
+                MarkKind::CacheClear,
+                format!(
+                    "{} clear, {}{}",
+                    clear_reason_name(c.cleared.reason),
+                    human_duration(c.cleared.seconds),
+                    c.cleared
+                        .released_bytes
+                        .map(|b| format!(", released {}", human_bytes(b)))
+                        .unwrap_or_default()
+                ),
+            ),
+            Event::Checkpoint(c) => self.mark(
+                c.step as f64,
+                MarkKind::Checkpoint,
+                format!(
+                    "{} checkpoint, {} in {}",
+                    c.reason,
+                    human_bytes(c.bytes),
+                    human_duration(c.seconds)
+                ),
+            ),
+            Event::Preflight(_) | Event::End(_) => {}
+        }
+    }
+
     fn mark(&mut self, step: f64, kind: MarkKind, detail: String) {
         self.marks.push(Mark { step, kind, detail });
-    }
-
-    /// A field of the summary by JSON pointer (`/memory/peak_rss_bytes`).
-    pub(crate) fn summary_at(&self, pointer: &str) -> Option<&Value> {
-        self.summary.as_ref()?.pointer(pointer)
-    }
-
-    fn summary_f64(&self, pointer: &str) -> Option<f64> {
-        self.summary_at(pointer)?.as_f64()
     }
 
     pub(crate) fn status(&self) -> &str {
         self.summary
             .as_ref()
-            .and_then(|s| s["status"].as_str())
+            .map(|s| s.status.name())
             .unwrap_or("no summary (the run was killed or is still running)")
     }
 
@@ -308,31 +237,33 @@ impl Run {
         self.steps.iter().filter_map(f).reduce(f64::max)
     }
 
+    /// A summary figure, where there is a summary.
+    fn summary_f64(&self, f: impl Fn(&Summary) -> Option<f64>) -> Option<f64> {
+        self.summary.as_ref().and_then(f)
+    }
+
     pub fn peak_allocated(&self) -> Option<f64> {
         let from_steps = self.step_max(|p| p.peak_allocated.or(p.allocated));
-        let from_summary = self.summary_f64("/memory/peak_allocated_bytes");
+        let from_summary = self.summary_f64(|s| s.memory.peak_allocated_bytes.map(|b| b as f64));
         from_steps.into_iter().chain(from_summary).reduce(f64::max)
     }
 
     pub fn peak_reserved(&self) -> Option<f64> {
         let from_steps = self.step_max(|p| p.peak_reserved.or(p.reserved));
-        let from_summary = self.summary_f64("/memory/peak_reserved_bytes");
+        let from_summary = self.summary_f64(|s| s.memory.peak_reserved_bytes.map(|b| b as f64));
         from_steps.into_iter().chain(from_summary).reduce(f64::max)
     }
 
     /// Data-parallel runs: each rank's peaks over the run (summary.json's `memory.ranks`).
-    pub(crate) fn rank_peaks(&self) -> Vec<RankPeaks> {
-        let Some(list) = self.summary_at("/memory/ranks").and_then(|v| v.as_array()) else {
-            return Vec::new();
-        };
-        list.iter()
-            .map(|r| RankPeaks {
-                rank: r["rank"].as_u64().unwrap_or_default(),
-                allocated: r["peak_allocated_bytes"].as_u64(),
-                reserved: r["peak_reserved_bytes"].as_u64(),
-                rss: r["peak_rss_bytes"].as_u64().unwrap_or_default(),
-            })
-            .collect()
+    pub(crate) fn rank_peaks(&self) -> &[RankPeak] {
+        self.summary.as_ref().map_or(&[], |s| &s.memory.ranks)
+    }
+
+    /// The optimizer steps done: the summary's count, else the last step line's.
+    pub(crate) fn global_steps(&self) -> f64 {
+        self.summary_f64(|s| Some(s.global_steps as f64))
+            .or(self.steps.last().map(|s| s.step))
+            .unwrap_or(0.0)
     }
 
     /// The lines `memtrain report` prints: peak memory, cache-clear cost, OOMs and what was
@@ -355,8 +286,8 @@ impl Run {
         if let Some(r) = self.peak_reserved() {
             mem += &format!(", {} reserved", human_bytes(r as u64));
         }
-        if let Some(r) = self.summary_f64("/memory/peak_rss_bytes") {
-            mem += &format!(", {} RSS", human_bytes(r as u64));
+        if let Some(s) = &self.summary {
+            mem += &format!(", {} RSS", human_bytes(s.memory.peak_rss_bytes));
         }
         if let Some(c) = self.cap_bytes {
             mem += &format!(" (cap {})", human_bytes(c as u64));
@@ -366,28 +297,22 @@ impl Run {
             line(format!(
                 "  rank {}: {} allocated, {} RSS",
                 r.rank,
-                r.allocated.map(human_bytes).unwrap_or_else(|| "-".into()),
-                human_bytes(r.rss)
+                r.peak_allocated_bytes.map(human_bytes).unwrap_or_else(|| "-".into()),
+                human_bytes(r.peak_rss_bytes)
             ));
         }
-        let clears = self.summary_f64("/cache/clears").unwrap_or(0.0);
-        let clear_s = self.summary_f64("/cache/clear_seconds").unwrap_or(0.0);
-        let syncs = self.summary_f64("/cache/syncs").unwrap_or(0.0);
-        let sync_s = self.summary_f64("/cache/sync_seconds").unwrap_or(0.0);
+        let cache = self.summary.as_ref().and_then(|s| s.cache).unwrap_or_default();
         line(format!(
-            "cache clearing: {clears} clears took {}; {syncs} synchronisations took {}",
-            human_duration(clear_s),
-            human_duration(sync_s)
+            "cache clearing: {} clears took {}; {} synchronisations took {}",
+            cache.clears,
+            human_duration(cache.clear_seconds),
+            cache.syncs,
+            human_duration(cache.sync_seconds)
         ));
         let ooms: Vec<&Mark> = self
             .marks
             .iter()
-            .filter(|m| {
-                matches!(
-                    m.kind,
-                    MarkKind::Oom | MarkKind::Backoff | MarkKind::Recompute | MarkKind::CpuFallback | MarkKind::Fail
-                )
-            })
+            .filter(|m| matches!(m.kind, MarkKind::Lever(_) | MarkKind::Fail))
             .collect();
         line(format!("OOM events: {}", ooms.len()));
         for m in ooms {
@@ -396,14 +321,12 @@ impl Run {
         for m in self.marks.iter().filter(|m| m.kind == MarkKind::GrowBack) {
             line(format!("  step {}: grew back, {}", m.step, m.detail));
         }
-        let rate = self.summary_f64("/samples_per_s");
-        let wall = self.summary_f64("/wall_seconds");
+        let rate = self.summary_f64(|s| Some(s.samples_per_s));
+        let wall = self.summary_f64(|s| Some(s.wall_seconds));
         line(format!(
             "throughput: {} samples/s over {} steps{}",
             rate.map(|r| format!("{r:.1}")).unwrap_or_else(|| "-".into()),
-            self.summary_f64("/global_steps")
-                .or(self.steps.last().map(|s| s.step))
-                .unwrap_or(0.0),
+            self.global_steps(),
             wall.map(|w| format!(", wall {}", human_duration(w)))
                 .unwrap_or_default()
         ));
@@ -432,23 +355,60 @@ impl Run {
     }
 }
 
+/// The memory timeline's mark for an OOM and what was done about it.
+fn decision_mark(o: &OomEvent) -> (MarkKind, String) {
+    let before = format!("micro-batch {} x {}", o.micro_batch_before, o.accumulation_before);
+    match (by_action(&o.decision.action), o.decision.to) {
+        (Some(l), Some(to)) => (
+            MarkKind::Lever(l.name()),
+            format!(
+                "{} from {before} to {} x {}",
+                l.label(),
+                to.micro_batch,
+                to.accumulation_steps
+            ),
+        ),
+        (Some(l), None) => (MarkKind::Lever(l.name()), format!("{} at {before}", l.label())),
+        (None, _) => (MarkKind::Fail, format!("failed at {before}")),
+    }
+}
+
+/// A cache clear's reason as its record spells it.
+fn clear_reason_name(r: ClearReason) -> &'static str {
+    match r {
+        ClearReason::Every => "every",
+        ClearReason::Auto => "auto",
+        ClearReason::EpochEnd => "epoch_end",
+        ClearReason::Checkpoint => "checkpoint",
+        ClearReason::Oom => "oom",
+    }
+}
+
+/// The error oom/report.json names: the segment map marks the request that failed with it.
+fn oom_error(dir: &Path) -> String {
+    crate::records::read_oom_report(dir)
+        .map(|r| r.error)
+        .unwrap_or_default()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::records::samples::{self, lines};
 
     #[test]
     fn reads_steps_epochs_and_marks_and_skips_a_cut_line() {
         let dir = tempfile::tempdir().unwrap();
-        let lines = [
-            r#"{"type":"start","job":"j","device":"cpu","resumed":false,"cap":{"kind":"cpu_tensor_bytes","bytes":1000}}"#,
-            r#"{"type":"step","epoch":1,"step":1,"loss":2.0,"lr":0.1,"samples_per_s":10,"memory":{"allocated_bytes":100,"peak_allocated_bytes":400,"rss_bytes":9}}"#,
-            r#"{"type":"oom","epoch":1,"step":1,"phase":"training step","error":"CPU cap\nmore","micro_batch_before":8,"accumulation_before":1,"decision":{"action":"backoff","to":{"micro_batch":4,"accumulation_steps":2}}}"#,
-            r#"{"type":"step","epoch":1,"step":2,"loss":1.5,"lr":0.1,"samples_per_s":12,"memory":{"allocated_bytes":120,"peak_allocated_bytes":300,"rss_bytes":9}}"#,
-            r#"{"type":"epoch","epoch":1,"step":2,"train_loss":1.7,"train_acc":0.5,"val_loss":1.6,"val_acc":0.6,"lr":0.1}"#,
-            r#"{"type":"cache_clear","step":2,"reason":"every","seconds":0.5,"released_bytes":2048}"#,
-            r#"{"type":"step","epoch":2,"st"#,
+        let events = [
+            Event::Start(samples::start(0, false, Some(1000))),
+            Event::Step(samples::step(1, 2.0, 100, 400)),
+            Event::Oom(samples::oom(1, samples::backoff())),
+            Event::Step(samples::step(2, 1.5, 120, 300)),
+            Event::Epoch(samples::epoch(2, 0.6)),
+            Event::CacheClear(samples::cache_clear(2)),
         ];
-        fs::write(dir.path().join("metrics.jsonl"), lines.join("\n")).unwrap();
+        let text = lines(&events) + r#"{"type":"step","epoch":2,"st"#;
+        fs::write(dir.path().join("metrics.jsonl"), text).unwrap();
         let run = Run::load(dir.path()).unwrap();
         assert_eq!(run.steps.len(), 2);
         assert_eq!(run.steps[1].loss, 1.5);
@@ -458,12 +418,12 @@ mod tests {
         assert_eq!(run.peak_allocated(), Some(400.0));
         assert_eq!(run.cap_bytes, Some(1000.0));
         let kinds: Vec<MarkKind> = run.marks.iter().map(|m| m.kind).collect();
-        assert_eq!(kinds, [MarkKind::Backoff, MarkKind::CacheClear]);
-        assert!(
-            run.marks[0].detail.contains("backoff from micro-batch 8 x 1 to 4 x 2"),
-            "{:?}",
-            run.marks[0]
+        assert_eq!(kinds, [MarkKind::Lever("backoff"), MarkKind::CacheClear]);
+        assert_eq!(
+            run.marks[0].detail,
+            "OOM in training step: backoff from micro-batch 8 x 1 to 4 x 2; CPU cap"
         );
+        assert_eq!(run.marks[1].detail, "every clear, 500 ms, released 2.00 KiB");
         let text = run.text_summary();
         assert!(text.contains("OOM events: 1"), "{text}");
         assert!(text.contains("peak memory: 400 B allocated"), "{text}");
@@ -471,16 +431,69 @@ mod tests {
     }
 
     #[test]
+    fn every_decision_and_event_has_its_mark() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join("metrics.jsonl"), lines(&samples::every_kind())).unwrap();
+        let run = Run::load(dir.path()).unwrap();
+        let marks: Vec<(f64, MarkKind, &str)> = run.marks.iter().map(|m| (m.step, m.kind, m.detail.as_str())).collect();
+        assert_eq!(
+            marks,
+            [
+                (
+                    1.0,
+                    MarkKind::Lever("recompute"),
+                    "OOM in training step: recompute at micro-batch 8 x 1; CPU cap"
+                ),
+                (
+                    1.0,
+                    MarkKind::Lever("backoff"),
+                    "OOM in training step: backoff from micro-batch 8 x 1 to 4 x 2; CPU cap"
+                ),
+                (
+                    1.0,
+                    MarkKind::Lever("cpu"),
+                    "OOM in training step: CPU fallback at micro-batch 8 x 1; CPU cap"
+                ),
+                (2.0, MarkKind::CacheClear, "every clear, 500 ms, released 2.00 KiB"),
+                (2.0, MarkKind::GrowBack, "micro-batch 4 -> 8"),
+                (2.0, MarkKind::Checkpoint, "epoch checkpoint, 4.00 KiB in 125 ms"),
+                (
+                    3.0,
+                    MarkKind::Fail,
+                    "OOM in training step: failed at micro-batch 8 x 1; CPU cap"
+                ),
+            ]
+        );
+        let text = run.text_summary();
+        for line in [
+            "status oom",
+            "cache clearing: 1 clears took 500 ms; 2 synchronisations took 250 ms",
+            "OOM events: 4",
+            "  step 2: grew back, micro-batch 4 -> 8",
+            "  rank 0: 400 B allocated, 10 B RSS",
+            "throughput: 24.0 samples/s over 3 steps, wall 3.0 s",
+        ] {
+            assert!(text.contains(line), "{line}\n{text}");
+        }
+    }
+
+    #[test]
+    fn clear_reasons_are_named_as_their_records_spell_them() {
+        use ClearReason::*;
+        for r in [Every, Auto, EpochEnd, Checkpoint, Oom] {
+            assert_eq!(serde_json::to_value(r).unwrap(), clear_reason_name(r));
+        }
+    }
+
+    #[test]
     fn a_session_resumed_from_an_earlier_checkpoint_replaces_the_steps_after_it() {
         let dir = tempfile::tempdir().unwrap();
-        let step = |s: i64, loss: f64| {
-            format!(r#"{{"type":"step","epoch":1,"step":{s},"loss":{loss},"lr":0.1,"samples_per_s":1,"memory":{{}}}}"#)
-        };
-        let mut lines = vec![r#"{"type":"start","job":"j","device":"cpu","resumed":false,"step":0}"#.to_owned()];
-        lines.extend((1..=5).map(|s| step(s, 1.0)));
-        lines.push(r#"{"type":"start","job":"j","device":"cpu","resumed":true,"step":3}"#.to_owned());
-        lines.extend((4..=6).map(|s| step(s, 2.0)));
-        fs::write(dir.path().join("metrics.jsonl"), lines.join("\n")).unwrap();
+        let step = |s: i64, loss: f64| Event::Step(samples::step(s, loss, 1, 1));
+        let mut events = vec![Event::Start(samples::start(0, false, None))];
+        events.extend((1..=5).map(|s| step(s, 1.0)));
+        events.push(Event::Start(samples::start(3, true, None)));
+        events.extend((4..=6).map(|s| step(s, 2.0)));
+        fs::write(dir.path().join("metrics.jsonl"), lines(&events)).unwrap();
         let run = Run::load(dir.path()).unwrap();
         let steps: Vec<(f64, f64)> = run.steps.iter().map(|p| (p.step, p.loss)).collect();
         assert_eq!(

@@ -7,6 +7,7 @@ use plotters::style::RGBColor;
 use super::charts::{self, Axis, LineChart, Series};
 use super::{MarkKind, Run, StepPoint};
 use crate::human::{human_bytes, human_duration};
+use crate::run::levers::LEVERS;
 
 const BLUE: RGBColor = RGBColor(31, 119, 180);
 const LIGHT_BLUE: RGBColor = RGBColor(158, 202, 225);
@@ -60,7 +61,7 @@ pub fn render(run: &Run) -> Result<String> {
     }
     let rss = LineChart {
         title: "Host memory (RSS) per step",
-        series: vec![series("RSS", GREEN, 2, run, |p| p.rss)],
+        series: vec![series("RSS", GREEN, 2, run, |p| Some(p.rss))],
         limit: None,
         height: 260,
         ..memory
@@ -192,15 +193,13 @@ figure{margin:.8em 0}svg{max-width:100%;height:auto}.where{color:#666;font-size:
 
 fn facts_table(run: &Run) -> String {
     let mut rows: Vec<(&str, String)> = vec![];
-    let get = |pointer: &str| run.summary_at(pointer);
-    let num = |pointer: &str| get(pointer).and_then(|v| v.as_f64());
+    let summary = run.summary.as_ref();
     rows.push(("status", run.status().to_owned()));
     rows.push(("device", run.device.clone()));
-    if let Some(e) = get("/epochs_completed") {
-        rows.push(("epochs completed", e.to_string()));
+    if let Some(s) = summary {
+        rows.push(("epochs completed", s.epochs_completed.to_string()));
     }
-    let steps = num("/global_steps").or(run.steps.last().map(|p| p.step));
-    rows.push(("optimizer steps", steps.unwrap_or(0.0).to_string()));
+    rows.push(("optimizer steps", run.global_steps().to_string()));
     let bytes = |v: Option<f64>| v.map(|b| human_bytes(b as u64));
     if let Some(b) = bytes(run.peak_allocated()) {
         rows.push(("peak allocated", b));
@@ -208,46 +207,52 @@ fn facts_table(run: &Run) -> String {
     if let Some(b) = bytes(run.peak_reserved()) {
         rows.push(("peak reserved", b));
     }
-    if let Some(b) = bytes(num("/memory/peak_rss_bytes")) {
-        rows.push(("peak RSS", b));
+    if let Some(s) = summary {
+        rows.push(("peak RSS", human_bytes(s.memory.peak_rss_bytes)));
     }
     if let Some(b) = bytes(run.cap_bytes) {
         rows.push(("memory cap", b));
     }
-    if let Some(r) = num("/samples_per_s") {
-        rows.push(("samples/s", format!("{r:.1}")));
+    if let Some(s) = summary {
+        rows.push(("samples/s", format!("{:.1}", s.samples_per_s)));
+        rows.push(("wall time", human_duration(s.wall_seconds)));
     }
-    if let Some(w) = num("/wall_seconds") {
-        rows.push(("wall time", human_duration(w)));
+    if let Some(c) = summary.and_then(|s| s.cache) {
+        rows.push((
+            "cache clears",
+            format!("{} ({})", c.clears, human_duration(c.clear_seconds)),
+        ));
     }
-    if let (Some(n), Some(t)) = (num("/cache/clears"), num("/cache/clear_seconds")) {
-        rows.push(("cache clears", format!("{n} ({})", human_duration(t))));
-    }
-    if let (Some(n), Some(t)) = (num("/memory/step_readings"), num("/memory/step_reading_seconds")) {
-        rows.push(("per-step memory readings", format!("{n} ({})", human_duration(t))));
-    }
-    if let Some(o) = get("/oom") {
+    if let Some(s) = summary {
+        let m = &s.memory;
+        rows.push((
+            "per-step memory readings",
+            format!("{} ({})", m.step_readings, human_duration(m.step_reading_seconds)),
+        ));
+        let o = &s.oom;
         rows.push((
             "OOM events",
             format!(
-                "{} (recompute {}, backoff {}, CPU fallback {}, grow-back {})",
-                o["events"], o["recomputes"], o["backoffs"], o["cpu_fallbacks"], o["grow_backs"]
+                "{} ({}grow-back {})",
+                o.events,
+                LEVERS
+                    .iter()
+                    .map(|l| format!("{} {}, ", l.label(), o.of(l.counted_as())))
+                    .collect::<String>(),
+                o.grow_backs
             ),
         ));
-    }
-    if let Some(p) = get("/precision/mode").and_then(|v| v.as_str()) {
-        rows.push(("precision", p.to_owned()));
-    }
-    if let Some(b) = get("/batch") {
+        rows.push(("precision", s.precision.mode.name().to_owned()));
+        let b = &s.batch;
         rows.push((
             "batch",
             format!(
                 "effective {}; micro-batch {} x {} at the start, {} x {} at the end",
-                b["effective_batch"],
-                b["configured_micro_batch"],
-                b["configured_accumulation_steps"],
-                b["final_micro_batch"],
-                b["final_accumulation_steps"]
+                b.effective_batch,
+                b.configured_micro_batch,
+                b.configured_accumulation_steps,
+                b.final_micro_batch,
+                b.final_accumulation_steps
             ),
         ));
     }
@@ -272,9 +277,9 @@ fn ranks_table(run: &Run) -> String {
         h += &format!(
             "<tr><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>\n",
             r.rank,
-            cell(r.allocated),
-            cell(r.reserved),
-            human_bytes(r.rss)
+            cell(r.peak_allocated_bytes),
+            cell(r.peak_reserved_bytes),
+            human_bytes(r.peak_rss_bytes)
         );
     }
     h + "</table>\n"
@@ -289,7 +294,7 @@ fn events_table(run: &Run) -> String {
         String::from("<h2>Events</h2>\n<table id=\"events\"><tr><th>step</th><th>event</th><th>detail</th></tr>\n");
     for m in run.marks.iter().take(MAX_EVENT_ROWS) {
         let c = charts::mark_color(m.kind);
-        let oom = matches!(m.kind, MarkKind::Oom | MarkKind::Fail);
+        let oom = m.kind == MarkKind::Fail;
         h += &format!(
             "<tr{}><td>{}</td><td><span style=\"color:rgb({},{},{})\">&#9646;</span> {}</td><td>{}</td></tr>\n",
             if oom { " class=\"oom\"" } else { "" },

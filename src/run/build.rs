@@ -247,7 +247,7 @@ impl Plan {
             effective_batch: effective,
             cap: self.cap.clone(),
             allocator_conf: self.alloc.conf.clone(),
-            allocator_conflicts: serde_json::to_value(&self.alloc.conflicts)?,
+            allocator_conflicts: self.alloc.conflicts.clone(),
             train_samples,
             val_samples,
             libtorch: shim::versions().libtorch,

@@ -442,7 +442,7 @@ impl Trainer {
             micro_batch: shape.micro_batch,
             accumulation_steps: shape.accumulation_steps,
             peak_bytes: used,
-            measure,
+            measure: measure.into(),
             cap_bytes: cap,
             headroom_bytes: headroom,
             device: self.device_name(),
@@ -808,7 +808,7 @@ impl Trainer {
             accumulation_steps: shape.accumulation_steps,
             device: self.device_name(),
             memory: mem,
-            cache: self.out.cache.clone(),
+            cache: (&self.out.cache).into(),
             genotype,
             ranks,
         };
@@ -912,14 +912,14 @@ impl Trainer {
                 step_reading_seconds: t.step_reading_seconds,
                 ranks,
             },
-            cache: Some(self.out.cache.clone()),
+            cache: Some((&self.out.cache).into()),
             oom: self.recovery.counts().clone(),
             checkpoints: CheckpointSummary {
                 saved: t.checkpoint_spikes.len(),
                 max_spike_bytes: t.checkpoint_spikes.iter().max().copied(),
             },
             precision: PrecisionSummary {
-                mode: self.pipeline.forward.precision.precision.name(),
+                mode: self.pipeline.forward.precision.precision,
                 loss_scale: self.state.scaler.map(|s| s.scale),
                 skipped_steps: self.state.scaler.map_or(0, |s| s.skipped_steps)
                     + self

@@ -22,6 +22,10 @@ impl Lever for CpuFallback {
         "cpu_fallbacks"
     }
 
+    fn label(&self) -> &'static str {
+        "CPU fallback"
+    }
+
     fn action(&self) -> &'static str {
         "move_to_cpu"
     }

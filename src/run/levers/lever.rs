@@ -43,6 +43,10 @@ pub trait Lever: Sync {
     fn name(&self) -> &'static str;
     /// What it is, in words ("activation checkpointing").
     fn title(&self) -> &'static str;
+    /// The report's name for its marks ("backoff").
+    fn label(&self) -> &'static str {
+        self.name()
+    }
     /// The summary's count of engagements (`oom.recomputes`).
     fn counted_as(&self) -> &'static str;
     /// What an OOM record's decision calls an engagement (`decision.action`).

@@ -28,6 +28,12 @@ pub fn lever(name: &str) -> Option<&'static dyn Lever> {
     LEVERS.iter().copied().find(|l| l.name() == name)
 }
 
+/// The lever an OOM record's decision engaged (None: the run failed, or an action this memtrain
+/// does not know).
+pub fn by_action(action: &str) -> Option<&'static dyn Lever> {
+    LEVERS.iter().copied().find(|l| l.action() == action)
+}
+
 /// The engaged levers themselves.
 pub fn engaged(e: &Engaged) -> impl Iterator<Item = &'static dyn Lever> + '_ {
     e.names().iter().filter_map(|n| lever(n))
