@@ -120,6 +120,9 @@ pub struct RankPeak {
 pub struct EpochEvent {
     #[serde(flatten)]
     pub result: EpochResult,
+    /// The samples this session trained in the epoch (a resumed epoch counts only its rest).
+    #[serde(default)]
+    pub samples: u64,
     /// The global optimizer step the epoch ended at.
     pub step: i64,
     #[serde(deserialize_with = "nan_if_null")]

@@ -6,6 +6,7 @@ mod events;
 mod read;
 #[cfg(test)]
 pub(crate) mod samples;
+mod summary;
 mod tensorboard;
 
 use std::fs::{self, File, OpenOptions};
@@ -18,6 +19,7 @@ use serde_json::Value;
 pub use crate::atomic::{write_atomic, write_json};
 pub use events::*;
 pub use read::{read, read_oom_report, RunRecords};
+pub use summary::{Closing, SummarySink};
 pub use tensorboard::EventWriter;
 
 pub struct Recorder {
@@ -25,6 +27,7 @@ pub struct Recorder {
     metrics: BufWriter<File>,
     spec_toml: String,
     tensorboard: Option<EventWriter>,
+    summary: SummarySink,
 }
 
 impl Recorder {
@@ -46,10 +49,24 @@ impl Recorder {
             metrics: BufWriter::new(f),
             spec_toml: spec_toml.to_owned(),
             tensorboard,
+            summary: SummarySink::default(),
         })
     }
 
+    /// What the summary would say of the session so far (its peaks, for the ranks' gathering).
+    pub fn summary_so_far(&self) -> &SummarySink {
+        &self.summary
+    }
+
+    /// Ends the session: `summary.json` and the `end` record, from the session's events and
+    /// what only the end knows.
+    pub fn close(&mut self, closing: Closing) -> Result<()> {
+        let s = self.summary.summary(closing);
+        self.emit(&Event::End(s))
+    }
+
     pub fn emit(&mut self, event: &Event) -> Result<()> {
+        self.summary.observe(event);
         match event {
             Event::Epoch(e) => {
                 if let Some(g) = &e.genotype {

@@ -67,6 +67,7 @@ pub fn epoch(step: i64, val_acc: f64) -> EpochEvent {
             seconds: 2.0,
             samples_per_s: 24.0,
         },
+        samples: 48,
         step,
         lr: 0.1,
         micro_batch: 8,

@@ -53,25 +53,15 @@ impl Rollback {
     }
 }
 
-/// Totals over this session, for the summary.
-#[derive(Debug, Default)]
-struct Totals {
-    samples_trained: u64,
-    train_seconds: f64,
-    checkpoint_spikes: Vec<u64>,
-    peak_allocated: Option<u64>,
-    peak_reserved: Option<u64>,
-    peak_rss: u64,
-    step_readings: u64,
-    step_reading_seconds: f64,
-}
-
 /// The per-step readings folded into the windows that records report: since the last step
 /// line, and since the epoch began.
 #[derive(Debug, Default)]
 struct StepWindows {
     line: StepMemory,
     epoch: StepMemory,
+    /// How many readings were taken and what they cost, for the summary.
+    readings: u64,
+    reading_seconds: f64,
 }
 
 /// An epoch's wall clock and the samples this session trained in it.
@@ -85,7 +75,6 @@ struct Session {
     t_start: Instant,
     stop: StopFlag,
     last: Option<EpochResult>,
-    totals: Totals,
     windows: StepWindows,
     steps: i64,
     preflight_pending: bool,
@@ -111,7 +100,6 @@ impl Trainer {
                 t_start,
                 stop: StopFlag::install()?,
                 last: None,
-                totals: Totals::default(),
                 windows: StepWindows::default(),
                 steps: 0,
                 preflight_pending: c.settings.preflight,
@@ -289,7 +277,7 @@ impl Trainer {
                         Err(e) => format!("no checkpoint could be written: {e:#}"),
                     }
                 };
-                self.write_summary(Status::Oom)?;
+                self.write_summary(Status::Oom, None)?;
                 Err(OomExit(format!("out of memory in {phase}: {reason}; {note}")).into())
             }
         }
@@ -565,7 +553,6 @@ impl Trainer {
         let base = before.allocated_bytes.unwrap_or(before.rss_bytes);
         let spike = peak.saturating_sub(base);
         let (path, size) = saved?;
-        self.session.totals.checkpoint_spikes.push(spike);
         if self.settings.clear_after_checkpoint {
             self.clear_cache(ClearReason::Checkpoint)?;
         }
@@ -603,8 +590,8 @@ impl Trainer {
         let m = memory::step_reading(self.place());
         self.session.windows.line.fold(&m);
         self.session.windows.epoch.fold(&m);
-        self.session.totals.step_readings += 1;
-        self.session.totals.step_reading_seconds += t.elapsed().as_secs_f64();
+        self.session.windows.readings += 1;
+        self.session.windows.reading_seconds += t.elapsed().as_secs_f64();
     }
 
     fn after_clean_step(&mut self) -> Result<()> {
@@ -635,7 +622,7 @@ impl Trainer {
             }
             self.end_epoch(&clock)?;
         }
-        self.write_summary(Status::Completed)?;
+        self.write_summary(Status::Completed, None)?;
         Ok(Status::Completed)
     }
 
@@ -744,7 +731,7 @@ impl Trainer {
         if self.execution.stops(out.stop, self.session.stop.requested()) {
             self.out.progress.finish_epoch();
             let saved = self.save_checkpoint("interrupted")?;
-            self.write_summary(Status::Interrupted)?;
+            self.write_summary(Status::Interrupted, None)?;
             let at = saved.map_or("rank 0's run directory".into(), |(p, _)| p.display().to_string());
             return Err(Interrupted(format!(
                 "interrupted at epoch {} step {}; checkpoint saved to {at}; continue with --resume",
@@ -756,9 +743,8 @@ impl Trainer {
         self.session.steps += 1;
         if self.settings.max_steps.is_some_and(|m| self.session.steps >= m) {
             self.out.progress.finish_epoch();
-            self.session.totals.samples_trained += clock.seen;
-            self.session.totals.train_seconds += clock.t0.elapsed().as_secs_f64();
-            self.write_summary(Status::StepLimit)?;
+            let unfinished = (clock.seen, clock.t0.elapsed().as_secs_f64());
+            self.write_summary(Status::StepLimit, Some(unfinished))?;
             return Ok(Some(Status::StepLimit));
         }
         Ok(None)
@@ -768,12 +754,9 @@ impl Trainer {
     fn end_epoch(&mut self, clock: &EpochClock) -> Result<()> {
         let (epoch, epochs) = (self.state.epoch, self.settings.epochs);
         let seconds = clock.t0.elapsed().as_secs_f64();
-        self.session.totals.samples_trained += clock.seen;
-        self.session.totals.train_seconds += seconds;
         let val = self.validate()?;
         let mut mem = memory::sample(self.place());
         mem.include(&self.session.windows.epoch);
-        self.note_peaks();
         let ranks = match self.rank_peaks(mem.peak_allocated_bytes, mem.peak_reserved_bytes, mem.peak_rss_bytes) {
             Ok(r) => r,
             Err(e) => {
@@ -783,6 +766,7 @@ impl Trainer {
             }
         };
         let seen = self.state.epoch_seen.max(1) as f64;
+        let samples = clock.seen;
         let result = EpochResult {
             epoch: epoch + 1,
             train_loss: self.state.epoch_loss_sum / seen,
@@ -802,6 +786,7 @@ impl Trainer {
         let shape = self.shape();
         let ev = EpochEvent {
             result: result.clone(),
+            samples,
             step: self.state.global_step,
             lr: self.model.sched.lr_at(self.model.opt.steps_taken()),
             micro_batch: shape.micro_batch,
@@ -848,16 +833,6 @@ impl Trainer {
         self.session.last.as_ref()
     }
 
-    fn note_peaks(&mut self) {
-        let mut m = memory::sample(self.place());
-        m.include(&self.session.windows.epoch);
-        let max = memory::max_opt;
-        let t = &mut self.session.totals;
-        t.peak_allocated = max(t.peak_allocated, m.peak_allocated_bytes);
-        t.peak_reserved = max(t.peak_reserved, m.peak_reserved_bytes);
-        t.peak_rss = t.peak_rss.max(m.peak_rss_bytes);
-    }
-
     /// Data-parallel: every rank's peaks (a collective); empty for a single process.
     fn rank_peaks(&self, allocated: Option<u64>, reserved: Option<u64>, rss: u64) -> Result<Vec<RankPeak>> {
         self.execution.peaks(RankPeak {
@@ -869,68 +844,43 @@ impl Trainer {
     }
 
     /// Every status it is called with is reached by all data-parallel ranks together, so the
-    /// ranks' peaks can be gathered here.
-    pub fn write_summary(&mut self, status: Status) -> Result<()> {
-        self.note_peaks();
-        let t = &self.session.totals;
-        let ranks = match self.rank_peaks(t.peak_allocated, t.peak_reserved, t.peak_rss) {
+    /// ranks' peaks can be gathered here. `unfinished`: the samples and seconds of an epoch the
+    /// session stopped in (`--max-steps`).
+    pub fn write_summary(&mut self, status: Status, unfinished: Option<(u64, f64)>) -> Result<()> {
+        let mut memory = memory::sample(self.place());
+        memory.include(&self.session.windows.epoch);
+        let (allocated, reserved, rss) = self.out.recorder.summary_so_far().peaks_with(&memory);
+        let ranks = match self.rank_peaks(allocated, reserved, rss) {
             Ok(r) => r,
             Err(e) => {
                 tracing::warn!("the summary lists no per-rank peaks: {e:#}");
                 Vec::new()
             }
         };
-        let shape = self.shape();
-        let configured = self.recovery.configured();
-        let t = &self.session.totals;
-        let summary = Summary {
+        let scalers = [self.state.scaler, self.arch.as_ref().and_then(|a| a.state.arch_scaler)];
+        let closing = Closing {
             status,
-            exit_code: status.exit_code(),
-            job: self.settings.job.clone(),
             device: self.device_name(),
             epochs_completed: self.state.epoch,
             global_steps: self.state.global_step,
-            samples_trained: t.samples_trained,
             wall_seconds: self.session.t_start.elapsed().as_secs_f64(),
-            train_seconds: t.train_seconds,
-            samples_per_s: t.samples_trained as f64 / t.train_seconds.max(1e-9),
-            last: self.session.last.clone(),
-            batch: BatchSummary {
-                configured_micro_batch: configured.micro_batch,
-                configured_accumulation_steps: configured.accumulation_steps,
-                effective_batch: configured.effective(),
-                final_micro_batch: shape.micro_batch,
-                final_accumulation_steps: shape.accumulation_steps,
-            },
-            memory: MemorySummary {
-                cap: self.settings.cap.clone(),
-                allocator_conf: self.settings.alloc_conf.clone(),
-                peak_allocated_bytes: t.peak_allocated,
-                peak_reserved_bytes: t.peak_reserved,
-                peak_rss_bytes: t.peak_rss,
-                step_readings: t.step_readings,
-                step_reading_seconds: t.step_reading_seconds,
-                ranks,
-            },
-            cache: Some((&self.out.cache).into()),
+            unfinished_epoch: unfinished,
+            configured: self.recovery.configured(),
+            shape: self.shape(),
+            memory,
+            step_readings: self.session.windows.readings,
+            step_reading_seconds: self.session.windows.reading_seconds,
+            ranks,
+            cache: (&self.out.cache).into(),
             oom: self.recovery.counts().clone(),
-            checkpoints: CheckpointSummary {
-                saved: t.checkpoint_spikes.len(),
-                max_spike_bytes: t.checkpoint_spikes.iter().max().copied(),
-            },
             precision: PrecisionSummary {
                 mode: self.pipeline.forward.precision.precision,
                 loss_scale: self.state.scaler.map(|s| s.scale),
-                skipped_steps: self.state.scaler.map_or(0, |s| s.skipped_steps)
-                    + self
-                        .arch
-                        .as_ref()
-                        .and_then(|a| a.state.arch_scaler)
-                        .map_or(0, |s| s.skipped_steps),
+                skipped_steps: scalers.iter().flatten().map(|s| s.skipped_steps).sum(),
                 activation_checkpointing: self.recovery.engaged().contains("recompute"),
             },
         };
-        self.emit(Event::End(summary))
+        self.out.recorder.close(closing)
     }
 }
 
