@@ -1,11 +1,8 @@
 //! `memtrain fit` under the exact CPU cap: its search against brute force, and the spec it
 //! recommends trained for real under the same budget.
-mod common;
-
-use std::path::Path;
-
-use common::*;
 use serde_json::Value;
+
+use crate::common::*;
 
 /// A small ViT: activations, which grow with the micro-batch, dwarf its parameters (1.0 MB of
 /// peak at micro-batch 1, 6.4 MB at 48). SGD, an effective batch of 48, synthetic images.
@@ -41,18 +38,15 @@ progress = "off"
     .to_owned()
 }
 
-fn write_spec(dir: &Path) -> std::path::PathBuf {
-    let p = dir.join("fit.toml");
-    std::fs::write(&p, spec_text()).unwrap();
-    p
+/// The fit job in a fresh directory, its spec file written from `spec_text` (as `fit.toml`).
+fn job() -> Test {
+    Test::new().name("fit").spec_text(&spec_text())
 }
 
-/// `run --max-steps 3` at micro-batch `b` (no accumulation) under `cap`: its exit code and
-/// its step peak.
-fn probe_by_hand(spec: &Path, out: &Path, b: i64, cap: Option<u64>) -> (i32, Option<u64>) {
-    let _ = std::fs::remove_dir_all(out);
-    let mut c = memtrain();
-    c.args(["-q", "run"]).arg(spec).arg("--out").arg(out).args([
+/// `run --max-steps 3` at micro-batch `b` (no accumulation) under `cap`, as the run `name`:
+/// its step peak when it fits, `None` when it exits 3 (out of memory).
+fn probe_by_hand(t: &Test, name: &str, b: i64, cap: Option<u64>) -> Option<u64> {
+    let mut probe = t.clone().name(name).arg("-q").args(&[
         "--max-steps",
         "3",
         "--set",
@@ -63,47 +57,33 @@ fn probe_by_hand(spec: &Path, out: &Path, b: i64, cap: Option<u64>) -> (i32, Opt
         "memory.on_oom=[\"fail\"]",
     ]);
     if let Some(cap) = cap {
-        c.args(["--set", &format!("memory.limit={cap}")]);
+        probe = probe.args(&["--set", &format!("memory.limit={cap}")]);
     }
-    let o = c.output().unwrap();
-    let code = o.status.code().unwrap();
-    assert!(code == 0 || code == 3, "{}", String::from_utf8_lossy(&o.stderr));
-    let peak = (code == 0).then(|| {
-        records(out, "step")
+    let r = probe.exit_in(&[0, 3]).run();
+    (r.code == 0).then(|| {
+        r.records("step")
             .iter()
             .map(|s| s["memory"]["peak_allocated_bytes"].as_u64().unwrap())
             .max()
             .unwrap()
-    });
-    (code, peak)
+    })
 }
 
 /// A cap 45% of the way from micro-batch 1's step peak to micro-batch 48's.
-fn cap_between(spec: &Path, dir: &Path) -> u64 {
-    let (_, p1) = probe_by_hand(spec, &dir.join("p1"), 1, None);
-    let (_, p48) = probe_by_hand(spec, &dir.join("p48"), 48, None);
-    let (p1, p48) = (p1.unwrap(), p48.unwrap());
+fn cap_between(t: &Test) -> u64 {
+    let p1 = probe_by_hand(t, "p1", 1, None).expect("micro-batch 1 fits without a cap");
+    let p48 = probe_by_hand(t, "p48", 48, None).expect("micro-batch 48 fits without a cap");
     assert!(p48 > p1 + 500_000, "activations must matter: {p1} vs {p48}");
     p1 + (p48 - p1) * 45 / 100
 }
 
-fn fit(args: &[&str]) -> (i32, String, String) {
-    let o = memtrain().arg("fit").args(args).output().unwrap();
-    (
-        o.status.code().unwrap(),
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
-}
-
 #[test]
 fn fit_lands_on_the_largest_micro_batch_that_brute_force_finds() {
-    let dir = tempfile::tempdir().unwrap();
-    let spec = write_spec(dir.path());
-    let cap = cap_between(&spec, dir.path());
+    let t = job();
+    let cap = cap_between(&t);
     // Brute force: every micro-batch from 1 to the effective batch, under the cap.
     let fits: Vec<bool> = (1..=48)
-        .map(|b| probe_by_hand(&spec, &dir.path().join("b"), b, Some(cap)).0 == 0)
+        .map(|b| probe_by_hand(&t, &format!("b{b}"), b, Some(cap)).is_some())
         .collect();
     let truth = fits.iter().rposition(|&f| f).unwrap() as i64 + 1;
     assert!(
@@ -112,22 +92,25 @@ fn fit_lands_on_the_largest_micro_batch_that_brute_force_finds() {
     );
     assert!(truth > 4 && truth < 48, "the cap splits the range: {truth}");
 
-    let (code, stdout, stderr) = fit(&[
-        spec.to_str().unwrap(),
-        "--limit",
-        &cap.to_string(),
-        "--margin",
-        "0%",
-        "--precision",
-        "fp32",
-        "--checkpointing",
-        "off",
-        "--steps",
-        "3",
-        "--json",
-    ]);
-    assert_eq!(code, 0, "{stderr}");
-    let r: Value = serde_json::from_str(&stdout).unwrap();
+    let o = t
+        .clone()
+        .command("fit")
+        .args(&[
+            "--limit",
+            &cap.to_string(),
+            "--margin",
+            "0%",
+            "--precision",
+            "fp32",
+            "--checkpointing",
+            "off",
+            "--steps",
+            "3",
+            "--json",
+        ])
+        .run();
+    let (stdout, stderr) = (&o.stdout, &o.stderr);
+    let r: Value = serde_json::from_str(stdout).unwrap();
     let found = r["settings"][0]["largest_micro_batch"].as_i64().unwrap();
     assert!(
         found <= truth && found >= truth - 1,
@@ -161,120 +144,113 @@ fn fit_lands_on_the_largest_micro_batch_that_brute_force_finds() {
 
 #[test]
 fn the_recommended_spec_trains_its_first_epoch_without_an_oom() {
-    let dir = tempfile::tempdir().unwrap();
-    let spec = write_spec(dir.path());
-    let cap = cap_between(&spec, dir.path());
-    let tuned = dir.path().join("tuned.toml");
+    let t = job();
+    let cap = cap_between(&t);
+    // fit writes the tuned spec where this run reads its spec file.
+    let tuned = t.clone().name("tuned").spec_written();
     // The user's own --set lines go into the tuned spec too; the spec's floor on the
     // micro-batch (48 here) comes down to the recommendation, or the spec would not validate.
-    let (code, stdout, stderr) = fit(&[
-        spec.to_str().unwrap(),
-        "--set",
-        "train.batch_size=48",
-        "--set",
-        "train.accumulation_steps=1",
-        "--set",
-        "memory.min_batch_size=48",
-        "--limit",
-        &cap.to_string(),
-        "--precision",
-        "fp32",
-        "--precision",
-        "bf16-mixed",
-        "--checkpointing",
-        "off",
-        "--steps",
-        "3",
-        "--write",
-        tuned.to_str().unwrap(),
-    ]);
-    assert_eq!(code, 0, "{stderr}");
+    let o = t
+        .clone()
+        .command("fit")
+        .args(&[
+            "--set",
+            "train.batch_size=48",
+            "--set",
+            "train.accumulation_steps=1",
+            "--set",
+            "memory.min_batch_size=48",
+            "--limit",
+            &cap.to_string(),
+            "--precision",
+            "fp32",
+            "--precision",
+            "bf16-mixed",
+            "--checkpointing",
+            "off",
+            "--steps",
+            "3",
+            "--write",
+            tuned.spec_path().to_str().unwrap(),
+        ])
+        .run();
+    let (stdout, stderr) = (&o.stdout, &o.stderr);
     assert!(
         stderr.contains("margin") && stderr.contains("probes capped at"),
         "{stderr}"
     );
     assert!(stdout.contains("recommendation: precision "), "{stdout}");
-    assert!(stdout.contains(&format!("written to {}", tuned.display())), "{stdout}");
-    let text = std::fs::read_to_string(&tuned).unwrap();
+    assert!(
+        stdout.contains(&format!("written to {}", tuned.spec_path().display())),
+        "{stdout}"
+    );
+    let text = std::fs::read_to_string(tuned.spec_path()).unwrap();
     assert!(text.starts_with("# the fit test's job: this comment must survive --write"));
-    let t: toml::Table = text.parse().unwrap();
-    let b = t["train"]["batch_size"].as_integer().unwrap();
-    assert_eq!(b * t["train"]["accumulation_steps"].as_integer().unwrap(), 48);
-    assert_eq!(t["memory"]["limit"].as_integer().map(|v| v as u64), Some(cap));
+    let spec: toml::Table = text.parse().unwrap();
+    let b = spec["train"]["batch_size"].as_integer().unwrap();
+    assert_eq!(b * spec["train"]["accumulation_steps"].as_integer().unwrap(), 48);
+    assert_eq!(spec["memory"]["limit"].as_integer().map(|v| v as u64), Some(cap));
     assert!(b < 48, "48 does not fit under the cap");
-    assert_eq!(t["memory"]["min_batch_size"].as_integer(), Some(b));
+    assert_eq!(spec["memory"]["min_batch_size"].as_integer(), Some(b));
     assert_eq!(
-        std::fs::read_to_string(&spec).unwrap(),
+        std::fs::read_to_string(t.spec_path()).unwrap(),
         spec_text(),
         "the input spec is untouched"
     );
 
     // Trained as written, under the same budget, with no OOM recovery to hide behind.
-    let out = dir.path().join("tuned-run");
-    let o = memtrain()
-        .args(["run"])
-        .arg(&tuned)
-        .arg("--out")
-        .arg(&out)
-        .args(["--set", "memory.on_oom=[\"fail\"]"])
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
-    assert!(records(&out, "oom").is_empty());
-    assert_eq!(records(&out, "epoch").len(), 1);
-    assert_eq!(records(&out, "start")[0]["micro_batch"], b);
+    let run = tuned.args(&["--set", "memory.on_oom=[\"fail\"]"]).run();
+    assert!(run.records("oom").is_empty());
+    assert_eq!(run.records("epoch").len(), 1);
+    assert_eq!(run.records("start")[0]["micro_batch"], b);
 }
 
 #[test]
 fn fit_says_what_is_wrong_with_its_input_and_when_nothing_fits() {
-    let dir = tempfile::tempdir().unwrap();
-    let spec = write_spec(dir.path());
-    let s = spec.to_str().unwrap();
-    let (code, _, stderr) = fit(&[s, "--fraction", "0.5"]);
-    assert_eq!(code, 2);
-    assert!(stderr.contains("--fraction is a share of a GPU's memory"), "{stderr}");
-    let (code, _, stderr) = fit(&[s, "--limit", "8MiB", "--precision", "fp8"]);
-    assert_eq!(code, 2);
-    assert!(
-        stderr.contains("--precision fp8: not a precision; one of fp32, fp16-mixed, bf16-mixed, bf16"),
-        "{stderr}"
-    );
-    let (code, _, stderr) = fit(&[s, "--limit", "8MiB", "--margin", "9MiB"]);
-    assert_eq!(code, 2);
-    assert!(stderr.contains("is not below the budget"), "{stderr}");
-    let mlp = dir.path().join("mlp.toml");
-    std::fs::write(&mlp, toml::to_string(&digits_spec()).unwrap()).unwrap();
-    let (code, _, stderr) = fit(&[mlp.to_str().unwrap(), "--limit", "64MiB", "--checkpointing", "on"]);
-    assert_eq!(code, 2, "{stderr}");
-    assert!(
-        stderr.contains("not applicable: the mlp preset is not a sequence of blocks"),
-        "{stderr}"
-    );
-    assert!(
-        stderr.contains("the mlp preset is not a sequence of blocks"),
-        "{stderr}"
-    );
-    assert!(stderr.contains("use --checkpointing off or both"), "{stderr}");
+    let fit = job().command("fit");
+    fit.clone()
+        .args(&["--fraction", "0.5"])
+        .exit(2)
+        .stderr_has("--fraction is a share of a GPU's memory")
+        .run();
+    fit.clone()
+        .args(&["--limit", "8MiB", "--precision", "fp8"])
+        .exit(2)
+        .stderr_has("--precision fp8: not a precision; one of fp32, fp16-mixed, bf16-mixed, bf16")
+        .run();
+    fit.clone()
+        .args(&["--limit", "8MiB", "--margin", "9MiB"])
+        .exit(2)
+        .stderr_has("is not below the budget")
+        .run();
+    fit.clone()
+        .name("mlp")
+        .spec(digits_spec())
+        .args(&["--limit", "64MiB", "--checkpointing", "on"])
+        .exit(2)
+        .stderr_has("not applicable: the mlp preset is not a sequence of blocks")
+        .stderr_has("the mlp preset is not a sequence of blocks")
+        .stderr_has("use --checkpointing off or both")
+        .run();
 
     // 512 KiB holds not even the set-up: every setting fails at micro-batch 1; the JSON says so.
-    let tuned = dir.path().join("never.toml");
-    let (code, stdout, stderr) = fit(&[
-        s,
-        "--limit",
-        "512KiB",
-        "--precision",
-        "fp32",
-        "--json",
-        "--write",
-        tuned.to_str().unwrap(),
-    ]);
-    assert_eq!(code, 3, "{stderr}");
-    assert!(stderr.contains("nothing fits in"), "{stderr}");
-    assert!(
-        stderr.contains("micro-batch     1  peak          -  OOM  (out of memory while "),
-        "{stderr}"
-    );
-    let r: Value = serde_json::from_str(&stdout).unwrap();
+    let tuned = fit.dir().join("never.toml");
+    let o = fit
+        .clone()
+        .args(&[
+            "--limit",
+            "512KiB",
+            "--precision",
+            "fp32",
+            "--json",
+            "--write",
+            tuned.to_str().unwrap(),
+        ])
+        .exit(3)
+        .stderr_has("nothing fits in")
+        .stderr_has("micro-batch     1  peak          -  OOM  (out of memory while ")
+        .run();
+    let r: Value = serde_json::from_str(&o.stdout).unwrap();
     assert!(r["recommendation"].is_null());
     assert_eq!(r["settings"][0]["largest_micro_batch"], Value::Null);
     assert!(!tuned.exists(), "nothing is written without a recommendation");

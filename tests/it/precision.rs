@@ -1,7 +1,5 @@
 //! Mixed precision, loss scaling and activation recomputation, driven through the binary.
-mod common;
-
-use common::*;
+use crate::common::*;
 use toml::Value;
 
 #[test]
@@ -73,13 +71,9 @@ fn an_inf_gradient_skips_the_step_and_halves_the_scale_and_resume_is_exact() {
 }
 
 fn darts() -> Test {
-    Test::new().spec(table(
-        "[job]\nthreads = 1\ndevice = \"cpu\"\n[model]\npreset = \"darts\"\n[model.darts]\ninput_length = 32\n\
-         init_channels = 8\nnum_cells = 3\nnum_nodes = 2\nnum_classes = 3\n\
-         ops = [\"none\", \"skip_connect\", \"max_pool_3\", \"sep_conv_3\", \"attention_light\"]\n\
-         [data]\nsamples = 24\n[train]\nepochs = 2\nbatch_size = 4\naccumulation_steps = 2\noptimizer = \"sgd\"\n\
-         lr = 0.05\nmomentum = 0.9\n[log]\nprogress = \"lines\"\n",
-    ))
+    Test::darts()
+        .set("train.accumulation_steps", 2)
+        .set("log.progress", "lines")
 }
 
 #[test]
