@@ -18,7 +18,7 @@ fn mixed_precision_trains_the_digits_mlp() {
         assert!(tensors(&r.final_model())
             .iter()
             .all(|(_, t)| t.kind() == tch::Kind::Float));
-        let scaler = &json(&r.final_model().with_file_name("state.json"))["scaler"];
+        let scaler = &r.final_state()["scaler"];
         if p == "fp16-mixed" {
             assert_eq!(s["precision"]["loss_scale"], 65536.0, "no overflow on this job");
             assert_eq!(scaler["scale"], 65536.0);
@@ -52,7 +52,7 @@ fn an_inf_gradient_skips_the_step_and_halves_the_scale_and_resume_is_exact() {
     assert_eq!(s["precision"]["skipped_steps"], 1);
     assert_eq!(s["precision"]["loss_scale"], 32768.0);
     assert_eq!(s["global_steps"], 90, "a skipped step is still a step of the loop");
-    let state = json(&straight.final_model().with_file_name("state.json"));
+    let state = straight.final_state();
     assert_eq!(state["scaler"]["scale"], 32768.0);
     assert_eq!(state["scaler"]["growth_tracker"], 90 - 3);
     assert_eq!(state["scaler"]["skipped_steps"], 1);
@@ -62,10 +62,7 @@ fn an_inf_gradient_skips_the_step_and_halves_the_scale_and_resume_is_exact() {
     // The same run stopped after epoch 1 and resumed: the scaler's state comes back from the
     // checkpoint and the weights end byte-identical.
     let part = inf(fp16().name("part")).set("train.epochs", 1).run();
-    assert_eq!(
-        json(&part.final_model().with_file_name("state.json"))["scaler"]["scale"],
-        32768.0
-    );
+    assert_eq!(part.final_state()["scaler"]["scale"], 32768.0);
     part.resume().args(&["--set", "train.epochs=2"]).run();
     assert_eq!(straight.final_bytes(), part.final_bytes());
 }
@@ -134,10 +131,7 @@ fn recompute_turns_checkpointing_on_and_keeps_the_batch() {
     assert_eq!(ooms.len(), 1);
     assert_eq!(ooms[0]["decision"]["action"], "recompute");
     // Kept for a resume.
-    assert_eq!(
-        json(&capped.final_model().with_file_name("state.json"))["activation_checkpointing"],
-        true
-    );
+    assert_eq!(capped.final_state()["activation_checkpointing"], true);
     // Same weights as a run with checkpointing from the start: the failed attempt left nothing.
     let reference = wide_darts()
         .name("reference")

@@ -632,6 +632,13 @@ impl Outcome {
         final_model(&self.out)
     }
 
+    /// The newest checkpoint's training state (`state.json` beside its model file).
+    #[track_caller]
+    #[must_use]
+    pub fn final_state(&self) -> serde_json::Value {
+        json(&self.final_model().with_file_name("state.json"))
+    }
+
     #[track_caller]
     #[must_use]
     pub fn final_bytes(&self) -> Bytes {
