@@ -131,7 +131,10 @@ fn recompute_turns_checkpointing_on_and_keeps_the_batch() {
     assert_eq!(ooms.len(), 1);
     assert_eq!(ooms[0]["decision"]["action"], "recompute");
     // Kept for a resume.
-    assert_eq!(capped.final_state()["activation_checkpointing"], true);
+    assert_eq!(
+        json(&capped.final_model().with_file_name("state.json"))["activation_checkpointing"],
+        true
+    );
     // Same weights as a run with checkpointing from the start: the failed attempt left nothing.
     let reference = wide_darts()
         .name("reference")
