@@ -1,7 +1,5 @@
 //! Mixed precision, loss scaling and activation recomputation, driven through the binary.
-mod common;
-
-use common::*;
+use crate::common::*;
 use toml::Value;
 
 #[test]
@@ -20,7 +18,7 @@ fn mixed_precision_trains_the_digits_mlp() {
         assert!(tensors(&r.final_model())
             .iter()
             .all(|(_, t)| t.kind() == tch::Kind::Float));
-        let scaler = &json(&r.final_model().with_file_name("state.json"))["scaler"];
+        let scaler = &r.final_state()["scaler"];
         if p == "fp16-mixed" {
             assert_eq!(s["precision"]["loss_scale"], 65536.0, "no overflow on this job");
             assert_eq!(scaler["scale"], 65536.0);
@@ -54,7 +52,7 @@ fn an_inf_gradient_skips_the_step_and_halves_the_scale_and_resume_is_exact() {
     assert_eq!(s["precision"]["skipped_steps"], 1);
     assert_eq!(s["precision"]["loss_scale"], 32768.0);
     assert_eq!(s["global_steps"], 90, "a skipped step is still a step of the loop");
-    let state = json(&straight.final_model().with_file_name("state.json"));
+    let state = straight.final_state();
     assert_eq!(state["scaler"]["scale"], 32768.0);
     assert_eq!(state["scaler"]["growth_tracker"], 90 - 3);
     assert_eq!(state["scaler"]["skipped_steps"], 1);
@@ -64,22 +62,15 @@ fn an_inf_gradient_skips_the_step_and_halves_the_scale_and_resume_is_exact() {
     // The same run stopped after epoch 1 and resumed: the scaler's state comes back from the
     // checkpoint and the weights end byte-identical.
     let part = inf(fp16().name("part")).set("train.epochs", 1).run();
-    assert_eq!(
-        json(&part.final_model().with_file_name("state.json"))["scaler"]["scale"],
-        32768.0
-    );
+    assert_eq!(part.final_state()["scaler"]["scale"], 32768.0);
     part.resume().args(&["--set", "train.epochs=2"]).run();
     assert_eq!(straight.final_bytes(), part.final_bytes());
 }
 
 fn darts() -> Test {
-    Test::new().spec(table(
-        "[job]\nthreads = 1\ndevice = \"cpu\"\n[model]\npreset = \"darts\"\n[model.darts]\ninput_length = 32\n\
-         init_channels = 8\nnum_cells = 3\nnum_nodes = 2\nnum_classes = 3\n\
-         ops = [\"none\", \"skip_connect\", \"max_pool_3\", \"sep_conv_3\", \"attention_light\"]\n\
-         [data]\nsamples = 24\n[train]\nepochs = 2\nbatch_size = 4\naccumulation_steps = 2\noptimizer = \"sgd\"\n\
-         lr = 0.05\nmomentum = 0.9\n[log]\nprogress = \"lines\"\n",
-    ))
+    Test::darts()
+        .set("train.accumulation_steps", 2)
+        .set("log.progress", "lines")
 }
 
 #[test]

@@ -1,8 +1,6 @@
 //! `memtrain run` end to end: accuracy on real data, records, accumulation, checkpoints,
 //! resume, interruption and crash safety.
-mod common;
-
-use common::*;
+use crate::common::*;
 
 #[test]
 fn digits_mlp_learns_and_leaves_complete_records() {
@@ -224,15 +222,7 @@ fn init_from_loads_weights_by_name_and_explains_mismatches() {
 
 #[test]
 fn darts_search_logs_its_genotype() {
-    let r = Test::new()
-        .spec(table(
-            "[job]\nthreads = 1\ndevice = \"cpu\"\n[model]\npreset = \"darts\"\n[model.darts]\ninput_length = 32\n\
-             init_channels = 8\nnum_cells = 3\nnum_nodes = 2\nnum_classes = 3\n\
-             ops = [\"none\", \"skip_connect\", \"max_pool_3\", \"sep_conv_3\", \"attention_light\"]\n\
-             [data]\nsamples = 24\n[train]\nepochs = 2\nbatch_size = 4\noptimizer = \"sgd\"\nlr = 0.05\nmomentum = 0.9\n",
-        ))
-        .stderr_has("genotype:")
-        .run();
+    let r = Test::darts().stderr_has("genotype:").run();
     let g = json(&r.out.join("genotype.json"));
     assert_eq!(g["epoch"], 2);
     for kind in ["normal", "reduce"] {

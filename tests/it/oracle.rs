@@ -2,11 +2,9 @@
 //! equal plain PyTorch's (torch 2.11 and torchvision 0.26 from the bootstrap environment,
 //! tests/py/reference.py), for SGD with momentum and for AdamW, with accumulation and clipping,
 //! on the mlp and resnet18 presets: 24 optimizer steps each.
-mod common;
-
 use std::path::Path;
 
-use common::*;
+use crate::common::*;
 
 #[derive(Clone, Copy)]
 enum Model {

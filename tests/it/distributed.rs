@@ -1,11 +1,7 @@
 //! Data-parallel training on c10d with Gloo: `run --nproc 2` on the CPU, against one process.
-mod common;
-
 use std::path::Path;
-use std::process::Stdio;
-use std::time::{Duration, Instant};
 
-use common::*;
+use crate::common::*;
 
 /// A job whose 2-rank run takes each micro-batch of a 1-rank run on one rank: accumulation 2.
 /// (A group too small to split at micro-batch boundaries, such as an epoch's short last one, is
@@ -19,18 +15,14 @@ fn mlp() -> Test {
 }
 
 fn darts() -> Test {
-    Test::new().spec(table(
-        "[job]\nthreads = 1\ndevice = \"cpu\"\n[model]\npreset = \"darts\"\n[model.darts]\ninput_length = 32\n\
-         init_channels = 8\nnum_cells = 3\nnum_nodes = 2\nnum_classes = 3\n\
-         ops = [\"none\", \"skip_connect\", \"max_pool_3\", \"sep_conv_3\", \"attention_light\"]\n\
-         [data]\nsource = \"synthetic\"\nsamples = 64\nval_fraction = 0.25\n\
-         [train]\nepochs = 2\nbatch_size = 8\naccumulation_steps = 2\noptimizer = \"sgd\"\nlr = 0.025\n\
-         momentum = 0.9\ngrad_clip_norm = 5.0\n[log]\nprogress = \"off\"\n",
-    ))
-}
-
-fn losses(o: &Outcome) -> Vec<f64> {
-    o.records("step").iter().map(|r| r["loss"].as_f64().unwrap()).collect()
+    Test::darts()
+        .set("data.samples", 64)
+        .set("data.val_fraction", 0.25)
+        .set("train.batch_size", 8)
+        .set("train.accumulation_steps", 2)
+        .set("train.lr", 0.025)
+        .set("train.grad_clip_norm", 5.0)
+        .set("log.progress", "off")
 }
 
 fn assert_close_losses(a: &[f64], b: &[f64]) {
@@ -65,7 +57,7 @@ fn weight_gap(a: &Path, b: &Path) -> f64 {
 fn two_ranks_equal_one(t: Test) {
     let one = t.clone().name("one").run();
     let two = t.clone().name("two").arg("--nproc").arg("2").run();
-    assert_close_losses(&losses(&one), &losses(&two));
+    assert_close_losses(&step_losses(&one), &step_losses(&two));
     let gap = weight_gap(&one.final_model(), &two.final_model());
     assert!(gap <= 1e-6, "final weights differ by {gap:e} (relative)");
     // Rank 0 alone writes the run directory and prints; the other rank's output is nowhere.
@@ -112,7 +104,7 @@ fn an_oom_on_one_rank_backs_off_both_on_the_same_group() {
     assert_eq!(&micro[..2], &[64, 64]);
     assert!(micro[2..].iter().all(|&m| m == 32), "{micro:?}");
     // Same groups, same model; only the micro-batch split (summation order) differs.
-    assert_close_losses(&losses(&clean), &losses(&hit));
+    assert_close_losses(&step_losses(&clean), &step_losses(&hit));
     let gap = weight_gap(&clean.final_model(), &hit.final_model());
     assert!(gap <= 1e-6, "final weights differ by {gap:e} (relative)");
 }
@@ -172,7 +164,7 @@ fn sharded_optimizer_state_trains_the_same_weights_with_less_memory_per_rank() {
         .arg("2")
         .run();
     // The owner computes exactly the update every rank would: bit-identical.
-    assert_eq!(losses(&plain), losses(&sharded));
+    assert_eq!(step_losses(&plain), step_losses(&sharded));
     let gap = weight_gap(&plain.final_model(), &sharded.final_model());
     assert_eq!(gap, 0.0, "sharded and unsharded weights differ");
     let (p, s) = (first_epoch_rank_peaks(&plain), first_epoch_rank_peaks(&sharded));
@@ -235,45 +227,28 @@ fn a_sharded_checkpoint_resumes_on_one_rank_and_a_single_one_on_two_sharded() {
 fn a_torchrun_launch_trains_as_nproc_does() {
     let t = mlp();
     let ours = t.clone().name("nproc").arg("--nproc").arg("2").run();
-    let theirs = t.clone().name("torchrun");
-    std::fs::write(theirs.spec_path(), toml::to_string(&ours_spec(&ours)).unwrap()).unwrap();
-    let python = std::env::var("MEMTRAIN_PYTHON").expect("MEMTRAIN_PYTHON: run the tests through scripts/test");
-    let o = std::process::Command::new(python)
-        .args([
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            "--no-python",
-        ])
-        .arg(env!("CARGO_BIN_EXE_memtrain"))
-        .arg("run")
-        .arg(theirs.spec_path())
-        .arg("--out")
-        .arg(theirs.out_dir())
+    let theirs = t
+        .clone()
+        .name("torchrun")
+        .launched_by(
+            &python(),
+            &[
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "--no-python",
+            ],
+        )
         .env("OMP_NUM_THREADS", "1")
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "torchrun failed:\n{stderr}");
-    let steps = |dir: &Path| -> Vec<f64> {
-        records(dir, "step")
-            .iter()
-            .map(|r| r["loss"].as_f64().unwrap())
-            .collect()
-    };
+        .run();
     assert_eq!(
-        steps(&ours.out),
-        steps(&theirs.out_dir()),
+        step_losses(&ours),
+        step_losses(&theirs),
         "same group, same split, same losses"
     );
-    assert_eq!(ours.final_bytes(), file_bytes(&final_model(&theirs.out_dir())));
-}
-
-/// The spec file a finished test run used.
-fn ours_spec(o: &Outcome) -> toml::Table {
-    toml::from_str(&std::fs::read_to_string(o.test.spec_path()).unwrap()).unwrap()
+    assert_eq!(ours.final_bytes(), theirs.final_bytes());
 }
 
 #[test]
@@ -305,30 +280,21 @@ fn copy_dir(from: &Path, to: &Path) {
 
 #[test]
 fn a_killed_rank_stops_the_other_with_its_name() {
-    let t = mlp().set("train.epochs", 400).name("killed");
-    std::fs::write(t.spec_path(), toml::to_string(&digits_with(&t)).unwrap()).unwrap();
-    let mut child = memtrain()
-        .args([
-            "run",
-            t.spec_path().to_str().unwrap(),
-            "--out",
-            t.out_dir().to_str().unwrap(),
-            "--nproc",
-            "2",
-        ])
+    // Long enough that the ranks are still training when one is killed.
+    let mut running = mlp()
+        .name("killed")
+        .set("train.epochs", 400)
+        .set("log.progress", "off")
+        .arg("--nproc")
+        .arg("2")
         .env("MEMTRAIN_DIST_TIMEOUT", "20")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // Wait until rank 0 trains (its first record), then kill rank 1.
-    let started = Instant::now();
-    while !t.out_dir().join("metrics.jsonl").exists() {
-        assert!(started.elapsed() < Duration::from_secs(60), "the ranks never started");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    std::thread::sleep(Duration::from_millis(300));
-    let ranks = children_of(child.id());
+        .exit(1)
+        .stderr_has("rank 1 was killed (SIGKILL)")
+        .spawn();
+    // Rank 0's line for epoch 1: both ranks are up and have trained together, and a completed
+    // step is there to be saved.
+    running.await_stderr("epoch 1/400");
+    let ranks = children(running.pid());
     assert_eq!(ranks.len(), 2, "{ranks:?}");
     let rank1 = *ranks
         .iter()
@@ -340,61 +306,22 @@ fn a_killed_rank_stops_the_other_with_its_name() {
         })
         .expect("a child with RANK=1");
     unsafe { libc::kill(rank1, libc::SIGKILL) };
-    let waited = Instant::now();
-    let status = child.wait().unwrap();
+    let r = running.finish();
     assert!(
-        waited.elapsed() < Duration::from_secs(50),
-        "took {:?}",
-        waited.elapsed()
+        r.stderr.contains(&format!("rank 1 (pid {rank1}) stopped answering")),
+        "{}",
+        r.stderr
     );
-    let mut stderr = String::new();
-    use std::io::Read;
-    child.stderr.take().unwrap().read_to_string(&mut stderr).unwrap();
-    assert_ne!(status.code(), Some(0), "{stderr}");
-    assert!(stderr.contains("rank 1 was killed (SIGKILL)"), "{stderr}");
+    // Rank 0 stopped by itself: the launcher did not have to kill it once the timeout had passed.
     assert!(
-        stderr.contains(&format!("rank 1 (pid {rank1}) stopped answering")),
-        "{stderr}"
+        !r.stderr.contains("did not stop after another rank failed"),
+        "{}",
+        r.stderr
     );
     // Rank 0 saved the last completed step on its own, and one process resumes from it.
-    assert!(stderr.contains("was saved to"), "{stderr}");
-    let resumed = memtrain()
-        .args(["run", t.spec_path().to_str().unwrap(), "--resume"])
-        .arg(t.out_dir())
-        .args(["--max-steps", "2"])
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&resumed.stderr);
-    assert_eq!(resumed.status.code(), Some(0), "{err}");
-    assert!(err.contains("stopped after 2 optimizer steps"), "{err}");
-}
-
-/// The spec a Test would write, for a run started by hand.
-fn digits_with(t: &Test) -> toml::Table {
-    let _ = t;
-    let mut s = digits_spec();
-    s["train"].as_table_mut().unwrap().insert("epochs".into(), 400.into());
-    s["train"]
-        .as_table_mut()
-        .unwrap()
-        .insert("batch_size".into(), 64.into());
-    s["train"]
-        .as_table_mut()
-        .unwrap()
-        .insert("accumulation_steps".into(), 2.into());
-    s["log"].as_table_mut().unwrap().insert("progress".into(), "off".into());
-    s
-}
-
-/// Child processes of `pid`, oldest first (the launcher starts rank 0 first).
-fn children_of(pid: u32) -> Vec<i32> {
-    let mut out = vec![];
-    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
-        let path = task.unwrap().path().join("children");
-        if let Ok(s) = std::fs::read_to_string(path) {
-            out.extend(s.split_whitespace().map(|p| p.parse::<i32>().unwrap()));
-        }
-    }
-    out.sort();
-    out
+    assert!(r.stderr.contains("was saved to"), "{}", r.stderr);
+    r.resume()
+        .args(&["--max-steps", "2"])
+        .stderr_has("stopped after 2 optimizer steps")
+        .run();
 }

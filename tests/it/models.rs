@@ -1,9 +1,7 @@
 //! The models people train: torchvision's ResNet and ViT, the user's own TorchScript module, on
 //! image data, against PyTorch itself (torch 2.11 and torchvision 0.26 from the bootstrap
 //! environment) where there is a reference to compare with.
-mod common;
-
-use common::*;
+use crate::common::*;
 use toml::Value;
 
 /// A job on `data` (a TOML `[data]` body) for the model `[model]` body, trained with SGD and

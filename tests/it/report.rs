@@ -1,11 +1,9 @@
 //! `memtrain report`, the report every run writes, TensorBoard's reading of memtrain's event
 //! files, and the page in a real browser.
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::*;
+use crate::common::*;
 
 fn policy(p: &[&str]) -> toml::Value {
     toml::Value::Array(p.iter().map(|s| toml::Value::from(*s)).collect())
@@ -55,8 +53,13 @@ fn texts(svg: &str) -> Vec<String> {
         .collect()
 }
 
-fn report(dir: &Path) -> std::process::Output {
-    memtrain().arg("report").arg(dir).output().unwrap()
+/// `memtrain report` of a run's directory.
+fn report(r: &Outcome) -> Test {
+    r.test
+        .clone()
+        .no_spec()
+        .command("report")
+        .args_replaced(&[r.out.to_str().unwrap()])
 }
 
 #[test]
@@ -110,9 +113,7 @@ fn every_run_writes_a_report_with_its_memory_events_and_curves() {
     }
 
     // `memtrain report` redraws it and sums it up.
-    let o = report(&r.out);
-    assert!(o.status.success());
-    let text = String::from_utf8(o.stdout).unwrap();
+    let text = report(&r).run().stdout;
     assert!(text.contains("status completed"), "{text}");
     assert!(text.contains("OOM events: 1"), "{text}");
     assert!(text.contains("backoff from micro-batch 16 x 2 to 8 x 4"), "{text}");
@@ -139,9 +140,7 @@ fn a_failed_run_has_its_report_and_a_snapshot_becomes_a_segment_map() {
 
     // A snapshot that is not one costs the segment map, not the report.
     std::fs::write(r.out.join("oom/snapshot.pickle"), b"not a pickle").unwrap();
-    let o = report(&r.out);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let text = String::from_utf8(o.stdout).unwrap();
+    let text = report(&r).run().stdout;
     assert!(
         text.contains("note: the allocator snapshot could not be drawn"),
         "{text}"
@@ -155,9 +154,7 @@ fn a_failed_run_has_its_report_and_a_snapshot_becomes_a_segment_map() {
         r.test.dir(),
         &["snapshot", "--out", r.out.join("oom/snapshot.pickle").to_str().unwrap()],
     );
-    let o = report(&r.out);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let text = String::from_utf8(o.stdout).unwrap();
+    let text = report(&r).run().stdout;
     assert!(
         text.contains("allocator at the OOM: 3 segments, 42.00 MiB reserved, 28.50 MiB allocated, largest free block 4.00 MiB for a request of 6.00 MiB"),
         "{text}"
@@ -189,11 +186,14 @@ fn a_failed_run_has_its_report_and_a_snapshot_becomes_a_segment_map() {
     }
 
     // Not a run directory: a clear error, nothing written.
-    let empty = tempfile::tempdir().unwrap();
-    let o = report(empty.path());
-    assert_eq!(o.status.code(), Some(2));
-    assert!(String::from_utf8_lossy(&o.stderr).contains("has no readable metrics.jsonl"));
-    assert!(!empty.path().join("report.html").exists());
+    let nothing = Test::new().no_spec().command("report");
+    let empty = nothing.dir().to_path_buf();
+    nothing
+        .arg(empty.to_str().unwrap())
+        .exit(2)
+        .stderr_has("has no readable metrics.jsonl")
+        .run();
+    assert!(!empty.join("report.html").exists());
 }
 
 #[test]
@@ -290,16 +290,16 @@ fn the_report_opens_in_a_real_browser() {
         r.test.dir(),
         &["snapshot", "--out", r.out.join("oom/snapshot.pickle").to_str().unwrap()],
     );
-    assert!(report(&r.out).status.success());
-    // Kept after the test for people to look at (replaced by the next run); its path is printed.
-    let keep = std::env::temp_dir().join("memtrain-report-page");
-    let _ = std::fs::remove_dir_all(&keep);
-    std::fs::create_dir_all(&keep).unwrap();
-    let page = keep.join("report.html");
+    report(&r).run();
+    // The page alone, away from the run directory, so that nothing it names could be found
+    // there; in the test's own directory, which a failing test keeps for people to look at.
+    let dir = r.test.dir().join("page");
+    std::fs::create_dir_all(&dir).unwrap();
+    let page = dir.join("report.html");
     std::fs::copy(r.out.join("report.html"), &page).unwrap();
     let url = format!("file://{}", page.display());
 
-    let o = headless(&keep.join("profile-dom"))
+    let o = headless(&dir.join("profile-dom"))
         .arg("--dump-dom")
         .arg(&url)
         .output()
@@ -335,8 +335,8 @@ fn the_report_opens_in_a_real_browser() {
         "{log}"
     );
 
-    let shot = keep.join("report.png");
-    let o = headless(&keep.join("profile-shot"))
+    let shot = dir.join("report.png");
+    let o = headless(&dir.join("profile-shot"))
         .arg("--window-size=1050,2600")
         .arg(format!("--screenshot={}", shot.display()))
         .arg(&url)
@@ -350,7 +350,4 @@ fn the_report_opens_in_a_real_browser() {
         "a page of charts, not a blank one: {} bytes",
         png.len()
     );
-    eprintln!("report page and screenshot kept in {}", keep.display());
-    let _ = std::fs::remove_dir_all(keep.join("profile-dom"));
-    let _ = std::fs::remove_dir_all(keep.join("profile-shot"));
 }

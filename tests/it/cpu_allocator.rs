@@ -1,7 +1,16 @@
-//! The counting CPU allocator in its own test binary: its cap is process-wide, so no other test
-//! may allocate while it is set.
+//! The counting CPU allocator. Its cap is process-wide and its counts must be exact, so no other
+//! test may allocate while it runs: the test runs alone, in a process of its own.
+use crate::common::alone;
+
 #[test]
 fn the_counting_allocator_counts_caps_and_recovers() {
+    alone(
+        "cpu_allocator::the_counting_allocator_counts_caps_and_recovers",
+        counts_caps_and_recovers,
+    );
+}
+
+fn counts_caps_and_recovers() {
     use memtrain::shim::*;
     use tch::{kind::FLOAT_CPU, Tensor};
     cpu_alloc_install().unwrap();

@@ -1,9 +1,7 @@
 //! Real allocation failures on the CPU: `memory.limit` caps live tensor bytes in the counting CPU
 //! allocator, so libtorch's allocations fail for real, deterministically, and every OOM path
 //! runs as it would on a small GPU.
-mod common;
-
-use common::*;
+use crate::common::*;
 use toml::Value;
 
 /// Activations dominate: one hidden layer of 262,144 units is 1 MiB per sample per tensor,

@@ -1,0 +1,14 @@
+//! The integration tests, as one test binary: one link against libtorch for all of them. Each
+//! module drives the built `memtrain` the way a user does, through the fixture in `common`.
+mod common;
+
+mod cpu_allocator;
+mod distributed;
+mod fit;
+mod foundation;
+mod models;
+mod oom;
+mod oracle;
+mod precision;
+mod report;
+mod training;
