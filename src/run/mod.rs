@@ -40,7 +40,7 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
     let t_start = Instant::now();
     oom::install_hook();
     // Before anything is loaded, so every CPU tensor byte of the run is counted. (glibc's malloc
-    // thresholds are not warmed: with them, an every-precision test of the new presets produced
+    // thresholds are not warmed: with them, an every-precision test of the new presets (tests/it/models.rs) produced
     // a NaN loss; see `sysmem::warm_malloc_thresholds`.)
     shim::cpu_alloc_install().context("installing the counting CPU allocator")?;
     let world = World::from_env().map_err(|e| UsageError(format!("{e:#}")))?;
