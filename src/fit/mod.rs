@@ -485,49 +485,9 @@ pub fn fit(args: &FitArgs, quiet: bool) -> Result<()> {
     let mut results = vec![];
     let mut candidates = vec![];
     for (i, &setting) in settings.iter().enumerate() {
-        let found = largest_fit(effective, |b| prober.probe(setting, b));
-        let (applicable, largest) = match found {
-            Ok(l) => (true, l),
-            Err(ProbeError::NotApplicable) => {
-                say(format!(
-                    "probe  {setting}  not applicable: the {} preset is not a sequence of blocks",
-                    spec.model.preset
-                ));
-                (false, None)
-            }
-            Err(ProbeError::Failed(e)) => return Err(e),
-        };
-        results.push(SettingResult {
-            setting,
-            applicable,
-            largest_micro_batch: largest.as_ref().map(|m| m.micro_batch),
-            peak_bytes: largest.as_ref().and_then(|m| m.peak_bytes),
-        });
-        // The micro-batch the recommendation would use: a divisor of the effective batch, which
-        // may be smaller than the largest fit; measure it if it was not probed.
-        let Some(largest) = largest else { continue };
-        let mut limit = largest.micro_batch;
-        while let Some(b) = micro_batch_for(effective, limit) {
-            let known = prober
-                .probes
-                .iter()
-                .rev()
-                .find(|p| p.setting == setting && p.measured.micro_batch == b)
-                .map(|p| p.measured.clone());
-            let m = match known {
-                Some(m) => m,
-                None => match prober.probe(setting, b) {
-                    Ok(m) => m,
-                    Err(ProbeError::Failed(e)) => return Err(e),
-                    Err(ProbeError::NotApplicable) => break,
-                },
-            };
-            if m.fits {
-                candidates.push((i, m));
-                break;
-            }
-            limit = b - 1;
-        }
+        let (result, candidate) = search_setting(&mut prober, setting, effective, &spec, &say)?;
+        results.push(result);
+        candidates.extend(candidate.map(|m| (i, m)));
     }
     let candidates = confirm(&mut prober, &settings, candidates, &say)?;
     let recommendation = fastest(&candidates).map(|(i, m)| Recommendation {
@@ -561,29 +521,89 @@ pub fn fit(args: &FitArgs, quiet: bool) -> Result<()> {
     } else {
         print!("{}", human(&report));
     }
-    if report.recommendation.is_none() {
-        if !report.settings.iter().any(|s| s.applicable) {
-            return Err(UsageError(format!(
-                "no setting applies: the {} preset is not a sequence of blocks, so activation checkpointing does not apply to it; use --checkpointing off or both",
-                spec.model.preset
-            ))
-            .into());
-        }
-        if report.settings.iter().any(|s| s.largest_micro_batch.is_some()) {
-            return Err(OomExit(format!(
-                "no setting fits reliably in {}: each one that fitted ran out of memory when probed again; raise --margin or --limit",
-                human_bytes(budget.usable_bytes)
-            ))
-            .into());
-        }
-        return Err(OomExit(format!(
-            "nothing fits in {} (the {} budget less the margin): micro-batch 1 runs out of memory in every setting tried; raise --limit, lower --margin, or use a smaller model",
-            human_bytes(budget.usable_bytes),
-            human_bytes(budget.bytes)
-        ))
-        .into());
+    match report.recommendation {
+        Some(_) => Ok(()),
+        None => Err(nothing_fits(&report, &spec, &budget)),
     }
-    Ok(())
+}
+
+/// Why there is no recommendation: no setting applies (exit 2), or nothing fits (exit 3).
+fn nothing_fits(report: &Report, spec: &spec::Spec, budget: &Budget) -> anyhow::Error {
+    if !report.settings.iter().any(|s| s.applicable) {
+        return UsageError(format!(
+            "no setting applies: the {} preset is not a sequence of blocks, so activation checkpointing does not apply to it; use --checkpointing off or both",
+            spec.model.preset
+        ))
+        .into();
+    }
+    if report.settings.iter().any(|s| s.largest_micro_batch.is_some()) {
+        return OomExit(format!(
+            "no setting fits reliably in {}: each one that fitted ran out of memory when probed again; raise --margin or --limit",
+            human_bytes(budget.usable_bytes)
+        ))
+        .into();
+    }
+    OomExit(format!(
+        "nothing fits in {} (the {} budget less the margin): micro-batch 1 runs out of memory in every setting tried; raise --limit, lower --margin, or use a smaller model",
+        human_bytes(budget.usable_bytes),
+        human_bytes(budget.bytes)
+    ))
+    .into()
+}
+
+/// One setting's search: the largest micro-batch that fits, then the largest divisor of the
+/// effective batch at most that large that fits (measured if it was not probed): the
+/// setting's candidate for the recommendation.
+fn search_setting(
+    prober: &mut Prober,
+    setting: Setting,
+    effective: i64,
+    spec: &spec::Spec,
+    say: &dyn Fn(String),
+) -> Result<(SettingResult, Option<Measured>)> {
+    let found = largest_fit(effective, |b| prober.probe(setting, b));
+    let (applicable, largest) = match found {
+        Ok(l) => (true, l),
+        Err(ProbeError::NotApplicable) => {
+            say(format!(
+                "probe  {setting}  not applicable: the {} preset is not a sequence of blocks",
+                spec.model.preset
+            ));
+            (false, None)
+        }
+        Err(ProbeError::Failed(e)) => return Err(e),
+    };
+    let result = SettingResult {
+        setting,
+        applicable,
+        largest_micro_batch: largest.as_ref().map(|m| m.micro_batch),
+        peak_bytes: largest.as_ref().and_then(|m| m.peak_bytes),
+    };
+    let Some(largest) = largest else {
+        return Ok((result, None));
+    };
+    let mut limit = largest.micro_batch;
+    while let Some(b) = micro_batch_for(effective, limit) {
+        let known = prober
+            .probes
+            .iter()
+            .rev()
+            .find(|p| p.setting == setting && p.measured.micro_batch == b)
+            .map(|p| p.measured.clone());
+        let m = match known {
+            Some(m) => m,
+            None => match prober.probe(setting, b) {
+                Ok(m) => m,
+                Err(ProbeError::Failed(e)) => return Err(e),
+                Err(ProbeError::NotApplicable) => break,
+            },
+        };
+        if m.fits {
+            return Ok((result, Some(m)));
+        }
+        limit = b - 1;
+    }
+    Ok((result, None))
 }
 
 /// Rounds of re-measuring the candidates, alternating their order, before choosing: a few

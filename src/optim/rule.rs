@@ -5,7 +5,7 @@ use super::forms::{Coefs, Forms, Values};
 
 /// One algorithm (SGD, Adam, AdamW): the state it keeps per parameter, the temporaries an update
 /// needs and the update itself. Where state and temporaries live, which parameters are stepped
-/// and when memory is allocated are the container's business ([`super::Optimizer`]).
+/// and when memory is allocated are the container's business (`Optimizer`).
 pub trait Rule: std::fmt::Debug + Send + Sync {
     /// Checkpoint names of the state tensors kept per parameter (each shaped like it), in slot
     /// order.

@@ -2,6 +2,7 @@
 //! `metrics.jsonl` (one JSON object per line, flushed as it happens, so a killed run keeps
 //! everything up to its last line), `summary.json`, `genotype.json` and `oom/`. Every whole-file
 //! write goes through `atomic`.
+mod clock;
 mod events;
 mod read;
 #[cfg(test)]
@@ -17,6 +18,7 @@ use anyhow::{Context, Result};
 use serde_json::Value;
 
 pub use crate::atomic::{write_atomic, write_json};
+pub use clock::unix_time;
 pub use events::*;
 pub use read::{read, read_oom_report, RunRecords};
 pub use summary::{Closing, SummarySink};
@@ -173,13 +175,6 @@ fn scalars(event: &Event) -> Option<(i64, Vec<Scalar>)> {
         )),
         _ => None,
     }
-}
-
-pub fn unix_time() -> f64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs_f64())
-        .unwrap_or(0.0)
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ impl EventWriter {
     /// resumed run adds a file beside the first).
     pub fn create(dir: &Path) -> Result<Self> {
         fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        let now = super::unix_time();
+        let now = super::clock::unix_time();
         let host = fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_else(|_| "localhost".into());
         let name = format!(
             "events.out.tfevents.{}.{}.{}.memtrain",

@@ -2,7 +2,7 @@
 use anyhow::{anyhow, Result};
 use plotters::prelude::*;
 
-use super::{BlockState, Mark, MarkKind, SegmentMap};
+use super::{BlockState, Mark, MarkKind, Segment, SegmentMap};
 use crate::human::human_bytes;
 
 pub const WIDTH: u32 = 960;
@@ -104,8 +104,18 @@ fn err<E: std::fmt::Display>(e: E) -> anyhow::Error {
     anyhow!("drawing a chart: {e}")
 }
 
-/// A line chart with event marks; `None` when no series has a point.
-pub fn line_chart(c: &LineChart) -> Result<Option<String>> {
+/// A line chart's ranges, the limit line when it is on the data's scale, and the caption.
+struct Frame {
+    x0: f64,
+    x1: f64,
+    y0: f64,
+    y1: f64,
+    limit: Option<(&'static str, f64)>,
+    caption: String,
+}
+
+/// `None` when no series has a finite point.
+fn frame(c: &LineChart) -> Option<Frame> {
     let finite = |p: &&(f64, f64)| p.0.is_finite() && p.1.is_finite();
     let all: Vec<(f64, f64)> = c
         .series
@@ -114,7 +124,7 @@ pub fn line_chart(c: &LineChart) -> Result<Option<String>> {
         .copied()
         .collect();
     if all.is_empty() {
-        return Ok(None);
+        return None;
     }
     let (mut x0, mut x1) = all
         .iter()
@@ -146,6 +156,39 @@ pub fn line_chart(c: &LineChart) -> Result<Option<String>> {
         _ => c.title.to_owned(),
     };
 
+    Some(Frame {
+        x0,
+        x1,
+        y0,
+        y1,
+        limit,
+        caption,
+    })
+}
+
+/// One mark per pixel column (`column` steps wide) and kind is all the eye can see.
+fn visible_marks(marks: &[Mark], column: f64) -> Vec<&Mark> {
+    let mut seen = std::collections::HashSet::new();
+    marks
+        .iter()
+        .filter(|m| seen.insert((m.kind, (m.step / column) as i64)))
+        .collect()
+}
+
+/// A line chart with event marks; `None` when no series has a point.
+pub fn line_chart(c: &LineChart) -> Result<Option<String>> {
+    let finite = |p: &&(f64, f64)| p.0.is_finite() && p.1.is_finite();
+    let Some(Frame {
+        x0,
+        x1,
+        y0,
+        y1,
+        limit,
+        caption,
+    }) = frame(c)
+    else {
+        return Ok(None);
+    };
     let mut svg = String::new();
     {
         let root = SVGBackend::with_string(&mut svg, (WIDTH, c.height)).into_drawing_area();
@@ -173,14 +216,7 @@ pub fn line_chart(c: &LineChart) -> Result<Option<String>> {
                     .map(|&x| PathElement::new(vec![(x, y0), (x, y1)], RGBColor(200, 200, 200).stroke_width(1))),
             )
             .map_err(err)?;
-        // One line per pixel column and kind is all the eye can see.
-        let column = (x1 - x0) / WIDTH as f64;
-        let mut seen = std::collections::HashSet::new();
-        let marks: Vec<&Mark> = c
-            .marks
-            .iter()
-            .filter(|m| seen.insert((m.kind, (m.step / column) as i64)))
-            .collect();
+        let marks = visible_marks(c.marks, (x1 - x0) / WIDTH as f64);
         let mut kinds: Vec<MarkKind> = marks.iter().map(|m| m.kind).collect();
         kinds.sort();
         kinds.dedup();
@@ -242,6 +278,27 @@ pub fn line_chart(c: &LineChart) -> Result<Option<String>> {
 
 const SEGMENT_ROWS: usize = 40;
 
+/// Where the blocks in `state` lie, as (start, end) fractions of their segment's size and the
+/// segment's row.
+fn block_spans(segs: &[&Segment], state: BlockState, rows: usize) -> Vec<(f64, f64, f64)> {
+    let mut spans = vec![];
+    for (i, s) in segs.iter().enumerate() {
+        let y = (rows - 1 - i) as f64;
+        let mut at = 0u64;
+        for b in &s.blocks {
+            if b.state == state && s.total_size > 0 {
+                spans.push((
+                    at as f64 / s.total_size as f64,
+                    (at + b.size) as f64 / s.total_size as f64,
+                    y,
+                ));
+            }
+            at += b.size;
+        }
+    }
+    spans
+}
+
 /// One row per segment (largest first), each drawn to the full width with its blocks in
 /// address order: allocated, awaiting free, free. Next to it, its size and largest free block.
 pub fn segment_map(map: &SegmentMap) -> Result<String> {
@@ -285,19 +342,10 @@ pub fn segment_map(map: &SegmentMap) -> Result<String> {
             (BlockState::Free, RGBColor(210, 210, 210), "free (cached)"),
         ];
         for (state, color, name) in colors {
-            let mut rects = vec![];
-            for (i, s) in segs.iter().enumerate() {
-                let y = (rows - 1 - i) as f64;
-                let mut at = 0u64;
-                for b in &s.blocks {
-                    if b.state == state && s.total_size > 0 {
-                        let x0 = at as f64 / s.total_size as f64;
-                        let x1 = (at + b.size) as f64 / s.total_size as f64;
-                        rects.push(Rectangle::new([(x0, y + 0.15), (x1, y + 0.85)], color.filled()));
-                    }
-                    at += b.size;
-                }
-            }
+            let rects: Vec<_> = block_spans(&segs, state, rows)
+                .into_iter()
+                .map(|(x0, x1, y)| Rectangle::new([(x0, y + 0.15), (x1, y + 0.85)], color.filled()))
+                .collect();
             chart
                 .draw_series(rects)
                 .map_err(err)?

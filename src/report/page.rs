@@ -33,9 +33,9 @@ pub fn escape(s: &str) -> String {
         .replace('"', "&quot;")
 }
 
-pub fn render(run: &Run) -> Result<String> {
-    let epoch_ends: Vec<f64> = run.epochs.iter().map(|e| e.step).collect();
-    let mut figures: Vec<(&str, String)> = vec![];
+/// The memory charts: device (or counted CPU tensor) memory with its marks, and RSS.
+fn memory_figures(run: &Run, epoch_ends: &[f64]) -> Result<Vec<(&'static str, String)>> {
+    let mut figures: Vec<(&'static str, String)> = vec![];
     let tensors_title = if run.device.starts_with("cuda") {
         "GPU memory per step (peaks are since the previous step line)"
     } else {
@@ -52,7 +52,7 @@ pub fn render(run: &Run) -> Result<String> {
             series("reserved", ORANGE, 2, run, |p| p.reserved),
         ],
         marks: &run.marks,
-        epoch_ends: &epoch_ends,
+        epoch_ends,
         limit: run.cap_bytes.map(|c| ("cap", c)),
         height: 360,
     };
@@ -69,6 +69,12 @@ pub fn render(run: &Run) -> Result<String> {
     if let Some(svg) = charts::line_chart(&rss)? {
         figures.push(("rss", svg));
     }
+    Ok(figures)
+}
+
+/// The training curves: loss, accuracy, learning rate and throughput.
+fn training_figures(run: &Run, epoch_ends: &[f64]) -> Result<Vec<(&'static str, String)>> {
+    let mut figures: Vec<(&'static str, String)> = vec![];
     let loss_series = vec![
         series("step loss", LIGHT_BLUE, 1, run, |p| Some(p.loss)),
         Series {
@@ -125,7 +131,7 @@ pub fn render(run: &Run) -> Result<String> {
             axis,
             series,
             marks: &[],
-            epoch_ends: &epoch_ends,
+            epoch_ends,
             limit: None,
             height: 280,
         };
@@ -134,6 +140,13 @@ pub fn render(run: &Run) -> Result<String> {
         }
     }
 
+    Ok(figures)
+}
+
+pub fn render(run: &Run) -> Result<String> {
+    let epoch_ends: Vec<f64> = run.epochs.iter().map(|e| e.step).collect();
+    let mut figures = memory_figures(run, &epoch_ends)?;
+    figures.extend(training_figures(run, &epoch_ends)?);
     let mut h = String::new();
     let title = format!("memtrain report: {}", if run.job.is_empty() { "run" } else { &run.job });
     write!(
