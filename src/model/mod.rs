@@ -14,7 +14,7 @@ use anyhow::Result;
 use serde::de::DeserializeOwned;
 use tch::{nn, Device};
 
-use crate::spec::{self, Model};
+use crate::spec::Model;
 
 pub use darts::{derive_genotype, Darts, DartsOptions};
 pub use mlp::Mlp;
@@ -121,8 +121,7 @@ pub fn names() -> Vec<&'static str> {
 
 /// The preset checks of a spec, and its options table completed with the defaults (so the
 /// resolved spec that `check` prints and runs record shows every option).
-pub fn validate(spec: &mut spec::Spec) -> Vec<(String, String)> {
-    let m = &mut spec.model;
+pub fn validate(m: &mut Model) -> Vec<(String, String)> {
     let Some(p) = preset_named(&m.preset) else {
         return vec![(
             "model.preset".into(),

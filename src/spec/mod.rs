@@ -71,9 +71,10 @@ pub struct LoadedSpec {
     pub path: PathBuf,
 }
 
-/// Problems a layer below the spec finds in it (a preset's options), as (dotted key, message);
-/// it may complete what it owns with defaults (the preset's options table).
-pub type MoreChecks<'a> = &'a dyn Fn(&mut Spec) -> Vec<(String, String)>;
+/// Problems the model layer finds in the spec's `[model]` table (a preset's options), as
+/// (dotted key, message); it may complete what it owns with defaults (the preset's options
+/// table). It sees `[model]` only, not the whole spec.
+pub type MoreChecks<'a> = &'a dyn Fn(&mut Model) -> Vec<(String, String)>;
 
 /// Parses `--set` arguments and loads the spec with `more` checks (the presets'); every
 /// failure is a spec error (exit 2) placed at its `file:line:col` or override.
@@ -143,7 +144,7 @@ pub fn load_with(path: &Path, overrides: &[Override], more: MoreChecks) -> Resul
     }
     let mut problems = validate::validate(&spec);
     if problems.is_empty() {
-        problems = more(&mut spec);
+        problems = more(&mut spec.model);
     }
     if !problems.is_empty() {
         return Err(SpecError {
