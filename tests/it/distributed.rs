@@ -87,20 +87,12 @@ fn an_oom_on_one_rank_backs_off_both_on_the_same_group() {
         .arg("2")
         .env("MEMTRAIN_FAULT_OOM_IN_OPTIMIZER_AT_STEP", "3@1")
         .run();
-    let ooms = hit.records("oom");
+    let ooms = hit.ooms();
     assert_eq!(ooms.len(), 1, "{ooms:?}");
-    assert_eq!(ooms[0]["step"], 2, "after two completed steps");
-    assert_eq!(ooms[0]["decision"]["action"], "backoff", "{}", ooms[0]);
-    assert!(
-        ooms[0]["error"].as_str().unwrap().contains("rank 1 ran out of memory"),
-        "{}",
-        ooms[0]
-    );
-    let micro: Vec<i64> = hit
-        .records("step")
-        .iter()
-        .map(|r| r["micro_batch"].as_i64().unwrap())
-        .collect();
+    assert_eq!(ooms[0].step, 2, "after two completed steps");
+    assert_eq!(ooms[0].decision.action, "backoff", "{:?}", ooms[0]);
+    assert!(ooms[0].error.contains("rank 1 ran out of memory"), "{:?}", ooms[0]);
+    let micro: Vec<i64> = hit.steps().iter().map(|r| r.micro_batch).collect();
     assert_eq!(&micro[..2], &[64, 64]);
     assert!(micro[2..].iter().all(|&m| m == 32), "{micro:?}");
     // Same groups, same model; only the micro-batch split (summation order) differs.
@@ -122,7 +114,7 @@ fn ctrl_c_stops_every_rank_and_resume_continues_on_two_ranks_or_one() {
         .exit(130)
         .stderr_has("interrupted at epoch 1")
         .run();
-    let saved = cut.records("checkpoint");
+    let saved = cut.checkpoints();
     assert_eq!(saved.len(), 1, "one checkpoint, from rank 0: {saved:?}");
     // A copy of the interrupted run resumes on one rank; the original on two.
     let copy = cut.test.dir().join("cut-copy");
@@ -139,14 +131,15 @@ fn ctrl_c_stops_every_rank_and_resume_continues_on_two_ranks_or_one() {
 /// Peak allocated bytes of each rank over epoch 1, from rank 0's record (before any checkpoint,
 /// whose gathering adds to rank 0's later peaks).
 fn first_epoch_rank_peaks(o: &Outcome) -> Vec<u64> {
-    let epochs = o.records("epoch");
-    let ranks = epochs[0]["ranks"].as_array().expect("an epoch record lists every rank");
+    let epochs = o.epochs();
+    let ranks = &epochs[0].ranks;
+    assert!(!ranks.is_empty(), "an epoch record lists every rank");
     ranks
         .iter()
         .enumerate()
         .map(|(i, r)| {
-            assert_eq!(r["rank"], i as u64);
-            r["peak_allocated_bytes"].as_u64().unwrap()
+            assert_eq!(r.rank, i);
+            r.peak_allocated_bytes.expect("a rank's peak allocated bytes")
         })
         .collect()
 }
@@ -182,7 +175,7 @@ fn sharded_optimizer_state_trains_the_same_weights_with_less_memory_per_rank() {
         "sharding saved {saved} bytes of {state} bytes of state"
     );
     // The summary carries every rank's run-wide peaks too, and the report shows them.
-    let ranks = sharded.summary()["memory"]["ranks"].as_array().unwrap().len();
+    let ranks = sharded.summary().memory.ranks.len();
     assert_eq!(ranks, 2);
     let html = std::fs::read_to_string(sharded.out.join("report.html")).unwrap();
     assert!(html.contains("id=\"ranks\""), "report has no per-rank table");

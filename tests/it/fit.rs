@@ -61,9 +61,9 @@ fn probe_by_hand(t: &Test, name: &str, b: i64, cap: Option<u64>) -> Option<u64> 
     }
     let r = probe.exit_in(&[0, 3]).run();
     (r.code == 0).then(|| {
-        r.records("step")
+        r.steps()
             .iter()
-            .map(|s| s["memory"]["peak_allocated_bytes"].as_u64().unwrap())
+            .map(|s| s.memory.peak_allocated_bytes.expect("the CPU's peak is counted"))
             .max()
             .unwrap()
     })
@@ -110,6 +110,8 @@ fn fit_lands_on_the_largest_micro_batch_that_brute_force_finds() {
         ])
         .run();
     let (stdout, stderr) = (&o.stdout, &o.stderr);
+    // `fit --json` prints the command's own result, not a record (its types only serialize):
+    // its JSON is what users script against, so it is checked as JSON.
     let r: Value = serde_json::from_str(stdout).unwrap();
     let found = r["settings"][0]["largest_micro_batch"].as_i64().unwrap();
     assert!(
@@ -186,6 +188,7 @@ fn the_recommended_spec_trains_its_first_epoch_without_an_oom() {
     );
     let text = std::fs::read_to_string(tuned.spec_path()).unwrap();
     assert!(text.starts_with("# the fit test's job: this comment must survive --write"));
+    // The spec fit wrote, as TOML: what a user edits and runs.
     let spec: toml::Table = text.parse().unwrap();
     let b = spec["train"]["batch_size"].as_integer().unwrap();
     assert_eq!(b * spec["train"]["accumulation_steps"].as_integer().unwrap(), 48);
@@ -200,9 +203,9 @@ fn the_recommended_spec_trains_its_first_epoch_without_an_oom() {
 
     // Trained as written, under the same budget, with no OOM recovery to hide behind.
     let run = tuned.args(&["--set", "memory.on_oom=[\"fail\"]"]).run();
-    assert!(run.records("oom").is_empty());
-    assert_eq!(run.records("epoch").len(), 1);
-    assert_eq!(run.records("start")[0]["micro_batch"], b);
+    assert!(run.ooms().is_empty());
+    assert_eq!(run.epochs().len(), 1);
+    assert_eq!(run.starts()[0].micro_batch, b);
 }
 
 #[test]
@@ -250,6 +253,7 @@ fn fit_says_what_is_wrong_with_its_input_and_when_nothing_fits() {
         .stderr_has("nothing fits in")
         .stderr_has("micro-batch     1  peak          -  OOM  (out of memory while ")
         .run();
+    // `fit --json`'s output, as JSON (see above): a missing recommendation is spelled null.
     let r: Value = serde_json::from_str(&o.stdout).unwrap();
     assert!(r["recommendation"].is_null());
     assert_eq!(r["settings"][0]["largest_micro_batch"], Value::Null);

@@ -8,6 +8,7 @@ fn info(args: &[&str]) -> Test {
 #[test]
 fn info_json_agrees_with_proc_meminfo() {
     let r = info(&["--json"]).run();
+    // `info --json` is the command's own output, not a record: its JSON is the interface.
     let v: serde_json::Value = serde_json::from_str(&r.stdout).expect("info --json prints one JSON object");
     assert_eq!(v["libtorch"], "2.11.0");
     let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();

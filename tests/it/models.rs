@@ -158,6 +158,8 @@ fn resnet18_loads_a_torchvision_state_dict_and_trains_as_torchvision_does() {
 
     let mut args = vec!["train", "--model", "torchvision:resnet18:init.safetensors"];
     args.extend_from_slice(REFERENCE_TRAIN);
+    // reference.py's output (PyTorch's losses and buffers), JSON from Python, not memtrain's
+    // records; so is torchvision_init's.
     let py: serde_json::Value = serde_json::from_str(&reference(&dir, &args)).unwrap();
     let theirs = floats(&py["losses"]);
     assert_eq!(theirs.len(), 8);
@@ -289,7 +291,7 @@ fn new_presets_train_under_every_precision_with_and_without_checkpointing() {
                     .set("train.activation_checkpointing", ckpt)
                     .run();
                 let s = r.summary();
-                assert_eq!(s["status"], "completed", "{preset} {precision} {ckpt}");
+                assert_eq!(s.status, Status::Completed, "{preset} {precision} {ckpt}");
                 let l = step_losses(&r);
                 assert_eq!(l.len(), 4);
                 assert!(l.iter().all(|x| x.is_finite()), "{preset} {precision}: {l:?}");
@@ -310,7 +312,7 @@ fn peak(t: Test, micro: i64) -> u64 {
         .set("train.accumulation_steps", 1)
         .set("train.epochs", 1)
         .run();
-    r.records("preflight")[0]["peak_bytes"].as_u64().unwrap()
+    r.preflights()[0].peak_bytes
 }
 
 #[test]
@@ -346,10 +348,10 @@ fn new_presets_back_off_under_a_cap() {
             .set("memory.on_oom", Value::Array(vec!["backoff".into(), "fail".into()]))
             .run();
         let s = r.summary();
-        assert_eq!(s["status"], "completed", "{preset}");
-        assert!(s["oom"]["backoffs"].as_u64().unwrap() >= 1, "{preset}: {s}");
-        assert_eq!(s["batch"]["effective_batch"], 16);
-        assert_eq!(s["samples_trained"], 32);
+        assert_eq!(s.status, Status::Completed, "{preset}");
+        assert!(s.oom.of("backoffs") >= 1, "{preset}: {s:?}");
+        assert_eq!(s.batch.effective_batch, 16);
+        assert_eq!(s.samples_trained, 32);
     }
 }
 

@@ -2,6 +2,7 @@
 //! allocator, so libtorch's allocations fail for real, deterministically, and every OOM path
 //! runs as it would on a small GPU.
 use crate::common::*;
+use memtrain::oom::OomKind;
 use toml::Value;
 
 /// Activations dominate: one hidden layer of 262,144 units is 1 MiB per sample per tensor,
@@ -33,39 +34,42 @@ fn backoff_keeps_the_effective_batch_and_the_weights_of_the_smaller_batch() {
         .run();
 
     let s = r.summary();
-    assert_eq!(s["status"], "completed");
-    let micro = s["batch"]["final_micro_batch"].as_i64().unwrap();
-    let acc = s["batch"]["final_accumulation_steps"].as_i64().unwrap();
+    assert_eq!(s.status, Status::Completed);
+    let micro = s.batch.final_micro_batch;
+    let acc = s.batch.final_accumulation_steps;
     assert!(micro < 32 && micro * acc == 32, "micro {micro} x {acc}");
-    assert_eq!(s["batch"]["effective_batch"], 32);
-    assert!(s["oom"]["backoffs"].as_u64().unwrap() >= 1);
+    assert_eq!(s.batch.effective_batch, 32);
+    assert!(s.oom.of("backoffs") >= 1);
     // Every training sample exactly once: 128 of the 160 (32 are held out).
-    assert_eq!(s["samples_trained"], 128);
+    assert_eq!(s.samples_trained, 128);
 
-    let ooms = r.records("oom");
+    let ooms = r.ooms();
     assert!(!ooms.is_empty());
-    assert_eq!(ooms[0]["kind"], "cpu");
-    assert_eq!(ooms[0]["decision"]["action"], "backoff");
-    assert!(ooms[0]["error"].as_str().unwrap().contains("can't allocate memory"));
-    assert_eq!(ooms[0]["batch_shape"], serde_json::json!([32, 8]));
+    assert_eq!(ooms[0].kind, OomKind::Cpu);
+    assert_eq!(ooms[0].decision.action, "backoff");
+    assert!(ooms[0].error.contains("can't allocate memory"));
+    assert_eq!(ooms[0].batch_shape, [32, 8]);
 
     // The first OOM leaves a report.
-    let report = json(&r.out.join("oom/report.json"));
-    assert_eq!(report["micro_batch"], 32);
-    assert!(report["error"].as_str().unwrap().contains("CPU out of memory"));
-    assert_eq!(report["cap"]["bytes"], 100 << 20);
-    assert_eq!(report["cap"]["kind"], "cpu_tensor_bytes");
-    assert!(report["allocator_stats"]["num_ooms"].as_u64().unwrap() >= 1);
+    let report = r.oom_report();
+    assert_eq!(report.micro_batch, 32);
+    assert!(report.error.contains("CPU out of memory"));
+    let cap = report.cap.expect("the report's cap");
+    assert_eq!(cap.bytes, 100 << 20);
+    assert_eq!(cap.kind, "cpu_tensor_bytes");
+    // The allocator's statistics are libtorch's, passed through as JSON: untyped by design.
+    let stats = report.allocator_stats.expect("the report's allocator statistics");
+    assert!(stats["num_ooms"].as_u64().unwrap() >= 1);
     assert!(r.out.join("oom/spec.toml").exists());
 
     // Preflight reports the measured first step against the cap, in exact tensor bytes.
-    let pre = &r.records("preflight")[0];
-    assert_eq!(pre["micro_batch"], micro);
-    assert_eq!(pre["measure"], "peak allocated");
-    let peak = pre["peak_bytes"].as_i64().unwrap();
-    assert!(peak > 0 && peak <= 100 << 20, "{pre}");
-    assert_eq!(pre["headroom_bytes"].as_i64().unwrap(), (100 << 20) - peak);
-    assert_eq!(pre["cap_bytes"], 100 << 20);
+    let pre = &r.preflights()[0];
+    assert_eq!(pre.micro_batch, micro);
+    assert_eq!(pre.measure, "peak allocated");
+    let peak = pre.peak_bytes;
+    assert!(peak > 0 && peak <= 100 << 20, "{pre:?}");
+    assert_eq!(pre.headroom_bytes, Some((100 << 20) - peak as i64));
+    assert_eq!(pre.cap_bytes, Some(100 << 20));
 
     // The same job configured at the micro-batch it backed off to, with no cap, ends with
     // exactly the same weights: the failed attempts left no trace.
@@ -74,7 +78,7 @@ fn backoff_keeps_the_effective_batch_and_the_weights_of_the_smaller_batch() {
         .set("train.batch_size", micro)
         .set("train.accumulation_steps", acc)
         .run();
-    assert!(reference.records("oom").is_empty());
+    assert!(reference.ooms().is_empty());
     assert_eq!(
         r.final_bytes(),
         reference.final_bytes(),
@@ -83,9 +87,9 @@ fn backoff_keeps_the_effective_batch_and_the_weights_of_the_smaller_batch() {
 
     // A resumed run keeps the micro-batch it had backed off to.
     r.resume().args(&["--set", "train.epochs=2"]).run();
-    let starts = r.records("start");
-    assert_eq!(starts.last().unwrap()["micro_batch"], micro);
-    assert_eq!(starts.last().unwrap()["resumed"], true);
+    let starts = r.starts();
+    assert_eq!(starts.last().unwrap().micro_batch, micro);
+    assert!(starts.last().unwrap().resumed);
 }
 
 #[test]
@@ -96,18 +100,18 @@ fn fail_exits_3_and_writes_the_oom_report() {
         .stderr_has("error: out of memory in training step")
         .run();
     let s = r.summary();
-    assert_eq!(s["status"], "oom");
-    assert_eq!(s["exit_code"], 3);
+    assert_eq!(s.status, Status::Oom);
+    assert_eq!(s.exit_code, 3);
     assert!(r.out.join("oom/report.json").exists() && r.out.join("oom/spec.toml").exists());
     // The last good state is saved and can be resumed with a policy that can cope.
-    let ck = r.records("checkpoint");
+    let ck = r.checkpoints();
     assert_eq!(ck.len(), 1);
-    assert_eq!(ck[0]["reason"], "oom");
+    assert_eq!(ck[0].reason, "oom");
     r.resume()
         .args(&["--set", "memory.on_oom=[\"backoff\",\"fail\"]"])
         .stderr_has("backing off")
         .run();
-    assert_eq!(r.summary()["status"], "completed");
+    assert_eq!(r.summary().status, Status::Completed);
 }
 
 #[test]
@@ -118,9 +122,9 @@ fn reaching_min_batch_size_ends_the_run_as_the_policy_says() {
         .exit(3)
         .stderr_has("cannot be halved without going below memory.min_batch_size 32")
         .run();
-    let ooms = r.records("oom");
+    let ooms = r.ooms();
     assert_eq!(ooms.len(), 1);
-    assert_eq!(ooms[0]["decision"]["action"], "fail");
+    assert_eq!(ooms[0].decision.action, "fail");
 }
 
 #[test]
@@ -138,10 +142,10 @@ fn grow_back_returns_to_the_configured_micro_batch_after_clean_steps() {
     // finishes with every sample trained once.
     let r = capped().set("memory.grow_back_after", 1).run();
     let s = r.summary();
-    assert!(s["oom"]["grow_backs"].as_u64().unwrap() >= 1, "{s}");
-    assert!(s["oom"]["backoffs"].as_u64().unwrap() >= 2, "{s}");
-    assert_eq!(s["samples_trained"], 128);
-    assert!(!r.records("grow_back").is_empty());
+    assert!(s.oom.grow_backs >= 1, "{s:?}");
+    assert!(s.oom.of("backoffs") >= 2, "{s:?}");
+    assert_eq!(s.samples_trained, 128);
+    assert!(!r.grow_backs().is_empty());
 }
 
 #[test]
@@ -157,12 +161,12 @@ fn allocator_settings_merge_with_the_environment_and_conflicts_are_reported() {
         )
         .stderr_has("allocator setting max_split_size_mb: the environment says 128, the spec says 256")
         .run();
-    let start = &r.records("start")[0];
+    let start = &r.starts()[0];
     assert_eq!(
-        start["allocator_conf"],
-        "max_split_size_mb:256,roundup_power2_divisions:4,expandable_segments:True,garbage_collection_threshold:0.6"
+        start.allocator_conf.as_deref(),
+        Some("max_split_size_mb:256,roundup_power2_divisions:4,expandable_segments:True,garbage_collection_threshold:0.6")
     );
-    assert_eq!(start["allocator_conflicts"][0]["key"], "max_split_size_mb");
+    assert_eq!(start.allocator_conflicts[0].key, "max_split_size_mb");
 }
 
 /// A model whose weights are large and activations tiny: Adam's step is where memory runs out.
@@ -187,14 +191,10 @@ fn an_oom_inside_the_optimizer_step_leaves_no_trace() {
         .set("memory.on_oom", policy(&["backoff", "fail"]))
         .stderr_has("backing off: micro-batch 8 -> 4")
         .run();
-    let ooms = faulted.records("oom");
+    let ooms = faulted.ooms();
     assert_eq!(ooms.len(), 1);
-    assert_eq!(ooms[0]["kind"], "cpu");
-    assert!(
-        ooms[0]["error"].as_str().unwrap().contains("CPU out of memory"),
-        "{}",
-        ooms[0]
-    );
+    assert_eq!(ooms[0].kind, OomKind::Cpu);
+    assert!(ooms[0].error.contains("CPU out of memory"), "{:?}", ooms[0]);
     // The same job configured at 4 x 2 from the start, no fault: byte-identical weights, and the
     // optimizer counted each step once (Adam's bias correction would differ otherwise).
     let clean = adam()
@@ -202,13 +202,13 @@ fn an_oom_inside_the_optimizer_step_leaves_no_trace() {
         .set("train.batch_size", 4)
         .set("train.accumulation_steps", 2)
         .run();
-    assert!(clean.records("oom").is_empty());
+    assert!(clean.ooms().is_empty());
     assert_eq!(
         faulted.final_bytes(),
         clean.final_bytes(),
         "a failed optimizer step must leave parameters and state untouched"
     );
-    assert_eq!(faulted.summary()["global_steps"], clean.summary()["global_steps"]);
+    assert_eq!(faulted.summary().global_steps, clean.summary().global_steps);
 }
 
 #[test]
@@ -219,9 +219,9 @@ fn with_fail_the_exit_checkpoint_holds_the_weights_from_before_the_failed_step()
         .exit(3)
         .stderr_has("out of memory in training step")
         .run();
-    let ck = failed.records("checkpoint");
-    assert_eq!(ck.last().unwrap()["reason"], "oom");
-    assert_eq!(ck.last().unwrap()["step"], 4);
+    let ck = failed.checkpoints();
+    assert_eq!(ck.last().unwrap().reason, "oom");
+    assert_eq!(ck.last().unwrap().step, 4);
     let one_epoch = adam().name("one").set("train.epochs", 1).run();
     assert_eq!(
         failed.final_bytes(),

@@ -148,6 +148,7 @@ fn losses(model: Model, optim: Optim, bf16_mixed: bool) -> (Vec<f64>, Vec<f64>) 
     if bf16_mixed {
         args.extend_from_slice(&["--autocast", "bf16"]);
     }
+    // reference.py's output (PyTorch's losses), JSON from Python, not memtrain's records.
     let py: serde_json::Value = serde_json::from_str(&reference(&dir, &args)).unwrap();
     let theirs: Vec<f64> = py["losses"]
         .as_array()

@@ -1,26 +1,31 @@
 //! Mixed precision, loss scaling and activation recomputation, driven through the binary.
 use crate::common::*;
+use memtrain::spec::Precision;
 use toml::Value;
 
 #[test]
 fn mixed_precision_trains_the_digits_mlp() {
-    for p in ["bf16-mixed", "fp16-mixed"] {
+    for (p, mode) in [
+        ("bf16-mixed", Precision::Bf16Mixed),
+        ("fp16-mixed", Precision::Fp16Mixed),
+    ] {
         let r = Test::new()
             .name(p)
             .set("train.precision", p)
             .set("train.epochs", 5)
             .run();
         let s = r.summary();
-        let acc = s["final"]["val_acc"].as_f64().unwrap();
+        let acc = val_acc(&s);
         assert!(acc >= 0.9, "{p}: validation accuracy {acc}");
-        assert_eq!(s["precision"]["mode"], p);
+        assert_eq!(s.precision.mode, mode);
         // Master weights stay fp32.
         assert!(tensors(&r.final_model())
             .iter()
             .all(|(_, t)| t.kind() == tch::Kind::Float));
+        // state.json is the checkpoint's, not a record: read as JSON.
         let scaler = &r.final_state()["scaler"];
         if p == "fp16-mixed" {
-            assert_eq!(s["precision"]["loss_scale"], 65536.0, "no overflow on this job");
+            assert_eq!(s.precision.loss_scale, Some(65536.0), "no overflow on this job");
             assert_eq!(scaler["scale"], 65536.0);
             assert_eq!(scaler["growth_tracker"], 5 * 45);
         } else {
@@ -42,16 +47,17 @@ fn an_inf_gradient_skips_the_step_and_halves_the_scale_and_resume_is_exact() {
     // the scale halves, and the run goes on.
     let inf = |t: Test| t.env("MEMTRAIN_FAULT_INF_GRAD_AT_STEP", "3");
     let straight = inf(fp16().name("straight")).run();
-    let steps = straight.records("step");
-    let at = |n: i64| steps.iter().find(|s| s["step"] == n).unwrap().clone();
-    assert_eq!(at(2)["skipped"], false);
-    assert_eq!(at(3)["skipped"], true);
-    assert_eq!(at(2)["loss_scale"], 65536.0);
-    assert_eq!(at(4)["loss_scale"], 32768.0);
+    let steps = straight.steps();
+    let at = |n: i64| steps.iter().find(|s| s.step == n).unwrap().clone();
+    assert!(!at(2).skipped);
+    assert!(at(3).skipped);
+    assert_eq!(at(2).loss_scale, Some(65536.0));
+    assert_eq!(at(4).loss_scale, Some(32768.0));
     let s = straight.summary();
-    assert_eq!(s["precision"]["skipped_steps"], 1);
-    assert_eq!(s["precision"]["loss_scale"], 32768.0);
-    assert_eq!(s["global_steps"], 90, "a skipped step is still a step of the loop");
+    assert_eq!(s.precision.skipped_steps, 1);
+    assert_eq!(s.precision.loss_scale, Some(32768.0));
+    assert_eq!(s.global_steps, 90, "a skipped step is still a step of the loop");
+    // state.json is the checkpoint's, not a record: read as JSON.
     let state = straight.final_state();
     assert_eq!(state["scaler"]["scale"], 32768.0);
     assert_eq!(state["scaler"]["growth_tracker"], 90 - 3);
@@ -86,7 +92,7 @@ fn checkpointed_darts_equals_the_plain_run_bit_for_bit() {
     );
     let opt = |o: &Outcome| file_bytes(&o.final_model().with_file_name("optimizer.safetensors"));
     assert_eq!(opt(&plain), opt(&ck), "momentum buffers");
-    assert_eq!(ck.summary()["precision"]["activation_checkpointing"], true);
+    assert!(ck.summary().precision.activation_checkpointing);
 }
 
 #[test]
@@ -97,7 +103,7 @@ fn mixed_precision_and_checkpointing_run_darts_with_its_architecture_step() {
             .set("train.precision", p)
             .set("train.activation_checkpointing", true)
             .run();
-        let loss = r.summary()["final"]["train_loss"].as_f64().unwrap();
+        let loss = r.summary().last.expect("the final epoch").train_loss;
         assert!(loss.is_finite(), "{p}: {loss}");
     }
 }
@@ -123,14 +129,16 @@ fn recompute_turns_checkpointing_on_and_keeps_the_batch() {
         .stderr_has("recomputing: activation checkpointing is on for the rest of the run, micro-batch stays 8")
         .run();
     let s = capped.summary();
-    assert_eq!(s["oom"]["recomputes"], 1);
-    assert_eq!(s["oom"]["backoffs"], 0);
-    assert_eq!(s["batch"]["final_micro_batch"], 8);
-    assert_eq!(s["precision"]["activation_checkpointing"], true);
-    let ooms = capped.records("oom");
+    assert_eq!(s.oom.of("recomputes"), 1);
+    // Listed, at 0: `of` would read a missing lever as 0 too.
+    assert_eq!(s.oom.engaged.get("backoffs"), Some(&0));
+    assert_eq!(s.batch.final_micro_batch, 8);
+    assert!(s.precision.activation_checkpointing);
+    let ooms = capped.ooms();
     assert_eq!(ooms.len(), 1);
-    assert_eq!(ooms[0]["decision"]["action"], "recompute");
-    // Kept for a resume, under the lever's name.
+    assert_eq!(ooms[0].decision.action, "recompute");
+    // Kept for a resume, under the lever's name (state.json is the checkpoint's, not a record:
+    // read as JSON).
     assert_eq!(
         json(&capped.final_model().with_file_name("state.json"))["levers"],
         serde_json::json!(["recompute"])

@@ -70,7 +70,7 @@ fn every_run_writes_a_report_with_its_memory_events_and_curves() {
         .run();
     assert!(r.stdout.contains("report: ") || r.stderr.contains("report: "));
     let html = std::fs::read_to_string(r.out.join("report.html")).unwrap();
-    let steps = r.records("step");
+    let steps = r.steps();
     assert_eq!(steps.len(), 2 * 45);
 
     // Memory: allocated (#1F77B4) and its peak (#9ECAE1) have a point for every step line; the
@@ -99,8 +99,8 @@ fn every_run_writes_a_report_with_its_memory_events_and_curves() {
     assert!(polyline_points(figure(&html, "accuracy"), "#E66E00").contains(&2));
     assert!(polyline_points(figure(&html, "lr"), "#756BB1").contains(&steps.len()));
     // The events table: the OOM and its decision at the step it happened, then the checkpoints.
-    let oom = &r.records("oom")[0];
-    let row = format!("<tr><td>{}</td>", oom["step"]);
+    let oom = &r.ooms()[0];
+    let row = format!("<tr><td>{}</td>", oom.step);
     let events = &html[html.find("<table id=\"events\">").unwrap()..];
     assert!(
         events.contains(&row) && events.contains("backoff from micro-batch 16 x 2 to 8 x 4"),
@@ -130,7 +130,7 @@ fn a_failed_run_has_its_report_and_a_snapshot_becomes_a_segment_map() {
         .set("memory.on_oom", policy(&["fail"]))
         .exit(3)
         .run();
-    assert_eq!(r.summary()["status"], "oom");
+    assert_eq!(r.summary().status, Status::Oom);
     let html = std::fs::read_to_string(r.out.join("report.html")).unwrap();
     assert!(
         html.contains("OOM in training step: failed at micro-batch 16 x 2"),
@@ -202,9 +202,11 @@ fn tensorboard_reads_the_scalars_memtrain_wrote() {
     let tb = r.out.join("tensorboard");
     let files: Vec<_> = std::fs::read_dir(&tb).unwrap().collect();
     assert_eq!(files.len(), 1);
+    // What TensorBoard read, as reference.py prints it: {tag: [[step, value], ...]}, JSON from
+    // Python, not memtrain's records.
     let seen: serde_json::Value =
         serde_json::from_str(&reference(r.test.dir(), &["tensorboard", tb.to_str().unwrap()])).unwrap();
-    let steps = r.records("step");
+    let steps = r.steps();
     let series = |tag: &str| -> Vec<(i64, f32)> {
         seen[tag]
             .as_array()
@@ -214,29 +216,26 @@ fn tensorboard_reads_the_scalars_memtrain_wrote() {
             .collect()
     };
     // TensorBoard keeps float32; compare there (JSON's decimal round trip may differ below it).
-    let f32_of = |v: &serde_json::Value| v.as_f64().unwrap() as f32;
-    let expect = |key: &dyn Fn(&serde_json::Value) -> &serde_json::Value| -> Vec<(i64, f32)> {
-        steps
-            .iter()
-            .map(|s| (s["step"].as_i64().unwrap(), f32_of(key(s))))
-            .collect()
+    let expect = |key: &dyn Fn(&StepEvent) -> f64| -> Vec<(i64, f32)> {
+        steps.iter().map(|s| (s.step, key(s) as f32)).collect()
     };
-    assert_eq!(series("train/loss"), expect(&|s| &s["loss"]));
-    assert_eq!(series("train/lr"), expect(&|s| &s["lr"]));
+    let bytes = |b: Option<u64>| b.expect("the CPU's allocated bytes are counted") as f64;
+    assert_eq!(series("train/loss"), expect(&|s| s.loss));
+    assert_eq!(series("train/lr"), expect(&|s| s.lr));
     assert_eq!(
         series("memory/allocated_bytes"),
-        expect(&|s| &s["memory"]["allocated_bytes"])
+        expect(&|s| bytes(s.memory.allocated_bytes))
     );
     assert_eq!(
         series("memory/peak_allocated_bytes"),
-        expect(&|s| &s["memory"]["peak_allocated_bytes"])
+        expect(&|s| bytes(s.memory.peak_allocated_bytes))
     );
-    assert_eq!(series("memory/rss_bytes"), expect(&|s| &s["memory"]["rss_bytes"]));
-    assert_eq!(series("train/samples_per_s"), expect(&|s| &s["samples_per_s"]));
-    let epochs = r.records("epoch");
+    assert_eq!(series("memory/rss_bytes"), expect(&|s| s.memory.rss_bytes as f64));
+    assert_eq!(series("train/samples_per_s"), expect(&|s| s.samples_per_s));
+    let epochs = r.epochs();
     let val: Vec<(i64, f32)> = epochs
         .iter()
-        .map(|e| (e["step"].as_i64().unwrap(), f32_of(&e["val_acc"])))
+        .map(|e| (e.step, e.val_acc.expect("a validation accuracy") as f32))
         .collect();
     assert_eq!(series("epoch/val_acc"), val);
     assert_eq!(val.iter().map(|v| v.0).collect::<Vec<_>>(), [45, 90]);

@@ -4,8 +4,9 @@
 //! code, and every `Test` works in its own temporary directory (clones share it, so a test can
 //! compare a run with its reference runs). A failing test keeps that directory and prints where.
 //!
-//! Records and the summary are read here only (`Outcome::records`, `Outcome::summary`), so that
-//! the tests follow the record format from one place.
+//! Records and the summary are read here only, through the typed reader (`Outcome::run_records`,
+//! `Outcome::steps` and the other kinds, `Outcome::summary`), so that a renamed record field is a
+//! compile error in the tests as well.
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -14,6 +15,10 @@ use std::rc::Rc;
 use std::sync::mpsc;
 use std::time::Duration;
 
+pub use memtrain::records::{
+    CheckpointEvent, EpochEvent, Event, GrowBackEvent, OomEvent, OomReportFile, PreflightEvent, RunRecords, StartEvent,
+    Status, StepEvent, Summary,
+};
 use toml::{Table, Value};
 
 pub fn repo() -> PathBuf {
@@ -596,33 +601,68 @@ pub struct Outcome {
     pub stderr: String,
 }
 
+/// One accessor per event kind: the run's events of that kind, in order, as their types.
+macro_rules! events_of {
+    ($($(#[$doc:meta])* $name:ident: $variant:ident($ty:ty);)*) => {$(
+        $(#[$doc])*
+        #[track_caller]
+        #[must_use]
+        pub fn $name(&self) -> Vec<$ty> {
+            self.run_records()
+                .events
+                .into_iter()
+                .filter_map(|e| match e {
+                    Event::$variant(x) => Some(x),
+                    _ => None,
+                })
+                .collect()
+        }
+    )*};
+}
+
 impl Outcome {
+    /// summary.json, as the type that wrote it. Read strictly: a summary.json that is missing or
+    /// does not read back fails the test (the reader would fall back to the `end` record).
     #[track_caller]
     #[must_use]
-    pub fn summary(&self) -> serde_json::Value {
-        json(&self.out.join("summary.json"))
+    pub fn summary(&self) -> Summary {
+        typed(&self.out.join("summary.json"))
     }
 
-    /// The records of type `kind` in `metrics.jsonl`, in order.
+    /// The run directory's records through the typed reader (`memtrain::records::read`): every
+    /// line must read back as an event. Records a resumed session redid are dropped, as the
+    /// report sees them: a test that must see them reads metrics.jsonl's lines itself.
     #[track_caller]
     #[must_use]
-    pub fn records(&self, kind: &str) -> Vec<serde_json::Value> {
-        let path = self.out.join("metrics.jsonl");
-        let text = match std::fs::read_to_string(&path) {
-            Ok(t) => t,
-            Err(e) => panic!("reading {}: {e}", path.display()),
+    pub fn run_records(&self) -> RunRecords {
+        let r = match memtrain::records::read(&self.out) {
+            Ok(r) => r,
+            Err(e) => panic!("reading the records of {}: {e:#}", self.out.display()),
         };
-        let mut out = vec![];
-        for (i, line) in text.lines().enumerate() {
-            let v: serde_json::Value = match serde_json::from_str(line) {
-                Ok(v) => v,
-                Err(e) => panic!("{}:{}: not a JSON record: {e}", path.display(), i + 1),
-            };
-            if v["type"] == kind {
-                out.push(v);
-            }
-        }
-        out
+        assert_eq!(
+            r.unreadable_lines,
+            0,
+            "{}: lines that do not read back as an event",
+            self.out.join("metrics.jsonl").display()
+        );
+        r
+    }
+
+    events_of! {
+        starts: Start(StartEvent);
+        preflights: Preflight(PreflightEvent);
+        steps: Step(StepEvent);
+        epochs: Epoch(EpochEvent);
+        checkpoints: Checkpoint(CheckpointEvent);
+        ooms: Oom(OomEvent);
+        grow_backs: GrowBack(GrowBackEvent);
+    }
+
+    /// oom/report.json (the run's first OOM), as the type that wrote it.
+    #[track_caller]
+    #[must_use]
+    pub fn oom_report(&self) -> OomReportFile {
+        typed(&self.out.join("oom/report.json"))
     }
 
     /// The newest checkpoint's model file.
@@ -632,7 +672,8 @@ impl Outcome {
         final_model(&self.out)
     }
 
-    /// The newest checkpoint's training state (`state.json` beside its model file).
+    /// The newest checkpoint's training state (`state.json` beside its model file). A checkpoint
+    /// file, not a record, with no public type: read as JSON.
     #[track_caller]
     #[must_use]
     pub fn final_state(&self) -> serde_json::Value {
@@ -651,6 +692,24 @@ impl Outcome {
             .clone()
             .out(false)
             .args_replaced(&["--resume", self.out.to_str().expect("a UTF-8 path")])
+    }
+}
+
+/// A JSON file as `T`, strictly: a file that is missing or does not read back fails the test.
+#[track_caller]
+#[must_use]
+pub fn typed<T: serde::de::DeserializeOwned>(path: &Path) -> T {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) => panic!("reading {}: {e}", path.display()),
+    };
+    match serde_json::from_str(&text) {
+        Ok(v) => v,
+        Err(e) => panic!(
+            "{} does not read back as {}: {e}",
+            path.display(),
+            std::any::type_name::<T>()
+        ),
     }
 }
 
@@ -790,10 +849,17 @@ pub fn torchvision_init(dir: &Path, model: &str, classes: &str) -> serde_json::V
 #[track_caller]
 #[must_use]
 pub fn step_losses(o: &Outcome) -> Vec<f64> {
-    o.records("step")
-        .iter()
-        .map(|r| r["loss"].as_f64().expect("a step record's loss"))
-        .collect()
+    o.steps().iter().map(|s| s.loss).collect()
+}
+
+/// The last epoch's validation accuracy in a summary.
+#[track_caller]
+#[must_use]
+pub fn val_acc(s: &Summary) -> f64 {
+    match s.last.as_ref().and_then(|e| e.val_acc) {
+        Some(a) => a,
+        None => panic!("the summary has no final validation accuracy: {s:?}"),
+    }
 }
 
 /// Asserts two loss curves agree within `rel` relative difference, step by step.
