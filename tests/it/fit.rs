@@ -231,6 +231,8 @@ fn fit_says_what_is_wrong_with_its_input_and_when_nothing_fits() {
         .spec(digits_spec())
         .args(&["--limit", "64MiB", "--checkpointing", "on"])
         .exit(2)
+        .stderr_has("fit: levers: recompute: one axis of the settings, off and on; backoff: searched by size")
+        .stderr_has("; cpu: not searched (fit looks for the fastest setting on the device")
         .stderr_has("not applicable: the mlp preset is not a sequence of blocks")
         .stderr_has("the mlp preset is not a sequence of blocks")
         .stderr_has("use --checkpointing off or both")

@@ -54,6 +54,20 @@ pub fn from_names<S: AsRef<str>>(names: &[S]) -> Result<Engaged, String> {
         })
 }
 
+/// How `fit` treats each lever, for its opening lines: the levers it searches, and why it skips
+/// the others.
+pub fn fit_line() -> String {
+    let each: Vec<String> = LEVERS
+        .iter()
+        .map(|l| match l.search() {
+            Search::Toggle => format!("{}: one axis of the settings, off and on", l.name()),
+            Search::Size => format!("{}: searched by size, the largest micro-batch that fits", l.name()),
+            Search::Never(why) => format!("{}: not searched ({why})", l.name()),
+        })
+        .collect();
+    format!("levers: {}", each.join("; "))
+}
+
 /// The levers the spec turns on from the start, with the key that does.
 pub fn configured(spec: &crate::spec::Spec) -> Vec<(&'static str, &'static dyn Lever)> {
     let mut on: Vec<(&'static str, &'static dyn Lever)> = vec![];
