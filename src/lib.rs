@@ -1,8 +1,20 @@
 //! memtrain: a training runner for PyTorch models (through tch) built around GPU memory.
 //!
-//! Data flows one way: `spec` → `plan` → `run` → `records`. Below them, with no knowledge of
-//! those above: `model` (presets), `data`, `optim`, `checkpoint`, `memory` and `oom`, `shim`
-//! (the only C++), and small helpers. `app` hands each command its work.
+//! Data flows one way: spec → plan → components → step pipeline → events → records. The layers,
+//! each using only those below it (`scripts/module-graph` shows there is no circle):
+//!
+//! 1. commands: `main`, `cli`, `app` (hands each command its work), `info`, `fit`, `report`,
+//!    and `run::run` (plan → build → train → report);
+//! 2. the job: `spec` (reading, overriding and validating the TOML), `plan` (pure: what the run
+//!    will be), `estimate` (`check`);
+//! 3. the run's parts: `run`'s build, components, levers, recovery, step pipeline, forward part
+//!    and execution strategy; `dist` (data-parallel groups);
+//! 4. what a run is made of: `model` (presets), `data`, `optim`, `checkpoint`, `records`,
+//!    `scaler`, `memory` and `oom`, `alloc_conf`, `progress`, `signals`.
+//!    Each reads only its own section of the spec's schema (`spec::Model`, `spec::Data`,
+//!    `spec::Train`: plain data types), never the whole spec;
+//! 5. the ground: `shim` (the only C++ and the only caller of `torch_sys`), `sysmem`, `atomic`,
+//!    `human`, `exit`, `fault`.
 pub mod alloc_conf;
 pub mod app;
 pub mod atomic;

@@ -195,8 +195,14 @@ impl Plan {
     /// Recovery at the run's position, with the levers the spec turns on engaged.
     fn recovery(&self, spec: &Spec, state: &TrainState, has_blocks: bool) -> Result<Recovery> {
         let m = &spec.memory;
-        let engaged =
-            levers::from_names(&state.levers).map_err(|e| UsageError(format!("the checkpoint's state: {e}")))?;
+        // Checkpoints from before levers had names kept the spec's checkpointing flag even for a
+        // model without blocks, where recomputation never ran.
+        let names: Vec<&String> = state
+            .levers
+            .iter()
+            .filter(|n| has_blocks || *n != "recompute")
+            .collect();
+        let engaged = levers::from_names(&names).map_err(|e| UsageError(format!("the checkpoint's state: {e}")))?;
         let mut recovery = Recovery::new(
             Policy {
                 on_oom: m.on_oom.clone(),

@@ -259,7 +259,7 @@ impl Trainer {
                     self.state.epoch + 1,
                     self.state.global_step,
                     self.device_name(),
-                    lever.said(&outcome.before, &outcome.after)
+                    lever.said(&outcome.before, &outcome.after, self.recovery.configured())
                 );
                 lever.engage(&mut self.parts());
                 Ok(())
@@ -636,6 +636,7 @@ impl Trainer {
         memory::reset_peaks(self.place());
         // The line window carries over: a record's peaks cover every step since the last.
         self.session.windows.epoch = StepMemory::default();
+        clock.t0 = Instant::now();
         let steps_per_epoch = (n + e - 1) / e;
         let done = self.state.groups_done as u64;
         self.out

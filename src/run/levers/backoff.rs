@@ -57,14 +57,14 @@ impl Lever for Backoff {
         })
     }
 
-    fn said(&self, before: &Position, after: &Position) -> String {
+    fn said(&self, before: &Position, after: &Position, configured: BatchShape) -> String {
         format!(
             "backing off: micro-batch {} -> {}, accumulation {} -> {} (effective batch stays {})",
             before.shape.micro_batch,
             after.shape.micro_batch,
             before.shape.accumulation_steps,
             after.shape.accumulation_steps,
-            before.shape.effective()
+            configured.effective()
         )
     }
 

@@ -6,6 +6,7 @@ use tch::Device;
 use super::lever::{Lever, Parts, Position, Search, Situation};
 use crate::estimate::Estimate;
 use crate::human::human_bytes;
+use crate::oom::BatchShape;
 
 pub struct CpuFallback;
 
@@ -59,7 +60,7 @@ impl Lever for CpuFallback {
         let _ = crate::shim::empty_cache();
     }
 
-    fn said(&self, _before: &Position, _after: &Position) -> String {
+    fn said(&self, _before: &Position, _after: &Position, _configured: BatchShape) -> String {
         "MOVING THE RUN TO THE CPU as memory.on_oom says. It continues, slower.".into()
     }
 

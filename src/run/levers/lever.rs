@@ -69,8 +69,8 @@ pub trait Lever: Sync {
     }
     /// What engaging it does to the parts (nothing for levers that only move the position).
     fn engage(&self, _parts: &mut Parts<'_>) {}
-    /// The line the run prints when an OOM engages it.
-    fn said(&self, before: &Position, after: &Position) -> String;
+    /// The line the run prints when an OOM engages it (`configured`: the spec's batch shape).
+    fn said(&self, before: &Position, after: &Position, configured: BatchShape) -> String;
     /// What engaging it does to the bill, for `check`.
     fn estimate(&self, e: &Estimate) -> String;
     /// How `fit` searches it.

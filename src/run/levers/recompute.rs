@@ -3,6 +3,7 @@
 //! a "recompute" OOM decision; the micro-batch stays.
 use super::lever::{Lever, Parts, Position, Search, Situation};
 use crate::estimate::Estimate;
+use crate::oom::BatchShape;
 
 pub struct Recompute;
 
@@ -33,7 +34,7 @@ impl Lever for Recompute {
         parts.forward.recompute = true;
     }
 
-    fn said(&self, before: &Position, _after: &Position) -> String {
+    fn said(&self, before: &Position, _after: &Position, _configured: BatchShape) -> String {
         format!(
             "recomputing: activation checkpointing is on for the rest of the run, micro-batch stays {}",
             before.shape.micro_batch
