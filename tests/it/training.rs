@@ -255,3 +255,31 @@ fn bf16_trains_and_checkpoints_in_bf16() {
     let model = tensors(&r.final_model());
     assert!(model.iter().all(|(_, t)| t.kind() == tch::Kind::BFloat16));
 }
+
+#[test]
+fn a_checkpoint_from_before_levers_had_names_resumes_with_its_flags_read_as_levers() {
+    // The MLP is no chain of blocks: the spec's checkpointing does not apply, and says so.
+    let part = Test::new()
+        .name("part")
+        .set("train.epochs", 1)
+        .set("train.activation_checkpointing", true)
+        .stderr_has("activation checkpointing does not apply")
+        .run();
+    assert!(!part.summary().precision.activation_checkpointing);
+    // Rewrite the checkpoint's state as a memtrain from before levers wrote it: no `levers`, the
+    // spec's flag saved as it was even though it never applied.
+    let state = part.final_model().with_file_name("state.json");
+    let mut old = part.final_state();
+    let fields = old.as_object_mut().unwrap();
+    assert_eq!(fields.remove("levers"), Some(serde_json::json!([])));
+    fields.insert("activation_checkpointing".into(), true.into());
+    fields.insert("on_cpu_fallback".into(), false.into());
+    std::fs::write(&state, serde_json::to_vec(&old).unwrap()).unwrap();
+    part.resume().args(&["--set", "train.epochs=2"]).run();
+    assert_eq!(part.summary().epochs_completed, 2);
+    assert!(
+        !part.summary().precision.activation_checkpointing,
+        "an old flag for a model without blocks engages nothing"
+    );
+    assert_eq!(part.final_state()["levers"], serde_json::json!([]));
+}
