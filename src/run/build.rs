@@ -202,7 +202,15 @@ impl Plan {
             .iter()
             .filter(|n| has_blocks || *n != "recompute")
             .collect();
-        let engaged = levers::from_names(&names).map_err(|e| UsageError(format!("the checkpoint's state: {e}")))?;
+        let engaged = levers::from_names(&names).map_err(|e| {
+            UsageError(format!(
+                "{}: {e}; a newer memtrain wrote it, so resume it with that one",
+                self.resume.as_ref().map_or_else(
+                    || "the checkpoint".into(),
+                    |r| r.checkpoint.join("state.json").display().to_string()
+                )
+            ))
+        })?;
         let mut recovery = Recovery::new(
             Policy {
                 on_oom: m.on_oom.clone(),
@@ -334,7 +342,7 @@ fn setup_step<T>(what: &str, f: impl FnOnce() -> T) -> Result<T> {
 
 /// Weight-optimizer parameters: every trainable variable that is not an architecture weight,
 /// in name order so optimizer state lines up across runs.
-pub fn split_params(vs: &nn::VarStore) -> (NamedTensors, NamedTensors) {
+fn split_params(vs: &nn::VarStore) -> (NamedTensors, NamedTensors) {
     let mut all: Vec<(String, Tensor)> = vs.variables().into_iter().filter(|(_, t)| t.requires_grad()).collect();
     all.sort_by(|a, b| a.0.cmp(&b.0));
     all.into_iter().partition(|(n, _)| !n.starts_with(ARCH_PREFIX))

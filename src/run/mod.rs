@@ -26,15 +26,8 @@ use crate::records::Status;
 use crate::shim;
 use crate::spec::{self, Spec};
 
-pub use build::split_params;
-pub use components::{Components, LoopSettings, Outputs};
-pub use execution::Execution;
-pub use forward::{Forward, PrecisionStage};
-pub use levers::{Engaged, Position};
-pub use parts::{ArchStep, Model, Parts};
-pub use recovery::{GrowBack, Outcome, Policy, Recovery};
-pub use step::{StepOutput, StepPipeline, Work};
-pub use trainer::Trainer;
+use execution::Execution;
+use trainer::Trainer;
 
 pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
     let t_start = Instant::now();
