@@ -26,6 +26,7 @@ pub mod estimate;
 pub mod exit;
 pub mod fault;
 pub mod fit;
+pub mod host;
 pub mod human;
 pub mod info;
 pub mod memory;

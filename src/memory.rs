@@ -27,6 +27,12 @@ pub struct MemorySample {
     pub device_total_bytes: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub num_alloc_retries: Option<u64>,
+    /// Host tensor bytes: what the memory levers moved off the device (counted apart from
+    /// `allocated_bytes`, never against the cap). CPU runs only for now.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_host_bytes: Option<u64>,
     pub rss_bytes: u64,
     pub peak_rss_bytes: u64,
 }
@@ -44,6 +50,11 @@ pub struct StepMemory {
     pub peak_allocated_bytes: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_reserved_bytes: Option<u64>,
+    /// Host tensor bytes (see `MemorySample::host_bytes`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_bytes: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_host_bytes: Option<u64>,
     pub rss_bytes: u64,
 }
 
@@ -55,6 +66,8 @@ impl StepMemory {
         self.rss_bytes = later.rss_bytes;
         self.peak_allocated_bytes = max_opt(self.peak_allocated_bytes, later.peak_allocated_bytes);
         self.peak_reserved_bytes = max_opt(self.peak_reserved_bytes, later.peak_reserved_bytes);
+        self.host_bytes = later.host_bytes;
+        self.peak_host_bytes = max_opt(self.peak_host_bytes, later.peak_host_bytes);
     }
 }
 
@@ -63,6 +76,7 @@ impl MemorySample {
     pub fn include(&mut self, steps: &StepMemory) {
         self.peak_allocated_bytes = max_opt(self.peak_allocated_bytes, steps.peak_allocated_bytes);
         self.peak_reserved_bytes = max_opt(self.peak_reserved_bytes, steps.peak_reserved_bytes);
+        self.peak_host_bytes = max_opt(self.peak_host_bytes, steps.peak_host_bytes);
     }
 }
 
@@ -85,6 +99,7 @@ pub fn step_reading(place: Place) -> StepMemory {
             if s.installed {
                 m.allocated_bytes = Some(s.allocated);
                 m.peak_allocated_bytes = Some(s.peak_allocated);
+                (m.host_bytes, m.peak_host_bytes) = host_figures(&s);
                 shim::cpu_alloc_reset_peak();
             }
         }
@@ -99,6 +114,15 @@ pub fn step_reading(place: Place) -> StepMemory {
         }
     }
     m
+}
+
+/// Host figures are recorded once something has lived on the host, so runs without a host
+/// lever keep their records as they were.
+fn host_figures(s: &shim::CpuStats) -> (Option<u64>, Option<u64>) {
+    match s.host_peak > 0 || s.host_allocated > 0 {
+        true => (Some(s.host_allocated), Some(s.host_peak)),
+        false => (None, None),
+    }
 }
 
 /// The memory limit in force for a run.
@@ -140,6 +164,7 @@ pub fn sample(place: Place) -> MemorySample {
         if s.installed {
             m.allocated_bytes = Some(s.allocated);
             m.peak_allocated_bytes = Some(s.peak_allocated);
+            (m.host_bytes, m.peak_host_bytes) = host_figures(&s);
         }
     }
     if let Place::Cuda(i) = place {

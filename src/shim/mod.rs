@@ -35,6 +35,8 @@ struct MtCpuStats {
     cap: i64,
     num_ooms: i64,
     installed: i32,
+    host_allocated: i64,
+    host_peak: i64,
 }
 
 extern "C" {
@@ -42,6 +44,8 @@ extern "C" {
     fn mt_cpu_alloc_set_cap(cap: i64);
     fn mt_cpu_alloc_stats(out: *mut MtCpuStats);
     fn mt_cpu_alloc_reset_peak();
+    fn mt_host_scope_enter();
+    fn mt_host_scope_exit();
     fn mt_cuda_mem_get_info(device: i64, free: *mut u64, total: *mut u64) -> *mut c_char;
     fn mt_free_error(e: *mut c_char);
     fn mt_accelerator_available() -> i32;
@@ -253,6 +257,9 @@ pub struct CpuStats {
     pub num_ooms: u64,
     /// False until `cpu_alloc_install`; then every CPU tensor allocated from here on is counted.
     pub installed: bool,
+    /// Bytes allocated inside a [`HostScope`], counted apart and never capped.
+    pub host_allocated: u64,
+    pub host_peak: u64,
 }
 
 /// Makes libtorch's CPU allocator the counting one (idempotent). Call before loading anything.
@@ -276,12 +283,31 @@ pub fn cpu_alloc_stats() -> CpuStats {
         cap: (s.cap > 0).then_some(s.cap as u64),
         num_ooms: s.num_ooms.max(0) as u64,
         installed: s.installed == 1,
+        host_allocated: s.host_allocated.max(0) as u64,
+        host_peak: s.host_peak.max(0) as u64,
     }
 }
 
-/// Starts a new peak window: the peak becomes what is allocated now.
+/// Starts a new peak window: the peak becomes what is allocated now (device and host).
 pub fn cpu_alloc_reset_peak() {
     unsafe { mt_cpu_alloc_reset_peak() }
+}
+
+/// While alive, CPU tensors this thread allocates count as host memory: apart from the device
+/// count and never against the cap. Not `Send`: a scope belongs to the thread that opened it.
+pub struct HostScope(std::marker::PhantomData<*const ()>);
+
+impl HostScope {
+    pub fn enter() -> Self {
+        unsafe { mt_host_scope_enter() };
+        HostScope(std::marker::PhantomData)
+    }
+}
+
+impl Drop for HostScope {
+    fn drop(&mut self) {
+        unsafe { mt_host_scope_exit() }
+    }
 }
 
 /// (free, total) bytes of CUDA device `device` from the CUDA runtime itself, without starting

@@ -54,6 +54,12 @@ namespace {
 // raw_allocate/raw_deallocate keep working. An allocation that would pass the cap throws
 // c10::OutOfMemoryError before anything is allocated: the semantics of CUDA's per-process
 // memory fraction, on tensor bytes rather than on RSS.
+//
+// Allocations made while this thread is inside a host scope (`mt_host_scope_enter`) are counted
+// apart, as "host" memory, and never against the cap: on the CPU they stand where pinned host
+// buffers stand on a GPU machine, so the memory levers that move state off the device can be
+// measured (and their exactness tested) without one. The header records which count an
+// allocation joined, so its deleter (which may run on any thread) gives it back to the same one.
 
 constexpr size_t kHeader = 64;
 
@@ -61,6 +67,7 @@ struct Header {
   uint64_t size;
   c10::DeleterFnPtr inner_deleter;
   void *inner_context;
+  uint64_t host;
 };
 static_assert(sizeof(Header) <= kHeader, "header must fit in front of the data");
 
@@ -76,40 +83,41 @@ struct CountingCpuAllocator final : c10::Allocator {
   std::atomic<int64_t> peak{0};
   std::atomic<int64_t> cap{0}; // 0: no cap
   std::atomic<int64_t> num_ooms{0};
+  std::atomic<int64_t> host_current{0};
+  std::atomic<int64_t> host_peak{0};
 
   static void counted_delete(void *data);
 
-  c10::DataPtr allocate(size_t n) override {
-    if (n == 0) return inner->allocate(0);
-    const int64_t want = static_cast<int64_t>(n);
-    const int64_t now = current.fetch_add(want) + want;
-    const int64_t limit = cap.load();
-    if (limit > 0 && now > limit) {
-      current.fetch_sub(want);
-      num_ooms.fetch_add(1);
-      TORCH_CHECK_WITH(OutOfMemoryError, false, "CPU out of memory: can't allocate memory: tried to allocate ",
-                       mib(want), " with ", mib(now - want), " of tensors already allocated under the run's ",
-                       mib(limit), " cap (memory.limit / memory.fraction)");
-    }
+  static void raise_peak(std::atomic<int64_t> &peak, int64_t now) {
     int64_t seen = peak.load();
     while (now > seen && !peak.compare_exchange_weak(seen, now)) {
     }
+  }
+
+  // Host memory: counted on its own, never capped.
+  c10::DataPtr allocate_host(size_t n) {
+    const int64_t want = static_cast<int64_t>(n);
+    raise_peak(host_peak, host_current.fetch_add(want) + want);
     c10::DataPtr raw;
     try {
       raw = inner->allocate(n + kHeader);
     } catch (...) {
-      current.fetch_sub(want);
-      num_ooms.fetch_add(1);
+      host_current.fetch_sub(want);
       throw;
     }
+    return wrap(std::move(raw), n, true);
+  }
+
+  static c10::DataPtr wrap(c10::DataPtr raw, size_t n, bool host) {
     char *base = static_cast<char *>(raw.get());
-    Header h{static_cast<uint64_t>(n), raw.get_deleter(), nullptr};
+    Header h{static_cast<uint64_t>(n), raw.get_deleter(), nullptr, host ? 1u : 0u};
     h.inner_context = raw.release_context();
     std::memcpy(base, &h, sizeof h);
     void *data = base + kHeader;
     return {data, data, &counted_delete, c10::Device(c10::DeviceType::CPU)};
   }
 
+  c10::DataPtr allocate(size_t n) override;
   c10::DeleterFnPtr raw_deleter() const override { return &counted_delete; }
 
   void copy_data(void *dest, const void *src, std::size_t count) const override {
@@ -118,13 +126,39 @@ struct CountingCpuAllocator final : c10::Allocator {
 };
 
 CountingCpuAllocator g_counting;
+thread_local int t_host_depth = 0;
+
+c10::DataPtr CountingCpuAllocator::allocate(size_t n) {
+  if (n == 0) return inner->allocate(0);
+  if (t_host_depth > 0) return allocate_host(n);
+  const int64_t want = static_cast<int64_t>(n);
+  const int64_t now = current.fetch_add(want) + want;
+  const int64_t limit = cap.load();
+  if (limit > 0 && now > limit) {
+    current.fetch_sub(want);
+    num_ooms.fetch_add(1);
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "CPU out of memory: can't allocate memory: tried to allocate ",
+                     mib(want), " with ", mib(now - want), " of tensors already allocated under the run's ",
+                     mib(limit), " cap (memory.limit / memory.fraction)");
+  }
+  raise_peak(peak, now);
+  c10::DataPtr raw;
+  try {
+    raw = inner->allocate(n + kHeader);
+  } catch (...) {
+    current.fetch_sub(want);
+    num_ooms.fetch_add(1);
+    throw;
+  }
+  return wrap(std::move(raw), n, false);
+}
 
 void CountingCpuAllocator::counted_delete(void *data) {
   if (!data) return;
   char *base = static_cast<char *>(data) - kHeader;
   Header h;
   std::memcpy(&h, base, sizeof h);
-  g_counting.current.fetch_sub(static_cast<int64_t>(h.size));
+  (h.host ? g_counting.host_current : g_counting.current).fetch_sub(static_cast<int64_t>(h.size));
   if (h.inner_deleter) h.inner_deleter(h.inner_context);
 }
 
@@ -162,6 +196,8 @@ struct MtCpuStats {
   int64_t cap;
   int64_t num_ooms;
   int installed;
+  int64_t host_allocated;
+  int64_t host_peak;
 };
 
 // Installs the counting allocator as libtorch's CPU allocator (idempotent). Tensors allocated
@@ -185,9 +221,18 @@ void mt_cpu_alloc_stats(MtCpuStats *out) {
   out->cap = g_counting.cap.load();
   out->num_ooms = g_counting.num_ooms.load();
   out->installed = g_counting.inner != nullptr ? 1 : 0;
+  out->host_allocated = g_counting.host_current.load();
+  out->host_peak = g_counting.host_peak.load();
 }
 
-void mt_cpu_alloc_reset_peak() { g_counting.peak.store(g_counting.current.load()); }
+void mt_cpu_alloc_reset_peak() {
+  g_counting.peak.store(g_counting.current.load());
+  g_counting.host_peak.store(g_counting.host_current.load());
+}
+
+// Host scopes nest; each enter has its exit on the same thread.
+void mt_host_scope_enter() { ++t_host_depth; }
+void mt_host_scope_exit() { --t_host_depth; }
 
 int mt_accelerator_available() {
   try {
