@@ -11,8 +11,15 @@ use tch::Tensor;
 /// On CUDA PyTorch computes the per-parameter norms with a fused multi-tensor kernel whose
 /// summation order differs, so there the norm can differ from PyTorch's in the last bits.
 pub fn clip_grad_norm(params: &[(String, Tensor)], max_norm: f64) -> f64 {
+    clip_grads(
+        params.iter().map(|(_, p)| p.grad()).filter(|g| g.defined()).collect(),
+        max_norm,
+    )
+}
+
+/// [`clip_grad_norm`] over the gradients themselves (wherever they live).
+pub fn clip_grads(mut grads: Vec<Tensor>, max_norm: f64) -> f64 {
     tch::no_grad(|| {
-        let mut grads: Vec<Tensor> = params.iter().map(|(_, p)| p.grad()).filter(|g| g.defined()).collect();
         let Some(first) = grads.first() else {
             return 0.0;
         };

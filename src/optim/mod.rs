@@ -29,6 +29,7 @@
 mod adam;
 mod clip;
 mod forms;
+mod grads;
 mod rule;
 mod schedule;
 mod sgd;
@@ -41,9 +42,12 @@ mod workspace;
 use anyhow::{bail, Result};
 use tch::{Device, Kind, Tensor};
 
+use crate::host::{Home, Host};
+use crate::shim::HostScope;
 use crate::spec::{OptimizerKind, Train};
-pub use clip::clip_grad_norm;
+pub use clip::{clip_grad_norm, clip_grads};
 use forms::{Forms, Multipliers};
+use grads::HostGrads;
 use rule::{ParamUpdate, Rule, Step};
 pub use schedule::LrSchedule;
 use shard::steps_param;
@@ -121,6 +125,10 @@ pub struct Optimizer {
     /// Sharded state (ZeRO stage 1): which rank owns each parameter; None: this process owns all.
     shard: Option<Shard>,
     steps: i64,
+    /// Where host-placed state and gradients are made.
+    host: Host,
+    /// `memory.gradients = "host"`: the step's gradients, collected off the device.
+    host_grads: Option<HostGrads>,
 }
 
 impl std::fmt::Debug for Optimizer {
@@ -133,10 +141,12 @@ impl std::fmt::Debug for Optimizer {
     }
 }
 
-/// What [`Optimizer::prepare`] allocated for one step: the gradients it found and the workspace.
+/// What [`Optimizer::prepare`] allocated for one step: the gradients it found and the
+/// workspaces (on the device, and on the host for state placed there).
 pub struct Prepared {
     live: Vec<(usize, Tensor)>,
     workspace: Workspace,
+    host_workspace: Workspace,
 }
 
 impl Optimizer {
@@ -151,7 +161,10 @@ impl Optimizer {
     pub fn sharded(hyper: Hyper, params: Vec<(String, Tensor)>, shard: Option<Shard>) -> Self {
         let rule = hyper.rule();
         let state = StateStore::allocate(rule.slots(), &params, |i| steps_param(shard.as_ref(), i));
+        let device = params.first().map_or(Device::Cpu, |(_, p)| p.device());
         Optimizer {
+            host: Host::new(device),
+            host_grads: None,
             hyper,
             rule,
             params,
@@ -205,22 +218,42 @@ impl Optimizer {
     pub fn prepare(&mut self) -> Prepared {
         tch::no_grad(|| {
             let live: Vec<(usize, Tensor)> = self
-                .params
-                .iter()
-                .enumerate()
+                .grads()
+                .into_iter()
                 .filter(|(i, _)| steps_param(self.shard.as_ref(), *i))
-                .map(|(i, (_, p))| (i, p.grad()))
-                .filter(|(_, g)| g.defined())
                 .collect();
             let mut workspace = Workspace::default();
+            let mut host_workspace = Workspace::default();
             for (i, _) in &live {
                 let p = &self.params[*i].1;
-                let forms = (self.forms_of)(p.device(), p.kind());
-                self.multipliers.prepare(p.device(), p.kind(), forms);
-                workspace.reserve(p, self.rule.temporaries(forms));
+                let grad_on_device = self.host_grads.is_none();
+                match self.state.home() {
+                    Home::Device => {
+                        let forms = (self.forms_of)(p.device(), p.kind());
+                        self.multipliers.prepare(p.device(), p.kind(), forms);
+                        // A host gradient comes to the device in a temporary of its own.
+                        let carried = usize::from(!grad_on_device);
+                        workspace.reserve(p, self.rule.temporaries(forms) + carried);
+                    }
+                    Home::Host => {
+                        let forms = (self.forms_of)(Device::Cpu, p.kind());
+                        self.multipliers.prepare(Device::Cpu, p.kind(), forms);
+                        // The parameter's host copy, and the gradient's unless it is there.
+                        let carried = 1 + usize::from(grad_on_device);
+                        host_workspace.reserve_on(Device::Cpu, p, self.rule.temporaries(forms) + carried);
+                    }
+                }
             }
             workspace.allocate();
-            Prepared { live, workspace }
+            {
+                let _host = HostScope::enter();
+                host_workspace.allocate();
+            }
+            Prepared {
+                live,
+                workspace,
+                host_workspace,
+            }
         })
     }
 
@@ -232,35 +265,84 @@ impl Optimizer {
             lr,
         };
         let values = self.rule.multipliers(step);
-        let Prepared { live, workspace } = prepared;
+        let Prepared {
+            live,
+            workspace,
+            host_workspace,
+        } = prepared;
         let Optimizer {
             rule,
             params,
             state,
             multipliers,
             forms_of,
+            host,
+            host_grads,
             ..
         } = self;
+        let home = state.home();
+        let grads_on_host = host_grads.is_some();
         tch::no_grad(|| {
             multipliers.refill(&values);
             for (i, grad) in &live {
                 let param = &mut params[*i].1;
-                let (device, kind) = (param.device(), param.kind());
-                let temps = workspace.views(param);
+                let kind = param.kind();
                 let st = state.param_mut(*i);
-                rule.update(
-                    step,
-                    ParamUpdate {
-                        param,
-                        grad,
-                        state: &mut st.tensors,
-                        state_written: st.written,
-                        temps: &temps,
-                        forms: forms_of(device, kind),
-                        coefs: multipliers.coefs(device, kind),
-                    },
-                );
+                match home {
+                    Home::Device => {
+                        let device = param.device();
+                        let forms = forms_of(device, kind);
+                        let n = rule.temporaries(forms);
+                        let temps = workspace.views(param);
+                        let grad = match grads_on_host {
+                            true => carry(&temps[n], grad),
+                            false => grad.shallow_clone(),
+                        };
+                        rule.update(
+                            step,
+                            ParamUpdate {
+                                param,
+                                grad: &grad,
+                                state: &mut st.tensors,
+                                state_written: st.written,
+                                temps: &temps[..n],
+                                forms,
+                                coefs: multipliers.coefs(device, kind),
+                            },
+                        );
+                    }
+                    Home::Host => {
+                        // The update runs on the host, on a copy of the parameter, which then
+                        // goes back: the same ATen calls on the same values as on the device.
+                        let temps = host_workspace.views_on(Device::Cpu, param);
+                        let forms = forms_of(Device::Cpu, kind);
+                        let n = rule.temporaries(forms);
+                        let grad = match grads_on_host {
+                            true => grad.shallow_clone(),
+                            false => carry(&temps[n + 1], grad),
+                        };
+                        let mut master = temps[n].shallow_clone();
+                        master.copy_(param);
+                        rule.update(
+                            step,
+                            ParamUpdate {
+                                param: &mut master,
+                                grad: &grad,
+                                state: &mut st.tensors,
+                                state_written: st.written,
+                                temps: &temps[..n],
+                                forms,
+                                coefs: multipliers.coefs(Device::Cpu, kind),
+                            },
+                        );
+                        host.copy_into_device(param, &master);
+                    }
+                }
                 st.written = true;
+            }
+            if home == Home::Host {
+                // The host copies are written again next step; their uploads finish first.
+                host.settle();
             }
         });
         self.steps = step.number;
@@ -281,10 +363,68 @@ impl Optimizer {
     /// makes them afresh (its first micro-batch writes the gradient instead of adding it to
     /// zeros, which gives the same values).
     pub fn drop_grads(&mut self) {
+        if let Some(h) = &mut self.host_grads {
+            h.reset();
+        }
         if let Err(e) = crate::shim::drop_grads(self.params.iter().map(|(_, p)| p)) {
             // Inside the OOM guard like any libtorch error; it cannot fail for a plain tensor.
             panic!("{e}");
         }
+    }
+
+    /// This step's gradients by parameter index: the device's `.grad()`, or the host's
+    /// buffers when gradients live there. Shallow clones: in-place changes (unscaling,
+    /// clipping) reach what the optimizer reads.
+    pub fn grads(&self) -> Vec<(usize, Tensor)> {
+        match &self.host_grads {
+            None => self
+                .params
+                .iter()
+                .enumerate()
+                .map(|(i, (_, p))| (i, p.grad()))
+                .filter(|(_, g)| g.defined())
+                .collect(),
+            Some(h) => (0..self.params.len())
+                .filter_map(|i| h.of(i).map(|g| (i, g.shallow_clone())))
+                .collect(),
+        }
+    }
+
+    /// With gradients on the host: moves what backward has produced so far off the device (a
+    /// no-op otherwise). Called after each block's backward.
+    pub fn collect_grads(&mut self) {
+        if let Some(h) = &mut self.host_grads {
+            h.collect(&self.params);
+        }
+    }
+
+    /// Where the state lives now.
+    pub fn state_home(&self) -> Home {
+        self.state.home()
+    }
+
+    pub fn grads_home(&self) -> Home {
+        match self.host_grads {
+            Some(_) => Home::Host,
+            None => Home::Device,
+        }
+    }
+
+    /// Moves the state to `home` (`memory.optimizer_state`); the values are kept exactly.
+    pub fn place_state(&mut self, home: Home) {
+        self.state.place(home, &self.host, &self.params);
+    }
+
+    /// Keeps the gradients on `home` from the next backward on (`memory.gradients`).
+    pub fn place_grads(&mut self, home: Home) {
+        self.host_grads = match home {
+            Home::Host => Some(
+                self.host_grads
+                    .take()
+                    .unwrap_or_else(|| HostGrads::allocate(&self.host, &self.params)),
+            ),
+            Home::Device => None,
+        };
     }
 
     /// Every state tensor, named `<slot>/<param name>` with slot `exp_avg` and `exp_avg_sq`
@@ -330,7 +470,15 @@ impl Optimizer {
     /// Moves all state tensors to `device`. The parameters are not touched: they are shallow
     /// clones of VarStore variables and follow the VarStore's own move (`set_data`).
     pub fn to_device(&mut self, device: Device) {
+        self.host = Host::new(device);
         self.state.move_to(device);
         self.multipliers.retain_on(device);
     }
+}
+
+/// `grad` copied into the workspace temporary `to`, on the side the update runs.
+fn carry(to: &Tensor, grad: &Tensor) -> Tensor {
+    let mut t = to.shallow_clone();
+    t.copy_(grad);
+    t
 }

@@ -3,11 +3,14 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 
 use tch::{Device, Tensor};
 
+use crate::host::{Home, Host};
+
 /// Every parameter's state: its slot tensors, on the parameter's device and kind (empty for a
 /// parameter this process does not step).
 pub struct StateStore {
     slots: &'static [&'static str],
     params: Vec<ParamState>,
+    home: Home,
 }
 
 pub struct ParamState {
@@ -43,7 +46,34 @@ impl StateStore {
                 })
                 .collect()
         });
-        StateStore { slots, params }
+        StateStore {
+            slots,
+            params,
+            home: Home::Device,
+        }
+    }
+
+    pub fn home(&self) -> Home {
+        self.home
+    }
+
+    /// Moves every state tensor to `home`: host tensors (pinned on CUDA) or the parameter's
+    /// device. Values are copied exactly; a checkpoint names them the same either way.
+    pub fn place(&mut self, home: Home, host: &Host, params: &[(String, Tensor)]) {
+        if home == self.home {
+            return;
+        }
+        tch::no_grad(|| {
+            for (st, (_, p)) in self.params.iter_mut().zip(params) {
+                for t in st.tensors.iter_mut() {
+                    *t = match home {
+                        Home::Host => host.copy_of(t),
+                        Home::Device => Host::new(p.device()).to_device(t),
+                    };
+                }
+            }
+        });
+        self.home = home;
     }
 
     pub fn of(&self, i: usize) -> &[Tensor] {
@@ -149,8 +179,11 @@ impl StateStore {
         }
     }
 
-    /// Moves every state tensor to `device`.
+    /// Moves every state tensor to `device` (state on the host stays there).
     pub fn move_to(&mut self, device: Device) {
+        if self.home == Home::Host {
+            return;
+        }
         tch::no_grad(|| {
             for t in self.params.iter_mut().flat_map(|p| &mut p.tensors) {
                 if t.device() != device {

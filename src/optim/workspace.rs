@@ -20,7 +20,13 @@ struct Wanted {
 impl Workspace {
     /// Asks for `temporaries` tensors shaped like `p`.
     pub fn reserve(&mut self, p: &Tensor, temporaries: usize) {
-        let (device, kind, numel) = (p.device(), p.kind(), p.numel() as i64);
+        self.reserve_on(p.device(), p, temporaries)
+    }
+
+    /// Asks for `temporaries` tensors shaped like `p`, on `device` (the host's buffers are CPU
+    /// tensors whatever the parameter's device).
+    pub fn reserve_on(&mut self, device: Device, p: &Tensor, temporaries: usize) {
+        let (kind, numel) = (p.kind(), p.numel() as i64);
         match self.wanted.iter_mut().find(|w| w.device == device && w.kind == kind) {
             Some(w) => {
                 w.numel = w.numel.max(numel);
@@ -49,7 +55,12 @@ impl Workspace {
 
     /// Views of the buffers shaped like `p` (views allocate no tensor memory).
     pub fn views(&self, p: &Tensor) -> Vec<Tensor> {
-        let (d, k) = (p.device(), p.kind());
+        self.views_on(p.device(), p)
+    }
+
+    /// Views of the buffers on `device` shaped like `p`.
+    pub fn views_on(&self, d: Device, p: &Tensor) -> Vec<Tensor> {
+        let k = p.kind();
         let (_, _, bufs) = self
             .buffers
             .iter()

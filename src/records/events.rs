@@ -268,6 +268,9 @@ pub struct MemorySummary {
     pub peak_allocated_bytes: Option<u64>,
     pub peak_reserved_bytes: Option<u64>,
     pub peak_rss_bytes: u64,
+    /// Peak host tensor bytes: what the memory levers moved off the device (CPU runs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_host_bytes: Option<u64>,
     /// The per-step memory readings and the time they took, to show they cost next to nothing.
     pub step_readings: u64,
     #[serde(deserialize_with = "nan_if_null")]

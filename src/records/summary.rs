@@ -40,6 +40,7 @@ pub struct SummarySink {
     peak_allocated: Option<u64>,
     peak_reserved: Option<u64>,
     peak_rss: u64,
+    peak_host: Option<u64>,
 }
 
 impl SummarySink {
@@ -68,6 +69,7 @@ impl SummarySink {
         self.peak_allocated = max_opt(self.peak_allocated, m.peak_allocated_bytes);
         self.peak_reserved = max_opt(self.peak_reserved, m.peak_reserved_bytes);
         self.peak_rss = self.peak_rss.max(m.peak_rss_bytes);
+        self.peak_host = max_opt(self.peak_host, m.peak_host_bytes);
     }
 
     /// The session's peaks so far, `now` included (what every rank reports for the summary).
@@ -109,6 +111,7 @@ impl SummarySink {
                 peak_allocated_bytes: peak_allocated,
                 peak_reserved_bytes: peak_reserved,
                 peak_rss_bytes: peak_rss,
+                peak_host_bytes: max_opt(self.peak_host, c.memory.peak_host_bytes),
                 step_readings: c.step_readings,
                 step_reading_seconds: c.step_reading_seconds,
                 ranks: c.ranks,

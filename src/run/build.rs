@@ -56,7 +56,7 @@ impl Plan {
         let mut arch = arch.map(|(step, opt)| ArchStep::new(step, opt, state.arch.clone(), spec.job.seed));
         self.restore(&mut model, arch.as_mut(), device)?;
         scalers(spec, &mut state, arch.as_mut());
-        let recovery = self.recovery(spec, &state, model.net.chain().is_some())?;
+        let recovery = self.recovery(spec, &state, &model, &execution)?;
         let spec_toml = spec::to_toml(spec);
         fs::create_dir_all(&self.run_dir)
             .with_context(|| format!("creating run directory {}", self.run_dir.display()))?;
@@ -94,8 +94,9 @@ impl Plan {
                     precision: PrecisionStage {
                         precision: spec.train.precision,
                     },
-                    // Engaged levers set it, at the start and on an OOM.
+                    // Engaged levers set these, at the start and on an OOM.
                     recompute: false,
+                    activations: crate::host::Home::Device,
                 },
                 clip_norm: spec.train.grad_clip_norm,
             },
@@ -193,8 +194,9 @@ impl Plan {
     }
 
     /// Recovery at the run's position, with the levers the spec turns on engaged.
-    fn recovery(&self, spec: &Spec, state: &TrainState, has_blocks: bool) -> Result<Recovery> {
+    fn recovery(&self, spec: &Spec, state: &TrainState, model: &Model, execution: &Execution) -> Result<Recovery> {
         let m = &spec.memory;
+        let has_blocks = model.net.chain().is_some();
         // Checkpoints from before levers had names kept the spec's checkpointing flag even for a
         // model without blocks, where recomputation never ran.
         let names: Vec<&String> = state
@@ -219,6 +221,8 @@ impl Plan {
                 configured: self.configured,
                 planned_on_cpu: self.device == DevicePlan::Cpu,
                 has_blocks,
+                data_parallel: execution.group().is_some(),
+                state_slots: model.opt.hyper().state_slots().len(),
                 reported: self.oom_reported,
             },
             Position {

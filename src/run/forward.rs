@@ -21,6 +21,7 @@
 use tch::{Device, Kind, Reduction, Tensor};
 
 use crate::data::Dataset;
+use crate::host::{Home, Host};
 use crate::model::{Chain, Net};
 use crate::shim::{self, Autocast};
 use crate::spec::Precision;
@@ -57,6 +58,9 @@ pub struct Forward {
     pub device: Device,
     pub precision: PrecisionStage,
     pub recompute: bool,
+    /// Host: the recomputed path keeps the block boundaries on the host and brings each back
+    /// one block ahead of its backward (`memory.activations`).
+    pub activations: Home,
 }
 
 /// One micro-batch of a step, and what its backward needs.
@@ -107,13 +111,22 @@ impl Forward {
     }
 
     /// Forward, loss and backward of one micro-batch, the loss divided by `n` (the group's size)
-    /// before backward; returns the sum-reduced loss and the correct count.
-    pub fn forward_backward(&self, net: &dyn Net, m: &Micro, n: f64) -> (Tensor, Tensor) {
+    /// before backward; returns the sum-reduced loss and the correct count. `after_block` runs
+    /// after each block's backward (once, after the whole backward, without recomputation):
+    /// gradients placed on the host leave the device there.
+    pub fn forward_backward(
+        &self,
+        net: &dyn Net,
+        m: &Micro,
+        n: f64,
+        after_block: &mut dyn FnMut(),
+    ) -> (Tensor, Tensor) {
         match net.chain().filter(|_| self.recompute) {
-            Some(chain) => recomputed(self, chain, m, n),
+            Some(chain) => recomputed(self, chain, m, n, after_block),
             None => {
                 let (loss, c) = self.forward_loss(net, m.data, m.idx, m.epoch, true);
                 self.scaled(&loss, n, m.loss_scale).backward();
+                after_block();
                 (loss, c)
             }
         }
@@ -159,12 +172,37 @@ fn save_rng(device: tch::Device) -> Vec<(tch::Device, Vec<u8>)> {
 /// A block's inputs and the generator states it started from.
 type Saved = (Vec<Tensor>, Vec<(tch::Device, Vec<u8>)>);
 
+/// Where the saved block inputs wait for backward.
+struct Boundaries {
+    host: Option<Host>,
+}
+
+impl Boundaries {
+    fn keep(&self, ts: Vec<Tensor>) -> Vec<Tensor> {
+        match &self.host {
+            Some(h) => ts.iter().map(|t| h.copy_of(t)).collect(),
+            None => ts,
+        }
+    }
+
+    /// The inputs back on the device (issued ahead of the block that needs them).
+    fn fetch(&self, ts: Vec<Tensor>) -> Vec<Tensor> {
+        match &self.host {
+            Some(h) => ts.iter().map(|t| h.to_device(t)).collect(),
+            None => ts,
+        }
+    }
+}
+
 /// Checkpointed forward, loss and backward of one micro-batch; returns the sum-reduced loss and
 /// the correct count, as `Forward::forward_loss` does.
-fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64) -> (Tensor, Tensor) {
+fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, after_block: &mut dyn FnMut()) -> (Tensor, Tensor) {
     let (x, y) = m.data.batch_at(m.idx, m.epoch);
     let x = p.precision.input(&x, p.device);
     let k = chain.blocks();
+    let bounds = Boundaries {
+        host: p.activations.is_host().then(|| Host::new(p.device)),
+    };
     let mut saved: Vec<Saved> = Vec::with_capacity(k);
     let mut state = vec![x];
     tch::no_grad(|| {
@@ -172,7 +210,7 @@ fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64) -> (Tensor, Ten
         for i in 0..k - 1 {
             let rng = save_rng(p.device);
             let next = chain.block(i, &state, true);
-            saved.push((std::mem::replace(&mut state, next), rng));
+            saved.push((bounds.keep(std::mem::replace(&mut state, next)), rng));
         }
     });
     // The buffers as the one real forward left them.
@@ -198,11 +236,17 @@ fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64) -> (Tensor, Ten
         };
         p.loss(&logits, &y)
     };
+    // The last saved boundary comes back while the head's backward runs.
+    let mut ahead = saved.pop().map(|(ins, rng)| (bounds.fetch(ins), rng));
     p.scaled(&loss, n, m.loss_scale).backward();
+    after_block();
     let mut grads: Vec<Tensor> = head_in.iter().map(Tensor::grad).collect();
     drop(head_in);
 
-    for (i, (inputs, rng)) in saved.into_iter().enumerate().rev() {
+    while let Some((inputs, rng)) = ahead.take() {
+        let i = saved.len();
+        // One block ahead: the next boundary is on its way while this block runs again.
+        ahead = saved.pop().map(|(ins, rng)| (bounds.fetch(ins), rng));
         let ins = if i == 0 { inputs } else { leaves(&inputs) };
         let outs = {
             let _restore: Vec<RngRestore> = rng
@@ -227,6 +271,7 @@ fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64) -> (Tensor, Ten
         if !roots.is_empty() {
             ok(shim::backward(&roots, &gs));
         }
+        after_block();
         // After the backward: BatchNorm's backward holds the running statistics (and checks
         // their version), so they go back only once it has run.
         tch::no_grad(|| {

@@ -3,7 +3,7 @@
 //! `memory.on_oom`'s levers and decides every transition; the levers say what applies. No
 //! libtorch in here: the trainer reports what happened (an OOM, a clean step) and carries out
 //! what comes back on the parts.
-use super::levers::{lever, Engaged, Lever, Position, Situation, LEVERS};
+use super::levers::{answering, lever, Engaged, Lever, Position, Situation, LEVERS};
 use crate::oom::{BatchShape, Decision, OomCounts};
 use crate::spec::OomAction;
 
@@ -57,6 +57,10 @@ pub struct Policy {
     pub planned_on_cpu: bool,
     /// The model is a sequence of blocks.
     pub has_blocks: bool,
+    /// Gradients are reduced across ranks as backward makes them.
+    pub data_parallel: bool,
+    /// State tensors the weights' optimizer keeps per parameter.
+    pub state_slots: usize,
     /// An earlier session already wrote the `oom/` report.
     pub reported: bool,
 }
@@ -108,6 +112,8 @@ impl Recovery {
             min_batch: self.policy.min_batch,
             planned_on_cpu: self.policy.planned_on_cpu,
             has_blocks: self.policy.has_blocks,
+            data_parallel: self.policy.data_parallel,
+            state_slots: self.policy.state_slots,
         }
     }
 
@@ -134,14 +140,19 @@ impl Recovery {
         let before = self.at;
         let mut skipped = vec![];
         let mut engaged = None;
-        for a in &self.policy.on_oom {
-            let Some(l) = lever(a.name()) else { break };
-            match l.applies(&self.situation()) {
-                Ok(()) => {
-                    engaged = Some(l);
-                    break;
+        'actions: for a in &self.policy.on_oom {
+            let levers = answering(a.name());
+            if levers.is_empty() {
+                break;
+            }
+            for l in levers {
+                match l.applies(&self.situation()) {
+                    Ok(()) => {
+                        engaged = Some(l);
+                        break 'actions;
+                    }
+                    Err(why) => skipped.push(format!("{}: {why}", l.name())),
                 }
-                Err(why) => skipped.push(format!("{}: {why}", l.name())),
             }
         }
         if let Some(l) = engaged {
@@ -202,6 +213,8 @@ mod tests {
             configured: shape(8, 1),
             planned_on_cpu: on_cpu,
             has_blocks: true,
+            data_parallel: false,
+            state_slots: 2,
             reported: false,
         }
     }

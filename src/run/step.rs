@@ -26,7 +26,7 @@ use crate::fault;
 use crate::memory::{self, Place};
 use crate::model::Net;
 use crate::oom::{self, StepError};
-use crate::optim::{clip_grad_norm, Optimizer, Prepared};
+use crate::optim::{clip_grads, Optimizer, Prepared};
 use crate::shim;
 use crate::shim::dist::Reducer;
 
@@ -165,24 +165,27 @@ impl StepPipeline {
                 buffers: work.buffers,
                 loss_scale: work.loss_scale,
             };
-            let (loss, c) = self.forward.forward_backward(net, &micro, n);
+            let (loss, c) = self
+                .forward
+                .forward_backward(net, &micro, n, &mut || opt.collect_grads());
             loss_sum += loss.detach();
             correct += c;
         }
         if let Some(r) = reducer {
             r.settle(false).unwrap_or_else(|e| panic!("{e:#}"));
         }
-        // unscale
+        // unscale (the gradients are the optimizer's: on the device, or on the host)
+        let grads: Vec<Tensor> = opt.grads().into_iter().map(|(_, g)| g).collect();
         if work.step > 0 {
-            fault::plant_inf_at(work.step, opt.params());
+            fault::plant_inf_at(work.step, &grads);
         }
         let found_inf = match work.loss_scale {
-            Some(scale) => self.unscale(opt, scale),
+            Some(scale) => unscale(&grads, scale),
             None => false,
         };
         // clip
         if self.clip_norm > 0.0 {
-            clip_grad_norm(opt.params(), self.clip_norm);
+            clip_grads(grads, self.clip_norm);
         }
         // optimizer step, its allocations first, unless the gradients are not finite
         let prepared = if found_inf {
@@ -271,22 +274,20 @@ impl StepPipeline {
             stop: agreed.stop,
         })
     }
+}
 
-    /// Divides the gradients by `scale` in place; true if any is inf or NaN.
-    fn unscale(&self, opt: &Optimizer, scale: f64) -> bool {
-        let grads: Vec<Tensor> = opt
-            .params()
-            .iter()
-            .map(|(_, p)| p.grad())
-            .filter(|g| g.defined())
-            .collect();
-        let device = self.forward.device;
-        let found_inf = Tensor::zeros([1], (Kind::Float, device));
-        let inv_scale = Tensor::full([1], 1.0 / scale, (Kind::Float, device));
-        if let Err(e) = shim::amp_unscale(&grads, &found_inf, &inv_scale) {
-            // Surfaces through the OOM guard like any libtorch error.
-            panic!("{e}");
-        }
-        found_inf.double_value(&[0]) > 0.0
+/// Divides the gradients by `scale` in place; true if any is inf or NaN. The check runs where
+/// the gradients are (the host's, when they live there).
+fn unscale(grads: &[Tensor], scale: f64) -> bool {
+    let Some(first) = grads.first() else {
+        return false;
+    };
+    let device = first.device();
+    let found_inf = Tensor::zeros([1], (Kind::Float, device));
+    let inv_scale = Tensor::full([1], 1.0 / scale, (Kind::Float, device));
+    if let Err(e) = shim::amp_unscale(grads, &found_inf, &inv_scale) {
+        // Surfaces through the OOM guard like any libtorch error.
+        panic!("{e}");
     }
+    found_inf.double_value(&[0]) > 0.0
 }

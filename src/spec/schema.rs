@@ -2,6 +2,7 @@
 use std::fmt;
 use std::path::PathBuf;
 
+use crate::host::Home;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -397,14 +398,18 @@ impl<'de> Deserialize<'de> for CacheClear {
 pub enum OomAction {
     /// Turn activation checkpointing on for the rest of the run and retry at the same micro-batch.
     Recompute,
+    /// Move the next term of the bill that can go to host memory (optimizer state, then
+    /// gradients, then activations) and retry at the same micro-batch.
+    Offload,
     Backoff,
     Cpu,
     Fail,
 }
 
 impl OomAction {
-    pub const ALL: [OomAction; 4] = [
+    pub const ALL: [OomAction; 5] = [
         OomAction::Recompute,
+        OomAction::Offload,
         OomAction::Backoff,
         OomAction::Cpu,
         OomAction::Fail,
@@ -414,6 +419,7 @@ impl OomAction {
     pub fn name(self) -> &'static str {
         match self {
             OomAction::Recompute => "recompute",
+            OomAction::Offload => "offload",
             OomAction::Backoff => "backoff",
             OomAction::Cpu => "cpu",
             OomAction::Fail => "fail",
@@ -442,6 +448,11 @@ pub struct Memory {
     pub record_history: bool,
     pub preflight: bool,
     pub allocator: Allocator,
+    /// Where each term of the bill lives: "device" (the default) or "host".
+    pub optimizer_state: Home,
+    pub gradients: Home,
+    pub activations: Home,
+    pub parameters: Home,
 }
 
 impl Default for Memory {
@@ -460,6 +471,10 @@ impl Default for Memory {
             record_history: false,
             preflight: true,
             allocator: Allocator::default(),
+            optimizer_state: Home::Device,
+            gradients: Home::Device,
+            activations: Home::Device,
+            parameters: Home::Device,
         }
     }
 }

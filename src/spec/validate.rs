@@ -228,7 +228,7 @@ fn memory(p: &mut Problems, m: &Memory, t: &Train) {
     if m.on_oom.is_empty() {
         p.push((
             "memory.on_oom".into(),
-            "must list at least one of \"backoff\", \"cpu\", \"fail\"".into(),
+            "must list at least one of \"recompute\", \"offload\", \"backoff\", \"cpu\", \"fail\"".into(),
         ));
     }
     for (i, a) in m.on_oom.iter().enumerate() {
@@ -241,6 +241,12 @@ fn memory(p: &mut Problems, m: &Memory, t: &Train) {
                 "has entries after \"fail\", which would never run; put \"fail\" last".into(),
             ));
         }
+    }
+    if m.parameters.is_host() {
+        p.push((
+            "memory.parameters".into(),
+            "\"host\" (parameters streamed by block) is not available in this memtrain yet; keep \"device\" and move the optimizer state, gradients and activations instead (memory.optimizer_state / gradients / activations = \"host\")".into(),
+        ));
     }
     let a = &m.allocator;
     if let Some(v) = a.max_split_size_mb {

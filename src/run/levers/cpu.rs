@@ -96,6 +96,8 @@ mod tests {
             min_batch: 1,
             planned_on_cpu: false,
             has_blocks: false,
+            data_parallel: false,
+            state_slots: 2,
         };
         assert_eq!(CpuFallback.applies(&s), Ok(()));
         s.at = CpuFallback.engaged(&s);

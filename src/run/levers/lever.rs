@@ -25,6 +25,10 @@ pub struct Situation {
     pub planned_on_cpu: bool,
     /// The model is a sequence of blocks (recomputation and block-wise placement need one).
     pub has_blocks: bool,
+    /// Gradients are reduced across ranks as backward makes them.
+    pub data_parallel: bool,
+    /// State tensors the weights' optimizer keeps per parameter (0: plain SGD).
+    pub state_slots: usize,
 }
 
 /// How `fit` treats a lever.
@@ -51,6 +55,10 @@ pub trait Lever: Sync {
     fn counted_as(&self) -> &'static str;
     /// What an OOM record's decision calls an engagement (`decision.action`).
     fn action(&self) -> &'static str {
+        self.name()
+    }
+    /// The `memory.on_oom` word that engages it ("offload" answers for every placement).
+    fn answers(&self) -> &'static str {
         self.name()
     }
     /// Whether engaging it now could help; the reason when it could not.

@@ -9,6 +9,9 @@
 //! and summary counts and OOM decisions are keyed by the lever's name.
 mod backoff;
 mod cpu;
+mod host_activations;
+mod host_grads;
+mod host_state;
 mod lever;
 mod recompute;
 
@@ -17,11 +20,41 @@ use crate::oom::BatchShape;
 
 pub use backoff::Backoff;
 pub use cpu::CpuFallback;
+pub use host_activations::HostActivations;
+pub use host_grads::HostGrads;
+pub use host_state::HostState;
 pub use lever::{Engaged, Lever, Parts, Position, Search, Situation};
 pub use recompute::Recompute;
 
-/// Every lever, in the order `check` lists them. Adding one: its file and one line here.
-pub static LEVERS: &[&dyn Lever] = &[&Recompute, &Backoff, &CpuFallback];
+use crate::host::Home;
+
+/// Every lever, in the order `check` lists them and an OOM action that answers for several
+/// tries them. Adding one: its file and one line here.
+pub static LEVERS: &[&dyn Lever] = &[
+    &Recompute,
+    &HostState,
+    &HostGrads,
+    &HostActivations,
+    &Backoff,
+    &CpuFallback,
+];
+
+/// The levers a `memory.on_oom` word engages, in the order tried ("offload": each placement in
+/// turn; the others: their one lever). Empty for "fail".
+pub fn answering(word: &str) -> Vec<&'static dyn Lever> {
+    LEVERS.iter().copied().filter(|l| l.answers() == word).collect()
+}
+
+/// What every placement lever checks: not engaged yet, and a device to leave.
+fn placement_applies(l: &dyn Lever, s: &Situation, what: &str) -> Result<(), String> {
+    if s.at.engaged.contains(l.name()) {
+        Err(format!("{what} already live on the host"))
+    } else if s.at.engaged.contains(CpuFallback.name()) {
+        Err("the run fell back to the CPU, where device and host are one memory".into())
+    } else {
+        Ok(())
+    }
+}
 
 /// The lever of this name (a name from the spec, a checkpoint or a record).
 pub fn lever(name: &str) -> Option<&'static dyn Lever> {
@@ -74,6 +107,18 @@ pub fn configured(spec: &crate::spec::Spec) -> Vec<(&'static str, &'static dyn L
     if spec.train.activation_checkpointing {
         on.push(("train.activation_checkpointing", &Recompute));
     }
+    let m = &spec.memory;
+    let placed: [(&'static str, Home, &'static dyn Lever); 3] = [
+        ("memory.optimizer_state", m.optimizer_state, &HostState),
+        ("memory.gradients", m.gradients, &HostGrads),
+        ("memory.activations", m.activations, &HostActivations),
+    ];
+    on.extend(
+        placed
+            .into_iter()
+            .filter(|(_, h, _)| h.is_host())
+            .map(|(k, _, l)| (k, l)),
+    );
     on
 }
 
@@ -91,6 +136,8 @@ pub fn check_lines(spec: &crate::spec::Spec, e: &Estimate) -> String {
         min_batch: spec.memory.min_batch_size,
         planned_on_cpu: spec.job.device == crate::spec::Device::Cpu,
         has_blocks: e.has_blocks,
+        data_parallel: false,
+        state_slots: e.state_per_weight as usize,
     };
     let on_oom: Vec<&str> = spec.memory.on_oom.iter().map(|a| a.name()).collect();
     let by_spec = configured(spec)
@@ -107,7 +154,7 @@ pub fn bill_lines(e: &Estimate, s: &Situation, on_oom: &[&str], engaged_by_spec:
         let when = if engaged_by_spec.contains(l.name()) {
             "on from the start (spec)".to_owned()
         } else {
-            match on_oom.iter().position(|a| *a == l.name()) {
+            match on_oom.iter().position(|a| *a == l.answers()) {
                 Some(k) => format!("on an OOM (memory.on_oom entry {})", k + 1),
                 None => "not in memory.on_oom".to_owned(),
             }
@@ -116,7 +163,7 @@ pub fn bill_lines(e: &Estimate, s: &Situation, on_oom: &[&str], engaged_by_spec:
             Ok(()) => l.estimate(e),
             Err(why) => format!("does not apply: {why}"),
         };
-        out += &format!("  {:<10} {when}; {effect}\n", l.name());
+        out += &format!("  {:<20} {when}; {effect}\n", l.name());
     }
     out
 }
@@ -127,11 +174,18 @@ mod tests {
     use crate::spec::OomAction;
 
     #[test]
-    fn every_on_oom_action_but_fail_is_a_lever_and_names_are_unique() {
+    fn every_on_oom_action_but_fail_answers_with_levers_and_names_are_unique() {
         for a in OomAction::ALL {
             match a {
-                OomAction::Fail => assert!(lever(a.name()).is_none()),
-                _ => assert_eq!(lever(a.name()).map(|l| l.name()), Some(a.name())),
+                OomAction::Fail => assert!(answering(a.name()).is_empty()),
+                OomAction::Offload => assert_eq!(
+                    answering(a.name()).iter().map(|l| l.name()).collect::<Vec<_>>(),
+                    ["host_optimizer_state", "host_gradients", "host_activations"]
+                ),
+                _ => assert_eq!(
+                    answering(a.name()).iter().map(|l| l.name()).collect::<Vec<_>>(),
+                    [a.name()]
+                ),
             }
         }
         let mut names: Vec<_> = LEVERS.iter().map(|l| l.name()).collect();

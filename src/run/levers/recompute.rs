@@ -69,6 +69,8 @@ mod tests {
             min_batch: 1,
             planned_on_cpu: false,
             has_blocks,
+            data_parallel: false,
+            state_slots: 2,
         }
     }
 
