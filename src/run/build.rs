@@ -9,13 +9,14 @@ use tch::{nn, Device, Tensor};
 use super::components::{Components, LoopSettings, Outputs};
 use super::execution::Execution;
 use super::forward::{Forward, PrecisionStage};
-use super::levers::{self, Position};
+use super::levers::{self, Lever, Position};
 use super::parts::{ArchStep, Model};
 use super::recovery::{Policy, Recovery};
 use super::step::StepPipeline;
 use crate::checkpoint::{NamedTensors, Store, TrainState};
 use crate::data::Splits;
 use crate::exit::{OomExit, UsageError};
+use crate::host::Home;
 use crate::human::{device_name, human_bytes};
 use crate::memory::CachePolicy;
 use crate::model::{self, Built, ARCH_PREFIX};
@@ -136,8 +137,14 @@ impl Plan {
             }
             _ => None,
         };
+        // State bound for the host is made there: it may not fit on the device even for a moment.
+        let host_lever = levers::HostState.name();
+        let home = match spec.memory.optimizer_state.is_host() || self.start.levers.iter().any(|l| l == host_lever) {
+            true => Home::Host,
+            false => Home::Device,
+        };
         let opt = setup_step("creating the optimizer state", || {
-            Optimizer::sharded(Hyper::from_train(t), weights, shard)
+            Optimizer::placed(Hyper::from_train(t), weights, shard, home)
         })?;
         let extra = match model::extra_step(&spec.model) {
             Some(x) => Some((
