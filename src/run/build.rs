@@ -421,7 +421,10 @@ fn few<S: AsRef<str>>(names: &[S], sep: &str) -> String {
     s
 }
 
-fn init_from(vs: &nn::VarStore, path: &Path) -> Result<()> {
+/// `model.init_from`: the safetensors file's tensors copied into `vs` by name; any name missing
+/// on either side, or a shape that differs, is an error that lists them. Public for the tests
+/// that load torchvision's state dicts through it.
+pub fn init_from(vs: &nn::VarStore, path: &Path) -> Result<()> {
     let what = format!("reading model.init_from {}", path.display());
     let tensors = setup_step(&what, || Tensor::read_safetensors(path))?.map_err(|e| -> anyhow::Error {
         let text = e.to_string();
