@@ -18,18 +18,71 @@ use serde_json::Value;
 
 use crate::cli::{Checkpointing, FitArgs};
 use crate::exit::{OomExit, UsageError};
+use crate::host::Home;
 use crate::human::{human_bytes, human_duration};
 use crate::plan::{DevicePlan, Facts, Plan, Request};
 use crate::records::{self, RunRecords, StepEvent};
 use crate::spec::{self, ByteSize, Precision};
 pub use search::{fastest, largest_fit, micro_batch_for, Measured};
 
-/// One candidate: a precision and whether activation checkpointing is on.
+/// One candidate: a precision, whether activation checkpointing is on, and how much of the
+/// model's state lives in host memory.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct Setting {
     #[serde(serialize_with = "precision_name")]
     pub precision: Precision,
     pub activation_checkpointing: bool,
+    #[serde(serialize_with = "placement_name")]
+    pub placement: Placement,
+}
+
+/// How much of the bill a setting moves to host memory: a ladder, searched least first. A
+/// setting climbs it only while micro-batch 1 does not fit, since every rung costs copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Placement {
+    Device,
+    State,
+    StateGrads,
+    /// Block boundaries too; needs activation checkpointing.
+    StateGradsActs,
+}
+
+impl Placement {
+    pub fn name(self) -> &'static str {
+        match self {
+            Placement::Device => "none",
+            Placement::State => "state",
+            Placement::StateGrads => "state+grads",
+            Placement::StateGradsActs => "state+grads+acts",
+        }
+    }
+
+    /// `memory.optimizer_state`, `memory.gradients` and `memory.activations` at this rung.
+    pub fn keys(self) -> [(&'static str, Home); 3] {
+        let at = |on: bool| if on { Home::Host } else { Home::Device };
+        [
+            ("memory.optimizer_state", at(self != Placement::Device)),
+            (
+                "memory.gradients",
+                at(matches!(self, Placement::StateGrads | Placement::StateGradsActs)),
+            ),
+            ("memory.activations", at(self == Placement::StateGradsActs)),
+        ]
+    }
+
+    /// The next rung up (activations only move with checkpointing on).
+    fn next(self, checkpointing: bool) -> Option<Placement> {
+        match self {
+            Placement::Device => Some(Placement::State),
+            Placement::State => Some(Placement::StateGrads),
+            Placement::StateGrads if checkpointing => Some(Placement::StateGradsActs),
+            _ => None,
+        }
+    }
+}
+
+fn placement_name<S: serde::Serializer>(p: &Placement, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(p.name())
 }
 
 fn precision_name<S: serde::Serializer>(p: &Precision, s: S) -> Result<S::Ok, S::Error> {
@@ -39,7 +92,12 @@ fn precision_name<S: serde::Serializer>(p: &Precision, s: S) -> Result<S::Ok, S:
 impl std::fmt::Display for Setting {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let ck = if self.activation_checkpointing { "on" } else { "off" };
-        write!(f, "{:<10}  checkpointing {ck:<3}", self.precision.name())
+        write!(
+            f,
+            "{:<10}  checkpointing {ck:<3}  on host {:<16}",
+            self.precision.name(),
+            self.placement.name()
+        )
     }
 }
 
@@ -136,22 +194,35 @@ struct Prober<'a> {
     scratch: Scratch,
     budget: &'a Budget,
     cuda: bool,
+    /// The spec's effective batch: micro-batches below it are probed accumulating.
+    effective: i64,
     count: usize,
     probes: Vec<Probe>,
     quiet: bool,
 }
 
 impl Prober<'_> {
+    fn accumulation_at(&self, micro_batch: i64) -> i64 {
+        if micro_batch < self.effective {
+            2
+        } else {
+            1
+        }
+    }
+
     fn probe(&mut self, setting: Setting, micro_batch: i64) -> Result<Measured, ProbeError> {
         self.count += 1;
         let dir = self.scratch.0.join(format!("probe-{}", self.count));
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         // JSON scalars and string arrays are written the same in TOML.
         let v = |x: Value| Some(spec::toml_value(&x.to_string()));
+        let keys = setting.placement.keys();
         let edits = [
             ("job.name", v("fit-probe".into())),
             ("train.batch_size", v(micro_batch.into())),
-            ("train.accumulation_steps", v(1.into())),
+            // Below the effective batch the run accumulates, holding one micro-batch's gradients
+            // while the next runs forward: two micro-batches a step measure that peak.
+            ("train.accumulation_steps", v(self.accumulation_at(micro_batch).into())),
             ("train.precision", v(setting.precision.name().into())),
             (
                 "train.activation_checkpointing",
@@ -159,6 +230,9 @@ impl Prober<'_> {
             ),
             ("memory.on_oom", v(serde_json::json!(["fail"]))),
             ("memory.min_batch_size", v(1.into())),
+            (keys[0].0, v(keys[0].1.name().into())),
+            (keys[1].0, v(keys[1].1.name().into())),
+            (keys[2].0, v(keys[2].1.name().into())),
             ("memory.limit", v(self.budget.usable_bytes.into())),
             ("memory.fraction", None),
             ("log.every_steps", v(1.into())),
@@ -438,6 +512,7 @@ fn settings(args: &FitArgs, spec: &spec::Spec, cuda: bool) -> Result<Vec<Setting
             checkpointing.iter().map(move |&activation_checkpointing| Setting {
                 precision,
                 activation_checkpointing,
+                placement: Placement::Device,
             })
         })
         .collect())
@@ -479,14 +554,18 @@ pub fn fit(args: &FitArgs, quiet: bool) -> Result<()> {
         scratch,
         budget: &budget,
         cuda,
+        effective,
         count: 0,
         probes: vec![],
         quiet,
     };
     let mut results = vec![];
     let mut candidates = vec![];
-    for (i, &setting) in settings.iter().enumerate() {
-        let (result, candidate) = search_setting(&mut prober, setting, effective, &spec, &say)?;
+    let mut settings = settings;
+    for i in 0..settings.len() {
+        let (result, candidate) = search_setting(&mut prober, settings[i], effective, &spec, &say)?;
+        // The rung of the placement ladder the search settled on.
+        settings[i] = result.setting;
         results.push(result);
         candidates.extend(candidate.map(|m| (i, m)));
     }
@@ -562,7 +641,20 @@ fn search_setting(
     spec: &spec::Spec,
     say: &dyn Fn(String),
 ) -> Result<(SettingResult, Option<Measured>)> {
-    let found = largest_fit(effective, |b| prober.probe(setting, b));
+    let mut setting = setting;
+    let found = loop {
+        let found = largest_fit(effective, |b| prober.probe(setting, b));
+        match (&found, setting.placement.next(setting.activation_checkpointing)) {
+            (Ok(None), Some(next)) => {
+                say(format!(
+                    "probe  {setting}  micro-batch 1 does not fit: moving more to the host ({})",
+                    next.name()
+                ));
+                setting.placement = next;
+            }
+            _ => break found,
+        }
+    };
     let (applicable, largest) = match found {
         Ok(l) => (true, l),
         Err(ProbeError::NotApplicable) => {
@@ -689,8 +781,9 @@ fn human(r: &Report) -> String {
             "off"
         };
         out += &format!(
-            "recommendation: precision {}, activation checkpointing {ck}: batch_size {} x accumulation_steps {} = {} (the spec's effective batch)\n",
+            "recommendation: precision {}, activation checkpointing {ck}, on the host: {}: batch_size {} x accumulation_steps {} = {} (the spec's effective batch)\n",
             rec.setting.precision.name(),
+            rec.setting.placement.name(),
             rec.batch_size,
             rec.accumulation_steps,
             rec.effective_batch
@@ -723,6 +816,14 @@ fn human(r: &Report) -> String {
                         rec.setting.activation_checkpointing
                     ),
                 ]);
+                sets.extend(
+                    rec.setting
+                        .placement
+                        .keys()
+                        .iter()
+                        .filter(|(_, h)| h.is_host())
+                        .map(|(k, h)| format!("{k}={}", h.name())),
+                );
                 if let Some(m) = rec.min_batch_size {
                     sets.push(format!("memory.min_batch_size={m}"));
                 }
@@ -754,6 +855,9 @@ fn write_spec(args: &FitArgs, rec: &Recommendation, budget: &Budget, out: &Path)
     ];
     if let Some(m) = rec.min_batch_size {
         edits.push(("memory.min_batch_size", v(m.into())));
+    }
+    for (key, home) in rec.setting.placement.keys() {
+        edits.push((key, v(home.name().into())));
     }
     if let Some((key, value)) = &budget.written_as {
         let other = if *key == "memory.limit" {

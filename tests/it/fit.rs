@@ -52,7 +52,9 @@ fn probe_by_hand(t: &Test, name: &str, b: i64, cap: Option<u64>) -> Option<u64> 
         "--set",
         &format!("train.batch_size={b}"),
         "--set",
-        "train.accumulation_steps=1",
+        // As fit probes: two micro-batches a step below the effective batch (48), so the peak
+        // holds one micro-batch's gradients while the next runs forward.
+        &format!("train.accumulation_steps={}", if b < 48 { 2 } else { 1 }),
         "--set",
         "memory.on_oom=[\"fail\"]",
     ]);
@@ -231,7 +233,7 @@ fn fit_says_what_is_wrong_with_its_input_and_when_nothing_fits() {
         .spec(digits_spec())
         .args(&["--limit", "64MiB", "--checkpointing", "on"])
         .exit(2)
-        .stderr_has("fit: levers: recompute: one axis of the settings, off and on; backoff: searched by size")
+        .stderr_has("fit: levers: recompute: one axis of the settings, off and on; host_optimizer_state: a rung of the placement ladder")
         .stderr_has("; cpu: not searched (fit looks for the fastest setting on the device")
         .stderr_has("not applicable: the mlp preset is not a sequence of blocks")
         .stderr_has("the mlp preset is not a sequence of blocks")

@@ -223,3 +223,51 @@ fn check_warns_when_the_device_part_cannot_fit_and_names_the_placements_that_wou
     assert!(!placed.contains("WARNING"), "{placed}");
     assert!(placed.contains("host (memory.optimizer_state)"), "{placed}");
 }
+
+#[test]
+fn fit_climbs_the_placement_ladder_only_as_far_as_the_budget_needs() {
+    // 2.11 MiB of static state (541 KiB weights, as much gradient, 1.06 MiB AdamW moments) under
+    // a 2 MiB budget: nothing fits with everything on the device; with the moments on the host
+    // 1.06 MiB stays and the activations have the rest.
+    let t = job().set("train.epochs", 1);
+    // fit writes the tuned spec where this run reads its spec file.
+    let tuned_run = t.clone().name("tuned").spec_written();
+    let tuned = tuned_run.spec_path();
+    let o = t
+        .clone()
+        .command("fit")
+        .args(&[
+            "--limit",
+            "2MiB",
+            "--margin",
+            "0%",
+            "--precision",
+            "fp32",
+            "--checkpointing",
+            "off",
+            "--steps",
+            "3",
+            "--json",
+            "--write",
+            tuned.to_str().unwrap(),
+        ])
+        .stderr_has("host_optimizer_state: a rung of the placement ladder")
+        .stderr_has("micro-batch 1 does not fit: moving more to the host (state)")
+        .run();
+    let r: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
+    let rec = &r["recommendation"];
+    assert_eq!(rec["placement"], "state", "the least placement that fits: {rec}");
+    assert_eq!(r["settings"][0]["placement"], "state");
+    let probes = r["probes"].as_array().unwrap();
+    assert_eq!(probes[0]["placement"], "none");
+    assert_eq!(probes[0]["fits"], false);
+    let text = std::fs::read_to_string(&tuned).unwrap();
+    assert!(text.contains("optimizer_state = \"host\""), "{text}");
+    // The tuned spec trains under the budget, with no OOM recovery to hide behind.
+    let run = tuned_run
+        .args(&["--max-steps", "3", "--set", "memory.on_oom=[\"fail\"]"])
+        .run();
+    let s = run.summary();
+    assert!(peak(&s) <= 2 << 20, "{:?}", s.memory);
+    assert!(s.memory.peak_host_bytes.unwrap() > 0);
+}

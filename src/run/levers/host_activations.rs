@@ -62,6 +62,6 @@ impl Lever for HostActivations {
     }
 
     fn search(&self) -> Search {
-        Search::Toggle
+        Search::Ladder
     }
 }

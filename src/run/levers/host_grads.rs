@@ -59,6 +59,6 @@ impl Lever for HostGrads {
     }
 
     fn search(&self) -> Search {
-        Search::Toggle
+        Search::Ladder
     }
 }

@@ -58,6 +58,6 @@ impl Lever for HostState {
     }
 
     fn search(&self) -> Search {
-        Search::Toggle
+        Search::Ladder
     }
 }

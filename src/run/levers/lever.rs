@@ -38,6 +38,9 @@ pub enum Search {
     Toggle,
     /// Searched by size: the largest setting that fits (the micro-batch).
     Size,
+    /// A rung of the placement ladder (state, then gradients, then activations to the host),
+    /// climbed only while micro-batch 1 does not fit: each rung costs copies.
+    Ladder,
     /// Never recommended, for this reason.
     Never(&'static str),
 }

@@ -95,6 +95,10 @@ pub fn fit_line() -> String {
         .map(|l| match l.search() {
             Search::Toggle => format!("{}: one axis of the settings, off and on", l.name()),
             Search::Size => format!("{}: searched by size, the largest micro-batch that fits", l.name()),
+            Search::Ladder => format!(
+                "{}: a rung of the placement ladder, climbed only while micro-batch 1 does not fit",
+                l.name()
+            ),
             Search::Never(why) => format!("{}: not searched ({why})", l.name()),
         })
         .collect();
