@@ -91,6 +91,7 @@ pub fn mark_color(k: MarkKind) -> RGBColor {
         MarkKind::Lever("backoff") => RGBColor(255, 127, 14),
         MarkKind::Lever("recompute") => RGBColor(188, 189, 34),
         MarkKind::Lever("cpu") => RGBColor(140, 86, 75),
+        MarkKind::Lever("host_optimizer_state" | "host_gradients" | "host_activations") => RGBColor(117, 107, 177),
         // A lever without a colour of its own yet.
         MarkKind::Lever(_) => RGBColor(227, 119, 194),
         MarkKind::GrowBack => RGBColor(44, 160, 44),

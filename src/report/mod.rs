@@ -47,6 +47,9 @@ pub struct StepPoint {
     pub reserved: Option<f64>,
     pub peak_allocated: Option<f64>,
     pub peak_reserved: Option<f64>,
+    /// Host tensor bytes (what the placement levers moved off the device).
+    pub host: Option<f64>,
+    pub peak_host: Option<f64>,
     pub rss: f64,
 }
 
@@ -168,6 +171,8 @@ impl Run {
                     reserved: bytes(s.memory.reserved_bytes),
                     peak_allocated: bytes(s.memory.peak_allocated_bytes),
                     peak_reserved: bytes(s.memory.peak_reserved_bytes),
+                    host: bytes(s.memory.host_bytes),
+                    peak_host: bytes(s.memory.peak_host_bytes),
                     rss: s.memory.rss_bytes as f64,
                 });
             }
@@ -287,6 +292,9 @@ impl Run {
             mem += &format!(", {} reserved", human_bytes(r as u64));
         }
         if let Some(s) = &self.summary {
+            if let Some(h) = s.memory.peak_host_bytes {
+                mem += &format!(", {} on the host", human_bytes(h));
+            }
             mem += &format!(", {} RSS", human_bytes(s.memory.peak_rss_bytes));
         }
         if let Some(c) = self.cap_bytes {

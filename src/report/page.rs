@@ -15,6 +15,7 @@ const ORANGE: RGBColor = RGBColor(230, 110, 0);
 const LIGHT_ORANGE: RGBColor = RGBColor(253, 190, 133);
 const GREEN: RGBColor = RGBColor(44, 160, 44);
 const PURPLE: RGBColor = RGBColor(117, 107, 177);
+const LIGHT_PURPLE: RGBColor = RGBColor(188, 189, 220);
 
 fn series(name: &'static str, color: RGBColor, width: u32, run: &Run, f: impl Fn(&StepPoint) -> Option<f64>) -> Series {
     let points: Vec<(f64, f64)> = run.steps.iter().filter_map(|p| Some((p.step, f(p)?))).collect();
@@ -50,6 +51,8 @@ fn memory_figures(run: &Run, epoch_ends: &[f64]) -> Result<Vec<(&'static str, St
             series("allocated", BLUE, 2, run, |p| p.allocated),
             series("peak reserved", LIGHT_ORANGE, 2, run, |p| p.peak_reserved),
             series("reserved", ORANGE, 2, run, |p| p.reserved),
+            series("peak on host", LIGHT_PURPLE, 2, run, |p| p.peak_host),
+            series("on host", PURPLE, 2, run, |p| p.host),
         ],
         marks: &run.marks,
         epoch_ends,

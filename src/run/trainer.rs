@@ -909,9 +909,16 @@ fn epoch_line(r: &EpochResult, m: &MemorySample, epochs: i64) -> String {
             human_bytes(m.rss_bytes)
         ),
         (Some(a), None, Some(pa), _) => format!(
-            "CPU tensors {} allocated (epoch peak {}); RSS {}",
+            "CPU tensors {} allocated (epoch peak {}){}; RSS {}",
             human_bytes(a),
             human_bytes(pa),
+            m.peak_host_bytes
+                .map(|h| format!(
+                    ", host {} (peak {})",
+                    human_bytes(m.host_bytes.unwrap_or(0)),
+                    human_bytes(h)
+                ))
+                .unwrap_or_default(),
             human_bytes(m.rss_bytes)
         ),
         _ => format!(

@@ -91,6 +91,11 @@ fn each_placement_alone_and_together_trains_byte_identically_and_saves_what_chec
             "{name}: nothing was counted on the host: {:?}",
             s.memory
         );
+        let page = std::fs::read_to_string(run.out.join("report.html")).unwrap();
+        assert!(
+            page.contains("peak on host"),
+            "{name}: the memory chart shows the host's bytes"
+        );
         peaks.push((name, peak(&s)));
     }
     let base_peak = peak(&base.summary());
