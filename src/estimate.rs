@@ -32,6 +32,9 @@ pub struct Estimate {
     pub cap: Option<u64>,
 }
 
+/// A placement key and what setting it to "host" does.
+type Move = (&'static str, fn(&mut Homes));
+
 /// Where each term of the bill lives under a spec (`memory.*`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Homes {
@@ -90,7 +93,7 @@ impl Estimate {
     pub fn placements_to_fit(&self, cap: u64) -> Option<(Vec<&'static str>, u64)> {
         let mut homes = self.homes;
         let mut keys = vec![];
-        let steps: [(&'static str, fn(&mut Homes)); 2] = [
+        let steps: [Move; 2] = [
             ("memory.optimizer_state", |h| h.optimizer_state = Home::Host),
             ("memory.gradients", |h| h.gradients = Home::Host),
         ];

@@ -562,10 +562,10 @@ pub fn fit(args: &FitArgs, quiet: bool) -> Result<()> {
     let mut results = vec![];
     let mut candidates = vec![];
     let mut settings = settings;
-    for i in 0..settings.len() {
-        let (result, candidate) = search_setting(&mut prober, settings[i], effective, &spec, &say)?;
+    for (i, setting) in settings.iter_mut().enumerate() {
+        let (result, candidate) = search_setting(&mut prober, *setting, effective, &spec, &say)?;
         // The rung of the placement ladder the search settled on.
-        settings[i] = result.setting;
+        *setting = result.setting;
         results.push(result);
         candidates.extend(candidate.map(|m| (i, m)));
     }
