@@ -50,6 +50,8 @@ pub fn step(step: i64, loss: f64, allocated: u64, peak_allocated: u64) -> StepEv
             peak_allocated_bytes: Some(peak_allocated),
             peak_reserved_bytes: None,
             rss_bytes: 9,
+            host_bytes: None,
+            peak_host_bytes: None,
         },
         loss_scale: Some(65536.0),
         skipped: false,
@@ -83,6 +85,8 @@ pub fn epoch(step: i64, val_acc: f64) -> EpochEvent {
             num_alloc_retries: Some(0),
             rss_bytes: 9,
             peak_rss_bytes: 10,
+            host_bytes: None,
+            peak_host_bytes: None,
         },
         cache: CacheCounters {
             clears: 1,
