@@ -27,8 +27,10 @@
 //! gets a gradient from the first step on, which is the case for the models here; the shared
 //! count is what makes a restored optimizer continue exactly.
 mod adam;
+mod adam8;
 mod clip;
 mod forms;
+mod quant;
 mod rule;
 mod schedule;
 mod sgd;
@@ -42,8 +44,10 @@ use anyhow::{bail, Result};
 use tch::{Device, Kind, Tensor};
 
 use crate::spec::{OptimizerKind, Train};
+pub use adam8::state_bytes_8bit;
 pub use clip::clip_grad_norm;
 use forms::{Forms, Multipliers};
+pub use rule::Slot;
 use rule::{ParamUpdate, Rule, Step};
 pub use schedule::LrSchedule;
 use shard::steps_param;
@@ -63,6 +67,8 @@ pub struct Hyper {
     pub weight_decay: f64,
     pub betas: [f64; 2],
     pub eps: f64,
+    /// Bits per Adam/AdamW moment value: 32, or 8 for block-wise quantized moments (`adam8`).
+    pub state_bits: u32,
 }
 
 impl Hyper {
@@ -75,6 +81,7 @@ impl Hyper {
             weight_decay: t.weight_decay,
             betas: t.betas,
             eps: t.eps,
+            state_bits: t.optimizer_state_bits,
         }
     }
 
@@ -96,6 +103,13 @@ impl Hyper {
                 nesterov: self.nesterov,
                 weight_decay: self.weight_decay,
             }),
+            OptimizerKind::Adam | OptimizerKind::Adamw if self.state_bits == 8 => {
+                let decay = match self.kind {
+                    OptimizerKind::Adam => adam::Decay::Coupled,
+                    _ => adam::Decay::Decoupled,
+                };
+                Box::new(adam8::Adam8::new(adam(decay)))
+            }
             OptimizerKind::Adam => Box::new(adam(adam::Decay::Coupled)),
             OptimizerKind::Adamw => Box::new(adam(adam::Decay::Decoupled)),
         }
@@ -150,7 +164,7 @@ impl Optimizer {
     /// them; the caller brings the others from their owners afterwards.
     pub fn sharded(hyper: Hyper, params: Vec<(String, Tensor)>, shard: Option<Shard>) -> Self {
         let rule = hyper.rule();
-        let state = StateStore::allocate(rule.slots(), &params, |i| steps_param(shard.as_ref(), i));
+        let state = StateStore::allocate(|p| rule.layout(p), &params, |i| steps_param(shard.as_ref(), i));
         Optimizer {
             hyper,
             rule,
@@ -217,6 +231,7 @@ impl Optimizer {
                 let p = &self.params[*i].1;
                 let forms = (self.forms_of)(p.device(), p.kind());
                 self.multipliers.prepare(p.device(), p.kind(), forms);
+                self.rule.prepare(p.device());
                 workspace.reserve(p, self.rule.temporaries(forms));
             }
             workspace.allocate();
@@ -297,7 +312,12 @@ impl Optimizer {
 
     /// The name of every state tensor of parameter `i`, owned here or not, in slot order.
     pub fn state_names_of(&self, i: usize) -> Vec<String> {
-        self.state.names_of(&self.params[i].0)
+        self.state.names_of(i, &self.params[i].0)
+    }
+
+    /// Parameter `i`'s state slots (names, sizes, kinds), owned here or not.
+    pub fn state_layout_of(&self, i: usize) -> &[Slot] {
+        self.state.layout_of(i)
     }
 
     /// Restores state saved by `state_tensors` and the step count. The names must be exactly
