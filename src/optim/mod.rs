@@ -47,6 +47,7 @@ use crate::spec::{OptimizerKind, Train};
 pub use adam8::state_bytes_8bit;
 pub use clip::clip_grad_norm;
 use forms::{Forms, Multipliers};
+pub use quant::dynamic_map;
 pub use rule::Slot;
 use rule::{ParamUpdate, Rule, Step};
 pub use schedule::LrSchedule;

@@ -175,8 +175,9 @@ mod tests {
         assert!((u[1] - 0.325e-6).abs() < 1e-12, "{}", u[1]);
     }
 
-    /// Every value comes back within half the map's widest gap around it, times its block's
-    /// absmax; the largest magnitude of each block exactly.
+    /// Every value comes back within half the map's widest gap, times its block's absmax (the
+    /// gaps are widest near 1: 0.0141 signed, 0.0071 unsigned); a positive block maximum
+    /// exactly.
     #[test]
     fn round_trips_are_bounded_by_the_map_spacing() {
         for signed in [true, false] {
@@ -209,7 +210,11 @@ mod tests {
                 let top = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
                 assert_eq!(*a, top, "block {b}'s scale is its absolute maximum");
                 let at = block.iter().position(|v| v.abs() == top).unwrap() + b * BLOCK as usize;
-                assert_eq!(bs[at], xs[at], "the block's maximum comes back exactly");
+                // The maps hold 1 but not -1 (the signed one's lowest entry is -0.9929): a
+                // positive maximum comes back exactly.
+                if xs[at] > 0.0 {
+                    assert_eq!(bs[at], xs[at], "the block's maximum comes back exactly");
+                }
             }
         }
     }

@@ -150,7 +150,8 @@ def main():
                 out[f"step{i}/exp_avg_sq_q8/{k}"], out[f"step{i}/exp_avg_sq_absmax/{k}"] = s["v"]
             else:
                 s["m"], s["v"] = st["exp_avg"].clone(), st["exp_avg_sq"].clone()
-                out[f"step{i}/exp_avg/{k}"], out[f"step{i}/exp_avg_sq/{k}"] = s["m"], s["v"]
+                # Copies: the next step updates s["m"] and s["v"] in place.
+                out[f"step{i}/exp_avg/{k}"], out[f"step{i}/exp_avg_sq/{k}"] = s["m"].clone(), s["v"].clone()
     write_safetensors(out, a.out)
     print(json.dumps({"tensors": len(out)}))
 
