@@ -7,7 +7,8 @@
 //! implementation, `maximize=False`, `amsgrad=False`, `dampening=0`) with every state tensor
 //! exposed by name.
 //!
-//! Each algorithm is a `rule::Rule` (`sgd`, `adam`): the state slots it keeps per parameter,
+//! Each algorithm is a `rule::Rule` (`sgd`, `adam`; `adam8` for Adam/AdamW with 8-bit moments,
+//! `train.optimizer_state_bits = 8`): the state slots it keeps per parameter,
 //! the temporaries an update needs and the update of one parameter. [`Optimizer`] is the
 //! container around a rule: it owns the parameters, where their state lives (`state`), which of
 //! them this process steps (`shard`), the per-device multipliers and temporaries (`forms`,
@@ -305,7 +306,8 @@ impl Optimizer {
 
     /// Every state tensor, named `<slot>/<param name>` with slot `exp_avg` and `exp_avg_sq`
     /// (Adam, AdamW) or `momentum_buffer` (SGD with momentum; plain SGD has none), in parameter
-    /// order. The tensors are the live state (shallow clones): copy them before the next `step`
+    /// order; with 8-bit state, `exp_avg_q8`, `exp_avg_absmax`, `exp_avg_sq_q8` and
+    /// `exp_avg_sq_absmax` for the parameters `adam8` quantizes. The tensors are the live state (shallow clones): copy them before the next `step`
     /// if a snapshot is needed. Sharded: this rank's parameters only.
     pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
         self.state.named(&self.params)
@@ -323,8 +325,9 @@ impl Optimizer {
 
     /// Restores state saved by `state_tensors` and the step count. The names must be exactly
     /// this optimizer's (the error lists the missing and unexpected ones) and every shape must
-    /// match its parameter; tensors are copied into the existing state, onto each parameter's
-    /// device and kind. Nothing changes when an error is returned.
+    /// match its slot (by default the parameter's); tensors are copied into the existing state,
+    /// onto each parameter's device and the slot's kind. Nothing changes when an error is
+    /// returned.
     ///
     /// SGD momentum buffers count as initialised when `steps_taken > 0`. Sharded: the saved
     /// state is the whole optimizer's (gathered when it was written, whatever the rank count

@@ -122,14 +122,14 @@ pub fn quantize(x: &Tensor, codes: &Tensor, absmax: &Tensor, map: &Map, scratch:
         let _ = xr.div_out(&out, &s);
     }
     let _ = scratch.bucketize_tensor_out(index, &map.midpoints, true, true);
-    let _ = codes.shallow_clone().copy_(index);
+    codes.shallow_clone().copy_(index);
 }
 
 /// Dequantizes flat `codes` and `absmax` into fp32 `out` (`map[code] * absmax`), through
 /// `index` (i32, as long as `out`).
 pub fn dequantize(codes: &Tensor, absmax: &Tensor, map: &Map, out: &Tensor, index: &Tensor) {
     let n = out.numel() as i64;
-    let _ = index.shallow_clone().copy_(codes);
+    index.shallow_clone().copy_(codes);
     let _ = map.values.index_select_out(out, 0, index);
     for (r, s) in rows(out, n).iter().zip(scales(absmax, n)) {
         let _ = r.shallow_clone().g_mul_(&s);

@@ -15,8 +15,8 @@ pub struct Slot {
 /// needs and the update itself. Where state and temporaries live, which parameters are stepped
 /// and when memory is allocated are the container's business (`Optimizer`).
 pub trait Rule: std::fmt::Debug + Send + Sync {
-    /// Checkpoint names of the state tensors kept per parameter (each shaped like it), in slot
-    /// order.
+    /// Checkpoint names of the state tensors kept per parameter, in slot order (by default each
+    /// shaped like the parameter; see `layout`).
     fn slots(&self) -> &'static [&'static str];
 
     /// Parameter `p`'s state tensors, in slot order. By default one per `slots()`, each shaped
