@@ -307,8 +307,8 @@ impl Optimizer {
     /// Every state tensor, named `<slot>/<param name>` with slot `exp_avg` and `exp_avg_sq`
     /// (Adam, AdamW) or `momentum_buffer` (SGD with momentum; plain SGD has none), in parameter
     /// order; with 8-bit state, `exp_avg_q8`, `exp_avg_absmax`, `exp_avg_sq_q8` and
-    /// `exp_avg_sq_absmax` for the parameters `adam8` quantizes. The tensors are the live state (shallow clones): copy them before the next `step`
-    /// if a snapshot is needed. Sharded: this rank's parameters only.
+    /// `exp_avg_sq_absmax` for the parameters `adam8` quantizes. The tensors are the live state
+    /// (shallow clones): copy them before the next `step` if a snapshot is needed. Sharded: this rank's parameters only.
     pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
         self.state.named(&self.params)
     }

@@ -21,6 +21,15 @@ pub struct ParamState {
     pub written: bool,
 }
 
+/// A slot's zeros: like the parameter (its strides too) where the slot is shaped and typed
+/// like it.
+fn zeros(s: &Slot, p: &Tensor) -> Tensor {
+    match s.size == p.size() && s.kind == p.kind() {
+        true => p.zeros_like(),
+        false => Tensor::zeros(&s.size, (s.kind, p.device())),
+    }
+}
+
 /// A checkpoint's state tensor named `<slot>/<param name>`.
 fn state_name(slot: &str, param: &str) -> String {
     format!("{slot}/{param}")
@@ -42,10 +51,7 @@ impl StateStore {
                 .enumerate()
                 .map(|(i, ((_, p), slots))| ParamState {
                     tensors: match stepped(i) {
-                        true => slots
-                            .iter()
-                            .map(|s| Tensor::zeros(&s.size, (s.kind, p.device())))
-                            .collect(),
+                        true => slots.iter().map(|s| zeros(s, p)).collect(),
                         false => Vec::new(),
                     },
                     written: false,
