@@ -7,7 +7,7 @@ use anyhow::Result;
 use crate::host::Home;
 use crate::human::{human_bytes, human_count};
 use crate::model;
-use crate::optim::Hyper;
+use crate::optim::{state_bytes_8bit, Hyper};
 use crate::spec::{Precision, Spec};
 
 #[derive(Debug, Clone)]
@@ -21,6 +21,10 @@ pub struct Estimate {
     pub precision: Precision,
     /// Optimizer state tensors per weight (SGD with momentum 1, Adam/AdamW 2).
     pub state_per_weight: u64,
+    /// `train.optimizer_state_bits`: with 8, Adam/AdamW's moments take `state_bytes_8bit`.
+    pub state_bits: u32,
+    /// Values of each trained tensor (8-bit state depends on each one's size).
+    pub weight_sizes: Vec<u64>,
     pub optimizer: String,
     pub micro_batch: i64,
     pub accumulation_steps: i64,
@@ -54,7 +58,11 @@ impl Estimate {
     }
     /// Weight optimizer state plus, for DARTS, the architecture Adam's two moments.
     pub fn optimizer_bytes(&self) -> u64 {
-        (self.weights * self.state_per_weight + self.arch_weights * 2) * self.bytes_per_value
+        let arch = self.arch_weights * 2 * self.bytes_per_value;
+        match self.state_bits {
+            8 => self.weight_sizes.iter().map(|n| state_bytes_8bit(*n)).sum::<u64>() + arch,
+            _ => self.weights * self.state_per_weight * self.bytes_per_value + arch,
+        }
     }
     pub fn total_bytes(&self) -> u64 {
         self.parameter_bytes() + self.gradient_bytes() + self.optimizer_bytes()
@@ -133,8 +141,11 @@ impl Estimate {
 pub fn estimate(spec: &Spec) -> Result<Estimate> {
     let c = model::counts(&spec.model)?;
     let (weights, arch, buffers) = (c.weights, c.arch_weights, c.buffers);
+    let state_per_weight = match spec.train.optimizer_state_bits {
+        8 => 2,
+        _ => Hyper::from_train(&spec.train).state_slots().len() as u64,
+    };
     let t = &spec.train;
-    let state_per_weight = Hyper::from_train(t).state_slots().len() as u64;
     Ok(Estimate {
         preset: spec.model.preset.clone(),
         weights,
@@ -143,6 +154,8 @@ pub fn estimate(spec: &Spec) -> Result<Estimate> {
         bytes_per_value: t.precision.bytes(),
         precision: t.precision,
         state_per_weight,
+        state_bits: t.optimizer_state_bits,
+        weight_sizes: c.weight_sizes,
         optimizer: format!("{:?}", t.optimizer).to_lowercase(),
         micro_batch: t.batch_size,
         accumulation_steps: t.accumulation_steps,
@@ -178,13 +191,22 @@ impl fmt::Display for Estimate {
         writeln!(f)?;
         writeln!(f, "parameters       {}", human_bytes(self.parameter_bytes()))?;
         writeln!(f, "gradients        {}", human_bytes(self.gradient_bytes()))?;
-        writeln!(
-            f,
-            "optimizer state  {} ({}: {} value(s) per parameter)",
-            human_bytes(self.optimizer_bytes()),
-            self.optimizer,
-            self.state_per_weight
-        )?;
+        match self.state_bits {
+            8 => writeln!(
+                f,
+                "optimizer state  {} ({}, 8-bit: {} values of 1 byte per parameter and an fp32 scale per 256; fp32 for tensors under 4096 values)",
+                human_bytes(self.optimizer_bytes()),
+                self.optimizer,
+                self.state_per_weight
+            )?,
+            _ => writeln!(
+                f,
+                "optimizer state  {} ({}: {} value(s) per parameter)",
+                human_bytes(self.optimizer_bytes()),
+                self.optimizer,
+                self.state_per_weight
+            )?,
+        }
         writeln!(f, "total static     {}", human_bytes(self.total_bytes()))?;
         writeln!(
             f,

@@ -273,12 +273,14 @@ impl Dist {
         let mut tag = 0i32;
         for (i, (_, p)) in opt.params().iter().enumerate() {
             let owner = shard.owners[i];
+            let layout = opt.state_layout_of(i);
             for (s, name) in opt.state_names_of(i).into_iter().enumerate() {
                 tag = tag.wrapping_add(1);
                 match (self.rank(), owner) {
                     (0, 0) => out.push((name, opt.state_of(i)[s].shallow_clone())),
                     (0, from) => {
-                        let t = tch::no_grad(|| p.f_zeros_like())
+                        let slot = &layout[s];
+                        let t = tch::no_grad(|| Tensor::f_zeros(&slot.size, (slot.kind, p.device())))
                             .context("rank 0 holding the other ranks' optimizer state")?;
                         self.group.recv(&t, from, tag).map_err(|e| self.explain(e))?;
                         out.push((name, t));

@@ -655,6 +655,7 @@ impl Preset for DartsPreset {
                 weight_decay: o.arch_weight_decay,
                 betas: [0.5, 0.999],
                 eps: 1e-8,
+                state_bits: 32,
             },
         })
     }

@@ -21,11 +21,13 @@ pub use mlp::Mlp;
 pub use preset::{run_chain, Built, Chain, ExtraStep, Genotype, Net, Preset, ARCH_PREFIX};
 
 /// Values by role, as the static estimate counts them.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Counts {
     pub weights: u64,
     pub arch_weights: u64,
     pub buffers: u64,
+    /// The value count of each trained (non-architecture) tensor, in VarStore order.
+    pub weight_sizes: Vec<u64>,
     /// The model is a sequence of blocks (levers that work block by block apply).
     pub has_blocks: bool,
 }
@@ -182,6 +184,7 @@ pub fn counts(model: &Model) -> Result<Counts> {
             c.arch_weights += n;
         } else if t.requires_grad() {
             c.weights += n;
+            c.weight_sizes.push(n);
         } else {
             c.buffers += n;
         }

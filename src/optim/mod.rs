@@ -7,7 +7,8 @@
 //! implementation, `maximize=False`, `amsgrad=False`, `dampening=0`) with every state tensor
 //! exposed by name.
 //!
-//! Each algorithm is a `rule::Rule` (`sgd`, `adam`): the state slots it keeps per parameter,
+//! Each algorithm is a `rule::Rule` (`sgd`, `adam`; `adam8` for Adam/AdamW with 8-bit moments,
+//! `train.optimizer_state_bits = 8`): the state slots it keeps per parameter,
 //! the temporaries an update needs and the update of one parameter. [`Optimizer`] is the
 //! container around a rule: it owns the parameters, where their state lives (`state`), which of
 //! them this process steps (`shard`), the per-device multipliers and temporaries (`forms`,
@@ -27,9 +28,11 @@
 //! gets a gradient from the first step on, which is the case for the models here; the shared
 //! count is what makes a restored optimizer continue exactly.
 mod adam;
+mod adam8;
 mod clip;
 mod forms;
 mod grads;
+mod quant;
 mod rule;
 mod schedule;
 mod sgd;
@@ -45,9 +48,12 @@ use tch::{Device, Kind, Tensor};
 use crate::host::{Home, Host};
 use crate::shim::HostScope;
 use crate::spec::{OptimizerKind, Train};
+pub use adam8::state_bytes_8bit;
 pub use clip::{clip_grad_norm, clip_grads};
 use forms::{Forms, Multipliers};
 use grads::HostGrads;
+pub use quant::dynamic_map;
+pub use rule::Slot;
 use rule::{ParamUpdate, Rule, Step};
 pub use schedule::LrSchedule;
 use shard::steps_param;
@@ -67,6 +73,8 @@ pub struct Hyper {
     pub weight_decay: f64,
     pub betas: [f64; 2],
     pub eps: f64,
+    /// Bits per Adam/AdamW moment value: 32, or 8 for block-wise quantized moments (`adam8`).
+    pub state_bits: u32,
 }
 
 impl Hyper {
@@ -79,6 +87,7 @@ impl Hyper {
             weight_decay: t.weight_decay,
             betas: t.betas,
             eps: t.eps,
+            state_bits: t.optimizer_state_bits,
         }
     }
 
@@ -100,6 +109,13 @@ impl Hyper {
                 nesterov: self.nesterov,
                 weight_decay: self.weight_decay,
             }),
+            OptimizerKind::Adam | OptimizerKind::Adamw if self.state_bits == 8 => {
+                let decay = match self.kind {
+                    OptimizerKind::Adam => adam::Decay::Coupled,
+                    _ => adam::Decay::Decoupled,
+                };
+                Box::new(adam8::Adam8::new(adam(decay)))
+            }
             OptimizerKind::Adam => Box::new(adam(adam::Decay::Coupled)),
             OptimizerKind::Adamw => Box::new(adam(adam::Decay::Decoupled)),
         }
@@ -168,7 +184,13 @@ impl Optimizer {
         let rule = hyper.rule();
         let device = params.first().map_or(Device::Cpu, |(_, p)| p.device());
         let host = Host::new(device);
-        let state = StateStore::allocate(rule.slots(), &params, |i| steps_param(shard.as_ref(), i), home, &host);
+        let state = StateStore::allocate(
+            |p| rule.layout(p),
+            &params,
+            |i| steps_param(shard.as_ref(), i),
+            home,
+            &host,
+        );
         Optimizer {
             host,
             host_grads: None,
@@ -238,6 +260,7 @@ impl Optimizer {
                     Home::Device => {
                         let forms = (self.forms_of)(p.device(), p.kind());
                         self.multipliers.prepare(p.device(), p.kind(), forms);
+                        self.rule.prepare(p.device());
                         // A host gradient comes to the device in a temporary of its own.
                         let carried = usize::from(!grad_on_device);
                         workspace.reserve(p, self.rule.temporaries(forms) + carried);
@@ -245,6 +268,7 @@ impl Optimizer {
                     Home::Host => {
                         let forms = (self.forms_of)(Device::Cpu, p.kind());
                         self.multipliers.prepare(Device::Cpu, p.kind(), forms);
+                        self.rule.prepare(Device::Cpu);
                         // The parameter's host copy, and the gradient's unless it is there.
                         let carried = 1 + usize::from(grad_on_device);
                         host_workspace.reserve_on(Device::Cpu, p, self.rule.temporaries(forms) + carried);
@@ -436,21 +460,28 @@ impl Optimizer {
 
     /// Every state tensor, named `<slot>/<param name>` with slot `exp_avg` and `exp_avg_sq`
     /// (Adam, AdamW) or `momentum_buffer` (SGD with momentum; plain SGD has none), in parameter
-    /// order. The tensors are the live state (shallow clones): copy them before the next `step`
-    /// if a snapshot is needed. Sharded: this rank's parameters only.
+    /// order; with 8-bit state, `exp_avg_q8`, `exp_avg_absmax`, `exp_avg_sq_q8` and
+    /// `exp_avg_sq_absmax` for the parameters `adam8` quantizes. The tensors are the live state
+    /// (shallow clones): copy them before the next `step` if a snapshot is needed. Sharded: this rank's parameters only.
     pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
         self.state.named(&self.params)
     }
 
     /// The name of every state tensor of parameter `i`, owned here or not, in slot order.
     pub fn state_names_of(&self, i: usize) -> Vec<String> {
-        self.state.names_of(&self.params[i].0)
+        self.state.names_of(i, &self.params[i].0)
+    }
+
+    /// Parameter `i`'s state slots (names, sizes, kinds), owned here or not.
+    pub fn state_layout_of(&self, i: usize) -> &[Slot] {
+        self.state.layout_of(i)
     }
 
     /// Restores state saved by `state_tensors` and the step count. The names must be exactly
     /// this optimizer's (the error lists the missing and unexpected ones) and every shape must
-    /// match its parameter; tensors are copied into the existing state, onto each parameter's
-    /// device and kind. Nothing changes when an error is returned.
+    /// match its slot (by default the parameter's); tensors are copied into the existing state,
+    /// onto each parameter's device and the slot's kind. Nothing changes when an error is
+    /// returned.
     ///
     /// SGD momentum buffers count as initialised when `steps_taken > 0`. Sharded: the saved
     /// state is the whole optimizer's (gathered when it was written, whatever the rank count

@@ -1,15 +1,39 @@
 //! What an optimization algorithm is to the container: a rule for updating one parameter.
-use tch::Tensor;
+use tch::{Device, Kind, Tensor};
 
 use super::forms::{Coefs, Forms, Values};
+
+/// One state tensor a rule keeps for a parameter: its checkpoint slot name, size and kind.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Slot {
+    pub name: &'static str,
+    pub size: Vec<i64>,
+    pub kind: Kind,
+}
 
 /// One algorithm (SGD, Adam, AdamW): the state it keeps per parameter, the temporaries an update
 /// needs and the update itself. Where state and temporaries live, which parameters are stepped
 /// and when memory is allocated are the container's business (`Optimizer`).
 pub trait Rule: std::fmt::Debug + Send + Sync {
-    /// Checkpoint names of the state tensors kept per parameter (each shaped like it), in slot
-    /// order.
+    /// Checkpoint names of the state tensors kept per parameter, in slot order (by default each
+    /// shaped like the parameter; see `layout`).
     fn slots(&self) -> &'static [&'static str];
+
+    /// Parameter `p`'s state tensors, in slot order. By default one per `slots()`, each shaped
+    /// and typed like `p`; a rule whose state is stored otherwise (8-bit Adam: codes and
+    /// per-block scales, and fp32 moments for small parameters) says so here.
+    fn layout(&self, p: &Tensor) -> Vec<Slot> {
+        let slot = |name| Slot {
+            name,
+            size: p.size(),
+            kind: p.kind(),
+        };
+        self.slots().iter().map(|n| slot(*n)).collect()
+    }
+
+    /// Allocates whatever the rule keeps per device (8-bit Adam's quantization maps) before a
+    /// step's updates on `device`; the default keeps nothing.
+    fn prepare(&self, _device: Device) {}
 
     /// Parameter-sized temporaries one update needs at once with `forms`.
     fn temporaries(&self, forms: Forms) -> usize;

@@ -3,12 +3,15 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 
 use tch::{Device, Tensor};
 
+use super::rule::Slot;
 use crate::host::{Home, Host};
 
-/// Every parameter's state: its slot tensors, on the parameter's device and kind (empty for a
+/// Every parameter's state: its slot tensors, laid out as the rule says (`Rule::layout`: by
+/// default shaped and typed like the parameter), on the parameter's device or on the host (empty for a
 /// parameter this process does not step).
 pub struct StateStore {
-    slots: &'static [&'static str],
+    /// Each parameter's slots (kept for the parameters stepped elsewhere too: names and shapes).
+    layouts: Vec<Vec<Slot>>,
     params: Vec<ParamState>,
     home: Home,
 }
@@ -20,36 +23,59 @@ pub struct ParamState {
     pub written: bool,
 }
 
+/// A slot's zeros: like the parameter (its strides too) where the slot is shaped and typed
+/// like it.
+fn zeros(s: &Slot, p: &Tensor) -> Tensor {
+    match s.size == p.size() && s.kind == p.kind() {
+        true => p.zeros_like(),
+        false => Tensor::zeros(&s.size, (s.kind, p.device())),
+    }
+}
+
 /// A checkpoint's state tensor named `<slot>/<param name>`.
 fn state_name(slot: &str, param: &str) -> String {
     format!("{slot}/{param}")
 }
 
 impl StateStore {
-    /// Zeros like each parameter `i` with `stepped(i)`, one per slot, on `home`: PyTorch's lazily created
-    /// state starts at zero too (SGD's momentum buffer is tracked by `written`).
+    /// Zeros laid out by `layout` for each parameter `i` with `stepped(i)`, on `home`: PyTorch's
+    /// lazily created state starts at zero too (SGD's momentum buffer is tracked by `written`).
     pub fn allocate(
-        slots: &'static [&'static str],
+        layout: impl Fn(&Tensor) -> Vec<Slot>,
         params: &[(String, Tensor)],
         stepped: impl Fn(usize) -> bool,
         home: Home,
         host: &Host,
     ) -> Self {
+        let layouts: Vec<Vec<Slot>> = params.iter().map(|(_, p)| layout(p)).collect();
         let params = tch::no_grad(|| {
             params
                 .iter()
+                .zip(&layouts)
                 .enumerate()
-                .map(|(i, (_, p))| ParamState {
+                .map(|(i, ((_, p), slots))| ParamState {
                     tensors: match (stepped(i), home) {
-                        (true, Home::Device) => slots.iter().map(|_| p.zeros_like()).collect(),
-                        (true, Home::Host) => slots.iter().map(|_| host.zeros_like(p)).collect(),
+                        (true, Home::Device) => slots.iter().map(|s| zeros(s, p)).collect(),
+                        (true, Home::Host) => slots
+                            .iter()
+                            .map(|s| {
+                                let mut t = host.empty(&s.size, s.kind);
+                                let _ = t.zero_();
+                                t
+                            })
+                            .collect(),
                         (false, _) => Vec::new(),
                     },
                     written: false,
                 })
                 .collect()
         });
-        StateStore { slots, params, home }
+        StateStore { layouts, params, home }
+    }
+
+    /// Parameter `i`'s slots.
+    pub fn layout_of(&self, i: usize) -> &[Slot] {
+        &self.layouts[i]
     }
 
     pub fn home(&self) -> Home {
@@ -85,18 +111,21 @@ impl StateStore {
 
     /// The live state (shallow clones), named, in parameter then slot order.
     pub fn named(&self, params: &[(String, Tensor)]) -> Vec<(String, Tensor)> {
-        let mut out = Vec::with_capacity(params.len() * self.slots.len());
-        for ((name, _), st) in params.iter().zip(&self.params) {
-            for (slot, t) in self.slots.iter().zip(&st.tensors) {
-                out.push((state_name(slot, name), t.shallow_clone()));
+        let mut out = Vec::with_capacity(params.len() * 2);
+        for (((name, _), st), slots) in params.iter().zip(&self.params).zip(&self.layouts) {
+            for (slot, t) in slots.iter().zip(&st.tensors) {
+                out.push((state_name(slot.name, name), t.shallow_clone()));
             }
         }
         out
     }
 
-    /// The names of parameter `param`'s state tensors, in slot order.
-    pub fn names_of(&self, param: &str) -> Vec<String> {
-        self.slots.iter().map(|slot| state_name(slot, param)).collect()
+    /// The names of parameter `i` (named `param`)'s state tensors, in slot order.
+    pub fn names_of(&self, i: usize, param: &str) -> Vec<String> {
+        self.layouts[i]
+            .iter()
+            .map(|slot| state_name(slot.name, param))
+            .collect()
     }
 
     /// Copies `saved` into the state (onto each tensor's device and kind) after checking that
@@ -138,16 +167,16 @@ impl StateStore {
         }
         let mut missing = Vec::new();
         let mut shape_errors = Vec::new();
-        let mut known = HashSet::with_capacity(params.len() * self.slots.len());
+        let mut known = HashSet::with_capacity(params.len() * 2);
         let mut sources = Vec::with_capacity(params.len());
-        for (i, (name, p)) in params.iter().enumerate() {
-            let want = p.size();
-            let mut row = Vec::with_capacity(self.slots.len());
-            for full in self.names_of(name) {
+        for (i, (name, _)) in params.iter().enumerate() {
+            let mut row = Vec::with_capacity(self.layouts[i].len());
+            for (full, slot) in self.names_of(i, name).into_iter().zip(&self.layouts[i]) {
+                let want = &slot.size;
                 match given.get(full.as_str()) {
                     Some(src) => {
-                        if src.size() != want {
-                            shape_errors.push(format!("{full} has shape {:?}, the parameter {want:?}", src.size()));
+                        if src.size() != *want {
+                            shape_errors.push(format!("{full} has shape {:?}, the state {want:?}", src.size()));
                         }
                         row.push(*src);
                     }

@@ -33,6 +33,7 @@ fn hyper(kind: OptimizerKind, momentum: f64, nesterov: bool) -> Hyper {
         weight_decay: 0.01,
         betas: [0.9, 0.999],
         eps: 1e-8,
+        state_bits: 32,
     }
 }
 
@@ -47,6 +48,9 @@ fn adam() -> Hyper {
 }
 fn adamw() -> Hyper {
     hyper(OptimizerKind::Adamw, 0.0, false)
+}
+fn with_8bit_state(h: Hyper) -> Hyper {
+    Hyper { state_bits: 8, ..h }
 }
 
 fn leaf(values: &[f32], shape: &[i64]) -> Tensor {
@@ -418,7 +422,9 @@ fn apply_allocates_nothing_parameter_sized() {
     crate::shim::cpu_alloc_install().unwrap();
     let n = 1 << 16;
     let plain_sgd = hyper(OptimizerKind::Sgd, 0.0, false);
-    for h in [sgd(), nesterov(), plain_sgd, adam(), adamw()] {
+    let adam8 = with_8bit_state(adam());
+    let adamw8 = with_8bit_state(adamw());
+    for h in [sgd(), nesterov(), plain_sgd, adam(), adamw(), adam8, adamw8] {
         for kind in [Kind::Float, Kind::BFloat16] {
             for forms in [Forms::Cpu, Forms::Device, Forms::Unfused] {
                 let p = Tensor::ones([n], (kind, Device::Cpu)).set_requires_grad(true);
@@ -444,4 +450,124 @@ fn apply_allocates_nothing_parameter_sized() {
             }
         }
     }
+}
+
+// 8-bit Adam/AdamW state (`adam8`, `quant`); the comparison with a Python reference of the
+// algorithm is the integration test `optim8`.
+
+/// A parameter of `n` values with `steps` random gradients, all seeded.
+fn big_param(n: i64, steps: usize, seed: i64) -> (Tensor, Vec<Tensor>) {
+    let g = |s: i64| {
+        tch::manual_seed(seed * 1000 + s);
+        Tensor::randn([n], (Kind::Float, Device::Cpu))
+    };
+    let grads = (1..=steps as i64).map(|s| g(s) * 0.1).collect();
+    (g(0), grads)
+}
+
+/// `steps` updates of a copy of `init` with `grads`; the parameter and its optimizer.
+fn run_on(h: Hyper, init: &Tensor, grads: &[Tensor]) -> (Tensor, Optimizer) {
+    let p = init.copy().set_requires_grad(true);
+    let mut opt = Optimizer::new(h, vec![("w".into(), p.shallow_clone())]);
+    for g in grads {
+        opt.zero_grad();
+        (&p * g).sum(Kind::Float).backward();
+        opt.step(LR / 10.0);
+    }
+    (p, opt)
+}
+
+#[test]
+fn adam8_state_layout() {
+    let opt = Optimizer::new(
+        with_8bit_state(adamw()),
+        vec![
+            ("a".into(), Tensor::zeros([64, 65], (Kind::Float, Device::Cpu))),
+            ("b".into(), Tensor::zeros([64, 63], (Kind::Float, Device::Cpu))),
+        ],
+    );
+    let named: Vec<(String, Vec<i64>, Kind)> = opt
+        .state_tensors()
+        .into_iter()
+        .map(|(n, t)| (n, t.size(), t.kind()))
+        .collect();
+    let u8s = Kind::Uint8;
+    let f = Kind::Float;
+    // 64 * 65 = 4160 values: 16 full blocks of 256 and one of 64.
+    assert_eq!(
+        named,
+        [
+            ("exp_avg_q8/a".into(), vec![64, 65], u8s),
+            ("exp_avg_absmax/a".into(), vec![17], f),
+            ("exp_avg_sq_q8/a".into(), vec![64, 65], u8s),
+            ("exp_avg_sq_absmax/a".into(), vec![17], f),
+            // 4032 values, under min_8bit_size: fp32 state.
+            ("exp_avg/b".into(), vec![64, 63], f),
+            ("exp_avg_sq/b".into(), vec![64, 63], f),
+        ]
+    );
+    assert_eq!(opt.state_names_of(0)[3], "exp_avg_sq_absmax/a");
+}
+
+/// Parameters under min_8bit_size are the fp32 rule, bit for bit.
+#[test]
+fn adam8_small_parameters_are_the_fp32_rule() {
+    for h in [adam(), adamw()] {
+        let (p32, _) = run_three_steps(h);
+        let (p8, _) = run_three_steps(with_8bit_state(h));
+        assert!(p32.equal(&p8), "{:?}", h.kind);
+    }
+}
+
+/// The first step starts from zero moments, which quantize exactly: it equals the fp32 rule's
+/// bit for bit. Later steps read rounded moments and stay close to the fp32 run.
+#[test]
+fn adam8_tracks_the_fp32_rule() {
+    let (init, grads) = big_param(5000, 20, 1);
+    for h in [adam(), adamw()] {
+        let (p32, _) = run_on(h, &init, &grads[..1]);
+        let (p8, _) = run_on(with_8bit_state(h), &init, &grads[..1]);
+        assert!(p32.equal(&p8), "{:?}: the first step differs", h.kind);
+        let (p32, _) = run_on(h, &init, &grads);
+        let (p8, _) = run_on(with_8bit_state(h), &init, &grads);
+        // 20 steps of lr 0.01 moved each value by up to 0.2; 8-bit moments change that by a
+        // few percent at most.
+        let moved = (&p32 - &init).abs().max().double_value(&[]);
+        let apart = (&p32 - &p8).abs().max().double_value(&[]);
+        assert!(
+            apart < 0.05 * moved,
+            "{:?}: 8-bit is {apart} from fp32 after moving {moved}",
+            h.kind
+        );
+    }
+}
+
+#[test]
+fn adam8_state_round_trip_is_exact() {
+    let (init, grads) = big_param(4096 + 300, 6, 2);
+    let h = with_8bit_state(adamw());
+    let (a, mut opt_a) = run_on(h, &init, &grads[..4]);
+    let saved: Vec<(String, Tensor)> = opt_a.state_tensors().into_iter().map(|(n, t)| (n, t.copy())).collect();
+    let b = a.detach().copy().set_requires_grad(true);
+    let mut opt_b = Optimizer::new(h, vec![("w".into(), b.shallow_clone())]);
+    opt_b.load_state(&saved, opt_a.steps_taken()).unwrap();
+    for g in &grads[4..] {
+        for (p, opt) in [(&a, &mut opt_a), (&b, &mut opt_b)] {
+            opt.zero_grad();
+            (p * g).sum(Kind::Float).backward();
+            opt.step(LR / 10.0);
+        }
+    }
+    assert!(a.equal(&b), "resumed param differs");
+    for ((na, ta), (nb, tb)) in opt_a.state_tensors().iter().zip(opt_b.state_tensors().iter()) {
+        assert_eq!(na, nb);
+        assert!(ta.equal(tb), "{na} differs");
+    }
+    // fp32 state does not load into 8-bit slots (nor the reverse): the names differ.
+    let (_, opt32) = run_on(adamw(), &init, &grads[..1]);
+    let err = opt_b.load_state(&opt32.state_tensors(), 1).unwrap_err().to_string();
+    assert!(
+        err.contains("missing exp_avg_q8/w") && err.contains("unexpected exp_avg/w"),
+        "{err}"
+    );
 }

@@ -313,6 +313,9 @@ pub struct Train {
     pub weight_decay: f64,
     pub betas: [f64; 2],
     pub eps: f64,
+    /// Bits per stored Adam/AdamW moment value: 32, or 8 for block-wise quantized moments
+    /// (Dettmers et al. 2022; fp32 parameters of at least 4096 values).
+    pub optimizer_state_bits: u32,
     /// Clip the global gradient norm to this value; 0 turns clipping off.
     pub grad_clip_norm: f64,
     pub precision: Precision,
@@ -344,6 +347,7 @@ impl Default for Train {
             weight_decay: 0.0,
             betas: [0.9, 0.999],
             eps: 1e-8,
+            optimizer_state_bits: 32,
             grad_clip_norm: 0.0,
             precision: Precision::Fp32,
             activation_checkpointing: false,

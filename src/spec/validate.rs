@@ -182,6 +182,7 @@ fn train(p: &mut Problems, t: &Train) {
         }
     }
     positive(p, "train.eps", t.eps);
+    optimizer_state_bits(p, t);
     in_range(
         p,
         "train.grad_clip_norm",
@@ -194,6 +195,30 @@ fn train(p: &mut Problems, t: &Train) {
     at_least(p, "train.lr_step_epochs", t.lr_step_epochs, 1);
     in_range(p, "train.lr_gamma", t.lr_gamma, f64::MIN_POSITIVE, 1.0, "(0, 1]");
     in_range(p, "train.min_lr", t.min_lr, 0.0, t.lr, "[0, train.lr]");
+}
+
+fn optimizer_name(o: OptimizerKind) -> String {
+    format!("{o:?}").to_lowercase()
+}
+
+/// 32, or 8 with Adam/AdamW on fp32 master weights.
+fn optimizer_state_bits(p: &mut Problems, t: &Train) {
+    let key = "train.optimizer_state_bits";
+    let problem = match t.optimizer_state_bits {
+        32 => None,
+        8 if !matches!(t.optimizer, OptimizerKind::Adam | OptimizerKind::Adamw) => Some(format!(
+            "8-bit state is for optimizer = \"adam\" or \"adamw\", not \"{}\": set train.optimizer = \"adamw\" or train.optimizer_state_bits = 32",
+            optimizer_name(t.optimizer)
+        )),
+        8 if t.precision == Precision::Bf16 => Some(
+            "8-bit state needs fp32 master weights, which precision = \"bf16\" does not keep: use precision = \"bf16-mixed\" (or fp32), or train.optimizer_state_bits = 32".into(),
+        ),
+        8 => None,
+        b => Some(format!("must be 32 or 8 (8-bit Adam/AdamW moments), got {b}")),
+    };
+    if let Some(why) = problem {
+        p.push((key.into(), why));
+    }
 }
 
 fn memory(p: &mut Problems, m: &Memory, t: &Train) {

@@ -8,6 +8,7 @@ mod fit;
 mod foundation;
 mod models;
 mod oom;
+mod optim8;
 mod oracle;
 mod placement;
 mod precision;

@@ -276,3 +276,17 @@ fn fit_climbs_the_placement_ladder_only_as_far_as_the_budget_needs() {
     assert!(peak(&s) <= 2 << 20, "{:?}", s.memory);
     assert!(s.memory.peak_host_bytes.unwrap() > 0);
 }
+
+#[test]
+fn eight_bit_state_moves_to_the_host_with_its_codes_and_scales_unchanged() {
+    let t = job().set("train.epochs", 1).set("train.optimizer_state_bits", 8);
+    let device = t.clone().name("device").run();
+    let host = host(t.clone().name("host"), &["optimizer_state", "gradients"]).run();
+    assert_eq!(host.final_bytes(), device.final_bytes());
+    assert_eq!(
+        file_bytes(&host.final_model().with_file_name("optimizer.safetensors")),
+        file_bytes(&device.final_model().with_file_name("optimizer.safetensors")),
+        "the quantized moments and their absmax are the same bytes"
+    );
+    assert!(peak(&host.summary()) < peak(&device.summary()));
+}
