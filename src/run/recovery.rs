@@ -231,7 +231,7 @@ mod tests {
     }
 
     fn counts(events: u64, recomputes: u64, backoffs: u64, cpu: u64, grow_backs: u64) -> OomCounts {
-        let mut c = OomCounts::new(["recomputes", "backoffs", "cpu_fallbacks"]);
+        let mut c = OomCounts::new(LEVERS.iter().map(|l| l.counted_as()));
         c.events = events;
         c.grow_backs = grow_backs;
         c.engaged.insert("recomputes".into(), recomputes);
@@ -369,5 +369,36 @@ mod tests {
             o.decision().is_fail(),
             "already engaged: the list falls through to fail"
         );
+    }
+
+    #[test]
+    fn offload_moves_one_term_per_oom_in_order_then_gives_way() {
+        let mut r = machine(vec![Offload, Backoff, Fail], 4, 0, true);
+        let names: Vec<Option<&str>> = (0..4).map(|_| r.on_oom().engaged).collect();
+        assert_eq!(
+            names,
+            [
+                Some("host_optimizer_state"),
+                Some("host_gradients"),
+                Some("host_activations"),
+                Some("backoff")
+            ]
+        );
+        let e = r.engaged();
+        assert!(
+            e.contains("recompute"),
+            "activations on the host come with recomputation: {e:?}"
+        );
+        assert_eq!(r.shape(), shape(4, 2));
+        let last = r.on_oom();
+        assert_eq!(last.engaged, None);
+        assert!(
+            last.skipped
+                .iter()
+                .any(|s| s == "host_gradients: already on the host (the gradients)"),
+            "{:?}",
+            last.skipped
+        );
+        assert_eq!(r.counts().engaged["state_offloads"], 1);
     }
 }
