@@ -25,6 +25,8 @@ pub struct Estimate {
     pub accumulation_steps: i64,
     /// The model is a sequence of blocks.
     pub has_blocks: bool,
+    /// Each variable belongs to one block (parameters can stream block by block).
+    pub blockwise: bool,
 }
 
 impl Estimate {
@@ -79,6 +81,7 @@ pub fn estimate(spec: &Spec) -> Result<Estimate> {
         micro_batch: t.batch_size,
         accumulation_steps: t.accumulation_steps,
         has_blocks: c.has_blocks,
+        blockwise: c.blockwise,
     })
 }
 

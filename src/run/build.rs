@@ -51,6 +51,7 @@ impl Plan {
             vs,
             net: built.net,
             opt,
+            stream: None,
         };
         let mut state = self.start.clone();
         let mut arch = arch.map(|(step, opt)| ArchStep::new(step, opt, state.arch.clone(), spec.job.seed));
@@ -221,6 +222,7 @@ impl Plan {
                 configured: self.configured,
                 planned_on_cpu: self.device == DevicePlan::Cpu,
                 has_blocks,
+                blockwise: crate::model::blockwise(model.net.as_ref(), &model.vs),
                 data_parallel: execution.group().is_some(),
                 state_slots: model.opt.hyper().state_slots().len(),
                 reported: self.oom_reported,
