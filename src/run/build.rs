@@ -9,7 +9,7 @@ use tch::{nn, Device, Tensor};
 use super::components::{Components, LoopSettings, Outputs};
 use super::execution::Execution;
 use super::forward::{Forward, PrecisionStage};
-use super::levers::{self, Position};
+use super::levers::{self, Lever, Position};
 use super::parts::{ArchStep, Model};
 use super::recovery::{Policy, Recovery};
 use super::step::StepPipeline;
@@ -45,7 +45,12 @@ impl Plan {
             crate::data::load(&spec.data, &built.input_shape, built.num_classes, spec.job.seed)
         })?
         .map_err(|e| UsageError(format!("{e:#}")))?;
-        let (opt, arch) = self.build_optimizers(spec, &vs, &execution)?;
+        let (mut opt, arch) = {
+            let _host = spec.memory.parameters.is_host().then(shim::HostScope::enter);
+            self.build_optimizers(spec, &vs, &execution)?
+        };
+        // Parameters built on the host still stream to the run's device.
+        opt.host_for(device);
         let mut model = Model {
             sched: self.schedule(spec, &data),
             vs,
@@ -58,6 +63,11 @@ impl Plan {
         self.restore(&mut model, arch.as_mut(), device)?;
         scalers(spec, &mut state, arch.as_mut());
         let recovery = self.recovery(spec, &state, &model, &execution)?;
+        if spec.memory.parameters.is_host() && !recovery.engaged().contains(levers::HostParams.name()) {
+            // Built on the host for streaming, which does not apply (the warning said why).
+            model.vs.set_device(device);
+            model.opt.to_device(device);
+        }
         let spec_toml = spec::to_toml(spec);
         fs::create_dir_all(&self.run_dir)
             .with_context(|| format!("creating run directory {}", self.run_dir.display()))?;
@@ -108,8 +118,17 @@ impl Plan {
         })
     }
 
+    /// With `memory.parameters = "host"` the model is built in host memory, so weights larger
+    /// than the device can be: counted as host on the CPU, on the CPU itself for CUDA (whose
+    /// initialisation then draws from the CPU generator).
     fn build_model(&self, spec: &Spec) -> Result<(nn::VarStore, Built)> {
-        let mut vs = nn::VarStore::new(self.device.tch());
+        let on_host = spec.memory.parameters.is_host();
+        let _host = on_host.then(shim::HostScope::enter);
+        let device = match on_host {
+            true => Device::Cpu,
+            false => self.device.tch(),
+        };
+        let mut vs = nn::VarStore::new(device);
         let built = setup_step("building the model", || model::build(&vs.root(), &spec.model))??;
         if spec.train.precision == Precision::Bf16 {
             vs.bfloat16();
