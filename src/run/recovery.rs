@@ -235,7 +235,8 @@ mod tests {
     }
 
     fn counts(events: u64, recomputes: u64, backoffs: u64, cpu: u64, grow_backs: u64) -> OomCounts {
-        let mut c = OomCounts::new(["recomputes", "backoffs", "cpu_fallbacks"]);
+        // Every lever has its count; the placements stay at 0 in these tests.
+        let mut c = OomCounts::new(LEVERS.iter().map(|l| l.counted_as()));
         c.events = events;
         c.grow_backs = grow_backs;
         c.engaged.insert("recomputes".into(), recomputes);

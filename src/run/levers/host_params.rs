@@ -103,3 +103,63 @@ impl Lever for HostParams {
         Search::Never("fit looks for settings that keep the weights on the device; set memory.parameters = \"host\" when the weights alone do not fit")
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::lever::Engaged;
+    use super::*;
+
+    fn at(has_blocks: bool, blockwise: bool, data_parallel: bool) -> Situation {
+        Situation {
+            at: Position {
+                shape: BatchShape {
+                    micro_batch: 8,
+                    accumulation_steps: 1,
+                },
+                clean_steps: 3,
+                engaged: Engaged::default(),
+            },
+            min_batch: 1,
+            planned_on_cpu: false,
+            has_blocks,
+            blockwise,
+            data_parallel,
+            state_slots: 0,
+        }
+    }
+
+    #[test]
+    fn applies_to_blockwise_chains_once_and_brings_what_it_needs() {
+        let s = at(true, true, false);
+        assert_eq!(HostParams.applies(&s), Ok(()));
+        let after = HostParams.engaged(&s);
+        assert_eq!(
+            after.engaged.names(),
+            ["recompute", "host_optimizer_state", "host_gradients", "host_parameters"]
+        );
+        assert_eq!(after.clean_steps, 0);
+        assert_eq!(after.shape, s.at.shape);
+        let again = Situation { at: after, ..s };
+        assert!(HostParams.applies(&again).unwrap_err().contains("already"));
+        assert!(HostParams
+            .applies(&at(false, false, false))
+            .unwrap_err()
+            .contains("not a sequence of blocks"));
+        assert!(HostParams
+            .applies(&at(true, false, false))
+            .unwrap_err()
+            .contains("more than one block"));
+        assert!(HostParams
+            .applies(&at(true, true, true))
+            .unwrap_err()
+            .contains("data-parallel"));
+        let fell_back = Situation {
+            at: Position {
+                engaged: Engaged::default().with("cpu"),
+                ..s.at
+            },
+            ..s
+        };
+        assert!(HostParams.applies(&fell_back).unwrap_err().contains("CPU"));
+    }
+}
