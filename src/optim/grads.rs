@@ -43,7 +43,7 @@ impl HostGrads {
                 moved.push(p);
             }
         });
-        if let Err(e) = crate::shim::drop_grads(moved.into_iter()) {
+        if let Err(e) = crate::shim::drop_grads(moved) {
             // Inside the OOM guard like any libtorch error.
             panic!("{e}");
         }
