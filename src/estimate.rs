@@ -4,6 +4,7 @@ use std::fmt;
 
 use anyhow::Result;
 
+use crate::host::Home;
 use crate::human::{human_bytes, human_count};
 use crate::model;
 use crate::optim::Hyper;
@@ -27,6 +28,33 @@ pub struct Estimate {
     pub has_blocks: bool,
     /// Each variable belongs to one block (parameters can stream block by block).
     pub blockwise: bool,
+    /// Where the spec puts each term.
+    pub homes: Homes,
+    /// `memory.limit`: the device's budget, when the spec gives one in bytes.
+    pub cap: Option<u64>,
+}
+
+/// Where each term of the bill lives under a spec (`memory.*`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Homes {
+    pub parameters: Home,
+    pub gradients: Home,
+    pub optimizer_state: Home,
+    pub activations: Home,
+}
+
+impl Homes {
+    /// The spec's placements; streamed parameters bring their gradients and optimizer state to
+    /// the host with them.
+    pub fn of(m: &crate::spec::Memory) -> Homes {
+        let streamed = |h: Home| if m.parameters.is_host() { Home::Host } else { h };
+        Homes {
+            parameters: m.parameters,
+            gradients: streamed(m.gradients),
+            optimizer_state: streamed(m.optimizer_state),
+            activations: m.activations,
+        }
+    }
 }
 
 impl Estimate {
@@ -43,6 +71,60 @@ impl Estimate {
     }
     pub fn total_bytes(&self) -> u64 {
         self.parameter_bytes() + self.gradient_bytes() + self.optimizer_bytes()
+    }
+
+    /// The static terms (parameters, gradients, optimizer state) with where each lives.
+    pub fn terms(&self) -> [(&'static str, &'static str, u64, Home); 3] {
+        let h = self.homes;
+        [
+            ("parameters", "memory.parameters", self.parameter_bytes(), h.parameters),
+            ("gradients", "memory.gradients", self.gradient_bytes(), h.gradients),
+            (
+                "optimizer state",
+                "memory.optimizer_state",
+                self.optimizer_bytes(),
+                h.optimizer_state,
+            ),
+        ]
+    }
+
+    /// The static bytes that stay on the device under `homes`. Gradients on the host still
+    /// pass through the device one block at a time; that transient is part of the activations'
+    /// share, which the preflight step measures.
+    pub fn device_bytes(&self, homes: Homes) -> u64 {
+        Estimate { homes, ..self.clone() }
+            .terms()
+            .iter()
+            .filter(|t| t.3 == Home::Device)
+            .map(|t| t.2)
+            .sum()
+    }
+
+    /// The placements that would bring the static device bill under `cap`, cheapest first
+    /// (optimizer state, then gradients, then the parameters streamed by block, for models
+    /// whose variables each belong to one block): the keys to set and the device bytes left;
+    /// None when even all of them on the host leave too much.
+    pub fn placements_to_fit(&self, cap: u64) -> Option<(Vec<&'static str>, u64)> {
+        let mut homes = self.homes;
+        let mut keys = vec![];
+        let steps: [(&'static str, fn(&mut Homes)); 3] = [
+            ("memory.optimizer_state", |h| h.optimizer_state = Home::Host),
+            ("memory.gradients", |h| h.gradients = Home::Host),
+            ("memory.parameters", |h| h.parameters = Home::Host),
+        ];
+        let usable = if self.blockwise { steps.len() } else { 2 };
+        for (key, move_it) in steps.into_iter().take(usable) {
+            if self.device_bytes(homes) <= cap {
+                break;
+            }
+            let before = homes;
+            move_it(&mut homes);
+            if homes != before {
+                keys.push(key);
+            }
+        }
+        let left = self.device_bytes(homes);
+        (left <= cap).then_some((keys, left))
     }
 
     /// The same model and optimizer under another precision.
@@ -82,6 +164,8 @@ pub fn estimate(spec: &Spec) -> Result<Estimate> {
         accumulation_steps: t.accumulation_steps,
         has_blocks: c.has_blocks,
         blockwise: c.blockwise,
+        homes: Homes::of(&spec.memory),
+        cap: spec.memory.limit.map(|l| l.0),
     })
 }
 
@@ -147,7 +231,74 @@ impl fmt::Display for Estimate {
             self.micro_batch * self.accumulation_steps,
             self.micro_batch,
             self.accumulation_steps
-        )
+        )?;
+        self.write_bill(f)
+    }
+}
+
+impl Estimate {
+    /// Each term with where the spec puts it, the device's share against the cap, and what
+    /// would make it fit when it cannot.
+    fn write_bill(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "# The bill under this spec: each term and where it lives")?;
+        for (name, key, bytes, home) in self.terms() {
+            let at = match home {
+                Home::Device => "device".to_owned(),
+                Home::Host if key != "memory.parameters" && self.homes.parameters.is_host() => {
+                    "host (with memory.parameters)".to_owned()
+                }
+                Home::Host if key == "memory.parameters" => {
+                    "host, streamed to the device block by block (memory.parameters)".to_owned()
+                }
+                Home::Host => format!("host ({key})"),
+            };
+            writeln!(f, "  {name:<15} {:>10}  {at}", human_bytes(bytes))?;
+        }
+        let acts = match self.homes.activations {
+            Home::Device => "device",
+            Home::Host => "host, block boundaries only (memory.activations)",
+        };
+        writeln!(f, "  {:<15} {:>10}  {acts}", "activations", "measured")?;
+        let device = self.device_bytes(self.homes);
+        let host = self.total_bytes() - device;
+        write!(
+            f,
+            "device static    {} (+ activations, measured by the preflight step)",
+            human_bytes(device)
+        )?;
+        if host > 0 {
+            write!(f, "; host {}", human_bytes(host))?;
+        }
+        writeln!(f)?;
+        let Some(cap) = self.cap else { return Ok(()) };
+        if device <= cap {
+            return writeln!(
+                f,
+                "cap              {} (memory.limit): {} left for activations",
+                human_bytes(cap),
+                human_bytes(cap - device)
+            );
+        }
+        writeln!(
+            f,
+            "WARNING: the device part of the bill, {}, is more than the {} cap (memory.limit) before any activation: this spec cannot fit.",
+            human_bytes(device),
+            human_bytes(cap)
+        )?;
+        match self.placements_to_fit(cap) {
+            Some((keys, left)) => writeln!(
+                f,
+                "  to fit, set {}: the device keeps {} of static state ({} left for activations)",
+                keys.iter().map(|k| format!("{k} = \"host\"")).collect::<Vec<_>>().join(" and "),
+                human_bytes(left),
+                human_bytes(cap - left)
+            ),
+            None => writeln!(
+                f,
+                "  even with the optimizer state and gradients on the host the parameters alone ({}) do not fit, and this model's parameters cannot stream by block (memory.parameters = \"host\": vit and resnet presets): lower the precision (train.precision = \"bf16\") or raise memory.limit",
+                human_bytes(self.parameter_bytes())
+            ),
+        }
     }
 }
 

@@ -159,11 +159,18 @@ impl Optimizer {
     /// With `shard`, state is allocated for this rank's parameters only and `step` updates only
     /// them; the caller brings the others from their owners afterwards.
     pub fn sharded(hyper: Hyper, params: Vec<(String, Tensor)>, shard: Option<Shard>) -> Self {
+        Self::placed(hyper, params, shard, Home::Device)
+    }
+
+    /// With its state allocated on `home` from the start (host memory never passes through
+    /// the device, where it might not fit).
+    pub fn placed(hyper: Hyper, params: Vec<(String, Tensor)>, shard: Option<Shard>, home: Home) -> Self {
         let rule = hyper.rule();
-        let state = StateStore::allocate(rule.slots(), &params, |i| steps_param(shard.as_ref(), i));
         let device = params.first().map_or(Device::Cpu, |(_, p)| p.device());
+        let host = Host::new(device);
+        let state = StateStore::allocate(rule.slots(), &params, |i| steps_param(shard.as_ref(), i), home, &host);
         Optimizer {
-            host: Host::new(device),
+            host,
             host_grads: None,
             hyper,
             rule,

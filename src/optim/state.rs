@@ -26,31 +26,30 @@ fn state_name(slot: &str, param: &str) -> String {
 }
 
 impl StateStore {
-    /// Zeros like each parameter `i` with `stepped(i)`, one per slot: PyTorch's lazily created
+    /// Zeros like each parameter `i` with `stepped(i)`, one per slot, on `home`: PyTorch's lazily created
     /// state starts at zero too (SGD's momentum buffer is tracked by `written`).
     pub fn allocate(
         slots: &'static [&'static str],
         params: &[(String, Tensor)],
         stepped: impl Fn(usize) -> bool,
+        home: Home,
+        host: &Host,
     ) -> Self {
         let params = tch::no_grad(|| {
             params
                 .iter()
                 .enumerate()
                 .map(|(i, (_, p))| ParamState {
-                    tensors: match stepped(i) {
-                        true => slots.iter().map(|_| p.zeros_like()).collect(),
-                        false => Vec::new(),
+                    tensors: match (stepped(i), home) {
+                        (true, Home::Device) => slots.iter().map(|_| p.zeros_like()).collect(),
+                        (true, Home::Host) => slots.iter().map(|_| host.zeros_like(p)).collect(),
+                        (false, _) => Vec::new(),
                     },
                     written: false,
                 })
                 .collect()
         });
-        StateStore {
-            slots,
-            params,
-            home: Home::Device,
-        }
+        StateStore { slots, params, home }
     }
 
     pub fn home(&self) -> Home {

@@ -16,6 +16,7 @@ use super::step::StepPipeline;
 use crate::checkpoint::{NamedTensors, Store, TrainState};
 use crate::data::Splits;
 use crate::exit::{OomExit, UsageError};
+use crate::host::Home;
 use crate::human::{device_name, human_bytes};
 use crate::memory::CachePolicy;
 use crate::model::{self, Built, ARCH_PREFIX};
@@ -156,8 +157,16 @@ impl Plan {
             }
             _ => None,
         };
+        // State bound for the host is made there: it may not fit on the device even for a moment.
+        let host_lever = levers::HostState.name();
+        // Streamed parameters bring it to the host too.
+        let on_host = spec.memory.optimizer_state.is_host() || spec.memory.parameters.is_host();
+        let home = match on_host || self.start.levers.iter().any(|l| l == host_lever) {
+            true => Home::Host,
+            false => Home::Device,
+        };
         let opt = setup_step("creating the optimizer state", || {
-            Optimizer::sharded(Hyper::from_train(t), weights, shard)
+            Optimizer::placed(Hyper::from_train(t), weights, shard, home)
         })?;
         let extra = match model::extra_step(&spec.model) {
             Some(x) => Some((
@@ -435,7 +444,10 @@ fn few<S: AsRef<str>>(names: &[S], sep: &str) -> String {
     s
 }
 
-fn init_from(vs: &nn::VarStore, path: &Path) -> Result<()> {
+/// `model.init_from`: the safetensors file's tensors copied into `vs` by name; any name missing
+/// on either side, or a shape that differs, is an error that lists them. Public for the tests
+/// that load torchvision's state dicts through it.
+pub fn init_from(vs: &nn::VarStore, path: &Path) -> Result<()> {
     let what = format!("reading model.init_from {}", path.display());
     let tensors = setup_step(&what, || Tensor::read_safetensors(path))?.map_err(|e| -> anyhow::Error {
         let text = e.to_string();

@@ -27,6 +27,7 @@ use crate::records::Status;
 use crate::shim;
 use crate::spec::{self, Spec};
 
+pub use build::init_from;
 use execution::Execution;
 use trainer::Trainer;
 

@@ -9,6 +9,7 @@ mod foundation;
 mod models;
 mod oom;
 mod oracle;
+mod placement;
 mod placement_stream;
 mod precision;
 mod report;

@@ -8,6 +8,19 @@ Subcommands:
               torch.jit.script(model).save(out)
   torchvision --model resnet18 --classes K --out init.safetensors
               a torchvision model's state_dict, as safetensors; prints {"parameters": n, "names": [...]}
+  vit         --image-size S --patch-size P --layers L --heads H --hidden D --mlp M --classes K
+              --out init.safetensors [--logits io.safetensors]
+              torchvision's VisionTransformer(S, P, L, H, D, M, num_classes=K) (the constructor
+              vit_b_16, vit_l_16 and vit_h_14 call), seeded, every weight then moved off its
+              initial value (torchvision starts the head and the class token at zero, which would
+              make any two models' logits agree), its state_dict as safetensors; with --logits
+              also one input x [2, 3, S, S] and the model's eval-mode logits on it. Prints
+              {"parameters": n, "names": [...]}
+  vit-names   --model vit_l_16
+              a torchvision ViT built on the meta device (nothing allocated, no weights
+              downloaded): {"parameters": n, "names": [...], "shapes": {...}, "constructor":
+              [S, P, L, H, D, M], "same_as_constructor": bool}, the last telling whether
+              VisionTransformer at those sizes has the same names and shapes
   data        --out d.npz --n N --shape C,H,W --classes K --seed S
               random float32 images x and int64 labels y
   mlp         --inputs N --hidden H1,H2 --classes K --out init.safetensors
@@ -181,6 +194,46 @@ def cmd_torchvision(a):
     print(json.dumps({"parameters": sum(p.numel() for p in m.parameters()), "names": list(m.state_dict())}))
 
 
+def cmd_vit(a):
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    torch.manual_seed(a.seed)
+    m = VisionTransformer(a.image_size, a.patch_size, a.layers, a.heads, a.hidden, a.mlp, num_classes=a.classes)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    write_safetensors(m.state_dict(), a.out)
+    if a.logits:
+        x = torch.randn(2, 3, a.image_size, a.image_size)
+        m.eval()
+        with torch.no_grad():
+            write_safetensors({"x": x, "logits": m(x)}, a.logits)
+    print(json.dumps({"parameters": sum(p.numel() for p in m.parameters()), "names": list(m.state_dict())}))
+
+
+# The sizes torchvision's builders pass to VisionTransformer: (image, patch, layers, heads, hidden, mlp).
+VIT_SIZES = {
+    "vit_b_16": (224, 16, 12, 12, 768, 3072),
+    "vit_b_32": (224, 32, 12, 12, 768, 3072),
+    "vit_l_16": (224, 16, 24, 16, 1024, 4096),
+    "vit_l_32": (224, 32, 24, 16, 1024, 4096),
+    "vit_h_14": (224, 14, 32, 16, 1280, 5120),
+}
+
+
+def cmd_vit_names(a):
+    import torchvision
+    from torchvision.models.vision_transformer import VisionTransformer
+
+    with torch.device("meta"):
+        m = getattr(torchvision.models, a.model)()
+        c = VisionTransformer(*VIT_SIZES[a.model])
+    shapes = {k: list(v.shape) for k, v in m.state_dict().items()}
+    same = shapes == {k: list(v.shape) for k, v in c.state_dict().items()}
+    print(json.dumps({"parameters": sum(p.numel() for p in m.parameters()), "names": list(shapes),
+                      "shapes": shapes, "constructor": VIT_SIZES[a.model], "same_as_constructor": same}))
+
+
 def cmd_data(a):
     g = np.random.default_rng(a.seed)
     shape = [int(s) for s in a.shape.split(",")]
@@ -298,6 +351,14 @@ def main():
     s.add_argument("--classes", type=int, default=1000)
     s.add_argument("--out", required=True)
     s.add_argument("--seed", type=int, default=0)
+    s = sub.add_parser("vit")
+    for k in ["image-size", "patch-size", "layers", "heads", "hidden", "mlp", "classes"]:
+        s.add_argument(f"--{k}", type=int, required=True)
+    s.add_argument("--out", required=True)
+    s.add_argument("--logits")
+    s.add_argument("--seed", type=int, default=0)
+    s = sub.add_parser("vit-names")
+    s.add_argument("--model", required=True, choices=sorted(VIT_SIZES))
     s = sub.add_parser("data")
     s.add_argument("--out", required=True)
     s.add_argument("--n", type=int, required=True)
@@ -329,7 +390,8 @@ def main():
     s.add_argument("--out", required=True)
     a = p.parse_args()
     cmds = {"script": cmd_script, "torchvision": cmd_torchvision, "data": cmd_data, "train": cmd_train,
-            "tensorboard": cmd_tensorboard, "snapshot": cmd_snapshot, "mlp": cmd_mlp}
+            "tensorboard": cmd_tensorboard, "snapshot": cmd_snapshot, "mlp": cmd_mlp,
+            "vit": cmd_vit, "vit-names": cmd_vit_names}
     cmds[a.cmd](a)
 
 

@@ -51,7 +51,7 @@ pub fn answering(word: &str) -> Vec<&'static dyn Lever> {
 /// What every placement lever checks: not engaged yet, and a device to leave.
 fn placement_applies(l: &dyn Lever, s: &Situation, what: &str) -> Result<(), String> {
     if s.at.engaged.contains(l.name()) {
-        Err(format!("{what} already live on the host"))
+        Err(format!("already on the host ({what})"))
     } else if s.at.engaged.contains(CpuFallback.name()) {
         Err("the run fell back to the CPU, where device and host are one memory".into())
     } else {
