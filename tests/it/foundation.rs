@@ -403,9 +403,9 @@ fn check_lists_every_lever_with_when_it_comes_in_or_why_it_does_not_apply() {
         .nth(1)
         .unwrap_or_else(|| panic!("{}", r.stdout));
     for line in [
-        "recompute  on an OOM (memory.on_oom entry 1); does not apply: the model is not a sequence of blocks",
-        "backoff    on an OOM (memory.on_oom entry 2); does not apply: micro-batch 1 cannot be halved",
-        "cpu        not in memory.on_oom; does not apply: the run is already on the CPU",
+        "recompute            on an OOM (memory.on_oom entry 1); does not apply: the model is not a sequence of blocks",
+        "backoff              on an OOM (memory.on_oom entry 2); does not apply: micro-batch 1 cannot be halved",
+        "cpu                  not in memory.on_oom; does not apply: the run is already on the CPU",
     ] {
         assert!(levers.contains(line), "missing {line:?} in\n{levers}");
     }
@@ -419,18 +419,18 @@ fn check_lists_every_lever_with_when_it_comes_in_or_why_it_does_not_apply() {
         .run();
     assert!(
         r.stdout
-            .contains("recompute  on from the start (spec); activations: only block boundaries"),
+            .contains("recompute            on from the start (spec); activations: only block boundaries"),
         "{}",
         r.stdout
     );
     assert!(
         r.stdout
-            .contains("backoff    on an OOM (memory.on_oom entry 1); activations: shrink with the micro-batch"),
+            .contains("backoff              on an OOM (memory.on_oom entry 1); activations: shrink with the micro-batch"),
         "{}",
         r.stdout
     );
     assert!(
-        r.stdout.contains("cpu        not in memory.on_oom; the whole bill ("),
+        r.stdout.contains("cpu                  not in memory.on_oom; the whole bill ("),
         "{}",
         r.stdout
     );

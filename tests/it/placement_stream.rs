@@ -141,3 +141,35 @@ fn presets_whose_variables_span_blocks_are_refused_and_check_says_what_it_does()
     assert!(line.contains("on from the start (spec)"), "{line}");
     assert!(line.contains("4.14 MiB rest in host memory"), "{line}");
 }
+
+/// An OOM with the other placements already on the host: "offload" streams the parameters
+/// from then on, and the run ends as the one that never ran out of memory.
+#[test]
+fn an_oom_answered_by_offload_streams_the_parameters_from_then_on() {
+    let t = job(wide_vit(), ADAM).set("train.epochs", 1);
+    let others = ["optimizer_state", "gradients", "activations"]
+        .iter()
+        .fold(t.clone(), |t, k| t.set(&format!("memory.{k}"), "host"));
+    let resident = others.clone().name("others").run();
+    let streaming = streamed(&t).run();
+    let (high, low) = (peak(&resident), peak(&streaming));
+    assert!(low < high, "streamed {low}, resident {high}");
+    // Room to build the model on the device, not to train it there.
+    let setup = resident.starts()[0].setup_peak_allocated_bytes.unwrap();
+    assert!(setup < high, "setup {setup}, step {high}");
+    let cap = (setup + high) / 2;
+    let r = others
+        .clone()
+        .name("offloaded")
+        .set("memory.limit", cap as i64)
+        .set(
+            "memory.on_oom",
+            toml::Value::Array(vec!["offload".into(), "fail".into()]),
+        )
+        .stderr_has("parameters rest in host memory")
+        .run();
+    let s = r.summary();
+    assert_eq!(s.oom.engaged.get("parameter_offloads"), Some(&1), "{s:?}");
+    assert_eq!(r.final_bytes(), resident.final_bytes());
+    assert_eq!(step_losses(&r), step_losses(&resident));
+}
