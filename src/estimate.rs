@@ -57,6 +57,9 @@ impl Homes {
     }
 }
 
+/// A spec key and what setting it to "host" does to the homes.
+type Placement = (&'static str, fn(&mut Homes));
+
 impl Estimate {
     /// Trained values plus buffers, all of which live on the device.
     pub fn parameter_bytes(&self) -> u64 {
@@ -107,7 +110,7 @@ impl Estimate {
     pub fn placements_to_fit(&self, cap: u64) -> Option<(Vec<&'static str>, u64)> {
         let mut homes = self.homes;
         let mut keys = vec![];
-        let steps: [(&'static str, fn(&mut Homes)); 3] = [
+        let steps: [Placement; 3] = [
             ("memory.optimizer_state", |h| h.optimizer_state = Home::Host),
             ("memory.gradients", |h| h.gradients = Home::Host),
             ("memory.parameters", |h| h.parameters = Home::Host),

@@ -93,10 +93,13 @@ impl Forward {
     ) -> (Tensor, Tensor) {
         let (x, y) = data.batch_at(idx, epoch);
         let x = self.precision.input(&x, self.device);
-        let _autocast = self.precision.autocast(self.device);
         let logits = match (stream, net.chain()) {
-            (Some(s), Some(chain)) => streamed_logits(chain, s, &x, train),
-            _ => net.forward_t(&x, train),
+            // One autocast region per block: its cast cache goes with the block.
+            (Some(s), Some(chain)) => streamed_logits(chain, s, &x, train, &|| self.precision.autocast(self.device)),
+            _ => {
+                let _autocast = self.precision.autocast(self.device);
+                net.forward_t(&x, train)
+            }
         };
         self.loss(&logits, &y)
     }
@@ -221,10 +224,18 @@ fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, after_block: &m
     let release = |i: usize| pass.iter().for_each(|s| s.release(i));
     bring(0);
     tch::no_grad(|| {
-        let _autocast = p.precision.autocast(p.device);
+        // Streamed: one autocast region per block, so the cast cache (low-precision copies of
+        // the weights) leaves with its block.
+        let mut _autocast = p.precision.autocast(p.device);
         for i in 0..k - 1 {
             bring(i + 1);
             let rng = save_rng(p.device);
+            if pass.is_some() {
+                // The old region ends before the new one starts: its cache is dropped and the
+                // new one restores a state with autocast on.
+                _autocast = None;
+                _autocast = p.precision.autocast(p.device);
+            }
             let next = chain.block(i, &state, true);
             release(i);
             saved.push((bounds.keep(std::mem::replace(&mut state, next)), rng));

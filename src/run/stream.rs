@@ -16,6 +16,7 @@ use tch::{nn, Tensor};
 
 use crate::host::Host;
 use crate::model::{block_vars, Chain};
+use crate::shim::Autocast;
 
 /// One variable: the live variable and its host copy.
 struct Streamed {
@@ -131,12 +132,21 @@ impl Drop for Pass<'_> {
 /// The chain's logits for `x`, block by block: block `i + 1` comes in before block `i` runs, and
 /// block `i` goes back once it has. Without a graph only (validation): a block's backward reads
 /// its parameters where they are then, so training runs the recomputed pass instead.
-pub fn streamed_logits(chain: &dyn Chain, stream: &Streamer, x: &Tensor, train: bool) -> Tensor {
+/// `autocast` opens the mixed-precision region each block runs in (None: full precision), so
+/// the cast cache leaves with the block.
+pub fn streamed_logits(
+    chain: &dyn Chain,
+    stream: &Streamer,
+    x: &Tensor,
+    train: bool,
+    autocast: &dyn Fn() -> Option<Autocast>,
+) -> Tensor {
     let pass = stream.pass();
     let mut state = vec![x.shallow_clone()];
     pass.bring(0);
     for i in 0..chain.blocks() {
         pass.bring(i + 1);
+        let _autocast = autocast();
         state = chain.block(i, &state, train);
         pass.release(i);
     }

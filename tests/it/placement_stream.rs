@@ -173,3 +173,16 @@ fn an_oom_answered_by_offload_streams_the_parameters_from_then_on() {
     assert_eq!(r.final_bytes(), resident.final_bytes());
     assert_eq!(step_losses(&r), step_losses(&resident));
 }
+
+/// Mixed precision casts each block's weights in a region of its own (its cast cache leaves
+/// with the block), and bf16 streams bf16 weights: exact in each.
+#[test]
+fn streamed_parameters_stay_exact_in_every_precision() {
+    for p in ["fp16-mixed", "bf16-mixed", "bf16"] {
+        let t = job(vit(), SGD).set("train.precision", p);
+        let plain = t.clone().name("plain").run();
+        let s = streamed(&t).run();
+        assert_eq!(step_losses(&s), step_losses(&plain), "{p}");
+        assert_eq!(s.final_bytes(), plain.final_bytes(), "{p}: final weights differ");
+    }
+}
