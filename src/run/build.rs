@@ -39,6 +39,12 @@ impl Plan {
     /// any checkpoint are known to be good.
     pub fn build(&self, spec: &Spec, mut execution: Execution, session: Session) -> Result<Components> {
         let device = self.device.tch();
+        if spec.memory.parameters.is_host() && execution.group().is_some() {
+            return Err(UsageError(
+                "memory.parameters = \"host\" streams the parameters through one process's device and cannot be data-parallel (the ranks reduce gradients on the device as backward makes them); keep \"device\" and shard the optimizer state (train.shard_optimizer_state = true), or train in one process".into(),
+            )
+            .into());
+        }
         tch::manual_seed(spec.job.seed);
         let (vs, built) = self.build_model(spec)?;
         // A data file that does not fit the model is bad input, like a bad spec: exit 2.
