@@ -72,11 +72,14 @@ impl Streamer {
         if i >= self.blocks.len() || brought[i] {
             return;
         }
+        // Marked first: a copy that runs out of memory halfway leaves some variables on the
+        // device, and the release that follows the error must send them back.
+        brought[i] = true;
+        drop(brought);
         for s in &self.blocks[i] {
             let on_device = self.host.to_device(&s.home);
             s.var.shallow_clone().set_data(&on_device);
         }
-        brought[i] = true;
     }
 
     /// Block `i`'s variables back to their host copies, buffers copied back first.

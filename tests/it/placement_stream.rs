@@ -212,3 +212,38 @@ fn streamed_parameters_stay_exact_in_every_precision() {
         assert_eq!(s.final_bytes(), plain.final_bytes(), "{p}: final weights differ");
     }
 }
+
+/// An OOM in the middle of a streamed step: every block goes back to the host as the error
+/// unwinds, the step is retried at half the micro-batch, and the run equals one configured at
+/// that shape from the start without streaming.
+#[test]
+fn a_streamed_step_that_runs_out_of_memory_backs_off_exactly() {
+    let t = job(wide_vit(), ADAM)
+        .set("train.epochs", 1)
+        .set("data.samples", 48)
+        .set("train.batch_size", 8)
+        .set("train.accumulation_steps", 1);
+    let (big, small) = (
+        peak(&streamed(&t).name("at8").run()),
+        peak(&streamed(&t).name("at4").set("train.batch_size", 4).run()),
+    );
+    assert!(small < big, "micro-batch 4 peaks at {small}, 8 at {big}");
+    let r = streamed(&t)
+        .name("backed-off")
+        .set("memory.limit", ((small + big) / 2) as i64)
+        .set(
+            "memory.on_oom",
+            toml::Value::Array(vec!["backoff".into(), "fail".into()]),
+        )
+        .run();
+    let s = r.summary();
+    assert_eq!(s.oom.engaged.get("backoffs"), Some(&1), "{s:?}");
+    let plain = t
+        .clone()
+        .name("plain")
+        .set("train.batch_size", 4)
+        .set("train.accumulation_steps", 2)
+        .run();
+    assert_eq!(step_losses(&r), step_losses(&plain));
+    assert_eq!(r.final_bytes(), plain.final_bytes());
+}
