@@ -15,6 +15,10 @@
 //! each block's backward (BatchNorm's backward checks their version, so not before). With the same graph inside each block as the plain forward, gradients
 //! equal the plain run's bit for bit on the CPU.
 //!
+//! With parameters streamed (`memory.parameters = "host"`, `run::stream`) the same pass also
+//! brings each block's variables to the device one block ahead of its forward, and again of its
+//! backward, and sends them back once the block is done.
+//!
 //! Memory: the plain forward keeps every block's activations until backward; this keeps the block
 //! boundaries plus one block's activations at a time. Time: one more forward of every block but
 //! the last (about a third more per step for a model whose backward costs twice its forward).
