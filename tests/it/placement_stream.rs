@@ -158,6 +158,13 @@ fn presets_whose_variables_span_blocks_are_refused_and_check_says_what_it_does()
         .unwrap_or_else(|| panic!("no host_parameters line in {out}"));
     assert!(line.contains("on from the start (spec)"), "{line}");
     assert!(line.contains("4.14 MiB rest in host memory"), "{line}");
+    for brought in ["recompute", "host_optimizer_state", "host_gradients"] {
+        let l = out
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("{brought} ")))
+            .unwrap_or_else(|| panic!("no {brought} line in {out}"));
+        assert!(l.contains("on from the start (spec)"), "it comes with streaming: {l}");
+    }
 }
 
 /// An OOM with the other placements already on the host: "offload" streams the parameters

@@ -145,9 +145,17 @@ pub fn check_lines(spec: &crate::spec::Spec, e: &Estimate) -> String {
         state_slots: e.state_per_weight as usize,
     };
     let on_oom: Vec<&str> = spec.memory.on_oom.iter().map(|a| a.name()).collect();
-    let by_spec = configured(spec)
-        .iter()
-        .fold(Engaged::default(), |e, (_, l)| e.with(l.name()));
+    // With what each brings along (streamed parameters: recomputation, host state and gradients).
+    let by_spec = configured(spec).iter().fold(Engaged::default(), |e, (_, l)| {
+        let at = Situation {
+            at: Position { engaged: e, ..s.at },
+            ..s
+        };
+        match l.applies(&at) {
+            Ok(()) => l.engaged(&at).engaged,
+            Err(_) => e.with(l.name()),
+        }
+    });
     bill_lines(e, &s, &on_oom, by_spec)
 }
 
