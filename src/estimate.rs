@@ -30,14 +30,13 @@ pub struct Estimate {
     pub accumulation_steps: i64,
     /// The model is a sequence of blocks.
     pub has_blocks: bool,
+    /// Each variable belongs to one block (parameters can stream block by block).
+    pub blockwise: bool,
     /// Where the spec puts each term.
     pub homes: Homes,
     /// `memory.limit`: the device's budget, when the spec gives one in bytes.
     pub cap: Option<u64>,
 }
-
-/// A placement key and what setting it to "host" does.
-type Move = (&'static str, fn(&mut Homes));
 
 /// Where each term of the bill lives under a spec (`memory.*`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -47,6 +46,23 @@ pub struct Homes {
     pub optimizer_state: Home,
     pub activations: Home,
 }
+
+impl Homes {
+    /// The spec's placements; streamed parameters bring their gradients and optimizer state to
+    /// the host with them.
+    pub fn of(m: &crate::spec::Memory) -> Homes {
+        let streamed = |h: Home| if m.parameters.is_host() { Home::Host } else { h };
+        Homes {
+            parameters: m.parameters,
+            gradients: streamed(m.gradients),
+            optimizer_state: streamed(m.optimizer_state),
+            activations: m.activations,
+        }
+    }
+}
+
+/// A spec key and what setting it to "host" does to the homes.
+type Placement = (&'static str, fn(&mut Homes));
 
 impl Estimate {
     /// Trained values plus buffers, all of which live on the device.
@@ -96,16 +112,19 @@ impl Estimate {
     }
 
     /// The placements that would bring the static device bill under `cap`, cheapest first
-    /// (optimizer state, then gradients): the keys to set and the device bytes left; None when
-    /// even both on the host leave too much.
+    /// (optimizer state, then gradients, then the parameters streamed by block, for models
+    /// whose variables each belong to one block): the keys to set and the device bytes left;
+    /// None when even all of them on the host leave too much.
     pub fn placements_to_fit(&self, cap: u64) -> Option<(Vec<&'static str>, u64)> {
         let mut homes = self.homes;
         let mut keys = vec![];
-        let steps: [Move; 2] = [
+        let steps: [Placement; 3] = [
             ("memory.optimizer_state", |h| h.optimizer_state = Home::Host),
             ("memory.gradients", |h| h.gradients = Home::Host),
+            ("memory.parameters", |h| h.parameters = Home::Host),
         ];
-        for (key, move_it) in steps {
+        let usable = if self.blockwise { steps.len() } else { 2 };
+        for (key, move_it) in steps.into_iter().take(usable) {
             if self.device_bytes(homes) <= cap {
                 break;
             }
@@ -160,12 +179,8 @@ pub fn estimate(spec: &Spec) -> Result<Estimate> {
         micro_batch: t.batch_size,
         accumulation_steps: t.accumulation_steps,
         has_blocks: c.has_blocks,
-        homes: Homes {
-            parameters: spec.memory.parameters,
-            gradients: spec.memory.gradients,
-            optimizer_state: spec.memory.optimizer_state,
-            activations: spec.memory.activations,
-        },
+        blockwise: c.blockwise,
+        homes: Homes::of(&spec.memory),
         cap: spec.memory.limit.map(|l| l.0),
     })
 }
@@ -254,6 +269,12 @@ impl Estimate {
         for (name, key, bytes, home) in self.terms() {
             let at = match home {
                 Home::Device => "device".to_owned(),
+                Home::Host if key != "memory.parameters" && self.homes.parameters.is_host() => {
+                    "host (with memory.parameters)".to_owned()
+                }
+                Home::Host if key == "memory.parameters" => {
+                    "host, streamed to the device block by block (memory.parameters)".to_owned()
+                }
                 Home::Host => format!("host ({key})"),
             };
             writeln!(f, "  {name:<15} {:>10}  {at}", human_bytes(bytes))?;
@@ -299,7 +320,7 @@ impl Estimate {
             ),
             None => writeln!(
                 f,
-                "  even with the optimizer state and gradients on the host the parameters alone ({}) do not fit: lower the precision (train.precision = \"bf16\") or raise memory.limit",
+                "  even with the optimizer state and gradients on the host the parameters alone ({}) do not fit, and this model's parameters cannot stream by block (memory.parameters = \"host\": vit and resnet presets): lower the precision (train.precision = \"bf16\") or raise memory.limit",
                 human_bytes(self.parameter_bytes())
             ),
         }

@@ -18,7 +18,7 @@ use crate::spec::Model;
 
 pub use darts::{derive_genotype, Darts, DartsOptions};
 pub use mlp::Mlp;
-pub use preset::{run_chain, Built, Chain, ExtraStep, Genotype, Net, Preset, ARCH_PREFIX};
+pub use preset::{block_vars, run_chain, Built, Chain, ExtraStep, Genotype, Net, Preset, ARCH_PREFIX};
 
 /// Values by role, as the static estimate counts them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -30,6 +30,8 @@ pub struct Counts {
     pub weight_sizes: Vec<u64>,
     /// The model is a sequence of blocks (levers that work block by block apply).
     pub has_blocks: bool,
+    /// Each variable belongs to one block, so parameters can stream block by block.
+    pub blockwise: bool,
 }
 
 /// The registry: one line per preset.
@@ -169,12 +171,19 @@ pub fn extra_step(model: &Model) -> Option<ExtraStep> {
     preset_of(model).ok()?.extra_step(model)
 }
 
+/// Whether every variable of the model belongs to one block of its chain (parameters can
+/// stream block by block).
+pub fn blockwise(net: &dyn Net, vs: &nn::VarStore) -> bool {
+    net.chain().is_some_and(|c| block_vars(c, vs).is_ok())
+}
+
 /// Static counts for `memtrain check`: a CPU build's variables by role.
 pub fn counts(model: &Model) -> Result<Counts> {
     let vs = nn::VarStore::new(Device::Cpu);
     let built = tch::no_grad(|| build(&vs.root(), model))?;
     let mut c = Counts {
         has_blocks: built.net.chain().is_some(),
+        blockwise: blockwise(built.net.as_ref(), &vs),
         ..Counts::default()
     };
     drop(built);
@@ -261,6 +270,56 @@ mod tests {
         ] {
             assert!(names.iter().any(|k| k == n), "{n} missing from {names:?}");
         }
+    }
+
+    /// Each block's variables are exactly those its forward uses: running block i alone with
+    /// the graph gives gradients to its own parameters and to no other block's, and in training
+    /// it changes only its own buffers.
+    #[test]
+    fn every_variable_belongs_to_the_one_block_that_uses_it() {
+        for (preset, opts, shape) in [
+            ("resnet18", "num_classes = 4\nimage_size = 16", [2, 3, 16, 16]),
+            (
+                "vit",
+                "image_size = 16\npatch_size = 8\nlayers = 2\nheads = 2\nhidden_dim = 8\nmlp_dim = 16\nnum_classes = 4",
+                [2, 3, 16, 16],
+            ),
+        ] {
+            let vs = nn::VarStore::new(Device::Cpu);
+            let b = build(&vs.root(), &model(preset, opts)).unwrap();
+            let chain = b.net.chain().unwrap();
+            let blocks = block_vars(chain, &vs).unwrap();
+            assert_eq!(blocks.len(), chain.blocks());
+            assert_eq!(blocks.iter().map(Vec::len).sum::<usize>(), vs.variables().len());
+            let mut state = vec![tch::Tensor::randn(shape, tch::kind::FLOAT_CPU)];
+            for (i, own) in blocks.iter().enumerate() {
+                let before: Vec<(String, tch::Tensor)> =
+                    vs.variables().into_iter().map(|(n, t)| (n, t.copy())).collect();
+                let ins: Vec<tch::Tensor> = state.iter().map(|t| t.detach()).collect();
+                let outs = chain.block(i, &ins, true);
+                outs.iter()
+                    .map(|o| o.sum(tch::Kind::Float))
+                    .sum::<tch::Tensor>()
+                    .backward();
+                let own: Vec<&str> = own.iter().map(|(n, _)| n.as_str()).collect();
+                for (n, t) in vs.variables() {
+                    let mine = own.contains(&n.as_str());
+                    if t.requires_grad() {
+                        assert_eq!(t.grad().defined(), mine, "{preset} block {i}: {n}");
+                        crate::shim::drop_grads(std::iter::once(&t)).unwrap();
+                    } else {
+                        let old = &before.iter().find(|(m, _)| *m == n).unwrap().1;
+                        if !mine {
+                            assert!(t.equal(old), "{preset} block {i} changed {n}");
+                        }
+                    }
+                }
+                state = outs.iter().map(|t| t.detach()).collect();
+            }
+        }
+        let vs = nn::VarStore::new(Device::Cpu);
+        let b = build(&vs.root(), &model("mlp", "inputs = 4\nnum_classes = 2")).unwrap();
+        assert!(!blockwise(b.net.as_ref(), &vs), "the MLP has no blocks");
     }
 
     #[test]

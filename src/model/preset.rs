@@ -33,6 +33,27 @@ pub trait Net: std::fmt::Debug {
 pub trait Chain {
     fn blocks(&self) -> usize;
     fn block(&self, i: usize, state: &[Tensor], train: bool) -> Vec<Tensor>;
+    /// The one block that uses the variable (parameter or buffer) of this VarStore name, for
+    /// streaming parameters block by block (`memory.parameters = "host"`). None: the variable
+    /// is used outside one block (or the chain does not say), and parameters cannot stream.
+    fn block_of(&self, _var: &str) -> Option<usize> {
+        None
+    }
+}
+
+/// Every variable of `vs` by the block that uses it (`Chain::block_of`), or the name of one
+/// that belongs to no block.
+pub fn block_vars(c: &dyn Chain, vs: &nn::VarStore) -> Result<Vec<Vec<(String, Tensor)>>, String> {
+    let mut blocks: Vec<Vec<(String, Tensor)>> = (0..c.blocks()).map(|_| vec![]).collect();
+    let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    for (name, t) in vars {
+        match c.block_of(&name).filter(|&i| i < blocks.len()) {
+            Some(i) => blocks[i].push((name, t)),
+            None => return Err(name),
+        }
+    }
+    Ok(blocks)
 }
 
 pub fn run_chain(c: &dyn Chain, x: &Tensor, train: bool) -> Tensor {

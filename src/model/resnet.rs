@@ -170,6 +170,8 @@ pub struct ResNet {
     bn1: BatchNorm2d,
     max_pool: bool,
     blocks: Vec<Block>,
+    /// The index in `blocks` of each layer's first residual block.
+    first_of_layer: Vec<usize>,
     fc: nn::Linear,
 }
 
@@ -184,7 +186,9 @@ impl ResNet {
         let expansion = if bottleneck { 4 } else { 1 };
         let mut inplanes = 64;
         let mut blocks = vec![];
+        let mut first_of_layer = vec![];
         for (l, &n) in layers.iter().enumerate() {
+            first_of_layer.push(blocks.len());
             let planes = 64 << l;
             let stride = if l == 0 { 1 } else { 2 };
             let lp = root / format!("layer{}", l + 1);
@@ -207,6 +211,7 @@ impl ResNet {
             bn1,
             max_pool: !o.small_stem,
             blocks,
+            first_of_layer,
             fc,
         }
     }
@@ -232,6 +237,23 @@ impl Chain for ResNet {
             self.blocks[i - 1].forward_t(x, train)
         };
         vec![out]
+    }
+
+    /// The stem: `conv1`, `bn1`; residual block `layerL.B`: its place in the chain; the head:
+    /// `fc`.
+    fn block_of(&self, var: &str) -> Option<usize> {
+        let mut parts = var.split('.');
+        match parts.next()? {
+            "conv1" | "bn1" => Some(0),
+            "fc" => Some(self.blocks.len() + 1),
+            layer => {
+                let l: usize = layer.strip_prefix("layer")?.parse().ok()?;
+                let b: usize = parts.next()?.parse().ok()?;
+                let i = self.first_of_layer.get(l.checked_sub(1)?)? + b;
+                let next = self.first_of_layer.get(l).copied().unwrap_or(self.blocks.len());
+                (i < next).then_some(i + 1)
+            }
+        }
     }
 }
 

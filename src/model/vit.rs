@@ -260,6 +260,23 @@ impl Chain for Vit {
         };
         vec![out]
     }
+
+    /// The embedding: `conv_proj`, `class_token`, `encoder.pos_embedding`; encoder layer `N`:
+    /// block `N + 1`; the head: `encoder.ln`, `heads`.
+    fn block_of(&self, var: &str) -> Option<usize> {
+        if let Some(rest) = var.strip_prefix("encoder.layers.encoder_layer_") {
+            let n: usize = rest.split('.').next()?.parse().ok()?;
+            return (n < self.layers.len()).then_some(n + 1);
+        }
+        let first = var.split('.').next()?;
+        match first {
+            "conv_proj" | "class_token" => Some(0),
+            "encoder" if var == "encoder.pos_embedding" => Some(0),
+            "encoder" if var.starts_with("encoder.ln.") => Some(self.layers.len() + 1),
+            "heads" => Some(self.layers.len() + 1),
+            _ => None,
+        }
+    }
 }
 
 impl Net for Vit {

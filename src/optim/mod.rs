@@ -441,6 +441,12 @@ impl Optimizer {
         }
     }
 
+    /// Host tensors made from now on are for a run on `device` (pinned memory for CUDA): for
+    /// parameters built on the CPU to stream to that device.
+    pub fn host_for(&mut self, device: Device) {
+        self.host = Host::new(device);
+    }
+
     /// Moves the state to `home` (`memory.optimizer_state`); the values are kept exactly.
     pub fn place_state(&mut self, home: Home) {
         self.state.place(home, &self.host, &self.params);

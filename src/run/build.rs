@@ -39,6 +39,12 @@ impl Plan {
     /// any checkpoint are known to be good.
     pub fn build(&self, spec: &Spec, mut execution: Execution, session: Session) -> Result<Components> {
         let device = self.device.tch();
+        if spec.memory.parameters.is_host() && execution.group().is_some() {
+            return Err(UsageError(
+                "memory.parameters = \"host\" streams the parameters through one process's device and cannot be data-parallel (the ranks reduce gradients on the device as backward makes them); keep \"device\" and shard the optimizer state (train.shard_optimizer_state = true), or train in one process".into(),
+            )
+            .into());
+        }
         tch::manual_seed(spec.job.seed);
         let (vs, built) = self.build_model(spec)?;
         // A data file that does not fit the model is bad input, like a bad spec: exit 2.
@@ -46,18 +52,29 @@ impl Plan {
             crate::data::load(&spec.data, &built.input_shape, built.num_classes, spec.job.seed)
         })?
         .map_err(|e| UsageError(format!("{e:#}")))?;
-        let (opt, arch) = self.build_optimizers(spec, &vs, &execution)?;
+        let (mut opt, arch) = {
+            let _host = spec.memory.parameters.is_host().then(shim::HostScope::enter);
+            self.build_optimizers(spec, &vs, &execution)?
+        };
+        // Parameters built on the host still stream to the run's device.
+        opt.host_for(device);
         let mut model = Model {
             sched: self.schedule(spec, &data),
             vs,
             net: built.net,
             opt,
+            stream: None,
         };
         let mut state = self.start.clone();
         let mut arch = arch.map(|(step, opt)| ArchStep::new(step, opt, state.arch.clone(), spec.job.seed));
         self.restore(&mut model, arch.as_mut(), device)?;
         scalers(spec, &mut state, arch.as_mut());
         let recovery = self.recovery(spec, &state, &model, &execution)?;
+        if spec.memory.parameters.is_host() && !recovery.engaged().contains(levers::HostParams.name()) {
+            // Built on the host for streaming, which does not apply (the warning said why).
+            model.vs.set_device(device);
+            model.opt.to_device(device);
+        }
         let spec_toml = spec::to_toml(spec);
         fs::create_dir_all(&self.run_dir)
             .with_context(|| format!("creating run directory {}", self.run_dir.display()))?;
@@ -108,8 +125,17 @@ impl Plan {
         })
     }
 
+    /// With `memory.parameters = "host"` the model is built in host memory, so weights larger
+    /// than the device can be: counted as host on the CPU, on the CPU itself for CUDA (whose
+    /// initialisation then draws from the CPU generator).
     fn build_model(&self, spec: &Spec) -> Result<(nn::VarStore, Built)> {
-        let mut vs = nn::VarStore::new(self.device.tch());
+        let on_host = spec.memory.parameters.is_host();
+        let _host = on_host.then(shim::HostScope::enter);
+        let device = match on_host {
+            true => Device::Cpu,
+            false => self.device.tch(),
+        };
+        let mut vs = nn::VarStore::new(device);
         let built = setup_step("building the model", || model::build(&vs.root(), &spec.model))??;
         if spec.train.precision == Precision::Bf16 {
             vs.bfloat16();
@@ -139,7 +165,9 @@ impl Plan {
         };
         // State bound for the host is made there: it may not fit on the device even for a moment.
         let host_lever = levers::HostState.name();
-        let home = match spec.memory.optimizer_state.is_host() || self.start.levers.iter().any(|l| l == host_lever) {
+        // Streamed parameters bring it to the host too.
+        let on_host = spec.memory.optimizer_state.is_host() || spec.memory.parameters.is_host();
+        let home = match on_host || self.start.levers.iter().any(|l| l == host_lever) {
             true => Home::Host,
             false => Home::Device,
         };
@@ -228,6 +256,7 @@ impl Plan {
                 configured: self.configured,
                 planned_on_cpu: self.device == DevicePlan::Cpu,
                 has_blocks,
+                blockwise: crate::model::blockwise(model.net.as_ref(), &model.vs),
                 data_parallel: execution.group().is_some(),
                 state_slots: model.opt.hyper().state_slots().len(),
                 reported: self.oom_reported,

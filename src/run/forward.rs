@@ -15,11 +15,16 @@
 //! each block's backward (BatchNorm's backward checks their version, so not before). With the same graph inside each block as the plain forward, gradients
 //! equal the plain run's bit for bit on the CPU.
 //!
+//! With parameters streamed (`memory.parameters = "host"`, `run::stream`) the same pass also
+//! brings each block's variables to the device one block ahead of its forward, and again of its
+//! backward, and sends them back once the block is done.
+//!
 //! Memory: the plain forward keeps every block's activations until backward; this keeps the block
 //! boundaries plus one block's activations at a time. Time: one more forward of every block but
 //! the last (about a third more per step for a model whose backward costs twice its forward).
 use tch::{Device, Kind, Reduction, Tensor};
 
+use super::stream::{streamed_logits, Streamer};
 use crate::data::Dataset;
 use crate::host::{Home, Host};
 use crate::model::{Chain, Net};
@@ -74,13 +79,17 @@ pub struct Micro<'a> {
     pub buffers: &'a [Tensor],
     /// fp16-mixed: the loss scale of this step.
     pub loss_scale: Option<f64>,
+    /// Parameters streamed by block: the recomputed pass brings each block in and sends it back.
+    pub stream: Option<&'a Streamer>,
 }
 
 impl Forward {
     /// Sum-reduced cross-entropy and correct count of one micro-batch.
+    /// With parameters streamed (`stream`, validation under no_grad), block by block.
     pub fn forward_loss(
         &self,
         net: &dyn Net,
+        stream: Option<&Streamer>,
         data: &Dataset,
         idx: &[i64],
         epoch: i64,
@@ -88,8 +97,15 @@ impl Forward {
     ) -> (Tensor, Tensor) {
         let (x, y) = data.batch_at(idx, epoch);
         let x = self.precision.input(&x, self.device);
-        let _autocast = self.precision.autocast(self.device);
-        self.loss(&net.forward_t(&x, train), &y)
+        let logits = match (stream, net.chain()) {
+            // One autocast region per block: its cast cache goes with the block.
+            (Some(s), Some(chain)) => streamed_logits(chain, s, &x, train, &|| self.precision.autocast(self.device)),
+            _ => {
+                let _autocast = self.precision.autocast(self.device);
+                net.forward_t(&x, train)
+            }
+        };
+        self.loss(&logits, &y)
     }
 
     /// Sum-reduced cross-entropy in fp32 and the correct count, from logits.
@@ -121,10 +137,10 @@ impl Forward {
         n: f64,
         after_block: &mut dyn FnMut(),
     ) -> (Tensor, Tensor) {
-        match net.chain().filter(|_| self.recompute) {
+        match net.chain().filter(|_| self.recompute || m.stream.is_some()) {
             Some(chain) => recomputed(self, chain, m, n, after_block),
             None => {
-                let (loss, c) = self.forward_loss(net, m.data, m.idx, m.epoch, true);
+                let (loss, c) = self.forward_loss(net, None, m.data, m.idx, m.epoch, true);
                 self.scaled(&loss, n, m.loss_scale).backward();
                 after_block();
                 (loss, c)
@@ -205,11 +221,27 @@ fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, after_block: &m
     };
     let mut saved: Vec<Saved> = Vec::with_capacity(k);
     let mut state = vec![x];
+    // Streamed parameters: each block comes in one block ahead of its use and goes back once
+    // its forward (and later its backward) is done; all go back if anything fails.
+    let pass = m.stream.map(Streamer::pass);
+    let bring = |i: usize| pass.iter().for_each(|s| s.bring(i));
+    let release = |i: usize| pass.iter().for_each(|s| s.release(i));
+    bring(0);
     tch::no_grad(|| {
-        let _autocast = p.precision.autocast(p.device);
+        // Streamed: one autocast region per block, so the cast cache (low-precision copies of
+        // the weights) leaves with its block.
+        let mut _autocast = p.precision.autocast(p.device);
         for i in 0..k - 1 {
+            bring(i + 1);
             let rng = save_rng(p.device);
+            if pass.is_some() {
+                // The old region ends before the new one starts: its cache is dropped and the
+                // new one restores a state with autocast on.
+                _autocast = None;
+                _autocast = p.precision.autocast(p.device);
+            }
             let next = chain.block(i, &state, true);
+            release(i);
             saved.push((bounds.keep(std::mem::replace(&mut state, next)), rng));
         }
     });
@@ -236,17 +268,27 @@ fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, after_block: &m
         };
         p.loss(&logits, &y)
     };
-    // The last saved boundary comes back while the head's backward runs.
+    // The last saved boundary and its block come back while the head's backward runs.
     let mut ahead = saved.pop().map(|(ins, rng)| (bounds.fetch(ins), rng));
+    if let Some(j) = k.checked_sub(2) {
+        bring(j);
+    }
     p.scaled(&loss, n, m.loss_scale).backward();
     after_block();
+    // The head's gradients have left (with the parameters streamed, gradients live on the
+    // host), so its parameters can.
+    release(k - 1);
     let mut grads: Vec<Tensor> = head_in.iter().map(Tensor::grad).collect();
     drop(head_in);
 
     while let Some((inputs, rng)) = ahead.take() {
         let i = saved.len();
-        // One block ahead: the next boundary is on its way while this block runs again.
+        // One block ahead: the next boundary and block are on their way while this block runs
+        // again.
         ahead = saved.pop().map(|(ins, rng)| (bounds.fetch(ins), rng));
+        if i > 0 {
+            bring(i - 1);
+        }
         let ins = if i == 0 { inputs } else { leaves(&inputs) };
         let outs = {
             let _restore: Vec<RngRestore> = rng
@@ -279,6 +321,7 @@ fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, after_block: &m
                 b.shallow_clone().copy_(s);
             }
         });
+        release(i);
         grads = ins.iter().map(Tensor::grad).collect();
     }
     (loss, correct)

@@ -7,6 +7,7 @@ pub mod levers;
 mod parts;
 mod recovery;
 mod step;
+mod stream;
 mod trainer;
 
 use std::fs;

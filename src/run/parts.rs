@@ -5,6 +5,7 @@ use tch::{nn, Tensor};
 use super::execution::Execution;
 use super::forward::Forward;
 use super::step::{StepPipeline, Work};
+use super::stream::Streamer;
 use crate::checkpoint::ArchState;
 use crate::data::{self, Dataset};
 use crate::model::{ExtraStep, Net};
@@ -17,6 +18,8 @@ pub struct Model {
     pub net: Box<dyn Net>,
     pub opt: Optimizer,
     pub sched: LrSchedule,
+    /// `memory.parameters = "host"`: the variables rest on the host, streamed block by block.
+    pub stream: Option<Streamer>,
 }
 
 impl Model {
@@ -82,6 +85,8 @@ impl ArchStep {
             epoch: at.epoch,
             loss_scale: self.state.arch_scaler.map(|s| s.scale),
             buffers: at.buffers,
+            // Streaming needs every variable in one block; DARTS's α are used by every cell.
+            stream: None,
             divisor: idx.len() as f64,
             contributes: true,
             stop: false,

@@ -57,6 +57,8 @@ pub struct Policy {
     pub planned_on_cpu: bool,
     /// The model is a sequence of blocks.
     pub has_blocks: bool,
+    /// Each of the model's variables belongs to one block.
+    pub blockwise: bool,
     /// Gradients are reduced across ranks as backward makes them.
     pub data_parallel: bool,
     /// State tensors the weights' optimizer keeps per parameter.
@@ -112,6 +114,7 @@ impl Recovery {
             min_batch: self.policy.min_batch,
             planned_on_cpu: self.policy.planned_on_cpu,
             has_blocks: self.policy.has_blocks,
+            blockwise: self.policy.blockwise,
             data_parallel: self.policy.data_parallel,
             state_slots: self.policy.state_slots,
         }
@@ -213,6 +216,7 @@ mod tests {
             configured: shape(8, 1),
             planned_on_cpu: on_cpu,
             has_blocks: true,
+            blockwise: true,
             data_parallel: false,
             state_slots: 2,
             reported: false,
@@ -231,6 +235,7 @@ mod tests {
     }
 
     fn counts(events: u64, recomputes: u64, backoffs: u64, cpu: u64, grow_backs: u64) -> OomCounts {
+        // Every lever has its count; the placements stay at 0 in these tests.
         let mut c = OomCounts::new(LEVERS.iter().map(|l| l.counted_as()));
         c.events = events;
         c.grow_backs = grow_backs;

@@ -20,6 +20,7 @@ use tch::{Kind, Tensor};
 
 use super::execution::Execution;
 use super::forward::{Forward, Micro};
+use super::stream::Streamer;
 use crate::data::Dataset;
 use crate::dist::{Dist, Local, Outcome};
 use crate::fault;
@@ -62,6 +63,8 @@ pub struct Work<'a> {
     /// The model's buffers (BatchNorm running statistics): recomputation puts them back after
     /// running a block a second time, so they are updated once per forward.
     pub buffers: &'a [Tensor],
+    /// Parameters streamed by block (`memory.parameters = "host"`).
+    pub stream: Option<&'a Streamer>,
     /// What the loss is divided by: the whole group's size, across all ranks.
     pub divisor: f64,
     /// False for a rank with no samples in this group: it runs one sample with a zero loss, so
@@ -164,6 +167,7 @@ impl StepPipeline {
                 epoch: work.epoch,
                 buffers: work.buffers,
                 loss_scale: work.loss_scale,
+                stream: work.stream,
             };
             let (loss, c) = self
                 .forward

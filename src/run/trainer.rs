@@ -155,6 +155,7 @@ impl Trainer {
         let buffers = self.recompute_buffers();
         let micro_batch = self.shape().micro_batch as usize;
         let (share, contributes) = self.execution.share(group, micro_batch);
+        let Model { net, opt, stream, .. } = &mut self.model;
         let work = Work {
             data: &self.data.train,
             group: share,
@@ -164,12 +165,12 @@ impl Trainer {
             epoch: self.state.epoch,
             loss_scale: self.state.scaler.map(|s| s.scale),
             buffers: &buffers,
+            stream: stream.as_ref(),
             divisor: group.len() as f64,
             contributes,
             stop: self.session.stop.requested(),
             synced: true,
         };
-        let Model { net, opt, .. } = &mut self.model;
         let mut others: Vec<&mut Optimizer> = self.arch.iter_mut().map(|a| &mut a.opt).collect();
         let out = self
             .pipeline
@@ -454,10 +455,14 @@ impl Trainer {
                         let mut correct = 0i64;
                         let idx: Vec<i64> = (0..n).collect();
                         for chunk in idx.chunks(b) {
-                            let (l, c) =
-                                t.pipeline
-                                    .forward
-                                    .forward_loss(t.model.net.as_ref(), &t.data.val, chunk, 0, false);
+                            let (l, c) = t.pipeline.forward.forward_loss(
+                                t.model.net.as_ref(),
+                                t.model.stream.as_ref(),
+                                &t.data.val,
+                                chunk,
+                                0,
+                                false,
+                            );
                             loss += l.double_value(&[]);
                             correct += c.int64_value(&[]);
                         }

@@ -41,7 +41,7 @@ pub fn validate(s: &Spec) -> Problems {
     model(&mut p, &s.model);
     data(&mut p, &s.data);
     train(&mut p, &s.train);
-    memory(&mut p, &s.memory, &s.train);
+    memory(&mut p, &s.memory, &s.train, &s.model.preset);
     checkpoint(&mut p, s);
     at_least(&mut p, "log.every_steps", s.log.every_steps, 0);
     p
@@ -221,7 +221,11 @@ fn optimizer_state_bits(p: &mut Problems, t: &Train) {
     }
 }
 
-fn memory(p: &mut Problems, m: &Memory, t: &Train) {
+/// The presets whose every variable belongs to one block, so their parameters can stream
+/// (`memory.parameters = "host"`); DARTS's architecture weights are used by every cell.
+const STREAMS: &[&str] = &["vit", "resnet18", "resnet34", "resnet50"];
+
+fn memory(p: &mut Problems, m: &Memory, t: &Train, preset: &str) {
     if let Some(l) = m.limit {
         if l.0 == 0 {
             p.push(("memory.limit".into(), "must be more than 0 bytes, e.g. \"4GiB\"".into()));
@@ -267,10 +271,13 @@ fn memory(p: &mut Problems, m: &Memory, t: &Train) {
             ));
         }
     }
-    if m.parameters.is_host() {
+    if m.parameters.is_host() && !STREAMS.contains(&preset) {
         p.push((
             "memory.parameters".into(),
-            "\"host\" (parameters streamed by block) is not available in this memtrain yet; keep \"device\" and move the optimizer state, gradients and activations instead (memory.optimizer_state / gradients / activations = \"host\")".into(),
+            format!(
+                "\"host\" streams the parameters block by block, which the {preset} preset cannot (presets {}); keep \"device\" and move the optimizer state, gradients and activations instead (memory.optimizer_state / gradients / activations = \"host\")",
+                STREAMS.join(", ")
+            ),
         ));
     }
     let a = &m.allocator;

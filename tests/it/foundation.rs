@@ -425,13 +425,15 @@ fn check_lists_every_lever_with_when_it_comes_in_or_why_it_does_not_apply() {
         r.stdout
     );
     assert!(
-        r.stdout
-            .contains("backoff              on an OOM (memory.on_oom entry 1); activations: shrink with the micro-batch"),
+        r.stdout.contains(
+            "backoff              on an OOM (memory.on_oom entry 1); activations: shrink with the micro-batch"
+        ),
         "{}",
         r.stdout
     );
     assert!(
-        r.stdout.contains("cpu                  not in memory.on_oom; the whole bill ("),
+        r.stdout
+            .contains("cpu                  not in memory.on_oom; the whole bill ("),
         "{}",
         r.stdout
     );

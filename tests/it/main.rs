@@ -11,6 +11,7 @@ mod oom;
 mod optim8;
 mod oracle;
 mod placement;
+mod placement_stream;
 mod precision;
 mod report;
 mod training;

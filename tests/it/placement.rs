@@ -200,7 +200,7 @@ fn an_oom_answered_by_offload_ends_as_if_the_state_had_been_on_the_host_from_the
     assert_eq!(offloaded.summary().oom.engaged.get("state_offloads"), Some(&1));
 
     // Nothing left to move: offload gives way to the next action, and says why.
-    let everything = ["optimizer_state", "gradients", "activations"];
+    let everything = ["optimizer_state", "gradients", "activations", "parameters"];
     let all_peak = peak(&host(t.clone().name("all-uncapped"), &everything).run().summary());
     let all = host(t.clone().name("nothing-left"), &everything)
         .set("memory.limit", (all_peak * 9 / 10) as i64)

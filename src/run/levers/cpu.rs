@@ -51,7 +51,10 @@ impl Lever for CpuFallback {
                 }
             }
         });
+        // Streamed parameters rest on the host, which is the CPU: they stay where they are
+        // and the run stops streaming them.
         model.vs.set_device(cpu);
+        model.stream = None;
         model.opt.to_device(cpu);
         if let Some(a) = &mut parts.arch {
             a.opt.to_device(cpu);
@@ -96,6 +99,7 @@ mod tests {
             min_batch: 1,
             planned_on_cpu: false,
             has_blocks: false,
+            blockwise: false,
             data_parallel: false,
             state_slots: 2,
         };

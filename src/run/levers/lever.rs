@@ -25,6 +25,8 @@ pub struct Situation {
     pub planned_on_cpu: bool,
     /// The model is a sequence of blocks (recomputation and block-wise placement need one).
     pub has_blocks: bool,
+    /// Each of the model's variables belongs to one block (parameters can stream).
+    pub blockwise: bool,
     /// Gradients are reduced across ranks as backward makes them.
     pub data_parallel: bool,
     /// State tensors the weights' optimizer keeps per parameter (0: plain SGD).

@@ -11,6 +11,7 @@ mod backoff;
 mod cpu;
 mod host_activations;
 mod host_grads;
+mod host_params;
 mod host_state;
 mod lever;
 mod recompute;
@@ -22,6 +23,7 @@ pub use backoff::Backoff;
 pub use cpu::CpuFallback;
 pub use host_activations::HostActivations;
 pub use host_grads::HostGrads;
+pub use host_params::HostParams;
 pub use host_state::HostState;
 pub use lever::{Engaged, Lever, Parts, Position, Search, Situation};
 pub use recompute::Recompute;
@@ -35,6 +37,7 @@ pub static LEVERS: &[&dyn Lever] = &[
     &HostState,
     &HostGrads,
     &HostActivations,
+    &HostParams,
     &Backoff,
     &CpuFallback,
 ];
@@ -112,10 +115,11 @@ pub fn configured(spec: &crate::spec::Spec) -> Vec<(&'static str, &'static dyn L
         on.push(("train.activation_checkpointing", &Recompute));
     }
     let m = &spec.memory;
-    let placed: [(&'static str, Home, &'static dyn Lever); 3] = [
+    let placed: [(&'static str, Home, &'static dyn Lever); 4] = [
         ("memory.optimizer_state", m.optimizer_state, &HostState),
         ("memory.gradients", m.gradients, &HostGrads),
         ("memory.activations", m.activations, &HostActivations),
+        ("memory.parameters", m.parameters, &HostParams),
     ];
     on.extend(
         placed
@@ -140,13 +144,22 @@ pub fn check_lines(spec: &crate::spec::Spec, e: &Estimate) -> String {
         min_batch: spec.memory.min_batch_size,
         planned_on_cpu: spec.job.device == crate::spec::Device::Cpu,
         has_blocks: e.has_blocks,
+        blockwise: e.blockwise,
         data_parallel: false,
         state_slots: e.state_per_weight as usize,
     };
     let on_oom: Vec<&str> = spec.memory.on_oom.iter().map(|a| a.name()).collect();
-    let by_spec = configured(spec)
-        .iter()
-        .fold(Engaged::default(), |e, (_, l)| e.with(l.name()));
+    // With what each brings along (streamed parameters: recomputation, host state and gradients).
+    let by_spec = configured(spec).iter().fold(Engaged::default(), |e, (_, l)| {
+        let at = Situation {
+            at: Position { engaged: e, ..s.at },
+            ..s
+        };
+        match l.applies(&at) {
+            Ok(()) => l.engaged(&at).engaged,
+            Err(_) => e.with(l.name()),
+        }
+    });
     bill_lines(e, &s, &on_oom, by_spec)
 }
 
@@ -184,7 +197,12 @@ mod tests {
                 OomAction::Fail => assert!(answering(a.name()).is_empty()),
                 OomAction::Offload => assert_eq!(
                     answering(a.name()).iter().map(|l| l.name()).collect::<Vec<_>>(),
-                    ["host_optimizer_state", "host_gradients", "host_activations"]
+                    [
+                        "host_optimizer_state",
+                        "host_gradients",
+                        "host_activations",
+                        "host_parameters"
+                    ]
                 ),
                 _ => assert_eq!(
                     answering(a.name()).iter().map(|l| l.name()).collect::<Vec<_>>(),

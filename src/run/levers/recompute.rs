@@ -69,6 +69,7 @@ mod tests {
             min_batch: 1,
             planned_on_cpu: false,
             has_blocks,
+            blockwise: has_blocks,
             data_parallel: false,
             state_slots: 2,
         }

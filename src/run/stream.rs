@@ -1,0 +1,157 @@
+//! Parameters streamed by block (`memory.parameters = "host"`): every variable of the model (its
+//! parameters and buffers) rests in host memory, and the device holds only the blocks in flight.
+//!
+//! The variable itself never changes: `set_data` swaps the storage under it, so the VarStore,
+//! the modules' and the optimizer's shallow clones and autograd's accumulators all see the
+//! block's device copy while it is in flight and its host copy at rest. Bringing a block in
+//! makes a device copy of its host copy; sending it back points the variables at the host copy
+//! again. Parameters do not change between the two (the optimizer writes the host copy itself,
+//! with its state on the host), so nothing is copied back; buffers (BatchNorm's running
+//! statistics) do change in a training forward, so theirs are copied back first. The values the
+//! math sees are the same either way, so a run that streams equals one that does not, byte for
+//! byte on the CPU.
+use std::cell::RefCell;
+
+use tch::{nn, Tensor};
+
+use crate::host::Host;
+use crate::model::{block_vars, Chain};
+use crate::shim::Autocast;
+
+/// One variable: the live variable and its host copy.
+struct Streamed {
+    var: Tensor,
+    home: Tensor,
+    /// A buffer (no gradient): changed by the forward, so copied back when it leaves.
+    buffer: bool,
+}
+
+pub struct Streamer {
+    host: Host,
+    blocks: Vec<Vec<Streamed>>,
+    /// Which blocks are on the device now.
+    brought: RefCell<Vec<bool>>,
+}
+
+impl std::fmt::Debug for Streamer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Streamer").field("blocks", &self.blocks.len()).finish()
+    }
+}
+
+impl Streamer {
+    /// Moves every variable of `vs` to the host, grouped by the block of `chain` that uses it;
+    /// Err: the name of a variable that belongs to no one block.
+    pub fn new(vs: &nn::VarStore, chain: &dyn Chain, host: Host) -> Result<Self, String> {
+        let by_block = block_vars(chain, vs)?;
+        let blocks: Vec<Vec<Streamed>> = by_block
+            .into_iter()
+            .map(|vars| {
+                vars.into_iter()
+                    .map(|(_, var)| {
+                        let home = host.copy_of(&var);
+                        let buffer = !var.requires_grad();
+                        var.shallow_clone().set_data(&home);
+                        Streamed { var, home, buffer }
+                    })
+                    .collect()
+            })
+            .collect();
+        host.settle();
+        Ok(Streamer {
+            host,
+            brought: RefCell::new(vec![false; blocks.len()]),
+            blocks,
+        })
+    }
+
+    /// Block `i`'s variables onto the device (nothing if they are there or `i` is past the end).
+    /// The copies are issued now; on CUDA they run ahead of the kernels that read them.
+    pub fn bring(&self, i: usize) {
+        let mut brought = self.brought.borrow_mut();
+        if i >= self.blocks.len() || brought[i] {
+            return;
+        }
+        // Marked first: a copy that runs out of memory halfway leaves some variables on the
+        // device, and the release that follows the error must send them back.
+        brought[i] = true;
+        drop(brought);
+        for s in &self.blocks[i] {
+            let on_device = self.host.to_device(&s.home);
+            s.var.shallow_clone().set_data(&on_device);
+        }
+    }
+
+    /// Block `i`'s variables back to their host copies, buffers copied back first.
+    pub fn release(&self, i: usize) {
+        let mut brought = self.brought.borrow_mut();
+        if i >= self.blocks.len() || !brought[i] {
+            return;
+        }
+        tch::no_grad(|| {
+            for s in &self.blocks[i] {
+                if s.buffer {
+                    s.home.shallow_clone().copy_(&s.var);
+                }
+                s.var.shallow_clone().set_data(&s.home);
+            }
+        });
+        brought[i] = false;
+    }
+
+    /// Every block back on the host: the end of a pass, or an error unwinding out of one.
+    pub fn release_all(&self) {
+        for i in 0..self.blocks.len() {
+            self.release(i);
+        }
+    }
+
+    /// A pass over the blocks: whatever is still on the device when it ends goes back.
+    pub fn pass(&self) -> Pass<'_> {
+        Pass(self)
+    }
+}
+
+/// Releases every block when dropped, also while an error (an OOM) unwinds, so the run's
+/// variables are always at rest on the host between passes.
+pub struct Pass<'a>(&'a Streamer);
+
+impl Pass<'_> {
+    pub fn bring(&self, i: usize) {
+        self.0.bring(i);
+    }
+
+    pub fn release(&self, i: usize) {
+        self.0.release(i);
+    }
+}
+
+impl Drop for Pass<'_> {
+    fn drop(&mut self) {
+        self.0.release_all();
+    }
+}
+
+/// The chain's logits for `x`, block by block: block `i + 1` comes in before block `i` runs, and
+/// block `i` goes back once it has. Without a graph only (validation): a block's backward reads
+/// its parameters where they are then, so training runs the recomputed pass instead.
+/// `autocast` opens the mixed-precision region each block runs in (None: full precision), so
+/// the cast cache leaves with the block.
+pub fn streamed_logits(
+    chain: &dyn Chain,
+    stream: &Streamer,
+    x: &Tensor,
+    train: bool,
+    autocast: &dyn Fn() -> Option<Autocast>,
+) -> Tensor {
+    let pass = stream.pass();
+    let mut state = vec![x.shallow_clone()];
+    pass.bring(0);
+    for i in 0..chain.blocks() {
+        pass.bring(i + 1);
+        let _autocast = autocast();
+        state = chain.block(i, &state, train);
+        pass.release(i);
+    }
+    state.pop().expect("the last block returns the logits")
+}
