@@ -45,6 +45,8 @@ pub enum Placement {
     StateGrads,
     /// Block boundaries too; needs activation checkpointing.
     StateGradsActs,
+    /// The parameters stream by block too: the device holds only the blocks in flight.
+    Everything,
 }
 
 impl Placement {
@@ -54,28 +56,34 @@ impl Placement {
             Placement::State => "state",
             Placement::StateGrads => "state+grads",
             Placement::StateGradsActs => "state+grads+acts",
+            Placement::Everything => "everything",
         }
     }
 
-    /// `memory.optimizer_state`, `memory.gradients` and `memory.activations` at this rung.
-    pub fn keys(self) -> [(&'static str, Home); 3] {
+    /// `memory.optimizer_state`, `memory.gradients`, `memory.activations` and
+    /// `memory.parameters` at this rung.
+    pub fn keys(self) -> [(&'static str, Home); 4] {
+        use Placement::*;
         let at = |on: bool| if on { Home::Host } else { Home::Device };
         [
-            ("memory.optimizer_state", at(self != Placement::Device)),
+            ("memory.optimizer_state", at(self != Device)),
             (
                 "memory.gradients",
-                at(matches!(self, Placement::StateGrads | Placement::StateGradsActs)),
+                at(matches!(self, StateGrads | StateGradsActs | Everything)),
             ),
-            ("memory.activations", at(self == Placement::StateGradsActs)),
+            ("memory.activations", at(matches!(self, StateGradsActs | Everything))),
+            ("memory.parameters", at(self == Everything)),
         ]
     }
 
-    /// The next rung up (activations only move with checkpointing on).
-    fn next(self, checkpointing: bool) -> Option<Placement> {
+    /// The next rung up (activations only move with checkpointing on; parameters only for
+    /// presets that stream).
+    fn next(self, checkpointing: bool, streams: bool) -> Option<Placement> {
         match self {
             Placement::Device => Some(Placement::State),
             Placement::State => Some(Placement::StateGrads),
             Placement::StateGrads if checkpointing => Some(Placement::StateGradsActs),
+            Placement::StateGradsActs if streams => Some(Placement::Everything),
             _ => None,
         }
     }
@@ -233,6 +241,7 @@ impl Prober<'_> {
             (keys[0].0, v(keys[0].1.name().into())),
             (keys[1].0, v(keys[1].1.name().into())),
             (keys[2].0, v(keys[2].1.name().into())),
+            (keys[3].0, v(keys[3].1.name().into())),
             ("memory.limit", v(self.budget.usable_bytes.into())),
             ("memory.fraction", None),
             ("log.every_steps", v(1.into())),
@@ -644,7 +653,8 @@ fn search_setting(
     let mut setting = setting;
     let found = loop {
         let found = largest_fit(effective, |b| prober.probe(setting, b));
-        match (&found, setting.placement.next(setting.activation_checkpointing)) {
+        let streams = spec::streams(&spec.model.preset);
+        match (&found, setting.placement.next(setting.activation_checkpointing, streams)) {
             (Ok(None), Some(next)) => {
                 say(format!(
                     "probe  {setting}  micro-batch 1 does not fit: moving more to the host ({})",

@@ -4,6 +4,7 @@
 //! in an override if `--set` supplied that key, else at the key's line:column in the file.
 mod schema;
 mod validate;
+pub use validate::streams;
 
 use std::fmt;
 use std::ops::Range;

@@ -225,6 +225,11 @@ fn optimizer_state_bits(p: &mut Problems, t: &Train) {
 /// (`memory.parameters = "host"`); DARTS's architecture weights are used by every cell.
 const STREAMS: &[&str] = &["vit", "resnet18", "resnet34", "resnet50"];
 
+/// Whether `memory.parameters = "host"` is open to this preset.
+pub fn streams(preset: &str) -> bool {
+    STREAMS.contains(&preset)
+}
+
 fn memory(p: &mut Problems, m: &Memory, t: &Train, preset: &str) {
     if let Some(l) = m.limit {
         if l.0 == 0 {

@@ -234,7 +234,7 @@ fn fit_says_what_is_wrong_with_its_input_and_when_nothing_fits() {
         .args(&["--limit", "64MiB", "--checkpointing", "on"])
         .exit(2)
         .stderr_has("fit: levers: recompute: one axis of the settings, off and on; host_optimizer_state: a rung of the placement ladder")
-        .stderr_has("; host_parameters: not searched (fit looks for settings that keep the weights on the device")
+        .stderr_has("; host_parameters: a rung of the placement ladder")
         .stderr_has("; backoff: searched by size")
         .stderr_has("; cpu: not searched (fit looks for the fastest setting on the device")
         .stderr_has("not applicable: the mlp preset is not a sequence of blocks")

@@ -100,7 +100,7 @@ impl Lever for HostParams {
     }
 
     fn search(&self) -> Search {
-        Search::Never("fit looks for settings that keep the weights on the device; set memory.parameters = \"host\" when the weights alone do not fit")
+        Search::Ladder
     }
 }
 
