@@ -654,7 +654,10 @@ fn search_setting(
     let found = loop {
         let found = largest_fit(effective, |b| prober.probe(setting, b));
         let streams = spec::streams(&spec.model.preset);
-        match (&found, setting.placement.next(setting.activation_checkpointing, streams)) {
+        match (
+            &found,
+            setting.placement.next(setting.activation_checkpointing, streams),
+        ) {
             (Ok(None), Some(next)) => {
                 say(format!(
                     "probe  {setting}  micro-batch 1 does not fit: moving more to the host ({})",
