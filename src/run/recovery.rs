@@ -379,13 +379,14 @@ mod tests {
     #[test]
     fn offload_moves_one_term_per_oom_in_order_then_gives_way() {
         let mut r = machine(vec![Offload, Backoff, Fail], 4, 0, true);
-        let names: Vec<Option<&str>> = (0..4).map(|_| r.on_oom().engaged).collect();
+        let names: Vec<Option<&str>> = (0..5).map(|_| r.on_oom().engaged).collect();
         assert_eq!(
             names,
             [
                 Some("host_optimizer_state"),
                 Some("host_gradients"),
                 Some("host_activations"),
+                Some("host_parameters"),
                 Some("backoff")
             ]
         );
