@@ -218,14 +218,12 @@ impl Prober<'_> {
         }
     }
 
-    fn probe(&mut self, setting: Setting, micro_batch: i64) -> Result<Measured, ProbeError> {
-        self.count += 1;
-        let dir = self.scratch.0.join(format!("probe-{}", self.count));
-        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    /// What a probe's spec changes in the user's: the setting, the micro-batch, the cap, and
+    /// quiet records of every step.
+    fn edits(&self, setting: Setting, micro_batch: i64) -> Vec<(&'static str, Option<toml_edit::Value>)> {
         // JSON scalars and string arrays are written the same in TOML.
         let v = |x: Value| Some(spec::toml_value(&x.to_string()));
-        let keys = setting.placement.keys();
-        let edits = [
+        let mut edits = vec![
             ("job.name", v("fit-probe".into())),
             ("train.batch_size", v(micro_batch.into())),
             // Below the effective batch the run accumulates, holding one micro-batch's gradients
@@ -238,16 +236,21 @@ impl Prober<'_> {
             ),
             ("memory.on_oom", v(serde_json::json!(["fail"]))),
             ("memory.min_batch_size", v(1.into())),
-            (keys[0].0, v(keys[0].1.name().into())),
-            (keys[1].0, v(keys[1].1.name().into())),
-            (keys[2].0, v(keys[2].1.name().into())),
-            (keys[3].0, v(keys[3].1.name().into())),
             ("memory.limit", v(self.budget.usable_bytes.into())),
             ("memory.fraction", None),
             ("log.every_steps", v(1.into())),
             ("log.progress", v("off".into())),
             ("log.tensorboard", v(false.into())),
         ];
+        edits.extend(setting.placement.keys().map(|(key, home)| (key, v(home.name().into()))));
+        edits
+    }
+
+    fn probe(&mut self, setting: Setting, micro_batch: i64) -> Result<Measured, ProbeError> {
+        self.count += 1;
+        let dir = self.scratch.0.join(format!("probe-{}", self.count));
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let edits = self.edits(setting, micro_batch);
         let text = spec::edited_text(&self.args.spec.file, &self.args.spec.set, &edits).map_err(anyhow::Error::from)?;
         let spec_path = dir.join("spec.toml");
         std::fs::write(&spec_path, text).with_context(|| format!("writing {}", spec_path.display()))?;

@@ -210,6 +210,37 @@ impl Boundaries {
     }
 }
 
+/// Detached copies of a block boundary that collect the gradient arriving at them.
+fn leaves(ts: &[Tensor]) -> Vec<Tensor> {
+    ts.iter()
+        .map(|t| {
+            let d = t.detach();
+            if d.is_floating_point() {
+                d.set_requires_grad(true)
+            } else {
+                d
+            }
+        })
+        .collect()
+}
+
+/// Block `i` run again with the graph on, under the generator states it first saw (so dropout
+/// draws the same masks); the run's own states are put back afterwards, even on an error.
+fn rerun(p: &Forward, chain: &dyn Chain, i: usize, ins: &[Tensor], rng: &[(tch::Device, Vec<u8>)]) -> Vec<Tensor> {
+    let _restore: Vec<RngRestore> = rng
+        .iter()
+        .map(|(d, _)| RngRestore {
+            device: *d,
+            state: ok(shim::rng_state(*d)),
+        })
+        .collect();
+    for (d, s) in rng {
+        ok(shim::set_rng_state(*d, s));
+    }
+    let _autocast = p.precision.autocast(p.device);
+    chain.block(i, ins, true)
+}
+
 /// Checkpointed forward, loss and backward of one micro-batch; returns the sum-reduced loss and
 /// the correct count, as `Forward::forward_loss` does.
 fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, after_block: &mut dyn FnMut()) -> (Tensor, Tensor) {
@@ -248,18 +279,6 @@ fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, after_block: &m
     // The buffers as the one real forward left them.
     let buffers: Vec<Tensor> = m.buffers.iter().map(|b| b.copy()).collect();
 
-    let leaves = |ts: &[Tensor]| -> Vec<Tensor> {
-        ts.iter()
-            .map(|t| {
-                let d = t.detach();
-                if d.is_floating_point() {
-                    d.set_requires_grad(true)
-                } else {
-                    d
-                }
-            })
-            .collect()
-    };
     let head_in = leaves(&state);
     let (loss, correct) = {
         let logits = {
@@ -290,20 +309,7 @@ fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, after_block: &m
             bring(i - 1);
         }
         let ins = if i == 0 { inputs } else { leaves(&inputs) };
-        let outs = {
-            let _restore: Vec<RngRestore> = rng
-                .iter()
-                .map(|(d, _)| RngRestore {
-                    device: *d,
-                    state: ok(shim::rng_state(*d)),
-                })
-                .collect();
-            for (d, s) in &rng {
-                ok(shim::set_rng_state(*d, s));
-            }
-            let _autocast = p.precision.autocast(p.device);
-            chain.block(i, &ins, true)
-        };
+        let outs = rerun(p, chain, i, &ins, &rng);
         // Outputs that received no gradient (a weight no later block used) start nothing.
         let (roots, gs): (Vec<Tensor>, Vec<Tensor>) = outs
             .into_iter()

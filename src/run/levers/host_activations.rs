@@ -33,7 +33,7 @@ impl Lever for HostActivations {
         if !s.has_blocks {
             return Err("the model is not a sequence of blocks".into());
         }
-        super::placement_applies(self, s, "the activations")
+        super::placement::applies(self, s, "the activations")
     }
 
     /// Recomputation comes with it: only recomputed block boundaries can wait on the host.

@@ -33,7 +33,7 @@ impl Lever for HostGrads {
     }
 
     fn applies(&self, s: &Situation) -> Result<(), String> {
-        super::placement_applies(self, s, "the gradients")?;
+        super::placement::applies(self, s, "the gradients")?;
         if s.data_parallel {
             return Err("data-parallel runs reduce the gradients on the device as backward makes them".into());
         }

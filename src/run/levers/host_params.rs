@@ -7,8 +7,10 @@
 //! (a block's gradients leave before its parameters do) and the optimizer's update on the host
 //! (it reads and writes the parameters' host copies). Exact: the same values meet the same
 //! kernels, only where they wait changes.
+use super::host_grads::HostGrads;
+use super::host_state::HostState;
 use super::lever::{Lever, Parts, Position, Search, Situation};
-use super::{HostGrads, HostState, Recompute};
+use super::recompute::Recompute;
 use crate::estimate::Estimate;
 use crate::host::{Home, Host};
 use crate::human::human_bytes;
@@ -45,7 +47,7 @@ impl Lever for HostParams {
         if !s.blockwise {
             return Err("some of the model's variables are used by more than one block (DARTS's architecture weights by every cell)".into());
         }
-        super::placement_applies(self, s, "the parameters")?;
+        super::placement::applies(self, s, "the parameters")?;
         if s.data_parallel {
             return Err("data-parallel runs reduce the gradients on the device as backward makes them".into());
         }

@@ -32,7 +32,7 @@ impl Lever for HostState {
     }
 
     fn applies(&self, s: &Situation) -> Result<(), String> {
-        super::placement_applies(self, s, "the optimizer state")?;
+        super::placement::applies(self, s, "the optimizer state")?;
         if s.state_slots == 0 {
             return Err("the optimizer keeps no state (plain SGD)".into());
         }

@@ -14,6 +14,7 @@ mod host_grads;
 mod host_params;
 mod host_state;
 mod lever;
+mod placement;
 mod recompute;
 
 use crate::estimate::Estimate;
@@ -46,17 +47,6 @@ pub static LEVERS: &[&dyn Lever] = &[
 /// turn; the others: their one lever). Empty for "fail".
 pub fn answering(word: &str) -> Vec<&'static dyn Lever> {
     LEVERS.iter().copied().filter(|l| l.answers() == word).collect()
-}
-
-/// What every placement lever checks: not engaged yet, and a device to leave.
-fn placement_applies(l: &dyn Lever, s: &Situation, what: &str) -> Result<(), String> {
-    if s.at.engaged.contains(l.name()) {
-        Err(format!("already on the host ({what})"))
-    } else if s.at.engaged.contains(CpuFallback.name()) {
-        Err("the run fell back to the CPU, where device and host are one memory".into())
-    } else {
-        Ok(())
-    }
 }
 
 /// The lever of this name (a name from the spec, a checkpoint or a record).
