@@ -290,3 +290,28 @@ fn eight_bit_state_moves_to_the_host_with_its_codes_and_scales_unchanged() {
     );
     assert!(peak(&host.summary()) < peak(&device.summary()));
 }
+
+#[test]
+fn sharded_state_on_the_host_trains_the_same_weights_on_two_ranks() {
+    // ZeRO-1 with each rank's shard of the optimizer state in host memory; gradients stay on the
+    // device there (the Reducer reduces them as backward makes them), and the lever says so.
+    let t = Test::new()
+        .set("train.epochs", 1)
+        .set("train.batch_size", 64)
+        .set("train.accumulation_steps", 2)
+        .set("train.optimizer", "adamw")
+        .set("train.grad_clip_norm", 1.0)
+        .set("train.shard_optimizer_state", true)
+        .arg("--nproc")
+        .arg("2");
+    let device = t.clone().name("device").run();
+    let host = t.clone().name("host").set("memory.optimizer_state", "host").run();
+    assert_eq!(step_losses(&host), step_losses(&device));
+    assert_eq!(host.final_bytes(), device.final_bytes());
+    assert!(host.summary().memory.peak_host_bytes.unwrap_or(0) > 0);
+    t.clone()
+        .name("grads")
+        .set("memory.gradients", "host")
+        .stderr_has("data-parallel runs reduce the gradients on the device as backward makes them")
+        .run();
+}
