@@ -47,7 +47,8 @@ pub fn from_spec(a: &Allocator, fraction: Option<f64>) -> Vec<(String, String)> 
         out.push(("roundup_power2_divisions".into(), v.to_string()));
     }
     if let Some(f) = fraction {
-        out.push(("per_process_memory_fraction".into(), format!("{f:.6}")));
+        // Every digit: a fraction made from memory.limit, rounded, could let the cap pass it.
+        out.push(("per_process_memory_fraction".into(), format!("{f}")));
     }
     out
 }
@@ -114,9 +115,14 @@ mod tests {
         assert_eq!(
             s,
             "expandable_segments:True,max_split_size_mb:128,garbage_collection_threshold:0.6,\
-             roundup_power2_divisions:4,per_process_memory_fraction:0.250000"
+             roundup_power2_divisions:4,per_process_memory_fraction:0.25"
         );
         assert!(c.is_empty());
+        // A limit that is no round share of the card keeps every digit, so the cap stays at
+        // or under it.
+        let third = from_spec(&Allocator::default(), Some(1.0 / 3.0));
+        assert_eq!(third[0].1, "0.3333333333333333");
+        assert_eq!(third[0].1.parse::<f64>().unwrap(), 1.0 / 3.0);
     }
 
     #[test]

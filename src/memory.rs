@@ -183,6 +183,17 @@ pub fn sample(place: Place) -> MemorySample {
     m
 }
 
+/// What the preflight compares with the cap: on CUDA the peak *reserved* (the per-process
+/// fraction binds on what the caching allocator holds, not on what tensors use), on the CPU the
+/// counted tensor bytes, else RSS.
+pub fn preflight_measure(m: &MemorySample) -> (u64, &'static str) {
+    match (m.peak_reserved_bytes, m.peak_allocated_bytes) {
+        (Some(r), _) => (r, "peak reserved"),
+        (None, Some(a)) => (a, "peak allocated"),
+        (None, None) => (m.peak_rss_bytes, "peak RSS"),
+    }
+}
+
 /// Starts a new peak window (allocator peak counters and the kernel's RSS high-water mark).
 pub fn reset_peaks(place: Place) {
     match place {
@@ -389,6 +400,27 @@ mod tests {
         assert_eq!(window.peak_allocated_bytes, first.peak_allocated_bytes);
         assert_eq!(window.allocated_bytes, second.allocated_bytes);
         assert!(window.rss_bytes > 0);
+    }
+
+    #[test]
+    fn preflight_measures_what_the_cap_binds() {
+        let cuda = MemorySample {
+            peak_allocated_bytes: Some(100),
+            peak_reserved_bytes: Some(160),
+            peak_rss_bytes: 900,
+            ..Default::default()
+        };
+        assert_eq!(preflight_measure(&cuda), (160, "peak reserved"));
+        let cpu = MemorySample {
+            peak_reserved_bytes: None,
+            ..cuda.clone()
+        };
+        assert_eq!(preflight_measure(&cpu), (100, "peak allocated"));
+        let uncounted = MemorySample {
+            peak_allocated_bytes: None,
+            ..cpu
+        };
+        assert_eq!(preflight_measure(&uncounted), (900, "peak RSS"));
     }
 
     #[test]

@@ -48,11 +48,27 @@ pub fn classify(text: &str) -> Option<OomKind> {
     }
 }
 
+/// Errors that leave the CUDA context unusable: every later call fails the same way, so a
+/// retry at a smaller batch would only loop. cuDNN's plan search catches OOMs of its own, which
+/// raises the allocator's counter on steps that then fail for these other reasons.
+const STICKY_TEXTS: &[&str] = &[
+    "illegal memory access",
+    "unspecified launch failure",
+    "device-side assert triggered",
+    "misaligned address",
+    "illegal instruction",
+    "CUDA error: launch failure",
+    "CUDA error: an illegal",
+];
+
 /// `classify`, knowing whether the allocator's OOM counter rose while the failed work ran. A
 /// rise makes any failure an OOM (the allocator ran out, whatever the message became on the
 /// way up); cuDNN's NOT_SUPPORTED is one only then, since it also means a genuinely unsupported
 /// configuration.
 pub fn classify_step(text: &str, allocator_ooms_rose: bool) -> Option<OomKind> {
+    if STICKY_TEXTS.iter().any(|t| text.contains(t)) {
+        return None;
+    }
     match classify(text) {
         Some(k) => Some(k),
         None if allocator_ooms_rose && text.contains("CUDNN_STATUS_NOT_SUPPORTED") => Some(OomKind::Cudnn),
@@ -249,10 +265,23 @@ mod tests {
         assert_eq!(classify_step(nsup, false), None, "not every NOT_SUPPORTED is an OOM");
         assert_eq!(classify_step(nsup, true), Some(OomKind::Cudnn));
         assert_eq!(
-            classify_step("CUDA error: an illegal memory access", true),
-            Some(OomKind::Cuda)
+            classify_step(
+                "CUDA error: CUBLAS_STATUS_EXECUTION_FAILED when calling cublasSgemm",
+                true
+            ),
+            Some(OomKind::Cuda),
+            "a message the OOM lost on its way up"
         );
         assert_eq!(classify_step("shape mismatch", false), None);
+        // Sticky errors are never OOMs, whatever the counter did: a retry would loop on them.
+        for sticky in [
+            "CUDA error: an illegal memory access was encountered",
+            "CUDA error: unspecified launch failure",
+            "CUDA error: device-side assert triggered",
+            "CUDA error: misaligned address",
+        ] {
+            assert_eq!(classify_step(sticky, true), None, "{sticky}");
+        }
     }
 
     #[test]

@@ -397,7 +397,7 @@ mod tests {
             (cap.kind.as_str(), cap.bytes, cap.fraction),
             ("cuda_fraction", 2 << 30, Some(0.25))
         );
-        assert_eq!(p.alloc.conf.as_deref(), Some("per_process_memory_fraction:0.250000"));
+        assert_eq!(p.alloc.conf.as_deref(), Some("per_process_memory_fraction:0.25"));
         assert!(p.env.iter().any(|(k, _)| k == "PYTORCH_CUDA_ALLOC_CONF"));
         // Without the runtime's total, a limit cannot become a fraction: say so.
         let f = Facts {

@@ -191,12 +191,13 @@ impl StepPipeline {
         if self.clip_norm > 0.0 {
             clip_grads(grads, self.clip_norm);
         }
-        // optimizer step, its allocations first, unless the gradients are not finite
-        let prepared = if found_inf {
-            None
-        } else {
+        // optimizer step, its allocations first; a step whose gradients are not finite makes
+        // them too and lets them go, so its peak is an applied step's (fit's fp16 probes whose
+        // every step is skipped would measure less than training needs)
+        let prepared = {
             let _squeeze = fault::squeeze_before_optimizer(work.step);
-            Some(opt.prepare())
+            let p = opt.prepare();
+            (!found_inf).then_some(p)
         };
         // One read per optimizer step; progress and records need the loss.
         let (loss_sum, correct) = if work.contributes {

@@ -408,10 +408,7 @@ impl Trainer {
     /// step (not a rehearsal), so it costs nothing and an OOM in it meets the policy at once.
     fn report_preflight(&mut self) -> Result<()> {
         let m = memory::sample(self.place());
-        let (used, measure) = match m.peak_allocated_bytes {
-            Some(p) => (p, "peak allocated"),
-            None => (m.peak_rss_bytes, "peak RSS"),
-        };
+        let (used, measure) = memory::preflight_measure(&m);
         let cap = self.settings.cap.as_ref().map(|c| c.bytes);
         let headroom = cap.map(|c| c as i64 - used as i64);
         let head = match (headroom, cap) {

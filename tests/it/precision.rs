@@ -165,3 +165,28 @@ fn recompute_turns_checkpointing_on_and_keeps_the_batch() {
         .stderr_has("skipped recompute: the model is not a sequence of blocks")
         .run();
 }
+
+#[test]
+fn a_skipped_step_peaks_as_high_as_an_applied_one() {
+    // fit's fp16-mixed probes may see nothing but skipped steps (the first scales overflow); a
+    // skipped step still makes the optimizer's allocations, so its peak is what training needs.
+    // One step of the digits MLP with Adam (two moments; its workspace is parameter-sized).
+    let one = |t: Test| {
+        t.set("train.optimizer", "adam")
+            .set("train.batch_size", 4)
+            .args(&["--max-steps", "1"])
+    };
+    let applied = one(fp16().name("applied")).run().steps();
+    let skipped = one(fp16().name("skipped"))
+        .env("MEMTRAIN_FAULT_INF_GRAD_AT_STEP", "1")
+        .run()
+        .steps();
+    assert!(!applied[0].skipped && skipped[0].skipped);
+    let peak = |s: &memtrain::records::StepEvent| s.memory.peak_allocated_bytes.unwrap();
+    assert!(
+        peak(&skipped[0]) >= peak(&applied[0]),
+        "skipped step peaked at {}, the applied one at {}",
+        peak(&skipped[0]),
+        peak(&applied[0])
+    );
+}
