@@ -48,6 +48,9 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
     };
     let facts = Facts::probe(&spec, &request)?;
     let mut plan = Plan::resolve(&spec, &request, &facts)?;
+    // Before joining: a NCCL barrier's first CUDA allocation starts the caching allocator, which
+    // reads its settings (the cap's fraction among them) once, then.
+    set_environment(&plan);
     let (execution, private_dir) = join(world, &mut plan)?;
     if let Some(msg) = &plan.nothing_to_do {
         // Nothing to train; leave the finished run's records exactly as they are.
@@ -99,6 +102,13 @@ fn join(world: Option<World>, plan: &mut Plan) -> Result<(Execution, Option<Remo
         ))
         .into());
     }
+    // Each rank on its own GPU: NCCL refuses two ranks on one.
+    plan.device = rank_device(plan.device, w.local_rank);
+    if let Some((k, v)) = nccl_env(plan.device, std::env::var_os(NCCL_BLOCKING_WAIT).is_some()) {
+        // Edition 2021: safe. Before the group exists, so a lost peer comes back as an error
+        // from wait() (and rank 0 saves) instead of the watchdog ending the process.
+        std::env::set_var(k, v);
+    }
     let d = Dist::join(w, plan.device.tch())?;
     d.barrier()?;
     let mut private_dir = None;
@@ -148,11 +158,35 @@ fn report(trainer: &Trainer, run_dir: &std::path::Path, result: Result<Status>, 
 
 /// Carries out the plan's side effects, in the order CUDA needs: environment variables (read
 /// at the allocator's first use), threads, the CPU cap, allocator history.
-fn apply(plan: &Plan) -> Result<()> {
+/// The plan's environment variables (allocator settings, symbolization), set before anything
+/// touches the device.
+fn set_environment(plan: &Plan) {
     for (k, v) in &plan.env {
         // Edition 2021: safe. Called before libtorch starts threads that read the environment.
         std::env::set_var(k, v);
     }
+}
+
+const NCCL_BLOCKING_WAIT: &str = "TORCH_NCCL_BLOCKING_WAIT";
+
+/// A data-parallel rank's device: `cuda:LOCAL_RANK` on GPUs, the CPU as planned.
+fn rank_device(planned: DevicePlan, local_rank: usize) -> DevicePlan {
+    match planned {
+        DevicePlan::Cuda(_) => DevicePlan::Cuda(local_rank),
+        DevicePlan::Cpu => DevicePlan::Cpu,
+    }
+}
+
+/// NCCL's blocking wait, unless the user chose: without it `WorkNCCL::wait` does not block and a
+/// lost peer ends the process through the watchdog.
+fn nccl_env(device: DevicePlan, user_set: bool) -> Option<(&'static str, &'static str)> {
+    match (device, user_set) {
+        (DevicePlan::Cuda(_), false) => Some((NCCL_BLOCKING_WAIT, "1")),
+        _ => None,
+    }
+}
+
+fn apply(plan: &Plan) -> Result<()> {
     for c in &plan.alloc.conflicts {
         tracing::warn!(
             "allocator setting {}: the environment says {}, the spec says {}; using the spec's",
@@ -206,5 +240,26 @@ struct RemoveOnDrop(PathBuf);
 impl Drop for RemoveOnDrop {
     fn drop(&mut self) {
         let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_gpu_rank_takes_its_local_device_and_blocking_nccl_waits() {
+        assert_eq!(rank_device(DevicePlan::Cuda(0), 3), DevicePlan::Cuda(3));
+        assert_eq!(rank_device(DevicePlan::Cpu, 3), DevicePlan::Cpu);
+        assert_eq!(
+            nccl_env(DevicePlan::Cuda(1), false),
+            Some(("TORCH_NCCL_BLOCKING_WAIT", "1"))
+        );
+        assert_eq!(
+            nccl_env(DevicePlan::Cuda(1), true),
+            None,
+            "the user's own setting stands"
+        );
+        assert_eq!(nccl_env(DevicePlan::Cpu, false), None, "Gloo has no such switch");
     }
 }
