@@ -225,17 +225,19 @@ impl Trainer {
                 return Err(anyhow::anyhow!("{phase} failed: {m}{note}"));
             }
         };
+        let outcome = self.recovery.on_oom();
+        // The first OOM's report sees memory as the OOM left it: the gradients and the cached
+        // segments (the fragmentation that may have caused it) are still there.
+        let report = outcome.first.then(|| self.oom_report());
         // Whatever the failed attempt left in the gradients goes, and their memory with it.
         self.model.opt.drop_grads();
         if let Some(a) = &mut self.arch {
             a.opt.drop_grads();
         }
         self.clear_cache(ClearReason::Oom)?;
-        let outcome = self.recovery.on_oom();
         for s in &outcome.skipped {
             tracing::warn!("OOM policy: skipped {s}");
         }
-        let report = outcome.first.then(|| self.oom_report());
         let before = outcome.before.shape;
         let event = OomEvent {
             epoch: self.state.epoch + 1,

@@ -195,6 +195,15 @@ fn an_oom_inside_the_optimizer_step_leaves_no_trace() {
     assert_eq!(ooms.len(), 1);
     assert_eq!(ooms[0].kind, OomKind::Cpu);
     assert!(ooms[0].error.contains("CPU out of memory"), "{:?}", ooms[0]);
+    // The report sees memory as the OOM left it, before recovery released the gradients: as
+    // much as a completed step holds (parameters, Adam's state and the gradients), not a
+    // quarter less.
+    let at_oom = faulted.oom_report().allocator_stats.unwrap()["allocated"].as_u64().unwrap();
+    let after_step = faulted.steps()[0].memory.allocated_bytes.unwrap();
+    assert!(
+        at_oom as f64 >= 0.95 * after_step as f64,
+        "the report saw {at_oom} bytes, a completed step holds {after_step}"
+    );
     // The same job configured at 4 x 2 from the start, no fault: byte-identical weights, and the
     // optimizer counted each step once (Adam's bias correction would differ otherwise).
     let clean = adam()
