@@ -198,7 +198,9 @@ fn an_oom_inside_the_optimizer_step_leaves_no_trace() {
     // The report sees memory as the OOM left it, before recovery released the gradients: as
     // much as a completed step holds (parameters, Adam's state and the gradients), not a
     // quarter less.
-    let at_oom = faulted.oom_report().allocator_stats.unwrap()["allocated"].as_u64().unwrap();
+    let at_oom = faulted.oom_report().allocator_stats.unwrap()["allocated"]
+        .as_u64()
+        .unwrap();
     let after_step = faulted.steps()[0].memory.allocated_bytes.unwrap();
     assert!(
         at_oom as f64 >= 0.95 * after_step as f64,

@@ -34,6 +34,9 @@ impl Lever for CpuFallback {
     fn applies(&self, s: &Situation) -> Result<(), String> {
         if s.planned_on_cpu || s.at.engaged.contains(self.name()) {
             Err("the run is already on the CPU".into())
+        } else if s.data_parallel {
+            // The NCCL group and its Reducer are CUDA-only: the next collective would fail.
+            Err("the ranks share gradients through NCCL, which has no CPU side; put \"backoff\" or \"offload\" before \"cpu\", or train on the CPU with job.device = \"cpu\"".into())
         } else {
             Ok(())
         }
@@ -104,6 +107,14 @@ mod tests {
             state_slots: 2,
         };
         assert_eq!(CpuFallback.applies(&s), Ok(()));
+        let ranks = Situation {
+            data_parallel: true,
+            ..s
+        };
+        assert!(CpuFallback
+            .applies(&ranks)
+            .unwrap_err()
+            .contains("NCCL, which has no CPU side"));
         s.at = CpuFallback.engaged(&s);
         assert_eq!(CpuFallback.applies(&s), Err("the run is already on the CPU".into()));
         s.at.engaged = Engaged::default();
