@@ -60,12 +60,25 @@ pub struct GpuProcess {
     pub used_bytes: Option<u64>,
 }
 
+/// NVML's library names, in the order tried: driver-only machines and containers install only
+/// the versioned `.so.1` (the unversioned name comes with the development package).
+const NVML_LIBS: [&str; 2] = ["libnvidia-ml.so.1", "libnvidia-ml.so"];
+
+fn nvml() -> Option<nvml_wrapper::Nvml> {
+    NVML_LIBS.iter().find_map(|lib| {
+        nvml_wrapper::Nvml::builder()
+            .lib_path(std::ffi::OsStr::new(lib))
+            .init()
+            .ok()
+    })
+}
+
 pub fn collect() -> anyhow::Result<Info> {
     let v = shim::versions();
     let host = sysmem::host_memory()?;
     let available = shim::accelerator_available();
     let device_count = if available { shim::device_count()? } else { 0 };
-    let nvml = nvml_wrapper::Nvml::init().ok();
+    let nvml = nvml();
     let gpus = match &nvml {
         Some(n) => nvml_gpus(n),
         None => shim_gpus(device_count),
