@@ -86,7 +86,11 @@ impl Estimate {
 
     /// The static terms (parameters, gradients, optimizer state) with where each lives.
     pub fn terms(&self) -> [(&'static str, &'static str, u64, Home); 3] {
-        let h = self.homes;
+        self.terms_at(self.homes)
+    }
+
+    /// The static terms with where each would live under `h`.
+    fn terms_at(&self, h: Homes) -> [(&'static str, &'static str, u64, Home); 3] {
         [
             ("parameters", "memory.parameters", self.parameter_bytes(), h.parameters),
             ("gradients", "memory.gradients", self.gradient_bytes(), h.gradients),
@@ -103,8 +107,7 @@ impl Estimate {
     /// pass through the device one block at a time; that transient is part of the activations'
     /// share, which the preflight step measures.
     pub fn device_bytes(&self, homes: Homes) -> u64 {
-        Estimate { homes, ..self.clone() }
-            .terms()
+        self.terms_at(homes)
             .iter()
             .filter(|t| t.3 == Home::Device)
             .map(|t| t.2)

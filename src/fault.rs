@@ -83,10 +83,11 @@ pub fn await_signal_at(step: i64, stop: impl Fn() -> bool) {
 /// skip that step and back off.
 pub const INF_GRAD: &str = "MEMTRAIN_FAULT_INF_GRAD_AT_STEP";
 
-pub fn plant_inf_at(step: i64, grads: &[tch::Tensor]) {
+/// `grads` lists the step's gradients; asked for only when the fault fires.
+pub fn plant_inf_at(step: i64, grads: impl FnOnce() -> Vec<tch::Tensor>) {
     static WANTED: OnceLock<Option<i64>> = OnceLock::new();
     if step_from(INF_GRAD, &WANTED) == Some(step) {
-        if let Some(g) = grads.first() {
+        if let Some(g) = grads().first() {
             let _ = g.shallow_clone().fill_(f64::INFINITY);
         }
     }

@@ -163,11 +163,17 @@ impl Plan {
             }
             _ => None,
         };
-        // State bound for the host is made there: it may not fit on the device even for a moment.
-        let host_lever = levers::HostState.name();
-        // Streamed parameters bring it to the host too.
-        let on_host = spec.memory.optimizer_state.is_host() || spec.memory.parameters.is_host();
-        let home = match on_host || self.start.levers.iter().any(|l| l == host_lever) {
+        // State bound for the host (by the spec or the checkpoint's levers; streamed parameters
+        // bring it along) is made there: it may not fit on the device even for a moment.
+        let from_start = levers::configured(spec)
+            .into_iter()
+            .map(|(_, l)| l.name())
+            .chain(self.start.levers.iter().map(String::as_str))
+            .collect::<Vec<_>>();
+        let home = match [levers::HostState.name(), levers::HostParams.name()]
+            .iter()
+            .any(|n| from_start.contains(n))
+        {
             true => Home::Host,
             false => Home::Device,
         };

@@ -178,18 +178,19 @@ impl StepPipeline {
         if let Some(r) = reducer {
             r.settle(false).unwrap_or_else(|e| panic!("{e:#}"));
         }
-        // unscale (the gradients are the optimizer's: on the device, or on the host)
-        let grads: Vec<Tensor> = opt.grads().into_iter().map(|(_, g)| g).collect();
+        // unscale (the gradients are the optimizer's: on the device, or on the host; listed
+        // only when a stage reads them)
+        let grads = || -> Vec<Tensor> { opt.grads().into_iter().map(|(_, g)| g).collect() };
         if work.step > 0 {
-            fault::plant_inf_at(work.step, &grads);
+            fault::plant_inf_at(work.step, grads);
         }
         let found_inf = match work.loss_scale {
-            Some(scale) => unscale(&grads, scale),
+            Some(scale) => unscale(&grads(), scale),
             None => false,
         };
         // clip
         if self.clip_norm > 0.0 {
-            clip_grads(grads, self.clip_norm);
+            clip_grads(grads(), self.clip_norm);
         }
         // optimizer step, its allocations first; a step whose gradients are not finite makes
         // them too and lets them go, so its peak is an applied step's (fit's fp16 probes whose
