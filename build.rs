@@ -63,14 +63,16 @@ fn distributed(root: &std::path::Path, abi: &str, have_cuda: bool) {
         &[PathBuf::from("/usr/include"), PathBuf::from("/usr/local/include")],
         "gloo/config.h",
     );
-    // ProcessGroupNCCL.hpp also needs the CUDA toolkit's headers (cuda_runtime.h with its
-    // crt/); the wheels carry only part of them, so NCCL needs a toolkit on the build machine.
+    // ProcessGroupNCCL.hpp also needs the CUDA runtime's headers: cuda_runtime.h with its crt/
+    // (the nvidia-cuda-crt wheel) and <nv/target> (nvidia-cuda-cccl). scripts/bootstrap installs
+    // both beside torch, under nvidia/cu13/include; a CUDA toolkit's include dir serves as well.
     let site = root.parent().map(PathBuf::from);
     let cuda_include = env::var_os("MEMTRAIN_CUDA_INCLUDE")
         .map(PathBuf::from)
         .into_iter()
+        .chain(site.iter().map(|s| s.join("nvidia/cu13/include")))
         .chain([PathBuf::from("/usr/local/cuda/include")])
-        .find(|d| d.join("crt/host_config.h").exists());
+        .find(|d| d.join("crt/host_config.h").exists() && d.join("nv/target").exists());
     let nccl = match (have_cuda, &cuda_include) {
         (true, Some(_)) => {
             let candidates: Vec<PathBuf> = site.iter().map(|s| s.join("nvidia/nccl/include")).collect();
@@ -78,6 +80,13 @@ fn distributed(root: &std::path::Path, abi: &str, have_cuda: bool) {
         }
         _ => None,
     };
+    if have_cuda && nccl.is_none() {
+        println!(
+            "cargo:warning=memtrain: NCCL's or the CUDA runtime's headers were not found beside torch \
+             (nvidia/nccl/include, nvidia/cu13/include with crt/ and nv/target); building without \
+             data-parallel training on CUDA. scripts/bootstrap installs nvidia-cuda-crt and nvidia-cuda-cccl."
+        );
+    }
     if gloo.is_none() && nccl.is_none() {
         println!(
             "cargo:warning=memtrain: neither Gloo's headers (libgloo-dev) nor NCCL's were found; \

@@ -14,6 +14,7 @@ pub struct Info {
     pub host: HostInfo,
     pub gpus: Vec<GpuInfo>,
     pub allocator: alloc_conf::EnvSettings,
+    pub data_parallel: DataParallelInfo,
 }
 
 #[derive(Debug, Serialize)]
@@ -26,6 +27,13 @@ pub struct CudaInfo {
     pub cudnn: Option<String>,
     /// NVIDIA driver version from NVML; null without a driver.
     pub driver: Option<String>,
+}
+
+/// The c10d backends this binary was built with: Gloo for the CPU, NCCL for CUDA.
+#[derive(Debug, Serialize)]
+pub struct DataParallelInfo {
+    pub gloo: bool,
+    pub nccl: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -104,6 +112,13 @@ pub fn collect() -> anyhow::Result<Info> {
         },
         gpus,
         allocator: alloc_conf::EnvSettings::from_env(),
+        data_parallel: {
+            let b = shim::dist::backends();
+            DataParallelInfo {
+                gloo: b.gloo,
+                nccl: b.nccl,
+            }
+        },
     })
 }
 
@@ -193,6 +208,12 @@ pub fn print_human(i: &Info) {
             println!("  pid {} ({}): {}", p.pid, p.name, used);
         }
     }
+    let built = |on: bool| if on { "built" } else { "not built" };
+    println!(
+        "Data-parallel: Gloo (CPU) {}, NCCL (CUDA) {}",
+        built(i.data_parallel.gloo),
+        built(i.data_parallel.nccl)
+    );
     let a = &i.allocator;
     let show = |v: &Option<String>| v.clone().unwrap_or_else(|| "(unset)".into());
     println!(

@@ -15,6 +15,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #endif
 #ifdef MEMTRAIN_HAVE_NCCL
+#include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
@@ -108,6 +109,12 @@ char *mt_dist_group_new(const char *host, int port, int rank, int size, int serv
     auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
     if (cuda) {
 #ifdef MEMTRAIN_HAVE_NCCL
+      // NCCL refuses two ranks on one GPU, and without a bound device it picks the current one
+      // (device 0 on every rank) for its communicators and barriers: make the rank's device
+      // current and bind the group to it, as init_process_group(device_id=...) does.
+      auto index = static_cast<c10::DeviceIndex>(device);
+      c10::cuda::set_device(index);
+      pg->setBoundDeviceId(at::Device(at::kCUDA, index));
       auto o = c10d::ProcessGroupNCCL::Options::create();
       o->timeout = timeout;
       auto backend = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, o);

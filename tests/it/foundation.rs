@@ -52,6 +52,20 @@ fn info_says_plainly_whether_there_is_a_gpu() {
     }
 }
 
+/// scripts/bootstrap installs Gloo's headers and the CUDA runtime's crt/ and <nv/target> that
+/// nccl.h needs, so every binary built from it, CI's included, can train data-parallel on both.
+#[test]
+fn the_binary_is_built_with_gloo_and_nccl() {
+    let j: serde_json::Value = serde_json::from_str(&info(&["--json"]).run().stdout).unwrap();
+    assert_eq!(j["data_parallel"]["gloo"], true, "{j}");
+    assert_eq!(j["data_parallel"]["nccl"], true, "{j}");
+    let human = info(&[]).run().stdout;
+    assert!(
+        human.contains("Data-parallel: Gloo (CPU) built, NCCL (CUDA) built"),
+        "{human}"
+    );
+}
+
 #[test]
 fn info_reports_allocator_settings_from_the_environment() {
     let out = info(&["--json"])
