@@ -22,13 +22,24 @@ fn main() {
     // Same ABI flag torch-sys compiles its own wrapper with; the PyTorch 2.11 wheels use the new ABI.
     let abi = env::var("LIBTORCH_CXX11_ABI").unwrap_or_else(|_| "1".to_owned());
 
+    let cuda_include = have_cuda.then(|| cuda_include(&root)).flatten();
     let mut build = torch_cpp(&root, &abi);
     build.file("src/shim/shim.cpp");
     if have_cuda {
         build.define("MEMTRAIN_HAVE_CUDA", None);
     }
+    if let Some(dir) = &cuda_include {
+        // The caching allocator's own interface (the cap as a fraction, the OOM observer).
+        build.include(dir).define("MEMTRAIN_HAVE_CUDA_RUNTIME", None);
+    } else if have_cuda {
+        println!(
+            "cargo:warning=memtrain: the CUDA runtime's headers were not found beside torch \
+             (nvidia/cu13/include with crt/ and nv/target); building without NCCL and without setting \
+             the CUDA allocator's fraction directly. scripts/bootstrap installs nvidia-cuda-crt and nvidia-cuda-cccl."
+        );
+    }
     build.compile("memtrain_shim");
-    distributed(&root, &abi, have_cuda);
+    distributed(&root, &abi, cuda_include.as_deref());
 
     // RUNPATH (not RPATH) so that LD_LIBRARY_PATH can still point the binary at another
     // torch 2.11 install, such as a lab machine's own PyTorch.
@@ -50,7 +61,7 @@ fn main() {
 /// wheel PyTorch installs, found beside torch; or MEMTRAIN_NCCL_INCLUDE) for CUDA. libtorch
 /// itself carries both backends' code; only their headers are missing from the wheel. Without
 /// either, memtrain builds without data-parallel training and says so when asked for it.
-fn distributed(root: &std::path::Path, abi: &str, have_cuda: bool) {
+fn distributed(root: &std::path::Path, abi: &str, cuda_include: Option<&std::path::Path>) {
     let found = |var: &str, candidates: &[PathBuf], probe: &str| -> Option<PathBuf> {
         env::var_os(var)
             .map(PathBuf::from)
@@ -63,29 +74,16 @@ fn distributed(root: &std::path::Path, abi: &str, have_cuda: bool) {
         &[PathBuf::from("/usr/include"), PathBuf::from("/usr/local/include")],
         "gloo/config.h",
     );
-    // ProcessGroupNCCL.hpp also needs the CUDA runtime's headers: cuda_runtime.h with its crt/
-    // (the nvidia-cuda-crt wheel) and <nv/target> (nvidia-cuda-cccl). scripts/bootstrap installs
-    // both beside torch, under nvidia/cu13/include; a CUDA toolkit's include dir serves as well.
     let site = root.parent().map(PathBuf::from);
-    let cuda_include = env::var_os("MEMTRAIN_CUDA_INCLUDE")
-        .map(PathBuf::from)
-        .into_iter()
-        .chain(site.iter().map(|s| s.join("nvidia/cu13/include")))
-        .chain([PathBuf::from("/usr/local/cuda/include")])
-        .find(|d| d.join("crt/host_config.h").exists() && d.join("nv/target").exists());
-    let nccl = match (have_cuda, &cuda_include) {
-        (true, Some(_)) => {
+    let nccl = match cuda_include {
+        Some(_) => {
             let candidates: Vec<PathBuf> = site.iter().map(|s| s.join("nvidia/nccl/include")).collect();
             found("MEMTRAIN_NCCL_INCLUDE", &candidates, "nccl.h")
         }
         _ => None,
     };
-    if have_cuda && nccl.is_none() {
-        println!(
-            "cargo:warning=memtrain: NCCL's or the CUDA runtime's headers were not found beside torch \
-             (nvidia/nccl/include, nvidia/cu13/include with crt/ and nv/target); building without \
-             data-parallel training on CUDA. scripts/bootstrap installs nvidia-cuda-crt and nvidia-cuda-cccl."
-        );
+    if cuda_include.is_some() && nccl.is_none() {
+        println!("cargo:warning=memtrain: NCCL's nccl.h was not found beside torch (nvidia/nccl/include) or in MEMTRAIN_NCCL_INCLUDE; building without data-parallel training on CUDA");
     }
     if gloo.is_none() && nccl.is_none() {
         println!(
@@ -108,11 +106,25 @@ fn distributed(root: &std::path::Path, abi: &str, have_cuda: bool) {
             .define("USE_C10D_NCCL", None)
             .define("MEMTRAIN_HAVE_NCCL", None);
         build
-            .include(cuda_include.as_ref().expect("checked with nccl"))
+            .include(cuda_include.expect("checked with nccl"))
             .define("USE_CUDA", None);
     }
     build.compile("memtrain_dist");
     println!("cargo:rustc-cfg=memtrain_dist");
+}
+
+/// The CUDA runtime's headers, which ProcessGroupNCCL.hpp and the caching allocator's header
+/// need: cuda_runtime.h with its crt/ (the nvidia-cuda-crt wheel) and <nv/target>
+/// (nvidia-cuda-cccl). scripts/bootstrap installs both beside torch, under nvidia/cu13/include; a
+/// CUDA toolkit's include dir serves as well.
+fn cuda_include(root: &std::path::Path) -> Option<PathBuf> {
+    let site = root.parent().map(PathBuf::from);
+    env::var_os("MEMTRAIN_CUDA_INCLUDE")
+        .map(PathBuf::from)
+        .into_iter()
+        .chain(site.iter().map(|s| s.join("nvidia/cu13/include")))
+        .chain([PathBuf::from("/usr/local/cuda/include")])
+        .find(|d| d.join("crt/host_config.h").exists() && d.join("nv/target").exists())
 }
 
 /// A C++ build against libtorch's headers, with the flags torch-sys compiles its own wrapper with.

@@ -36,6 +36,8 @@ pub struct Estimate {
     pub homes: Homes,
     /// `memory.limit`: the device's budget, when the spec gives one in bytes.
     pub cap: Option<u64>,
+    /// The spec trains on a GPU (or may: `job.device = "auto"`).
+    pub gpu: bool,
 }
 
 /// Where each term of the bill lives under a spec (`memory.*`).
@@ -185,8 +187,12 @@ pub fn estimate(spec: &Spec) -> Result<Estimate> {
         blockwise: c.blockwise,
         homes: Homes::of(&spec.memory),
         cap: spec.memory.limit.map(|l| l.0),
+        gpu: spec.job.device != crate::spec::Device::Cpu,
     })
 }
+
+/// What a GPU holds beyond the cap, said wherever a cap is set against a card.
+pub const BEYOND_THE_CAP: &str = "beyond the cap the card also holds the CUDA context and the cuBLAS/cuDNN workspaces (about 0.3-0.5 GiB; `memtrain run` measures it in its preflight line): a 4 GB card takes a cap of about 3.5 GB";
 
 impl fmt::Display for Estimate {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -300,12 +306,18 @@ impl Estimate {
         writeln!(f)?;
         let Some(cap) = self.cap else { return Ok(()) };
         if device <= cap {
-            return writeln!(
+            writeln!(
                 f,
                 "cap              {} (memory.limit): {} left for activations",
                 human_bytes(cap),
                 human_bytes(cap - device)
-            );
+            )?;
+            if self.gpu {
+                // The cap binds on the caching allocator; the context and the libraries'
+                // workspaces are allocated outside it.
+                writeln!(f, "{BEYOND_THE_CAP}")?;
+            }
+            return Ok(());
         }
         writeln!(
             f,

@@ -88,7 +88,7 @@ pub fn collect() -> anyhow::Result<Info> {
     let device_count = if available { shim::device_count()? } else { 0 };
     let nvml = nvml();
     let gpus = match &nvml {
-        Some(n) => nvml_gpus(n),
+        Some(n) => nvml_gpus(n, device_count),
         None => shim_gpus(device_count),
     };
     Ok(Info {
@@ -122,18 +122,50 @@ pub fn collect() -> anyhow::Result<Info> {
     })
 }
 
-fn nvml_gpus(n: &nvml_wrapper::Nvml) -> Vec<GpuInfo> {
-    let count = n.device_count().unwrap_or(0);
-    (0..count)
-        .filter_map(|i| {
-            let d = n.device_by_index(i).ok()?;
+/// Device memory this process holds on `cuda:index` as the driver counts it (context, library
+/// workspaces and the caching allocator's reservations together); None without NVML or when
+/// the driver does not report it (some containers).
+pub fn process_device_bytes(index: usize) -> Option<u64> {
+    let n = nvml()?;
+    let uuid = shim::cuda_device_facts(index).ok().flatten()?.nvml_uuid();
+    let d = n.device_by_uuid(uuid).ok()?;
+    let me = std::process::id();
+    let p = d.running_compute_processes().ok()?.into_iter().find(|p| p.pid == me)?;
+    match p.used_gpu_memory {
+        nvml_wrapper::enums::device::UsedGpuMemory::Used(b) => Some(b),
+        nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => None,
+    }
+}
+
+/// NVML's devices in CUDA's order, matched by UUID: NVML numbers every GPU of the machine in
+/// PCI order and ignores CUDA_VISIBLE_DEVICES, so its index 0 need not be the `cuda:0` a spec
+/// names. Without CUDA in this process (or when a UUID cannot be matched), NVML's own order.
+fn cuda_ordered(n: &nvml_wrapper::Nvml, cuda_devices: usize) -> Vec<(usize, nvml_wrapper::Device<'_>)> {
+    let matched: Option<Vec<_>> = (0..cuda_devices)
+        .map(|i| {
+            let facts = shim::cuda_device_facts(i).ok().flatten()?;
+            n.device_by_uuid(facts.nvml_uuid()).ok().map(|d| (i, d))
+        })
+        .collect();
+    match matched {
+        Some(m) if cuda_devices > 0 => m,
+        _ => (0..n.device_count().unwrap_or(0))
+            .filter_map(|i| n.device_by_index(i).ok().map(|d| (i as usize, d)))
+            .collect(),
+    }
+}
+
+fn nvml_gpus(n: &nvml_wrapper::Nvml, cuda_devices: usize) -> Vec<GpuInfo> {
+    cuda_ordered(n, cuda_devices)
+        .into_iter()
+        .filter_map(|(i, d)| {
             let mem = d.memory_info().ok()?;
             let mut procs = d.running_compute_processes().unwrap_or_default();
             procs.extend(d.running_graphics_processes().unwrap_or_default());
             procs.sort_by_key(|p| p.pid);
             procs.dedup_by_key(|p| p.pid);
             Some(GpuInfo {
-                index: i as usize,
+                index: i,
                 name: d.name().unwrap_or_else(|_| "unknown".into()),
                 total_bytes: mem.total,
                 free_bytes: mem.free,

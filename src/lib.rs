@@ -35,6 +35,7 @@ pub mod oom;
 pub mod optim;
 pub mod plan;
 pub mod progress;
+pub mod readback;
 pub mod records;
 pub mod report;
 pub mod run;

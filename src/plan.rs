@@ -42,7 +42,8 @@ impl Request {
 #[derive(Debug, Clone, Default)]
 pub struct Facts {
     pub cuda_devices: usize,
-    /// Total memory of the CUDA device the spec names (cudaMemGetInfo), when there is one.
+    /// Total memory of the CUDA device the spec names (from the driver, without a context), when
+    /// there is one.
     pub cuda_total_bytes: Option<u64>,
     pub host_ram_bytes: u64,
     pub alloc_env: EnvSettings,
@@ -68,7 +69,7 @@ impl Facts {
             _ => 0,
         };
         let cuda_total_bytes = if index < cuda_devices {
-            shim::cuda_mem_get_info(index)?.map(|(_, total)| total)
+            shim::cuda_device_facts(index)?.map(|f| f.total_bytes)
         } else {
             None
         };
@@ -129,6 +130,9 @@ pub struct Plan {
     pub run_dir: PathBuf,
     pub device: DevicePlan,
     pub cap: Option<Cap>,
+    /// What the run may use of the device: the cap, else the CUDA device's total (None on the
+    /// CPU).
+    pub device_budget: Option<u64>,
     pub alloc: AllocPlan,
     /// Variables to set before CUDA starts (allocator settings, symbolizer).
     pub env: Vec<(String, String)>,
@@ -212,9 +216,14 @@ impl Plan {
             // child carries on as a second memtrain holding a CUDA context. dladdr stays in-process.
             env.push(("TORCH_SYMBOLIZE_MODE".to_owned(), "dladdr".to_owned()));
         }
+        let device_budget = match device {
+            DevicePlan::Cpu => None,
+            DevicePlan::Cuda(_) => cap.as_ref().map(|c| c.bytes).or(facts.cuda_total_bytes),
+        };
         Ok(Plan {
             run_dir,
             device,
+            device_budget,
             cap,
             alloc,
             env,

@@ -28,7 +28,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
-use tch::{Kind, Tensor};
+use tch::{Device, Kind, Tensor};
 
 use crate::spec::{Data, DataSource};
 
@@ -63,6 +63,22 @@ impl Dataset {
         }
     }
 
+    /// Bytes its samples and labels take.
+    pub fn bytes(&self) -> u64 {
+        [&self.x, &self.y]
+            .iter()
+            .map(|t| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
+            .sum()
+    }
+
+    /// Keeps the samples on `device`, where batches are then drawn: a step copies only the
+    /// indices, not the samples. Only without augmentation, which runs on the host.
+    pub fn keep_on(&mut self, device: Device) {
+        debug_assert!(self.augment.is_none());
+        self.x = self.x.to_device(device);
+        self.y = self.y.to_device(device);
+    }
+
     /// Number of samples.
     pub fn len(&self) -> i64 {
         self.y.size()[0]
@@ -74,7 +90,12 @@ impl Dataset {
 
     /// The samples at `idx` (a CPU int64 tensor of indices), as `(x, y)` on the CPU.
     pub fn batch(&self, idx: &Tensor) -> (Tensor, Tensor) {
-        (self.x.index_select(0, idx), self.y.index_select(0, idx))
+        let idx = match self.x.device() {
+            Device::Cpu => idx.shallow_clone(),
+            // Resident samples: the indices go over from pinned memory, without waiting.
+            d => idx.pin_memory(d).to_device_(d, idx.kind(), true, false),
+        };
+        (self.x.index_select(0, &idx), self.y.index_select(0, &idx))
     }
 }
 
@@ -83,6 +104,18 @@ impl Dataset {
 pub struct Splits {
     pub train: Dataset,
     pub val: Dataset,
+}
+
+/// Data that takes at most this share of what the run may use of a CUDA device stays there.
+const RESIDENT_SHARE: u64 = 16;
+
+impl Splits {
+    /// Whether both sets stay on the device: on CUDA, without augmentation, and within a
+    /// sixteenth of what the run may use of it (`budget`: the cap, or the device's total).
+    pub fn stay_resident(&self, device: Device, budget: Option<u64>) -> bool {
+        let small = |b: u64| (self.train.bytes() + self.val.bytes()).saturating_mul(RESIDENT_SHARE) <= b;
+        device.is_cuda() && self.train.augment.is_none() && self.val.augment.is_none() && budget.is_some_and(small)
+    }
 }
 
 /// Loads the configured source and checks it against the model: each sample of `x` must have
@@ -718,6 +751,45 @@ fn read_idx(path: &Path, ndim: usize, key: &str) -> Result<(Vec<i64>, Vec<u8>)> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_small_unaugmented_data_stays_on_a_cuda_device() {
+        let set = |n: i64| {
+            Dataset::new(
+                Tensor::zeros([n, 4], (Kind::Float, Device::Cpu)),
+                Tensor::zeros([n], (Kind::Int64, Device::Cpu)),
+            )
+        };
+        // 100 samples of 4 floats and a label: 2400 bytes.
+        let s = Splits {
+            train: set(80),
+            val: set(20),
+        };
+        assert_eq!(s.train.bytes() + s.val.bytes(), 2400);
+        let cuda = Device::Cuda(0);
+        assert!(s.stay_resident(cuda, Some(2400 * 16)));
+        assert!(
+            !s.stay_resident(cuda, Some(2400 * 16 - 1)),
+            "over a sixteenth of the budget"
+        );
+        assert!(!s.stay_resident(cuda, None));
+        assert!(
+            !s.stay_resident(Device::Cpu, Some(1 << 40)),
+            "the CPU has nothing to copy"
+        );
+        let mut augmented = s;
+        augmented.train.augment = Some(Augmenter {
+            seed: 0,
+            padding: 0,
+            flip: true,
+            fill: vec![0.0],
+            samples: 80,
+        });
+        assert!(
+            !augmented.stay_resident(cuda, Some(1 << 40)),
+            "augmentation runs on the host"
+        );
+    }
 
     fn spec(source: DataSource, path: Option<PathBuf>) -> Data {
         Data {

@@ -249,7 +249,7 @@ impl Dist {
         let v = exchange_layout(self.world.size, self.world.rank, local);
         let t = Tensor::from_slice(&v).to_kind(Kind::Double).to_device(self.device);
         self.group.allreduce_sum(&t).map_err(|e| self.explain(e))?;
-        let back = Vec::<f64>::try_from(t.to_device(Device::Cpu)).context("reading the exchange")?;
+        let back = crate::readback::all(&t).context("reading the exchange")?;
         Ok(read_exchange(self.world.size, &back))
     }
 
@@ -324,7 +324,7 @@ impl Dist {
         let out: Vec<Tensor> = (0..self.world.size).map(|_| input.zeros_like()).collect();
         self.group.allgather(&input, &out).map_err(|e| self.explain(e))?;
         out.iter()
-            .map(|t| Vec::<f64>::try_from(t.to_device(Device::Cpu)).context("reading a gathered value"))
+            .map(|t| crate::readback::all(t).context("reading a gathered value"))
             .collect()
     }
 

@@ -6,7 +6,7 @@ use tch::Tensor;
 /// of the stacked per-parameter norms, every grad is multiplied by
 /// `min(max_norm / (total_norm + 1e-6), 1)` (computed on the device, so the multiply happens
 /// even when it is 1). Parameters without a grad are skipped. Returns the total norm before
-/// clipping (0 when no parameter has a grad); reading it is the one device synchronisation.
+/// clipping (0 when no parameter has a grad); reading it makes the host wait for the device.
 ///
 /// On CUDA PyTorch computes the per-parameter norms with a fused multi-tensor kernel whose
 /// summation order differs, so there the norm can differ from PyTorch's in the last bits.
@@ -15,14 +15,14 @@ pub fn clip_grad_norm(params: &[(String, Tensor)], max_norm: f64) -> f64 {
         params.iter().map(|(_, p)| p.grad()).filter(|g| g.defined()).collect(),
         max_norm,
     )
+    .map_or(0.0, |total| total.double_value(&[]))
 }
 
-/// [`clip_grad_norm`] over the gradients themselves (wherever they live).
-pub fn clip_grads(mut grads: Vec<Tensor>, max_norm: f64) -> f64 {
+/// [`clip_grad_norm`] over the gradients themselves (wherever they live); the total norm stays
+/// where it was computed (None without gradients), so clipping never waits on the device.
+pub fn clip_grads(mut grads: Vec<Tensor>, max_norm: f64) -> Option<Tensor> {
     tch::no_grad(|| {
-        let Some(first) = grads.first() else {
-            return 0.0;
-        };
+        let first = grads.first()?;
         let device = first.device();
         let norms: Vec<Tensor> = grads
             .iter()
@@ -50,6 +50,6 @@ pub fn clip_grads(mut grads: Vec<Tensor>, max_norm: f64) -> f64 {
                 let _ = g.g_mul_(&coef.to_device(g.device()));
             }
         }
-        total.double_value(&[])
+        Some(total)
     })
 }

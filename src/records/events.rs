@@ -65,6 +65,10 @@ pub struct PreflightEvent {
     pub cap_bytes: Option<u64>,
     pub headroom_bytes: Option<i64>,
     pub device: String,
+    /// CUDA: what this process holds on the card outside the caching allocator (the context,
+    /// cuBLAS/cuDNN workspaces), which no cap covers; from NVML, when it reports it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub beyond_cap_bytes: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -89,6 +93,10 @@ pub struct StepEvent {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub loss_scale: Option<f64>,
     pub skipped: bool,
+    /// Values read off the device since the previous step record (this one's loss included):
+    /// each read makes the host wait for the device.
+    #[serde(default)]
+    pub host_reads: u64,
 }
 
 /// Per-epoch results, also the summary's `final`.
@@ -136,6 +144,9 @@ pub struct EpochEvent {
     /// Data-parallel: every rank's peaks over the epoch, rank 0's included.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub ranks: Vec<RankPeak>,
+    /// Values read off the device since the last step record: validation's and the epoch's sums.
+    #[serde(default)]
+    pub host_reads: u64,
 }
 
 impl std::ops::Deref for EpochEvent {
@@ -309,6 +320,10 @@ pub struct Summary {
     pub oom: OomCounts,
     pub checkpoints: CheckpointSummary,
     pub precision: PrecisionSummary,
+    /// Values this session read off the device, every phase together (see the step and epoch
+    /// records' own counts).
+    #[serde(default)]
+    pub host_reads: u64,
 }
 
 /// The cache-clearing counters as records carry them (the policy itself stays with the run).

@@ -55,6 +55,7 @@ pub fn step(step: i64, loss: f64, allocated: u64, peak_allocated: u64) -> StepEv
         },
         loss_scale: Some(65536.0),
         skipped: false,
+        host_reads: 1,
     }
 }
 
@@ -100,6 +101,7 @@ pub fn epoch(step: i64, val_acc: f64) -> EpochEvent {
             reduce: vec![vec![("max_pool_3x3".into(), 1), ("none".into(), 0)]],
         }),
         ranks: vec![rank_peak(0), rank_peak(1)],
+        host_reads: 2,
     }
 }
 
@@ -178,6 +180,7 @@ pub fn preflight() -> PreflightEvent {
         cap_bytes: Some(1000),
         headroom_bytes: Some(600),
         device: "cpu".into(),
+        beyond_cap_bytes: Some(300 << 20),
     }
 }
 
@@ -231,6 +234,7 @@ pub fn summary(status: Status, global_steps: i64) -> Summary {
             skipped_steps: 1,
             activation_checkpointing: true,
         },
+        host_reads: 5,
     }
 }
 

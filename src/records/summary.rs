@@ -25,6 +25,7 @@ pub struct Closing {
     pub cache: CacheCounters,
     pub oom: OomCounts,
     pub precision: PrecisionSummary,
+    pub host_reads: u64,
 }
 
 #[derive(Debug, Default)]
@@ -123,6 +124,7 @@ impl SummarySink {
                 max_spike_bytes: self.max_spike,
             },
             precision: c.precision,
+            host_reads: c.host_reads,
         }
     }
 }
@@ -156,6 +158,7 @@ mod tests {
             cache: CacheCounters::default(),
             oom: OomCounts::default(),
             precision: PrecisionSummary::default(),
+            host_reads: 4,
         }
     }
 

@@ -52,6 +52,12 @@ impl Plan {
             crate::data::load(&spec.data, &built.input_shape, built.num_classes, spec.job.seed)
         })?
         .map_err(|e| UsageError(format!("{e:#}")))?;
+        let mut data = data;
+        if data.stay_resident(device, self.device_budget) {
+            // Steps then copy indices, not samples.
+            data.train.keep_on(device);
+            data.val.keep_on(device);
+        }
         let (mut opt, arch) = {
             let _host = spec.memory.parameters.is_host().then(shim::HostScope::enter);
             self.build_optimizers(spec, &vs, &execution)?
@@ -265,6 +271,7 @@ impl Plan {
                 blockwise: crate::model::blockwise(model.net.as_ref(), &model.vs),
                 data_parallel: execution.group().is_some(),
                 state_slots: model.opt.hyper().state_slots().len(),
+                torchscript: spec.model.preset == "torchscript",
                 reported: self.oom_reported,
             },
             Position {

@@ -41,7 +41,7 @@ impl PrecisionStage {
     /// Places a batch on the device in the dtype the model's weights have (the mixed modes keep
     /// fp32 weights and let autocast cast).
     pub fn input(&self, x: &Tensor, device: Device) -> Tensor {
-        let x = x.to_device(device);
+        let x = to_device_async(x, device);
         match self.precision {
             Precision::Bf16 => x.to_kind(Kind::BFloat16),
             _ => x,
@@ -54,6 +54,26 @@ impl PrecisionStage {
         // Entering only sets thread-local flags; it cannot fail short of a broken libtorch.
         Some(Autocast::enter(device, dtype).expect("autocast state can be set"))
     }
+}
+
+/// A host tensor's copy on `device`, issued without waiting: from pageable memory a CUDA copy
+/// blocks the host until it is done, from pinned memory it is queued on the stream like a
+/// kernel (the pinned buffer goes back to the host cache once the copy has run). Already there:
+/// the tensor itself.
+pub fn to_device_async(t: &Tensor, device: Device) -> Tensor {
+    match (t.device(), device) {
+        (from, to) if from == to => t.shallow_clone(),
+        (Device::Cpu, to) => t.pin_memory(to).to_device_(to, t.kind(), true, false),
+        // Resident data after a CPU fallback, say.
+        (_, to) => t.to_device(to),
+    }
+}
+
+/// A micro-batch placed on the device (its copies may still be in flight): inputs in the
+/// model's dtype, and labels.
+pub struct Batch {
+    pub x: Tensor,
+    pub y: Tensor,
 }
 
 /// The forward part: device, precision and whether the forward is recomputed in backward
@@ -70,10 +90,7 @@ pub struct Forward {
 
 /// One micro-batch of a step, and what its backward needs.
 pub struct Micro<'a> {
-    pub data: &'a Dataset,
-    pub idx: &'a [i64],
-    /// The epoch (0-based) the samples are drawn in, which keys their augmentation.
-    pub epoch: i64,
+    pub batch: Batch,
     /// The model's buffers (BatchNorm running statistics): recomputation puts them back after
     /// running a block a second time, so they are updated once per forward.
     pub buffers: &'a [Tensor],
@@ -84,36 +101,42 @@ pub struct Micro<'a> {
 }
 
 impl Forward {
+    /// The samples at `idx` (drawn in `epoch`, which keys their augmentation), on their way to
+    /// the device.
+    pub fn inputs(&self, data: &Dataset, idx: &[i64], epoch: i64) -> Batch {
+        let (x, y) = data.batch_at(idx, epoch);
+        Batch {
+            x: self.precision.input(&x, self.device),
+            y: to_device_async(&y, self.device),
+        }
+    }
+
     /// Sum-reduced cross-entropy and correct count of one micro-batch.
     /// With parameters streamed (`stream`, validation under no_grad), block by block.
     pub fn forward_loss(
         &self,
         net: &dyn Net,
         stream: Option<&Streamer>,
-        data: &Dataset,
-        idx: &[i64],
-        epoch: i64,
+        batch: &Batch,
         train: bool,
     ) -> (Tensor, Tensor) {
-        let (x, y) = data.batch_at(idx, epoch);
-        let x = self.precision.input(&x, self.device);
+        let x = &batch.x;
         let logits = match (stream, net.chain()) {
             // One autocast region per block: its cast cache goes with the block.
-            (Some(s), Some(chain)) => streamed_logits(chain, s, &x, train, &|| self.precision.autocast(self.device)),
+            (Some(s), Some(chain)) => streamed_logits(chain, s, x, train, &|| self.precision.autocast(self.device)),
             _ => {
                 let _autocast = self.precision.autocast(self.device);
-                net.forward_t(&x, train)
+                net.forward_t(x, train)
             }
         };
-        self.loss(&logits, &y)
+        self.loss(&logits, &batch.y)
     }
 
     /// Sum-reduced cross-entropy in fp32 and the correct count, from logits.
     pub fn loss(&self, logits: &Tensor, y: &Tensor) -> (Tensor, Tensor) {
-        let y = y.to_device(self.device);
         let logits = logits.to_kind(Kind::Float);
-        let loss = logits.cross_entropy_loss::<Tensor>(&y, None, Reduction::Sum, -100, 0.0);
-        let correct = logits.argmax(-1, false).eq_tensor(&y).sum(Kind::Int64);
+        let loss = logits.cross_entropy_loss::<Tensor>(y, None, Reduction::Sum, -100, 0.0);
+        let correct = logits.argmax(-1, false).eq_tensor(y).sum(Kind::Int64);
         (loss, correct)
     }
 
@@ -140,7 +163,7 @@ impl Forward {
         match net.chain().filter(|_| self.recompute || m.stream.is_some()) {
             Some(chain) => recomputed(self, chain, m, n, after_block),
             None => {
-                let (loss, c) = self.forward_loss(net, None, m.data, m.idx, m.epoch, true);
+                let (loss, c) = self.forward_loss(net, None, &m.batch, true);
                 self.scaled(&loss, n, m.loss_scale).backward();
                 after_block();
                 (loss, c)
@@ -244,8 +267,7 @@ fn rerun(p: &Forward, chain: &dyn Chain, i: usize, ins: &[Tensor], rng: &[(tch::
 /// Checkpointed forward, loss and backward of one micro-batch; returns the sum-reduced loss and
 /// the correct count, as `Forward::forward_loss` does.
 fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, after_block: &mut dyn FnMut()) -> (Tensor, Tensor) {
-    let (x, y) = m.data.batch_at(m.idx, m.epoch);
-    let x = p.precision.input(&x, p.device);
+    let (x, y) = (m.batch.x.shallow_clone(), &m.batch.y);
     let k = chain.blocks();
     let bounds = Boundaries {
         host: p.activations.is_host().then(|| Host::new(p.device)),
@@ -285,7 +307,7 @@ fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, after_block: &m
             let _autocast = p.precision.autocast(p.device);
             chain.block(k - 1, &head_in, true).pop().expect("logits")
         };
-        p.loss(&logits, &y)
+        p.loss(&logits, y)
     };
     // The last saved boundary and its block come back while the head's backward runs.
     let mut ahead = saved.pop().map(|(ins, rng)| (bounds.fetch(ins), rng));

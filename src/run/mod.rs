@@ -8,6 +8,7 @@ mod parts;
 mod recovery;
 mod step;
 mod stream;
+mod tally;
 mod trainer;
 
 use std::fs;
@@ -20,6 +21,7 @@ use crate::cli::RunArgs;
 use crate::dist::{Dist, World};
 use crate::exit::UsageError;
 use crate::human::device_name;
+use crate::memory::Cap;
 use crate::model;
 use crate::oom;
 use crate::plan::{DevicePlan, Facts, Plan, Request};
@@ -97,7 +99,7 @@ fn join(world: Option<World>, plan: &mut Plan) -> Result<(Execution, Option<Remo
     };
     if plan.device != DevicePlan::Cpu && !shim::dist::backends().nccl {
         return Err(UsageError(format!(
-            "data-parallel training on {} needs NCCL, and this memtrain was built without NCCL's headers; set job.device = \"cpu\" to train on Gloo, or build with a CUDA toolkit (see README)",
+            "data-parallel training on {} needs NCCL, and this memtrain was built without NCCL's headers; set job.device = \"cpu\" to train on Gloo, or rebuild after scripts/bootstrap, which installs them (see README, Data-parallel training)",
             device_name(plan.device.tch())
         ))
         .into());
@@ -198,8 +200,13 @@ fn apply(plan: &Plan) -> Result<()> {
     if let Some(n) = plan.threads {
         tch::set_num_threads(n);
     }
-    if let (DevicePlan::Cpu, Some(cap)) = (plan.device, &plan.cap) {
-        shim::cpu_alloc_set_cap(Some(cap.bytes));
+    match (plan.device, &plan.cap) {
+        (DevicePlan::Cpu, Some(cap)) => shim::cpu_alloc_set_cap(Some(cap.bytes)),
+        // Also set in PYTORCH_CUDA_ALLOC_CONF, which the native allocator reads; this reaches
+        // cudaMallocAsync too.
+        (DevicePlan::Cuda(i), Some(Cap { fraction: Some(f), .. })) => shim::cuda_set_memory_fraction(*f, i)
+            .with_context(|| format!("capping cuda:{i} at a fraction {f} of its memory"))?,
+        _ => {}
     }
     if plan.record_history {
         shim::record_memory_history(true, 100_000).context("starting allocator history recording")?;

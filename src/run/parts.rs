@@ -97,7 +97,7 @@ impl ArchStep {
             clip_norm: 0.0,
             ..*at.pipeline
         };
-        let out = pipeline.run(at.net, &mut self.opt, &mut [at.weights], &work, exec)?;
+        let out = pipeline.run(at.net, &mut self.opt, &mut [at.weights], &work, exec, None)?;
         if let Some(s) = &mut self.state.arch_scaler {
             s.update(out.found_inf);
         }

@@ -63,6 +63,8 @@ pub struct Policy {
     pub data_parallel: bool,
     /// State tensors the weights' optimizer keeps per parameter.
     pub state_slots: usize,
+    /// The model is a TorchScript module (its graph's constants stay where it was loaded).
+    pub torchscript: bool,
     /// An earlier session already wrote the `oom/` report.
     pub reported: bool,
 }
@@ -117,6 +119,7 @@ impl Recovery {
             blockwise: self.policy.blockwise,
             data_parallel: self.policy.data_parallel,
             state_slots: self.policy.state_slots,
+            torchscript: self.policy.torchscript,
         }
     }
 
@@ -219,6 +222,7 @@ mod tests {
             blockwise: true,
             data_parallel: false,
             state_slots: 2,
+            torchscript: false,
             reported: false,
         }
     }

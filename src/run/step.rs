@@ -11,6 +11,11 @@
 //! 4. **clip** the global gradient norm when asked (on unscaled gradients);
 //! 5. **optimizer step**, transactional (see `Optimizer::step`).
 //!
+//! Nothing in it waits on the device but fp16-mixed's found-inf check: each micro-batch's inputs
+//! go to the device from pinned memory without blocking, the next one's copy issued before this
+//! one's backward; the clip norm is never read; the loss and correct count stay on the device as
+//! [`Totals`] for the trainer to read at a logged step, after the optimizer step is launched.
+//!
 //! The whole pipeline runs inside the OOM guard: an error anywhere unwinds, drops every tensor of
 //! the failed attempt, restores grad mode and the autocast state, and leaves parameters,
 //! optimizer state and the scaler as they were (the caller updates the scaler only after a
@@ -21,6 +26,7 @@ use tch::{Kind, Tensor};
 use super::execution::Execution;
 use super::forward::{Forward, Micro};
 use super::stream::Streamer;
+use super::tally::{Tally, Totals};
 use crate::data::Dataset;
 use crate::dist::{Dist, Local, Outcome};
 use crate::fault;
@@ -28,6 +34,7 @@ use crate::memory::{self, Place};
 use crate::model::Net;
 use crate::oom::{self, StepError};
 use crate::optim::{clip_grads, Optimizer, Prepared};
+use crate::readback;
 use crate::shim;
 use crate::shim::dist::Reducer;
 
@@ -77,14 +84,12 @@ pub struct Work<'a> {
     pub synced: bool,
 }
 
-/// What one guarded attempt yields: loss sum, correct count, inf found, the prepared step.
-type Attempt = (f64, i64, bool, Option<Prepared>);
+/// What one guarded attempt yields: loss sum and correct count, inf found, the prepared step.
+type Attempt = (Totals, bool, Option<Prepared>);
 
-/// Loss summed over the group's samples and the number classified correctly.
+/// What a step yields to the trainer (its loss went into the tally).
 #[derive(Debug, Clone, Copy)]
 pub struct StepOutput {
-    pub loss_sum: f64,
-    pub correct: i64,
     /// fp16-mixed: the gradients held inf or NaN, so the optimizer step was skipped.
     pub found_inf: bool,
     /// Data-parallel: some rank was asked to stop; every rank stops after this step.
@@ -98,7 +103,8 @@ impl StepPipeline {
 
     /// Runs the pipeline once for `work`, stepping `opt`; `others` are optimizers whose
     /// gradients are zeroed too (their parameters get gradients from this backward pass but
-    /// are not stepped here).
+    /// are not stepped here). The step's loss and correct count go into `tally` (the weight
+    /// step's; the architecture step keeps none).
     pub fn run(
         &self,
         net: &dyn Net,
@@ -106,6 +112,7 @@ impl StepPipeline {
         others: &mut [&mut Optimizer],
         work: &Work,
         exec: &mut Execution,
+        tally: Option<&mut Tally>,
     ) -> Result<StepOutput, StepError> {
         let place = self.place();
         let reducer = exec.group().filter(|_| work.synced).and_then(Dist::reducer);
@@ -118,18 +125,23 @@ impl StepPipeline {
             || self.attempt(net, opt, others, work, reducer),
         );
         let Some(d) = exec.group_mut() else {
-            let (loss_sum, correct, found_inf, prepared) = attempt?;
+            let (totals, found_inf, prepared) = attempt?;
+            // Into the tally in place, before the optimizer writes: nothing of the attempt is
+            // alive while it does, so an applied step peaks no higher than a skipped one.
+            match tally {
+                Some(t) => t.add(totals),
+                None => drop(totals),
+            }
             if let Some(p) = prepared {
                 opt.apply(p, work.lr);
             }
-            return Ok(StepOutput {
-                loss_sum,
-                correct,
-                found_inf,
-                stop: false,
-            });
+            return Ok(StepOutput { found_inf, stop: false });
         };
-        self.agree(d, opt, work, synced, attempt)
+        let out = self.agree(d, opt, work, synced, attempt)?;
+        if let Some(t) = tally {
+            t.add_values(out.0, out.1);
+        }
+        Ok(out.2)
     }
 
     /// One attempt inside the OOM guard: zero, forward and backward per micro-batch, unscale,
@@ -154,7 +166,12 @@ impl StepPipeline {
         let mut loss_sum = Tensor::zeros([], (Kind::Float, device));
         let mut correct = Tensor::zeros([], (Kind::Int64, device));
         let chunks: Vec<&[i64]> = work.group.chunks(work.micro_batch.max(1)).collect();
-        for (i, chunk) in chunks.iter().enumerate() {
+        let inputs = |i: usize| chunks.get(i).map(|c| self.forward.inputs(work.data, c, work.epoch));
+        let mut ahead = inputs(0);
+        for i in 0..chunks.len() {
+            // The next micro-batch's copy is on its way while this one runs.
+            let batch = ahead.take().expect("one placed batch per micro-batch");
+            ahead = inputs(i + 1);
             if i + 1 == chunks.len() {
                 // The last micro-batch's backward synchronises (DDP outside no_sync).
                 if let Some(r) = reducer {
@@ -162,9 +179,7 @@ impl StepPipeline {
                 }
             }
             let micro = Micro {
-                data: work.data,
-                idx: chunk,
-                epoch: work.epoch,
+                batch,
                 buffers: work.buffers,
                 loss_scale: work.loss_scale,
                 stream: work.stream,
@@ -188,9 +203,9 @@ impl StepPipeline {
             Some(scale) => unscale(&grads(), scale),
             None => false,
         };
-        // clip
+        // clip (the norm stays on the device: nothing here needs it)
         if self.clip_norm > 0.0 {
-            clip_grads(grads(), self.clip_norm);
+            let _norm = clip_grads(grads(), self.clip_norm);
         }
         // optimizer step, its allocations first; a step whose gradients are not finite makes
         // them too and lets them go, so its peak is an applied step's (fit's fp16 probes whose
@@ -200,13 +215,12 @@ impl StepPipeline {
             let p = opt.prepare();
             (!found_inf).then_some(p)
         };
-        // One read per optimizer step; progress and records need the loss.
-        let (loss_sum, correct) = if work.contributes {
-            (loss_sum.double_value(&[]), correct.int64_value(&[]))
-        } else {
-            (0.0, 0)
+        // A rank without samples ran one with a zero loss: it counts nothing.
+        let totals = match work.contributes {
+            true => Totals::new(loss_sum, correct),
+            false => Totals::zero(device),
         };
-        (loss_sum, correct, found_inf, prepared)
+        (totals, found_inf, prepared)
     }
 
     /// Data-parallel: whatever happened here, this rank takes part in every collective the
@@ -218,22 +232,27 @@ impl StepPipeline {
         work: &Work,
         synced: bool,
         attempt: Result<Attempt, StepError>,
-    ) -> Result<StepOutput, StepError> {
+    ) -> Result<(f64, i64, StepOutput), StepError> {
         let failed = attempt.is_err();
         if failed && synced {
             let r = d.reducer().expect("synced");
             r.settle(true).map_err(|e| peer_lost(d.explain(e)))?;
         }
-        let local = match &attempt {
-            Ok((loss_sum, correct, ..)) => Local {
+        // The ranks agree on the outcome every step, and the loss travels with it: one read.
+        let read = attempt.as_ref().ok().map(|(totals, ..)| totals.read());
+        if let Some(Err(e)) = &read {
+            tracing::error!("reading the step's loss: {e:#}");
+        }
+        let local = match read {
+            Some(Ok((loss_sum, correct))) => Local {
                 outcome: Outcome::Done,
                 stop: work.stop,
-                loss_sum: *loss_sum,
-                correct: *correct,
+                loss_sum,
+                correct,
             },
-            Err(e) => Local {
-                outcome: match e {
-                    StepError::Oom { .. } => Outcome::OutOfMemory,
+            _ => Local {
+                outcome: match attempt.as_ref().err() {
+                    Some(StepError::Oom { .. }) => Outcome::OutOfMemory,
                     _ => Outcome::Broken,
                 },
                 stop: work.stop,
@@ -265,7 +284,7 @@ impl StepPipeline {
                 },
             });
         }
-        let (_, _, found_inf, prepared) = attempt.expect("no rank failed");
+        let (_, found_inf, prepared) = attempt.expect("no rank failed");
         if let Some(p) = prepared {
             opt.apply(p, work.lr);
             // Sharded state: each rank updated its own parameters; every rank takes them. (A
@@ -273,12 +292,14 @@ impl StepPipeline {
             // summed gradients, which are the same on every rank.)
             d.sync_shards(opt).map_err(other)?;
         }
-        Ok(StepOutput {
-            loss_sum: agreed.loss_sum,
-            correct: agreed.correct,
-            found_inf,
-            stop: agreed.stop,
-        })
+        Ok((
+            agreed.loss_sum,
+            agreed.correct,
+            StepOutput {
+                found_inf,
+                stop: agreed.stop,
+            },
+        ))
     }
 }
 
@@ -295,5 +316,6 @@ fn unscale(grads: &[Tensor], scale: f64) -> bool {
         // Surfaces through the OOM guard like any libtorch error.
         panic!("{e}");
     }
-    found_inf.double_value(&[0]) > 0.0
+    // The one read fp16-mixed adds to a step: the scaler and the skip decide on it.
+    readback::flag(&found_inf)
 }

@@ -18,6 +18,7 @@ use super::levers;
 use super::parts::{ArchAt, ArchStep, Model, Parts};
 use super::recovery::Recovery;
 use super::step::{StepOutput, StepPipeline, Work};
+use super::tally::{Tally, Totals};
 use crate::checkpoint::{self, NamedTensors, TrainState};
 use crate::data::{self, Splits};
 use crate::exit::{Interrupted, OomExit};
@@ -26,6 +27,7 @@ use crate::memory::{self, ClearReason, MemorySample, Place, StepMemory};
 use crate::oom::{self, BatchShape, StepError};
 use crate::optim::Optimizer;
 use crate::progress::Progress;
+use crate::readback;
 use crate::records::*;
 use crate::shim;
 use crate::signals::StopFlag;
@@ -64,6 +66,12 @@ struct StepWindows {
     reading_seconds: f64,
 }
 
+/// What the loop needs from a finished step beyond the records.
+struct Stepped {
+    /// Data-parallel: some rank was asked to stop; every rank stops after this step.
+    stop: bool,
+}
+
 /// An epoch's wall clock and the samples this session trained in it.
 struct EpochClock {
     t0: Instant,
@@ -78,6 +86,12 @@ struct Session {
     windows: StepWindows,
     steps: i64,
     preflight_pending: bool,
+    /// The epoch's loss and correct count, summed on the device until a record reads them.
+    tally: Tally,
+    /// Device reads since the last step record.
+    reads: readback::Mark,
+    /// The last step loss read, for the progress line.
+    last_loss: Option<f64>,
 }
 
 pub struct Trainer {
@@ -103,6 +117,9 @@ impl Trainer {
                 windows: StepWindows::default(),
                 steps: 0,
                 preflight_pending: c.settings.preflight,
+                tally: Tally::new(c.pipeline.forward.device, c.state.epoch_loss_sum, c.state.epoch_correct),
+                reads: readback::Mark::now(),
+                last_loss: None,
             },
             settings: c.settings,
             model: c.model,
@@ -172,9 +189,10 @@ impl Trainer {
             synced: true,
         };
         let mut others: Vec<&mut Optimizer> = self.arch.iter_mut().map(|a| &mut a.opt).collect();
+        let tally = Some(&mut self.session.tally);
         let out = self
             .pipeline
-            .run(net.as_ref(), opt, &mut others, &work, &mut self.execution)?;
+            .run(net.as_ref(), opt, &mut others, &work, &mut self.execution, tally)?;
         // Only a step that succeeded moves the scaler.
         if let Some(s) = &mut self.state.scaler {
             s.update(out.found_inf);
@@ -421,8 +439,18 @@ impl Trainer {
             _ => "no cap set".into(),
         };
         let shape = self.shape();
+        let beyond = match self.place() {
+            Place::Cuda(i) => crate::info::process_device_bytes(i).and_then(|u| u.checked_sub(m.reserved_bytes?)),
+            _ => None,
+        };
+        let outside = beyond.map_or(String::new(), |b| {
+            format!(
+                "; the CUDA context and libraries hold {} more, outside the cap: the card must hold the cap plus that",
+                human_bytes(b)
+            )
+        });
         self.out.progress.println(&format!(
-            "Preflight: the first step at micro-batch {} used {} ({measure}); {head}",
+            "Preflight: the first step at micro-batch {} used {} ({measure}); {head}{outside}",
             shape.micro_batch,
             human_bytes(used)
         ));
@@ -434,6 +462,7 @@ impl Trainer {
             cap_bytes: cap,
             headroom_bytes: headroom,
             device: self.device_name(),
+            beyond_cap_bytes: beyond,
         };
         self.emit(Event::Preflight(e))
     }
@@ -450,22 +479,21 @@ impl Trainer {
                 || memory::oom_count(place),
                 || {
                     tch::no_grad(|| {
-                        let mut loss = 0.0;
-                        let mut correct = 0i64;
+                        // Summed on the device in f64, in order (what adding each value read
+                        // on the host gave), and read once at the end.
+                        let f = &t.pipeline.forward;
+                        let mut tally = Tally::new(f.device, 0.0, 0);
                         let idx: Vec<i64> = (0..n).collect();
-                        for chunk in idx.chunks(b) {
-                            let (l, c) = t.pipeline.forward.forward_loss(
-                                t.model.net.as_ref(),
-                                t.model.stream.as_ref(),
-                                &t.data.val,
-                                chunk,
-                                0,
-                                false,
-                            );
-                            loss += l.double_value(&[]);
-                            correct += c.int64_value(&[]);
+                        let chunks: Vec<&[i64]> = idx.chunks(b).collect();
+                        let mut ahead = chunks.first().map(|c| f.inputs(&t.data.val, c, 0));
+                        for i in 0..chunks.len() {
+                            let batch = ahead.take().expect("one placed batch per micro-batch");
+                            ahead = chunks.get(i + 1).map(|c| f.inputs(&t.data.val, c, 0));
+                            let (l, c) = f.forward_loss(t.model.net.as_ref(), t.model.stream.as_ref(), &batch, false);
+                            tally.add(Totals::new(l, c));
                         }
-                        (loss, correct)
+                        let r = tally.read().unwrap_or_else(|e| panic!("{e:#}"));
+                        (r.epoch_loss_sum, r.epoch_correct)
                     })
                 },
             )
@@ -535,6 +563,8 @@ impl Trainer {
         let before = memory::sample(place);
         memory::reset_peaks(place);
         self.state.weight_steps = self.model.opt.steps_taken();
+        // An interrupted epoch resumes with its sums so far.
+        self.read_tally()?;
         let pos = self.recovery.position();
         self.state.micro_batch = pos.shape.micro_batch;
         self.state.accumulation_steps = pos.shape.accumulation_steps;
@@ -658,7 +688,7 @@ impl Trainer {
 
     /// One optimizer step over `group` (after the architecture step, if any), with recovery,
     /// the preflight on the session's first, and its records.
-    fn optimizer_step(&mut self, group: &[i64], clock: &mut EpochClock) -> Result<StepOutput> {
+    fn optimizer_step(&mut self, group: &[i64], clock: &mut EpochClock) -> Result<Stepped> {
         let t_step = Instant::now();
         let measure = self.session.preflight_pending;
         if measure {
@@ -678,10 +708,9 @@ impl Trainer {
             self.session.preflight_pending = false;
             self.report_preflight()?;
         }
+        let StepOutput { found_inf, stop } = out;
         self.state.groups_done += 1;
         self.state.global_step += 1;
-        self.state.epoch_loss_sum += out.loss_sum;
-        self.state.epoch_correct += out.correct;
         self.state.epoch_seen += group.len() as i64;
         clock.seen += group.len() as u64;
         let step_seconds = t_step.elapsed().as_secs_f64();
@@ -689,22 +718,28 @@ impl Trainer {
         let cleared = self.out.cache.after_step(self.place(), self.state.global_step as u64);
         self.record_clear(cleared)?;
         self.after_clean_step()?;
-        self.record_step(&out, group.len(), lr, step_seconds, clock)?;
-        Ok(out)
+        self.record_step(found_inf, group.len(), lr, step_seconds, clock)?;
+        Ok(Stepped { stop })
     }
 
-    fn record_step(
-        &mut self,
-        out: &StepOutput,
-        samples: usize,
-        lr: f64,
-        seconds: f64,
-        clock: &EpochClock,
-    ) -> Result<()> {
-        let loss = out.loss_sum / samples as f64;
+    /// Reads the tally into the position (one read), when a step was added since the last.
+    fn read_tally(&mut self) -> Result<Option<f64>> {
+        if !self.session.tally.pending() {
+            return Ok(None);
+        }
+        let r = self.session.tally.read().context("reading the training loss")?;
+        self.state.epoch_loss_sum = r.epoch_loss_sum;
+        self.state.epoch_correct = r.epoch_correct;
+        Ok(Some(r.step_loss_sum))
+    }
+
+    /// The step's record, on a logged step: the one step that reads the loss.
+    fn record_step(&mut self, skipped: bool, samples: usize, lr: f64, seconds: f64, clock: &EpochClock) -> Result<()> {
         let rate = clock.seen as f64 / clock.t0.elapsed().as_secs_f64().max(1e-9);
         let every = self.settings.log_every;
         if every > 0 && self.state.global_step % every == 0 {
+            let loss = self.read_tally()?.unwrap_or(f64::NAN) / samples as f64;
+            self.session.last_loss = Some(loss);
             let e = StepEvent {
                 epoch: self.state.epoch + 1,
                 step: self.state.global_step,
@@ -716,20 +751,23 @@ impl Trainer {
                 samples_per_s: rate,
                 memory: std::mem::take(&mut self.session.windows.line),
                 loss_scale: self.state.scaler.map(|s| s.scale),
-                skipped: out.found_inf,
+                skipped,
+                host_reads: self.session.reads.take(),
             };
             self.emit(Event::Step(e))?;
         }
         let w = &self.session.windows.epoch;
         let mem = w.allocated_bytes.unwrap_or(w.rss_bytes);
+        let loss = self.session.last_loss;
         self.out.progress.step(self.state.groups_done as u64, || {
-            format!("loss {loss:.4}  {rate:.1} samples/s  mem {}", human_bytes(mem))
+            let loss = loss.map_or("-".into(), |l| format!("{l:.4}"));
+            format!("loss {loss}  {rate:.1} samples/s  mem {}", human_bytes(mem))
         });
         Ok(())
     }
 
     /// After a step: an interrupt saves and ends the run; `--max-steps` ends it unsaved.
-    fn stop_point(&mut self, out: &StepOutput, clock: &EpochClock) -> Result<Option<Status>> {
+    fn stop_point(&mut self, out: &Stepped, clock: &EpochClock) -> Result<Option<Status>> {
         let stop = self.session.stop.clone();
         crate::fault::await_signal_at(self.state.global_step, || stop.requested());
         // Data-parallel ranks stop on the step they agreed on, never on their own.
@@ -759,6 +797,7 @@ impl Trainer {
     fn end_epoch(&mut self, clock: &EpochClock) -> Result<()> {
         let (epoch, epochs) = (self.state.epoch, self.settings.epochs);
         let seconds = clock.t0.elapsed().as_secs_f64();
+        self.read_tally()?;
         let val = self.validate()?;
         let mut mem = memory::sample(self.place());
         mem.include(&self.session.windows.epoch);
@@ -801,6 +840,7 @@ impl Trainer {
             cache: (&self.out.cache).into(),
             genotype,
             ranks,
+            host_reads: self.session.reads.take(),
         };
         self.emit(Event::Epoch(ev))?;
         self.state.monitored = match self.settings.monitor {
@@ -820,6 +860,7 @@ impl Trainer {
         s.epoch_loss_sum = 0.0;
         s.epoch_correct = 0;
         s.epoch_seen = 0;
+        self.session.tally = Tally::new(self.pipeline.forward.device, 0.0, 0);
         let every = self.settings.checkpoint_every;
         let last_epoch = s.epoch == self.settings.epochs;
         s.finished = last_epoch;
@@ -884,6 +925,7 @@ impl Trainer {
                 skipped_steps: scalers.iter().flatten().map(|s| s.skipped_steps).sum(),
                 activation_checkpointing: self.recovery.engaged().contains("recompute"),
             },
+            host_reads: readback::count(),
         };
         self.out.recorder.close(closing)
     }

@@ -46,7 +46,8 @@ extern "C" {
     fn mt_cpu_alloc_reset_peak();
     fn mt_host_scope_enter();
     fn mt_host_scope_exit();
-    fn mt_cuda_mem_get_info(device: i64, free: *mut u64, total: *mut u64) -> *mut c_char;
+    fn mt_cuda_device_facts(ordinal: i64, total: *mut u64, uuid: *mut u8) -> *mut c_char;
+    fn mt_cuda_set_memory_fraction(fraction: f64, device: i64) -> *mut c_char;
     fn mt_free_error(e: *mut c_char);
     fn mt_accelerator_available() -> i32;
     fn mt_accelerator_device_count(out: *mut i64) -> *mut c_char;
@@ -310,15 +311,47 @@ impl Drop for HostScope {
     }
 }
 
-/// (free, total) bytes of CUDA device `device` from the CUDA runtime itself, without starting
-/// the caching allocator (whose settings must still be open to change); `None` without CUDA.
-pub fn cuda_mem_get_info(device: usize) -> Result<Option<(u64, u64)>> {
+/// What the driver says of a CUDA device, read without creating a context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CudaDeviceFacts {
+    pub total_bytes: u64,
+    pub uuid: [u8; 16],
+}
+
+impl CudaDeviceFacts {
+    /// The UUID as NVML writes it: `GPU-` and 8-4-4-4-12 hex digits.
+    pub fn nvml_uuid(&self) -> String {
+        let hex: String = self.uuid.iter().map(|b| format!("{b:02x}")).collect();
+        format!(
+            "GPU-{}-{}-{}-{}-{}",
+            &hex[0..8],
+            &hex[8..12],
+            &hex[12..16],
+            &hex[16..20],
+            &hex[20..32]
+        )
+    }
+}
+
+/// Caps CUDA device `device` at `fraction` of its memory on the caching allocator itself, which
+/// every allocator backend honours (cudaMallocAsync ignores the allocator settings' fraction).
+/// Initialises CUDA: the allocator settings must already be in the environment.
+pub fn cuda_set_memory_fraction(fraction: f64, device: usize) -> Result<()> {
+    check(unsafe { mt_cuda_set_memory_fraction(fraction, device as i64) })
+}
+
+/// CUDA device `ordinal`'s total memory and UUID, without a context and without starting the
+/// caching allocator (whose settings must still be open to change); `None` without CUDA.
+pub fn cuda_device_facts(ordinal: usize) -> Result<Option<CudaDeviceFacts>> {
     if !accelerator_available() {
         return Ok(None);
     }
-    let (mut free, mut total) = (0u64, 0u64);
-    check(unsafe { mt_cuda_mem_get_info(device as i64, &mut free, &mut total) })?;
-    Ok(Some((free, total)))
+    let mut f = CudaDeviceFacts {
+        total_bytes: 0,
+        uuid: [0; 16],
+    };
+    check(unsafe { mt_cuda_device_facts(ordinal as i64, &mut f.total_bytes, f.uuid.as_mut_ptr()) })?;
+    Ok(Some(f))
 }
 
 /// c10::DeviceType and index of a tch device.
@@ -482,6 +515,17 @@ impl ScriptModule {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_device_uuid_is_written_as_nvml_writes_it() {
+        let f = CudaDeviceFacts {
+            total_bytes: 0,
+            uuid: [
+                0x5a, 0x1b, 0x2c, 0x3d, 0x4e, 0x5f, 0x60, 0x71, 0x82, 0x93, 0xa4, 0xb5, 0xc6, 0xd7, 0xe8, 0xf9,
+            ],
+        };
+        assert_eq!(f.nvml_uuid(), "GPU-5a1b2c3d-4e5f-6071-8293-a4b5c6d7e8f9");
+    }
 
     #[test]
     fn backtrace_is_cut_from_errors() {

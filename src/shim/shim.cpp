@@ -36,6 +36,9 @@
 #ifdef MEMTRAIN_HAVE_CUDA
 #include <torch/csrc/cuda/memory_snapshot.h>
 #endif
+#ifdef MEMTRAIN_HAVE_CUDA_RUNTIME
+#include <c10/cuda/CUDACachingAllocator.h>
+#endif
 
 #include "guard.h"
 
@@ -349,27 +352,51 @@ char *mt_memory_snapshot(char **data, uint64_t *len) {
 
 void mt_free_buffer(char *b) { std::free(b); }
 
-// Free and total memory of a CUDA device straight from the CUDA runtime (cudaMemGetInfo), which
-// libtorch_cuda has loaded. Unlike the caching allocator's view this needs no allocator, so a
-// memory.limit can become a fraction before the allocator reads its settings; it is right under
-// MIG slices and any CUDA_VISIBLE_DEVICES order, and needs no NVML.
-char *mt_cuda_mem_get_info(int64_t device, uint64_t *free_bytes, uint64_t *total_bytes) {
+// The cap as a fraction of a CUDA device, set on the allocator itself once CUDA is
+// initialised (the allocator settings are read then, so the plan's environment must be set
+// first). PYTORCH_CUDA_ALLOC_CONF's per_process_memory_fraction is the native allocator's
+// option; backend:cudaMallocAsync honours only this call, which both backends implement.
+char *mt_cuda_set_memory_fraction(double fraction, int64_t device) {
   return guarded([&] {
-    using GetDevice = int (*)(int *);
-    using SetDevice = int (*)(int);
-    using MemGetInfo = int (*)(size_t *, size_t *);
-    auto get = reinterpret_cast<GetDevice>(dlsym(RTLD_DEFAULT, "cudaGetDevice"));
-    auto set = reinterpret_cast<SetDevice>(dlsym(RTLD_DEFAULT, "cudaSetDevice"));
-    auto info = reinterpret_cast<MemGetInfo>(dlsym(RTLD_DEFAULT, "cudaMemGetInfo"));
-    if (!get || !set || !info) throw std::runtime_error("the CUDA runtime (libcudart) is not loaded");
-    int prev = 0;
-    if (get(&prev) != 0) throw std::runtime_error("cudaGetDevice failed");
-    if (set(static_cast<int>(device)) != 0) throw std::runtime_error("cudaSetDevice failed");
-    size_t f = 0, t = 0;
-    int rc = info(&f, &t);
-    set(prev);
-    if (rc != 0) throw std::runtime_error("cudaMemGetInfo failed with CUDA error " + std::to_string(rc));
-    *free_bytes = f;
+#ifdef MEMTRAIN_HAVE_CUDA_RUNTIME
+    at::globalContext().lazyInitDevice(c10::DeviceType::CUDA);
+    c10::cuda::CUDACachingAllocator::setMemoryFraction(fraction, static_cast<c10::DeviceIndex>(device));
+#else
+    throw std::runtime_error(
+        "this memtrain was built without the CUDA runtime's headers, so it cannot cap the CUDA allocator; "
+        "rebuild after scripts/bootstrap (it installs nvidia-cuda-crt and nvidia-cuda-cccl beside torch)");
+#endif
+  });
+}
+
+// A CUDA device's total memory and UUID from the driver API (libcuda.so.1), which needs no
+// context: cudaMemGetInfo would create one, about 0.5 GiB the run could then not use, and under
+// EXCLUSIVE_PROCESS compute mode the only context the device allows. The driver numbers devices
+// as the runtime does (CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER); the UUID is what NVML, which
+// ignores both, is matched on.
+char *mt_cuda_device_facts(int64_t ordinal, uint64_t *total_bytes, unsigned char *uuid16) {
+  return guarded([&] {
+    void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) throw std::runtime_error("the NVIDIA driver's libcuda.so.1 cannot be loaded");
+    using Init = int (*)(unsigned int);
+    using DeviceGet = int (*)(int *, int);
+    using TotalMem = int (*)(size_t *, int);
+    using GetUuid = int (*)(unsigned char *, int);  // CUuuid: 16 bytes
+    auto init = reinterpret_cast<Init>(dlsym(lib, "cuInit"));
+    auto get = reinterpret_cast<DeviceGet>(dlsym(lib, "cuDeviceGet"));
+    auto total = reinterpret_cast<TotalMem>(dlsym(lib, "cuDeviceTotalMem_v2"));
+    auto uuid = reinterpret_cast<GetUuid>(dlsym(lib, "cuDeviceGetUuid_v2"));
+    if (!uuid) uuid = reinterpret_cast<GetUuid>(dlsym(lib, "cuDeviceGetUuid"));
+    if (!init || !get || !total || !uuid) throw std::runtime_error("libcuda.so.1 lacks the driver calls memtrain needs");
+    auto must = [](int rc, const char *what) {
+      if (rc != 0) throw std::runtime_error(std::string(what) + " failed with CUDA driver error " + std::to_string(rc));
+    };
+    must(init(0), "cuInit");
+    int dev = 0;
+    must(get(&dev, static_cast<int>(ordinal)), "cuDeviceGet");
+    size_t t = 0;
+    must(total(&t, dev), "cuDeviceTotalMem");
+    must(uuid(uuid16, dev), "cuDeviceGetUuid");
     *total_bytes = t;
   });
 }

@@ -13,5 +13,6 @@ mod oracle;
 mod placement;
 mod placement_stream;
 mod precision;
+mod reads;
 mod report;
 mod training;

@@ -127,6 +127,7 @@ mod tests {
             blockwise,
             data_parallel,
             state_slots: 0,
+            torchscript: false,
         }
     }
 

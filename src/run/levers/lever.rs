@@ -31,6 +31,9 @@ pub struct Situation {
     pub data_parallel: bool,
     /// State tensors the weights' optimizer keeps per parameter (0: plain SGD).
     pub state_slots: usize,
+    /// The model is a TorchScript module: tensors its graph holds as constants were loaded onto
+    /// the device and are no variables that could be moved.
+    pub torchscript: bool,
 }
 
 /// How `fit` treats a lever.

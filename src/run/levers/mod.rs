@@ -137,6 +137,7 @@ pub fn check_lines(spec: &crate::spec::Spec, e: &Estimate) -> String {
         blockwise: e.blockwise,
         data_parallel: false,
         state_slots: e.state_per_weight as usize,
+        torchscript: spec.model.preset == "torchscript",
     };
     let on_oom: Vec<&str> = spec.memory.on_oom.iter().map(|a| a.name()).collect();
     // With what each brings along (streamed parameters: recomputation, host state and gradients).

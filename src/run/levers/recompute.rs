@@ -72,6 +72,7 @@ mod tests {
             blockwise: has_blocks,
             data_parallel: false,
             state_slots: 2,
+            torchscript: false,
         }
     }
 

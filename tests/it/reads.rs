@@ -1,0 +1,68 @@
+//! The step pipeline's reads off the device, counted in the records: one per logged step (the
+//! loss, read after the optimizer step is launched), none on the steps between, one more per
+//! step for fp16-mixed's found-inf check. On the CPU a read costs nothing, but the count is the
+//! one a GPU run makes, where each read stops the host until the device has caught up.
+use crate::common::*;
+
+/// Digits MLP, one epoch of 45 steps of two micro-batches each (so the next micro-batch's copy
+/// is issued while one runs), clipping on, a step record every 4 steps.
+fn counted() -> Test {
+    Test::new()
+        .set("train.epochs", 1)
+        .set("train.batch_size", 16)
+        .set("train.accumulation_steps", 2)
+        .set("train.grad_clip_norm", 1.0)
+        .set("log.every_steps", 4)
+}
+
+#[test]
+fn a_logged_step_reads_once_and_the_steps_between_read_nothing() {
+    let r = counted().run();
+    let steps = r.steps();
+    // Steps 4, 8, ..., 44.
+    assert_eq!(steps.len(), 11);
+    for s in &steps {
+        assert_eq!(
+            s.host_reads, 1,
+            "step {}: {} reads in its window of 4 steps",
+            s.step, s.host_reads
+        );
+        assert!(s.loss.is_finite(), "step {}", s.step);
+    }
+    // The epoch's end: validation's sums (one read) and the training sums of step 45, which no
+    // step record read (one more).
+    let epochs = r.epochs();
+    assert_eq!(epochs[0].host_reads, 2);
+    assert_eq!(r.summary().host_reads, 11 + 2);
+}
+
+#[test]
+fn reading_the_loss_less_often_changes_nothing_it_trains() {
+    let sparse = counted().name("sparse").run();
+    let every = counted().name("every").set("log.every_steps", 1).run();
+    assert_eq!(sparse.final_bytes(), every.final_bytes());
+    // The epoch's sums, read once at its end, equal those read after every step.
+    let (a, b) = (&sparse.epochs()[0], &every.epochs()[0]);
+    assert_eq!(a.train_loss.to_bits(), b.train_loss.to_bits());
+    assert_eq!(a.train_acc, b.train_acc);
+    assert_eq!(a.val_loss, b.val_loss);
+    // The logged steps' losses are the same steps' losses.
+    let by_step = |o: &Outcome, n: i64| o.steps().into_iter().find(|s| s.step == n).unwrap().loss;
+    for n in [4, 20, 44] {
+        assert_eq!(by_step(&sparse, n).to_bits(), by_step(&every, n).to_bits(), "step {n}");
+    }
+    assert!(every.steps().iter().all(|s| s.host_reads == 1));
+}
+
+#[test]
+fn fp16_mixed_adds_one_read_per_step_for_the_scalers_check() {
+    let r = counted()
+        .set("train.precision", "fp16-mixed")
+        .args(&["--max-steps", "8"])
+        .run();
+    let steps = r.steps();
+    assert_eq!(steps.len(), 2);
+    for s in &steps {
+        assert_eq!(s.host_reads, 1 + 4, "step {}", s.step);
+    }
+}
