@@ -5,6 +5,7 @@ mod common;
 mod cpu_allocator;
 mod distributed;
 mod fit;
+mod gpu_check;
 mod foundation;
 mod models;
 mod oom;
