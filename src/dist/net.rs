@@ -32,7 +32,11 @@ fn interfaces(value: &str, existing: &[String]) -> Result<GlooDevice> {
         bail!(
             "{IFNAME}={value:?}: this machine has no network interface {bad:?} (it has: {}); set it to the \
              interface the other nodes reach this one on, or unset it to use the one that reaches MASTER_ADDR",
-            if existing.is_empty() { "none found in /sys/class/net".to_owned() } else { existing.join(", ") }
+            if existing.is_empty() {
+                "none found in /sys/class/net".to_owned()
+            } else {
+                existing.join(", ")
+            }
         );
     }
     Ok(GlooDevice::Interfaces(names))
@@ -56,7 +60,11 @@ fn route_to(master: &str, port: u16) -> Result<IpAddr> {
         .collect();
     let mut last = None;
     for a in &addrs {
-        let any: IpAddr = if a.is_ipv4() { Ipv4Addr::UNSPECIFIED.into() } else { Ipv6Addr::UNSPECIFIED.into() };
+        let any: IpAddr = if a.is_ipv4() {
+            Ipv4Addr::UNSPECIFIED.into()
+        } else {
+            Ipv6Addr::UNSPECIFIED.into()
+        };
         let found = UdpSocket::bind((any, 0))
             .and_then(|s| s.connect(a).and_then(|()| s.local_addr()))
             .map(|l| l.ip());
@@ -86,7 +94,10 @@ mod tests {
         };
         assert!(ip.is_loopback(), "{ip}");
         // An empty variable is no choice.
-        assert!(matches!(gloo_device(Some(" "), "127.0.0.1", 1).unwrap(), GlooDevice::Address(_)));
+        assert!(matches!(
+            gloo_device(Some(" "), "127.0.0.1", 1).unwrap(),
+            GlooDevice::Address(_)
+        ));
     }
 
     #[test]
@@ -105,6 +116,9 @@ mod tests {
     #[test]
     fn an_unresolvable_master_is_named() {
         let e = route_to("no-such-host.invalid", 29500).unwrap_err().to_string();
-        assert!(e.contains("MASTER_ADDR=\"no-such-host.invalid\" does not resolve"), "{e}");
+        assert!(
+            e.contains("MASTER_ADDR=\"no-such-host.invalid\" does not resolve"),
+            "{e}"
+        );
     }
 }

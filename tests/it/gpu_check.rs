@@ -22,7 +22,10 @@ fn gpu_check_passes_its_self_test() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "scripts/gpu-check --self-test failed:\n{err}");
     assert!(err.contains("OK"), "{err}");
-    assert!(!err.contains("skipped"), "the rehearsal must run here (MEMTRAIN_BIN is set):\n{err}");
+    assert!(
+        !err.contains("skipped"),
+        "the rehearsal must run here (MEMTRAIN_BIN is set):\n{err}"
+    );
 }
 
 #[test]
@@ -35,7 +38,10 @@ fn gpu_check_without_a_gpu_stops_at_once_and_says_why() {
     let o = gpu_check().output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(2), "{err}");
-    assert!(err.contains("gpu-check: no CUDA device: torch.cuda.is_available() is False"), "{err}");
+    assert!(
+        err.contains("gpu-check: no CUDA device: torch.cuda.is_available() is False"),
+        "{err}"
+    );
     assert!(o.stdout.is_empty(), "no table without checks");
     assert!(t.elapsed() < Duration::from_secs(60), "took {:?}", t.elapsed());
 }
