@@ -660,10 +660,10 @@ device = "{device}"
 preset = "resnet18"
 [model.resnet18]
 num_classes = 10
-image_size = 64
+image_size = 128
 [data]
 source = "synthetic"
-samples = 640
+samples = 320
 [train]
 epochs = 1
 batch_size = 64
