@@ -886,7 +886,9 @@ OPTIMIZER_IMPLS = [("single", "single"), ("foreach", "foreach"), ("fused", "fuse
 def check_optimizers(r, probe):
     sys.path.insert(0, os.path.join(HERE, "bench"))
     try:
-        import driver  # noqa: F401  (writes the job's data with numpy)
+        import numpy  # noqa: F401  (the job's data and the PyTorch side's data order need it)
+
+        import driver
         import jobs
     except ImportError as e:
         return [Check(f"optimizer {i}", "torch.optim comparison", f"cannot import the bench helpers: {e}", False)
