@@ -22,6 +22,11 @@ pub fn gloo_device(ifname: Option<&str>, master: &str, port: u16) -> Result<Gloo
 }
 
 fn interfaces(value: &str, existing: &[String]) -> Result<GlooDevice> {
+    interfaces_with(value, existing, &addressed_interfaces())
+}
+
+/// `existing`: the machine's interfaces; `addressed`: those with an IP address (Gloo binds to one).
+fn interfaces_with(value: &str, existing: &[String], addressed: &[String]) -> Result<GlooDevice> {
     let names: Vec<String> = value
         .split(',')
         .map(str::trim)
@@ -39,7 +44,49 @@ fn interfaces(value: &str, existing: &[String]) -> Result<GlooDevice> {
             }
         );
     }
+    if let Some(bare) = names.iter().find(|n| !addressed.contains(n)) {
+        bail!(
+            "{IFNAME}={value:?}: network interface {bare:?} has no IP address (it is down or unconfigured); \
+             name one that has (with an address here: {}), or unset it to use the one that reaches MASTER_ADDR",
+            if addressed.is_empty() {
+                "none".to_owned()
+            } else {
+                addressed.join(", ")
+            }
+        );
+    }
     Ok(GlooDevice::Interfaces(names))
+}
+
+/// The interfaces with an IPv4 or IPv6 address, sorted.
+fn addressed_interfaces() -> Vec<String> {
+    let mut names = Vec::new();
+    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills a list that freeifaddrs releases; it is only read in between.
+    unsafe {
+        if libc::getifaddrs(&mut head) != 0 {
+            return names;
+        }
+        let mut p = head;
+        while !p.is_null() {
+            let a = &*p;
+            let family = if a.ifa_addr.is_null() {
+                -1
+            } else {
+                i32::from((*a.ifa_addr).sa_family)
+            };
+            if family == libc::AF_INET || family == libc::AF_INET6 {
+                let name = std::ffi::CStr::from_ptr(a.ifa_name).to_string_lossy().into_owned();
+                if !names.contains(&name) {
+                    names.push(name);
+                }
+            }
+            p = a.ifa_next;
+        }
+        libc::freeifaddrs(head);
+    }
+    names.sort();
+    names
 }
 
 /// The interfaces the kernel lists, sorted.
@@ -102,12 +149,18 @@ mod tests {
 
     #[test]
     fn named_interfaces_must_exist() {
-        let have = vec!["eth0".to_owned(), "lo".to_owned()];
+        let have = vec!["eth0".to_owned(), "ifb0".to_owned(), "lo".to_owned()];
+        let addressed = vec!["eth0".to_owned(), "lo".to_owned()];
         assert_eq!(
-            interfaces("eth0, lo", &have).unwrap(),
+            interfaces_with("eth0, lo", &have, &addressed).unwrap(),
             GlooDevice::Interfaces(vec!["eth0".into(), "lo".into()])
         );
-        let e = interfaces("eth0,ib0", &have).unwrap_err().to_string();
+        let e = interfaces_with("ifb0", &have, &addressed).unwrap_err().to_string();
+        assert!(e.contains("\"ifb0\" has no IP address"), "{e}");
+        assert!(e.contains("with an address here: eth0, lo"), "{e}");
+        assert!(addressed_interfaces().contains(&"lo".to_owned()));
+        let have = vec!["eth0".to_owned(), "lo".to_owned()];
+        let e = interfaces_with("eth0,ib0", &have, &addressed).unwrap_err().to_string();
         assert!(e.contains("no network interface \"ib0\" (it has: eth0, lo)"), "{e}");
         assert!(e.contains("GLOO_SOCKET_IFNAME=\"eth0,ib0\""), "{e}");
         assert!(existing_interfaces().contains(&"lo".to_owned()));
