@@ -212,7 +212,12 @@ def judge_info(info, probe):
     )
     gpus = info.get("gpus") or []
     if get(info, "cuda.available") is not True or not gpus:
-        return Check(name, expected, f"cuda.available={get(info, 'cuda.available')}, {len(gpus)} GPU(s)", False)
+        seen = f"cuda.available={get(info, 'cuda.available')}, {len(gpus)} GPU(s)"
+        if probe.get("available"):
+            # torch sees the GPU and the binary does not: every CUDA run below fails for that reason.
+            seen += (f" although torch sees {probe.get('count')}: is the binary linked with libtorch_cuda "
+                     "(ldd memtrain | grep torch_cuda) and LD_LIBRARY_PATH at a CUDA torch/lib?")
+        return Check(name, expected, seen, False)
     g = gpus[0]
     problems = []
     if get(info, "cuda.device_count") != probe.get("count"):

@@ -117,7 +117,9 @@ class Judges(unittest.TestCase):
         c = g.judge_info(info(name="CUDA device 0", total_bytes=40 * GiB), PROBE)
         self.assertIn("name", c.seen)
         self.assertIn("total", c.seen)
-        self.assertFalse(g.judge_info({"cuda": {"available": False}, "gpus": []}, PROBE).ok)
+        c = g.judge_info({"cuda": {"available": False}, "gpus": []}, PROBE)
+        self.assertFalse(c.ok)
+        self.assertIn("although torch sees 1: is the binary linked with libtorch_cuda", c.seen)
 
     def test_backoff_and_fallback(self):
         s = {"status": "completed", "device": "cuda:0", "oom": {"backoffs": 2, "cpu_fallbacks": 0},
