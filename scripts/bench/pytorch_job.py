@@ -169,10 +169,14 @@ def cmd_train(a):
     x_all, y_all = torch.from_numpy(d["x"]).clone(), torch.from_numpy(d["y"]).clone()
     params = model.weight_parameters() if darts else [p for _, p in sorted(model.named_parameters())]
     o = jobs.JOBS[a.job]["train"]
+    # torch.optim's implementations: the for-loop one, foreach (multi-tensor), fused (one kernel);
+    # "default" leaves the choice to torch (foreach on CUDA).
+    impl = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True},
+            "default": {}}[a.optimizer_impl]
     if o["optimizer"] == "sgd":
-        opt = torch.optim.SGD(params, lr=o["lr"], momentum=o["momentum"], weight_decay=o["weight_decay"])
+        opt = torch.optim.SGD(params, lr=o["lr"], momentum=o["momentum"], weight_decay=o["weight_decay"], **impl)
     else:
-        opt = torch.optim.AdamW(params, lr=o["lr"], weight_decay=o["weight_decay"])
+        opt = torch.optim.AdamW(params, lr=o["lr"], weight_decay=o["weight_decay"], **impl)
     autocast_dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16-mixed" else None
 
@@ -293,6 +297,8 @@ def main():
     s.add_argument("--counting", default=None, help="the shim as a shared library (CPU memory)")
     s.add_argument("--keep-grads", action="store_true",
                    help="zero_grad(set_to_none=False), as memtrain does: to measure what dropping them saves")
+    s.add_argument("--optimizer-impl", default="default", choices=["single", "foreach", "fused", "default"],
+                   help="torch.optim's implementation (scripts/gpu_check.py compares memtrain's with each)")
     s.add_argument("--launched", type=float, default=None, help="when the driver started this process")
     s.add_argument("--result", required=True)
     a = p.parse_args()

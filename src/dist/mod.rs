@@ -9,6 +9,7 @@
 //! correct count. An OOM anywhere makes every rank roll back the same group and take the same
 //! recovery decision; a stop request anywhere stops every rank after the same group.
 pub mod launch;
+pub mod net;
 
 use std::time::Duration;
 
@@ -17,7 +18,12 @@ use tch::{Device, Kind, Tensor};
 
 use crate::optim::Optimizer;
 use crate::records::RankPeak;
-use crate::shim::dist::{Group, Join, Reducer};
+use crate::shim::dist::{GlooDevice, Group, Join, Reducer};
+
+/// Test-only switch: a process not launched as a rank forms a group of one (Gloo on the CPU,
+/// NCCL on CUDA) and trains through the data-parallel path, so that path can be checked on a
+/// machine with one GPU (scripts/gpu-check) or one core.
+pub const SINGLE_RANK_GROUP: &str = "MEMTRAIN_TEST_SINGLE_RANK_GROUP";
 
 /// How long a collective waits for the other ranks before failing (a dead or hung rank).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(120);
@@ -53,7 +59,36 @@ impl World {
                 })
                 .transpose()
         };
-        let (Some(rank), Some(size)) = (num("RANK")?, num("WORLD_SIZE")?) else {
+        let timeout = match get("MEMTRAIN_DIST_TIMEOUT") {
+            Some(v) => Duration::from_secs_f64(
+                v.trim()
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|s| *s > 0.0)
+                    .with_context(|| format!("MEMTRAIN_DIST_TIMEOUT={v:?}: give seconds, e.g. 120"))?,
+            ),
+            None => DEFAULT_TIMEOUT,
+        };
+        let single = match get(SINGLE_RANK_GROUP).as_deref().map(str::trim) {
+            None | Some("" | "0") => false,
+            Some("1") => true,
+            Some(v) => bail!("{SINGLE_RANK_GROUP}={v:?}: set it to 1 (a one-rank group) or 0"),
+        };
+        let (rank, size) = (num("RANK")?, num("WORLD_SIZE")?);
+        if single && size.unwrap_or(1) <= 1 {
+            // Port 0: rank 0's store takes a free port, and nobody else needs to know it.
+            return Ok(Some(World {
+                rank: 0,
+                size: 1,
+                local_rank: 0,
+                local_size: 1,
+                addr: "127.0.0.1".into(),
+                port: 0,
+                agent_store: false,
+                timeout,
+            }));
+        }
+        let (Some(rank), Some(size)) = (rank, size) else {
             return Ok(None);
         };
         if size <= 1 {
@@ -70,16 +105,6 @@ impl World {
             .trim()
             .parse::<u16>()
             .with_context(|| format!("MASTER_PORT={port:?} is not a port number"))?;
-        let timeout = match get("MEMTRAIN_DIST_TIMEOUT") {
-            Some(v) => Duration::from_secs_f64(
-                v.trim()
-                    .parse::<f64>()
-                    .ok()
-                    .filter(|s| *s > 0.0)
-                    .with_context(|| format!("MEMTRAIN_DIST_TIMEOUT={v:?}: give seconds, e.g. 120"))?,
-            ),
-            None => DEFAULT_TIMEOUT,
-        };
         Ok(Some(World {
             rank,
             size,
@@ -191,6 +216,11 @@ impl Dist {
             Device::Cuda(i) => Some(i),
             _ => None,
         };
+        let gloo = match cuda_device {
+            None => net::gloo_device(std::env::var(net::IFNAME).ok().as_deref(), &world.addr, world.port)
+                .with_context(|| format!("rank {} of {}: choosing Gloo's network device", world.rank, world.size))?,
+            Some(_) => GlooDevice::Interfaces(vec![]),
+        };
         let group = Group::join(&Join {
             host: &world.addr,
             port: world.port,
@@ -199,6 +229,7 @@ impl Dist {
             host_store: !world.agent_store,
             prefix: "memtrain/",
             cuda_device,
+            gloo: &gloo,
             timeout_ms: world.timeout.as_millis() as i64,
         })
         .with_context(|| {
@@ -464,5 +495,26 @@ mod tests {
         assert!(e.to_string().contains("not below"), "{e}");
         let e = World::from_lookup(env(&[("RANK", "0"), ("WORLD_SIZE", "2")])).unwrap_err();
         assert!(e.to_string().contains("MASTER_ADDR"), "{e}");
+        let one = World::from_lookup(env(&[("MEMTRAIN_TEST_SINGLE_RANK_GROUP", "1")]))
+            .unwrap()
+            .unwrap();
+        assert_eq!((one.rank, one.size, one.port, one.agent_store), (0, 1, 0, false));
+        assert_eq!(
+            World::from_lookup(env(&[("MEMTRAIN_TEST_SINGLE_RANK_GROUP", "0")])).unwrap(),
+            None
+        );
+        // Launched as one of several ranks, the switch changes nothing.
+        let w = World::from_lookup(env(&[
+            ("MEMTRAIN_TEST_SINGLE_RANK_GROUP", "1"),
+            ("RANK", "1"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29500"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(w.size, 2);
+        let e = World::from_lookup(env(&[("MEMTRAIN_TEST_SINGLE_RANK_GROUP", "yes")])).unwrap_err();
+        assert!(e.to_string().contains("set it to 1"), "{e}");
     }
 }

@@ -97,6 +97,14 @@ fn join(world: Option<World>, plan: &mut Plan) -> Result<(Execution, Option<Remo
     let Some(w) = world else {
         return Ok((Execution::Local, None));
     };
+    if plan.device != DevicePlan::Cpu && !shim::dist::backends().nccl && w.size == 1 {
+        return Err(UsageError(format!(
+            "{}=1 asks for a one-rank NCCL group on {}, and this memtrain was built without NCCL's headers; unset it, set job.device = \"cpu\" for a one-rank Gloo group, or build with a CUDA toolkit (see README)",
+            crate::dist::SINGLE_RANK_GROUP,
+            device_name(plan.device.tch())
+        ))
+        .into());
+    }
     if plan.device != DevicePlan::Cpu && !shim::dist::backends().nccl {
         return Err(UsageError(format!(
             "data-parallel training on {} needs NCCL, and this memtrain was built without NCCL's headers; set job.device = \"cpu\" to train on Gloo, or rebuild after scripts/bootstrap, which installs them (see README, Data-parallel training)",
@@ -110,6 +118,13 @@ fn join(world: Option<World>, plan: &mut Plan) -> Result<(Execution, Option<Remo
         // Edition 2021: safe. Before the group exists, so a lost peer comes back as an error
         // from wait() (and rank 0 saves) instead of the watchdog ending the process.
         std::env::set_var(k, v);
+    }
+    if w.size == 1 {
+        tracing::info!(
+            "{}=1: training as a one-rank {} group",
+            crate::dist::SINGLE_RANK_GROUP,
+            if plan.device == DevicePlan::Cpu { "Gloo" } else { "NCCL" }
+        );
     }
     let d = Dist::join(w, plan.device.tch())?;
     d.barrier()?;

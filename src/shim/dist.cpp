@@ -93,9 +93,12 @@ int mt_dist_backends() {
 
 // Joins the group: rank 0 hosts the TCPStore at host:port unless `server` is 0 (torchrun's
 // agent already hosts it). `prefix` keeps this group's keys apart from the launcher's and
-// from earlier groups. `cuda` picks NCCL (on device `device`), otherwise Gloo.
+// from earlier groups. `cuda` picks NCCL (on device `device`), otherwise Gloo, whose pairs use
+// the interfaces named in `gloo_ifaces` (comma-separated, GLOO_SOCKET_IFNAME's form) or, when it
+// is empty, the local address `gloo_host` (the one that reaches the rendezvous host).
 char *mt_dist_group_new(const char *host, int port, int rank, int size, int server, const char *prefix,
-                        int cuda, int64_t device, int64_t timeout_ms, MtGroup **out) {
+                        int cuda, int64_t device, const char *gloo_ifaces, const char *gloo_host,
+                        int64_t timeout_ms, MtGroup **out) {
   return guarded([&] {
     auto timeout = std::chrono::milliseconds(timeout_ms);
     c10d::TCPStoreOptions opts;
@@ -126,10 +129,21 @@ char *mt_dist_group_new(const char *host, int port, int rank, int size, int serv
     } else {
 #ifdef MEMTRAIN_HAVE_GLOO
       auto o = c10d::ProcessGroupGloo::Options::create(timeout);
-      std::string h(host);
-      bool local = h == "127.0.0.1" || h == "localhost" || h == "::1";
-      o->devices.push_back(local ? c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1")
-                                 : c10d::ProcessGroupGloo::createDefaultDevice());
+      // Not createDefaultDevice: it binds to what this machine's hostname resolves to, which
+      // may be an address the other nodes cannot reach (127.0.1.1 on Debian, a docker bridge).
+      std::string ifaces(gloo_ifaces);
+      if (ifaces.empty()) {
+        o->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname(std::string(gloo_host)));
+      } else {
+        std::size_t start = 0;
+        while (start <= ifaces.size()) {
+          auto end = ifaces.find(',', start);
+          if (end == std::string::npos) end = ifaces.size();
+          auto name = ifaces.substr(start, end - start);
+          if (!name.empty()) o->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(name));
+          start = end + 1;
+        }
+      }
       auto backend = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, o);
       pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, backend);
       pg->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);

@@ -35,6 +35,8 @@ extern "C" {
         prefix: *const c_char,
         cuda: i32,
         device: i64,
+        gloo_ifaces: *const c_char,
+        gloo_host: *const c_char,
         timeout_ms: i64,
         out: *mut *mut MtGroup,
     ) -> *mut c_char;
@@ -98,7 +100,18 @@ pub struct Join<'a> {
     pub prefix: &'a str,
     /// NCCL on this CUDA device; Gloo when None.
     pub cuda_device: Option<usize>,
+    /// Gloo only: where its connections to the other ranks go.
+    pub gloo: &'a GlooDevice,
     pub timeout_ms: i64,
+}
+
+/// The network device Gloo's connections use.
+#[derive(Debug, Clone, PartialEq)]
+pub enum GlooDevice {
+    /// Interfaces by name (GLOO_SOCKET_IFNAME), each checked to exist.
+    Interfaces(Vec<String>),
+    /// The local address that reaches the rendezvous host.
+    Address(std::net::IpAddr),
 }
 
 /// A c10d process group (ProcessGroupGloo or ProcessGroupNCCL behind a ProcessGroup).
@@ -128,6 +141,11 @@ impl Group {
     pub fn join(j: &Join) -> Result<Group> {
         let host = CString::new(j.host)?;
         let prefix = CString::new(j.prefix)?;
+        let (ifaces, gloo_host) = match j.gloo {
+            GlooDevice::Interfaces(names) => (names.join(","), String::new()),
+            GlooDevice::Address(ip) => (String::new(), ip.to_string()),
+        };
+        let (ifaces, gloo_host) = (CString::new(ifaces)?, CString::new(gloo_host)?);
         let mut ptr = std::ptr::null_mut();
         check(unsafe {
             mt_dist_group_new(
@@ -139,6 +157,8 @@ impl Group {
                 prefix.as_ptr(),
                 j.cuda_device.is_some() as i32,
                 j.cuda_device.unwrap_or(0) as i64,
+                ifaces.as_ptr(),
+                gloo_host.as_ptr(),
                 j.timeout_ms,
                 &mut ptr,
             )

@@ -318,3 +318,84 @@ fn a_killed_rank_stops_the_other_with_its_name() {
         .stderr_has("stopped after 2 optimizer steps")
         .run();
 }
+
+/// Two "nodes" of two ranks each on this machine: two torchrun agents started together, joined
+/// through the static rendezvous at MASTER_ADDR (node 0's agent hosts the store), as on two
+/// hosts. Gloo's connections go through the interface GLOO_SOCKET_IFNAME names.
+#[test]
+fn two_nodes_of_two_ranks_train_as_one_process_does() {
+    // One micro-batch per rank.
+    let t = mlp()
+        .set("train.epochs", 1)
+        .set("train.batch_size", 32)
+        .set("train.accumulation_steps", 4);
+    let one = t.clone().name("one").run();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let node = |rank: &str| {
+        t.clone()
+            .name("nodes")
+            .launched_by(
+                &python(),
+                &[
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes",
+                    "2",
+                    "--node-rank",
+                    rank,
+                    "--nproc-per-node",
+                    "2",
+                    "--master-addr",
+                    "127.0.0.1",
+                    "--master-port",
+                    &port,
+                    "--no-python",
+                ],
+            )
+            .env("OMP_NUM_THREADS", "1")
+            .env("GLOO_SOCKET_IFNAME", "lo")
+    };
+    let second = node("1").spawn();
+    let first = node("0").run();
+    let second = second.finish();
+    assert_close_losses(&step_losses(&one), &step_losses(&first));
+    let gap = weight_gap(&one.final_model(), &first.final_model());
+    assert!(gap <= 1e-6, "final weights differ by {gap:e} (relative)");
+    let ranks: Vec<usize> = first.summary().memory.ranks.iter().map(|r| r.rank).collect();
+    assert_eq!(ranks, [0, 1, 2, 3]);
+    // Global rank 0 alone prints; node 1's ranks are quiet.
+    assert_eq!(first.stderr.matches("memtrain: job").count(), 1, "{}", first.stderr);
+    assert!(!second.stderr.contains("memtrain: job"), "{}", second.stderr);
+}
+
+/// The test switch: one process, a one-rank Gloo group, the data-parallel path end to end, and
+/// the same run bit for bit. A bad GLOO_SOCKET_IFNAME is named with the interfaces there are.
+#[test]
+fn a_one_rank_group_trains_as_one_process_does() {
+    let t = mlp().set("train.epochs", 1);
+    let plain = t.clone().name("plain").run();
+    let group = t
+        .clone()
+        .name("group")
+        .env("MEMTRAIN_TEST_SINGLE_RANK_GROUP", "1")
+        .stderr_has("MEMTRAIN_TEST_SINGLE_RANK_GROUP=1: training as a one-rank Gloo group")
+        .run();
+    assert_eq!(step_losses(&plain), step_losses(&group));
+    assert_eq!(plain.final_bytes(), group.final_bytes());
+    assert_eq!(group.summary().memory.ranks.len(), 1, "a group's run records its ranks");
+    assert!(plain.summary().memory.ranks.is_empty());
+    let bad = t
+        .clone()
+        .name("bad")
+        .env("MEMTRAIN_TEST_SINGLE_RANK_GROUP", "1")
+        .env("GLOO_SOCKET_IFNAME", "nosuch0")
+        .exit(1)
+        .stderr_has("GLOO_SOCKET_IFNAME=\"nosuch0\": this machine has no network interface \"nosuch0\" (it has: ")
+        .run();
+    assert!(bad.stderr.contains("lo"), "{}", bad.stderr);
+}

@@ -6,6 +6,7 @@ mod cpu_allocator;
 mod distributed;
 mod fit;
 mod foundation;
+mod gpu_check;
 mod models;
 mod oom;
 mod optim8;

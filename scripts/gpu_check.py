@@ -1,0 +1,1069 @@
+#!/usr/bin/env python3
+"""One command for a GPU (issue 24): every CUDA claim memtrain makes, checked against what the
+machine itself says (PyTorch, nvidia-smi), in 8 minutes or less on one H100. Run it through
+scripts/gpu-check, which picks the Python and puts its torch/lib on LD_LIBRARY_PATH.
+
+It needs the built binary (dist/memtrain from scripts/package-device, or target/release/memtrain,
+or MEMTRAIN_BIN) and a python3 with PyTorch 2.11 (no cargo, no network). It prints one table,
+`check | expected | seen | result`, and exits 1 if any check failed (2 when it cannot start: no
+CUDA device, no torch, no binary). Every check runs even when an earlier one failed; each is
+given what is left of the time budget (GPU_CHECK_BUDGET seconds, default 480), and a check the
+budget no longer covers fails as "not run".
+
+The file has two halves. The first is pure: reading memtrain's outputs (metrics.jsonl,
+summary.json, the OOM report and snapshot, `info --json`, `fit --json`, nvidia-smi's CSV) and
+judging them, one `judge_*` function per check, returning `Check` rows; tests/py/test_gpu_check.py
+tests it on the CPU (CI runs it through tests/it/gpu_check.rs). The second half runs the
+commands. This process never touches CUDA itself: torch's own figures come from short child
+processes, so no CUDA context of ours sits beside the runs nvidia-smi watches.
+"""
+import argparse
+import json
+import os
+import pickle
+import re
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, ".."))
+GiB = 1 << 30
+MiB = 1 << 20
+
+# Tolerances, stated once.
+LOSS_REL_RECOMPUTE = 1e-5  # recomputation replays the same kernels; CUDA's atomics may reorder sums
+LOSS_REL_OPTIMIZER = 1e-5  # memtrain's step vs torch.optim's same implementation, both on CUDA
+LOSS_REL_RESUME = 1e-5  # a resumed run vs the uncut one (0 where the kernels are deterministic)
+LOSS_REL_GROUP = 1e-6  # a one-rank NCCL group vs no group: the all-reduce of one rank is a copy
+INFO_BYTES_TOL = GiB  # one CUDA context (~0.5 GiB) may be held by one side and not the other
+INFO_TOTAL_REL = 0.02  # NVML's total includes memory the driver reserves; cudaMemGetInfo's does not
+SMI_OVERHEAD = 3 * GiB // 2  # CUDA context, cuBLAS/cuDNN workspaces: outside the caching allocator
+
+
+# --------------------------------------------------------------------------------------------
+# Pure half: reading and judging.
+# --------------------------------------------------------------------------------------------
+
+
+class Check:
+    """One row of the table. `ok` is True (pass) or False (fail)."""
+
+    def __init__(self, name, expected, seen, ok):
+        self.name, self.expected, self.seen, self.ok = name, expected, seen, bool(ok)
+
+    def __repr__(self):
+        return f"Check({self.name!r}, ok={self.ok}, seen={self.seen!r})"
+
+
+def get(d, dotted, default=None):
+    """d["a"]["b"]["c"] for "a.b.c"; `default` where any part is missing."""
+    for k in dotted.split("."):
+        if not isinstance(d, dict) or k not in d:
+            return default
+        d = d[k]
+    return d
+
+
+def size(n):
+    """Bytes for a human: 1.50 GiB, 12.0 MiB, 512 B; "none" for None."""
+    if n is None:
+        return "none"
+    n = float(n)
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def parse_jsonl(text):
+    """metrics.jsonl's records; a torn last line (a killed run) is left out."""
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue
+    return out
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return parse_jsonl(f.read())
+
+
+def of_type(records, kind):
+    return [r for r in records if r.get("type") == kind]
+
+
+def step_losses(records):
+    return [r["loss"] for r in of_type(records, "step")]
+
+
+def max_rel_gap(a, b):
+    """Largest |x - y| / |y| over two equally long lists; inf when their lengths differ or one is
+    empty (nothing to compare is no agreement)."""
+    if len(a) != len(b) or not a:
+        return float("inf")
+    gap = 0.0
+    for x, y in zip(a, b):
+        if x != y:
+            gap = max(gap, abs(x - y) / max(abs(y), 1e-30))
+    return gap
+
+
+def gap_text(g):
+    return "lengths differ" if g == float("inf") else f"{g:.1e}"
+
+
+def safetensors_keys(path):
+    """The tensor names in a safetensors file (its JSON header; no library needed)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return sorted(k for k in header if k != "__metadata__")
+
+
+def parse_smi_apps(text):
+    """`nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits`: {pid:
+    bytes}. Rows whose memory is not a number ("[N/A]" in some containers) are left out."""
+    out = {}
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 2:
+            continue
+        try:
+            out[int(parts[0])] = int(float(parts[1]) * MiB)
+        except ValueError:
+            continue
+    return out
+
+
+def parse_smi_used(text):
+    """`nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -i 0`: bytes."""
+    for line in text.splitlines():
+        try:
+            return int(float(line.strip()) * MiB)
+        except ValueError:
+            continue
+    return None
+
+
+def render(checks):
+    """The table, as Markdown (pasteable into an issue), then a count line."""
+    rows = [("check", "expected", "seen", "result")]
+    rows += [(c.name, c.expected, c.seen, "PASS" if c.ok else "FAIL") for c in checks]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)] + [6]
+
+    def line(r):
+        return "| " + " | ".join(str(v).replace("|", "/").ljust(w) for v, w in zip(r, widths)) + " |"
+
+    out = [line(rows[0]), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out += [line(r) for r in rows[1:]]
+    failed = sum(not c.ok for c in checks)
+    out.append(f"{len(checks) - failed} passed, {failed} failed")
+    return "\n".join(out)
+
+
+def exit_status(checks):
+    return 1 if any(not c.ok for c in checks) else 0
+
+
+def no_cuda_message(probe):
+    """Why this machine cannot run the checks, or None when it can. `probe` is torch_probe()'s."""
+    if probe.get("error"):
+        return f"gpu-check: cannot use PyTorch: {probe['error']}"
+    if not probe.get("available"):
+        return (
+            f"gpu-check: no CUDA device: torch.cuda.is_available() is False (torch {probe.get('version')}, "
+            f"built for CUDA {probe.get('cuda_built')}, {probe.get('count', 0)} device(s) visible). "
+            "Run it on a machine with an NVIDIA GPU and its driver; on this one, only its self-test runs "
+            "(scripts/gpu-check --self-test)."
+        )
+    return None
+
+
+def failure(name, expected, proc):
+    """A command that did not do what the check needs: its exit and last message."""
+    return Check(name, expected, proc.why(), False)
+
+
+# -- the judges, one per check ----------------------------------------------------------------
+
+
+def judge_info(info, probe):
+    """`memtrain info --json` against torch.cuda's own figures for device 0."""
+    name = "info vs torch.cuda"
+    expected = (
+        f"cuda available, same device count and name; total within {INFO_TOTAL_REL:.0%}, "
+        f"free/used within {size(INFO_BYTES_TOL)}"
+    )
+    gpus = info.get("gpus") or []
+    if get(info, "cuda.available") is not True or not gpus:
+        seen = f"cuda.available={get(info, 'cuda.available')}, {len(gpus)} GPU(s)"
+        if probe.get("available"):
+            # torch sees the GPU and the binary does not: every CUDA run below fails for that reason.
+            seen += (f" although torch sees {probe.get('count')}: is the binary linked with libtorch_cuda "
+                     "(ldd memtrain | grep torch_cuda) and LD_LIBRARY_PATH at a CUDA torch/lib?")
+        return Check(name, expected, seen, False)
+    g = gpus[0]
+    problems = []
+    if get(info, "cuda.device_count") != probe.get("count"):
+        problems.append(f"device count {get(info, 'cuda.device_count')} vs torch {probe.get('count')}")
+    their_name = probe.get("name") or ""
+    if their_name and their_name not in (g.get("name") or "") and (g.get("name") or "") not in their_name:
+        problems.append(f"name {g.get('name')!r} vs torch {their_name!r}")
+    total, t_total = g.get("total_bytes"), probe.get("total")
+    if not isinstance(total, int) or abs(total - t_total) > INFO_TOTAL_REL * t_total:
+        problems.append(f"total {size(total)} vs torch {size(t_total)}")
+    for key, theirs in (("free_bytes", probe.get("free")), ("used_bytes", probe.get("total", 0) - probe.get("free", 0))):
+        ours = g.get(key)
+        if not isinstance(ours, int) or abs(ours - theirs) > INFO_BYTES_TOL:
+            problems.append(f"{key} {size(ours)} vs torch {size(theirs)}")
+    seen = (
+        f"{g.get('name')}: total {size(total)} (torch {size(t_total)}), free {size(g.get('free_bytes'))} "
+        f"(torch {size(probe.get('free'))}), used {size(g.get('used_bytes'))}; driver {get(info, 'cuda.driver')}, "
+        f"runtime {get(info, 'cuda.runtime')}"
+    )
+    if problems:
+        seen += "; MISMATCH: " + "; ".join(problems)
+    return Check(name, expected, seen, not problems)
+
+
+def judge_backoff(summary, micro):
+    """A capped CUDA OOM that halving the micro-batch recovered from."""
+    ok = (
+        (get(summary, "oom.backoffs") or 0) >= 1
+        and (get(summary, "batch.final_micro_batch") or micro) < micro
+        and get(summary, "batch.effective_batch") == micro
+        and str(summary.get("device", "")).startswith("cuda")
+        and summary.get("status") == "completed"
+    )
+    seen = (
+        f"{get(summary, 'oom.backoffs')} backoff(s), micro-batch {micro} -> {get(summary, 'batch.final_micro_batch')}"
+        f" x {get(summary, 'batch.final_accumulation_steps')}, effective {get(summary, 'batch.effective_batch')},"
+        f" {summary.get('status')} on {summary.get('device')}, peak reserved {size(get(summary, 'memory.peak_reserved_bytes'))}"
+    )
+    return Check("OOM backoff (1 GiB cap)", f">= 1 backoff, micro-batch < {micro}, effective {micro}, completed on cuda", seen, ok)
+
+
+def judge_cpu_fallback(summary):
+    ok = get(summary, "oom.cpu_fallbacks") == 1 and summary.get("device") == "cpu" and summary.get("status") == "completed"
+    seen = (
+        f"{get(summary, 'oom.cpu_fallbacks')} CPU fallback(s), {summary.get('status')} on {summary.get('device')},"
+        f" {summary.get('epochs_completed')} epoch(s)"
+    )
+    return Check("OOM CPU fallback", "1 fallback, completed on cpu", seen, ok)
+
+
+def snapshot_reserved(snapshot, device=None):
+    """Bytes in the snapshot's segments (on `device`, when given): what the allocator reserved."""
+    segs = [s for s in snapshot.get("segments", []) if device is None or s.get("device") == device]
+    return sum(int(s.get("total_size", 0)) for s in segs), len(segs)
+
+
+def snapshot_allocated(snapshot, device=None):
+    total = 0
+    for s in snapshot.get("segments", []):
+        if device is not None and s.get("device") != device:
+            continue
+        for b in s.get("blocks", []):
+            if b.get("state") == "active_allocated":
+                total += int(b.get("size", 0))
+    return total
+
+
+def judge_snapshot(rc, report, snapshot):
+    """exit 3; oom/report.json; the snapshot's segments add up to the reserved bytes the report's
+    allocator statistics give (both taken at the OOM, one after the other)."""
+    name = "OOM snapshot vs reserved"
+    expected = "exit 3; sum of segment sizes == allocator_stats.reserved"
+    if rc != 3:
+        return Check(name, expected, f"exit {rc}", False)
+    if report is None:
+        return Check(name, expected, "exit 3 but no oom/report.json", False)
+    if snapshot is None:
+        return Check(name, expected, "exit 3, report.json, but no readable oom/snapshot.pickle", False)
+    device = None
+    m = re.match(r"cuda:(\d+)", str(report.get("device", "")))
+    if m:
+        device = int(m.group(1))
+    seg_bytes, segs = snapshot_reserved(snapshot, device)
+    reserved = get(report, "allocator_stats.reserved")
+    allocated = get(report, "allocator_stats.allocated")
+    events = sum(len(t) for t in snapshot.get("device_traces") or [])
+    ok = isinstance(reserved, int) and segs > 0 and seg_bytes == reserved
+    seen = (
+        f"{segs} segment(s) = {size(seg_bytes)} ({seg_bytes} B) vs reserved {size(reserved)} ({reserved} B); "
+        f"active blocks {size(snapshot_allocated(snapshot, device))} vs allocated {size(allocated)}; "
+        f"{events} trace event(s)"
+    )
+    return Check(name, expected, seen, ok)
+
+
+def judge_inf_step(records, summary, at):
+    """fp16-mixed with an inf planted at step `at`: that step skipped, the scale halved, the others
+    not skipped."""
+    steps = {r["step"]: r for r in of_type(records, "step")}
+    name = "fp16 inf: skip + halve"
+    expected = f"step {at} skipped, scale halves there, steps {at - 1} and {at + 1} not skipped, 1 skipped in summary"
+    if at - 1 not in steps or at not in steps or at + 1 not in steps:
+        return Check(name, expected, f"step records for {sorted(steps)[:12]}", False)
+    before, hit, after = steps[at - 1], steps[at], steps[at + 1]
+    s0, s1 = before.get("loss_scale"), hit.get("loss_scale")
+    ok = (
+        hit.get("skipped") is True
+        and not before.get("skipped")
+        and not after.get("skipped")
+        and isinstance(s0, (int, float))
+        and s1 == s0 / 2
+        and get(summary, "precision.skipped_steps") == 1
+    )
+    seen = (
+        f"skipped {before.get('skipped')}/{hit.get('skipped')}/{after.get('skipped')} at steps {at - 1}/{at}/{at + 1};"
+        f" scale {s0} -> {s1}; summary skipped_steps {get(summary, 'precision.skipped_steps')},"
+        f" final scale {get(summary, 'precision.loss_scale')}"
+    )
+    return Check(name, expected, seen, ok)
+
+
+def judge_recompute(model, plain_records, plain_summary, ckpt_records, ckpt_summary):
+    """Activation checkpointing: the same losses as the plain run, a lower peak."""
+    gap = max_rel_gap(step_losses(ckpt_records), step_losses(plain_records))
+    p, c = get(plain_summary, "memory.peak_allocated_bytes"), get(ckpt_summary, "memory.peak_allocated_bytes")
+    on = get(ckpt_summary, "precision.activation_checkpointing")
+    ok = gap <= LOSS_REL_RECOMPUTE and isinstance(p, int) and isinstance(c, int) and c < p and on is True
+    seen = (
+        f"{len(step_losses(ckpt_records))} steps, loss gap {gap_text(gap)}; peak allocated {size(c)} vs plain "
+        f"{size(p)}" + (f" ({c / p:.2f}x)" if isinstance(p, int) and p and isinstance(c, int) else "")
+        + ("" if on else "; checkpointing was not on")
+    )
+    return Check(f"recompute {model}", f"losses within {LOSS_REL_RECOMPUTE:g} rel. of plain, lower peak", seen, ok)
+
+
+def judge_async_cap(start, summary, micro):
+    """The cap under cudaMallocAsync: the backend is in force, the fraction with it, and an OOM at
+    the cap is recovered by backoff."""
+    conf = (start or {}).get("allocator_conf") or get(summary, "memory.allocator_conf") or ""
+    ok = (
+        "backend:cudaMallocAsync" in conf
+        and "per_process_memory_fraction" in conf
+        and (get(summary, "oom.backoffs") or 0) >= 1
+        and summary.get("status") == "completed"
+        and str(summary.get("device", "")).startswith("cuda")
+    )
+    seen = (
+        f"allocator {conf or 'none'}; {get(summary, 'oom.backoffs')} backoff(s), micro-batch {micro} -> "
+        f"{get(summary, 'batch.final_micro_batch')}, {summary.get('status')} on {summary.get('device')}"
+    )
+    return Check(
+        "cudaMallocAsync cap", "backend:cudaMallocAsync + fraction in force; OOM at 1 GiB, backoff, completed", seen, ok
+    )
+
+
+def judge_fit(fit, run_summary, smi_peak, how):
+    """fit's recommendation, run, watched by nvidia-smi: what the driver sees used is the
+    allocator's peak plus a context's worth at most."""
+    name = "fit vs nvidia-smi"
+    expected = f"rec. runs; fit peak <= smi used <= fit peak + {size(SMI_OVERHEAD)}; run peak <= budget"
+    rec = (fit or {}).get("recommendation")
+    if not rec:
+        return Check(name, expected, "fit made no recommendation", False)
+    peak = rec.get("peak_bytes")
+    budget = get(fit, "budget.bytes")
+    run_peak = get(run_summary, "memory.peak_reserved_bytes")
+    ok = (
+        isinstance(peak, int)
+        and smi_peak is not None
+        and peak <= smi_peak <= peak + SMI_OVERHEAD
+        and isinstance(run_peak, int)
+        and isinstance(budget, int)
+        and run_peak <= budget
+    )
+    seen = (
+        f"rec. micro-batch {rec.get('batch_size')} x {rec.get('accumulation_steps')}, fit peak {size(peak)}; "
+        f"nvidia-smi {size(smi_peak)} ({how}); run peak reserved {size(run_peak)} of budget {size(budget)}"
+    )
+    return Check(name, expected, seen, ok)
+
+
+def judge_resume(whole_records, resumed_records, cut_code, rng_keys, want="rng/cuda"):
+    """A run cut by Ctrl-C and resumed trains the uncut run's steps: dropout draws from the CUDA
+    generator, whose state the checkpoint must carry."""
+    whole = step_losses(whole_records)
+    resumed = step_losses(resumed_records)
+    gap = max_rel_gap(resumed, whole)
+    ok = cut_code == 130 and want in rng_keys and gap <= LOSS_REL_RESUME
+    seen = (
+        f"cut exit {cut_code}; checkpoint rng keys {rng_keys}; {len(resumed)} vs {len(whole)} steps, "
+        f"loss gap {gap_text(gap)}" + (" (bit for bit)" if gap == 0.0 else "")
+    )
+    return Check("CUDA resume (rng)", f"exit 130, {want} saved, losses within {LOSS_REL_RESUME:g} of uncut", seen, ok)
+
+
+def judge_expandable(start, records, summary):
+    """Expandable segments, a clear after every step: the clears give memory back."""
+    conf = (start or {}).get("allocator_conf") or ""
+    clears = of_type(records, "cache_clear")
+    released = [c.get("released_bytes") for c in clears]
+    total = sum(r for r in released if isinstance(r, int))
+    ok = "expandable_segments:True" in conf and clears and total > 0 and summary.get("status") == "completed"
+    seen = (
+        f"allocator {conf or 'none'}; {len(clears)} clear(s) released {size(total)} in all "
+        f"(largest {size(max([r for r in released if isinstance(r, int)] or [0]))})"
+    )
+    return Check("expandable segments clear", "expandable_segments:True; clears release > 0 bytes", seen, ok)
+
+
+def judge_host_reads(records, summary, fp16):
+    """The host-read counter: at most one device-to-host read per logged step on the plain path
+    (the loss), one more per step with fp16-mixed (the scaler's found-inf), none on unlogged
+    steps. A step record covers the steps since the previous record; an epoch record the reads
+    at the epoch's end (validation's sums and the epoch's: at most 2) plus, with fp16-mixed, the
+    unlogged steps since the last step record. The summary counts every phase."""
+    name = "host reads " + ("fp16-mixed" if fp16 else "fp32")
+    expected = "<= 1 per step record, <= 2 per epoch record" + (" + 1 per step covered" if fp16 else "") + "; summary total <= their sum"
+    steps = of_type(records, "step")
+    if not steps:
+        return Check(name, expected, "no step records", False)
+    if not all("host_reads" in r for r in steps) or "host_reads" not in summary:
+        return Check(name, expected, "binary has no host-read counter (no host_reads in step records/summary.json)", False)
+    prev = 0
+    allowed_sum, bad = 0, []
+    for r in records:
+        if r.get("type") not in ("step", "epoch"):
+            continue
+        covered = r["step"] - prev
+        prev = r["step"]
+        allowed = (1 if r["type"] == "step" else 2) + (covered if fp16 else 0)
+        allowed_sum += allowed
+        reads = r.get("host_reads", 0)
+        if reads > allowed:
+            bad.append(f"{r['type']} {r['step']}: {reads} > {allowed}")
+    total = summary.get("host_reads")
+    trailing = (summary.get("global_steps") or prev) - prev
+    allowed_sum += trailing if fp16 else 0
+    ok = not bad and isinstance(total, int) and total <= allowed_sum
+    seen = (
+        f"{len(steps)} records, reads per record {sorted(set(r['host_reads'] for r in steps))}; summary {total} "
+        f"(allowed {allowed_sum})" + ("; OVER: " + ", ".join(bad[:3]) if bad else "")
+    )
+    return Check(name, expected, seen, ok)
+
+
+def judge_optimizer(impl, torch_impl, ours, theirs, note=""):
+    gap = max_rel_gap(ours, theirs)
+    ok = gap <= LOSS_REL_OPTIMIZER
+    seen = f"{len(ours)} steps vs {len(theirs)}, loss gap {gap_text(gap)}" + (" (bit for bit)" if gap == 0.0 else "")
+    return Check(f"optimizer {impl}", f"losses within {LOSS_REL_OPTIMIZER:g} rel. of torch.optim {torch_impl}",
+                 seen + note, ok)
+
+
+def judge_single_rank(plain_records, group_records, group_summary, stderr, backend="NCCL"):
+    gap = max_rel_gap(step_losses(group_records), step_losses(plain_records))
+    ranks = len(get(group_summary, "memory.ranks") or [])
+    said = f"one-rank {backend} group" in stderr
+    ok = said and ranks == 1 and gap <= LOSS_REL_GROUP
+    seen = f"{'said' if said else 'did not say'} 'one-rank {backend} group'; {ranks} rank(s) recorded; loss gap {gap_text(gap)}"
+    return Check(f"{backend} one-rank group",
+                 f"a one-rank {backend} group trains; losses within {LOSS_REL_GROUP:g} of no group", seen, ok)
+
+
+def judge_darts_cap(summary, cap):
+    peak = get(summary, "memory.peak_reserved_bytes")
+    ok = isinstance(peak, int) and peak < cap and str(summary.get("device", "")).startswith("cuda")
+    seen = (
+        f"peak reserved {size(peak)}, allocated {size(get(summary, 'memory.peak_allocated_bytes'))}, "
+        f"cap {size(get(summary, 'memory.cap.bytes'))}, {get(summary, 'oom.events')} OOM(s), on {summary.get('device')}"
+    )
+    return Check("darts_4gb under 4 GiB", f"peak reserved < {size(cap)}, on cuda", seen, ok)
+
+
+def judge_cache_clear_cost(summary):
+    clears = get(summary, "cache.clears") or 0
+    secs = get(summary, "cache.clear_seconds") or 0.0
+    seen = (
+        f"{clears} clears took {secs:.4f} s ({1e6 * secs / max(clears, 1):.1f} us each) of "
+        f"{summary.get('train_seconds') or 0:.3f} s training over {summary.get('global_steps')} steps on {summary.get('device')}"
+    )
+    return Check("cache clear cost", "clears > 0 (a measurement)", seen, clears > 0)
+
+
+# --------------------------------------------------------------------------------------------
+# Running half.
+# --------------------------------------------------------------------------------------------
+
+PROBE = r"""
+import json, os
+out = {}
+try:
+    import torch
+    out["version"] = torch.__version__
+    out["lib"] = os.path.join(os.path.dirname(torch.__file__), "lib")
+    out["cuda_built"] = torch.version.cuda
+    out["available"] = bool(torch.cuda.is_available())
+    out["count"] = torch.cuda.device_count() if out["available"] else 0
+    if out["available"]:
+        free, total = torch.cuda.mem_get_info(0)
+        out.update(name=torch.cuda.get_device_name(0), free=free, total=total)
+except Exception as e:
+    out["error"] = f"{type(e).__name__}: {e}"
+print(json.dumps(out))
+"""
+
+
+def torch_probe(python, timeout=120):
+    """torch's view of the machine, from a child process (this one holds no CUDA context)."""
+    try:
+        p = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return {"error": f"{python}: {e}"}
+    try:
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"error": f"{python} -c 'import torch' failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}"}
+
+
+class Proc:
+    """A finished command: its exit, its output, and why it failed in one line."""
+
+    def __init__(self, argv, rc, stdout, stderr, timed_out=False, timeout=None):
+        self.argv, self.rc, self.stdout, self.stderr = argv, rc, stdout, stderr
+        self.timed_out, self.timeout = timed_out, timeout
+
+    def why(self):
+        if self.timed_out:
+            return f"timed out after {self.timeout:.0f} s: {' '.join(self.argv[1:4])} ..."
+        lines = [l for l in (self.stderr or "").splitlines() if l.strip()] or \
+            [l for l in (self.stdout or "").splitlines() if l.strip()]
+        return f"exit {self.rc}" + (f": {lines[-1][:300]}" if lines else "")
+
+
+class OverBudget(Exception):
+    pass
+
+
+class Runner:
+    def __init__(self, binary, python, tmp, budget, cmd_timeout):
+        self.bin, self.python, self.tmp = binary, python, tmp
+        self.deadline = time.time() + budget
+        self.cmd_timeout = cmd_timeout
+
+    def left(self):
+        return self.deadline - time.time()
+
+    def timeout(self):
+        left = self.left()
+        if left <= 5:
+            raise OverBudget()
+        return min(self.cmd_timeout, left)
+
+    def path(self, *parts):
+        return os.path.join(self.tmp, *parts)
+
+    def env(self, extra=None):
+        e = dict(os.environ)
+        e.update(extra or {})
+        return e
+
+    def cmd(self, argv, env=None, log=None):
+        t = self.timeout()
+        try:
+            p = subprocess.run(argv, capture_output=True, text=True, timeout=t, env=self.env(env), cwd=ROOT)
+            proc = Proc(argv, p.returncode, p.stdout, p.stderr)
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+            proc = Proc(argv, 124, out, err, timed_out=True, timeout=t)
+        if log:
+            with open(self.path(log + ".log"), "w") as f:
+                f.write(f"$ {' '.join(argv)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}\n")
+        return proc
+
+    def mt(self, name, args, env=None):
+        return self.cmd([self.bin] + args, env=env, log=name)
+
+    def run(self, name, spec, sets=(), extra=(), env=None):
+        """`memtrain run SPEC --set ... --out TMP/name`; returns (proc, run directory)."""
+        out = self.path(name)
+        args = ["run", spec, "--out", out]
+        for s in sets:
+            args += ["--set", s]
+        return self.mt(name, args + list(extra), env=env), out
+
+    def spawn_until(self, name, argv, needle, env=None):
+        """Starts a command, waits for `needle` on its stderr, sends SIGINT, waits for the end."""
+        t = self.timeout()
+        err_path = self.path(name + ".err")
+        with open(err_path, "w") as err, open(self.path(name + ".out"), "w") as out:
+            p = subprocess.Popen(argv, stdout=out, stderr=err, env=self.env(env), cwd=ROOT)
+        end = time.time() + t
+        seen = False
+        while time.time() < end and p.poll() is None:
+            with open(err_path) as f:
+                if needle in f.read():
+                    seen = True
+                    break
+            time.sleep(0.05)
+        if seen:
+            p.send_signal(signal.SIGINT)
+        try:
+            rc = p.wait(timeout=max(end - time.time(), 10))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            rc = p.wait()
+        with open(err_path) as f:
+            stderr = f.read()
+        return Proc(argv, rc, "", stderr, timeout=t), seen
+
+
+def records_of(out):
+    path = os.path.join(out, "metrics.jsonl")
+    return read_jsonl(path) if os.path.exists(path) else []
+
+
+def summary_of(out):
+    path = os.path.join(out, "summary.json")
+    return read_json(path) if os.path.exists(path) else None
+
+
+# Where the runs train: "cuda" here; the self-test rehearses some checks with "cpu". Every CUDA
+# run pins job.device, so no check can pass by quietly training on the CPU.
+DEVICE = "cuda"
+DIGITS = "configs/digits_mlp.toml"
+
+
+def dev():
+    return f'job.device="{DEVICE}"'
+
+
+def big():
+    """An MLP whose first activation alone is 1 GiB at micro-batch 1024 (262144 x 1024 x 4 bytes):
+    with ~0.3 GiB of weights, gradients and Adam state it cannot train under a 1 GiB cap."""
+    return ["model.mlp.hidden=[262144]", "train.batch_size=1024", "train.epochs=1", 'memory.limit="1GiB"', dev()]
+
+
+def spec_file(r, name, text):
+    path = r.path(name + ".toml")
+    with open(path, "w") as f:
+        f.write(text)
+    return path
+
+
+RESNET = """[job]
+name = "gpu-check-resnet"
+device = "{device}"
+[model]
+preset = "resnet18"
+[model.resnet18]
+num_classes = 10
+image_size = 128
+[data]
+source = "synthetic"
+samples = 320
+[train]
+epochs = 1
+batch_size = 64
+optimizer = "sgd"
+lr = 0.05
+momentum = 0.9
+[log]
+progress = "off"
+"""
+
+VIT = """[job]
+name = "gpu-check-vit"
+device = "{device}"
+[model]
+preset = "vit"
+[model.vit]
+image_size = 64
+patch_size = 8
+layers = 6
+heads = 8
+hidden_dim = 256
+mlp_dim = 1024
+dropout = {dropout}
+attention_dropout = {dropout}
+num_classes = 10
+[data]
+source = "synthetic"
+samples = {samples}
+[train]
+epochs = {epochs}
+batch_size = 32
+optimizer = "adamw"
+lr = 0.001
+[log]
+progress = "off"
+"""
+
+
+def check_info(r, probe):
+    p = r.mt("info", ["info", "--json"])
+    if p.rc != 0:
+        return [failure("info vs torch.cuda", "memtrain info --json runs", p)]
+    return [judge_info(json.loads(p.stdout), probe)]
+
+
+def check_backoff(r, probe):
+    p, out = r.run("backoff", DIGITS, big() + ['memory.on_oom=["backoff","fail"]'])
+    if p.rc != 0:
+        return [failure("OOM backoff (1 GiB cap)", "completes", p)]
+    return [judge_backoff(summary_of(out), 1024)]
+
+
+def check_cpu_fallback(r, probe):
+    p, out = r.run("cpu", DIGITS, big() + ['memory.on_oom=["cpu"]'])
+    if p.rc != 0:
+        return [failure("OOM CPU fallback", "completes", p)]
+    return [judge_cpu_fallback(summary_of(out))]
+
+
+def check_snapshot(r, probe):
+    p, out = r.run("fail", DIGITS, big() + ['memory.on_oom=["fail"]', "memory.record_history=true"])
+    report = snapshot = None
+    if os.path.exists(os.path.join(out, "oom", "report.json")):
+        report = read_json(os.path.join(out, "oom", "report.json"))
+    try:
+        with open(os.path.join(out, "oom", "snapshot.pickle"), "rb") as f:
+            snapshot = pickle.load(f)
+    except Exception:
+        pass
+    if p.rc not in (0, 3):
+        return [failure("OOM snapshot vs reserved", "exit 3", p)]
+    return [judge_snapshot(p.rc, report, snapshot)]
+
+
+def check_fp16_inf(r, probe):
+    p, out = r.run("fp16", DIGITS, [dev(), 'train.precision="fp16-mixed"'], extra=["--max-steps", "6"],
+                   env={"MEMTRAIN_FAULT_INF_GRAD_AT_STEP": "3"})
+    if p.rc != 0:
+        return [failure("fp16 inf: skip + halve", "completes", p)]
+    return [judge_inf_step(records_of(out), summary_of(out), 3)]
+
+
+def check_recompute(r, probe):
+    rows = []
+    for model, text in (("resnet18", RESNET.format(device=DEVICE)),
+                        ("vit", VIT.format(device=DEVICE, dropout=0.0, samples=640, epochs=1))):
+        spec = spec_file(r, model, text)
+        runs = {}
+        for ckpt in ("false", "true"):
+            p, out = r.run(f"{model}-ckpt-{ckpt}", spec, [f"train.activation_checkpointing={ckpt}"],
+                           extra=["--max-steps", "4"])
+            runs[ckpt] = (p, out)
+        bad = [p for p, _ in runs.values() if p.rc != 0]
+        if bad:
+            rows.append(failure(f"recompute {model}", "both runs complete", bad[0]))
+            continue
+        (_, plain), (_, ckpt) = runs["false"], runs["true"]
+        rows.append(judge_recompute(model, records_of(plain), summary_of(plain), records_of(ckpt), summary_of(ckpt)))
+    return rows
+
+
+def check_async_cap(r, probe):
+    p, out = r.run("async", DIGITS, big() + ['memory.on_oom=["backoff","fail"]'],
+                   env={"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync", "PYTORCH_ALLOC_CONF": ""})
+    if p.rc != 0:
+        return [failure("cudaMallocAsync cap", "completes", p)]
+    recs = records_of(out)
+    start = (of_type(recs, "start") or [None])[0]
+    return [judge_async_cap(start, summary_of(out), 1024)]
+
+
+def smi(args):
+    try:
+        p = subprocess.run(["nvidia-smi"] + args, capture_output=True, text=True, timeout=20)
+        return p.stdout if p.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def check_fit(r, probe):
+    name = "fit vs nvidia-smi"
+    if shutil.which("nvidia-smi") is None:
+        return [Check(name, "nvidia-smi on PATH", "nvidia-smi not found", False)]
+    sets = [dev(), "model.mlp.hidden=[131072]", "train.batch_size=256", "train.epochs=1"]
+    args = ["fit", DIGITS]
+    for s in sets:
+        args += ["--set", s]
+    args += ["--limit", "512MiB", "--steps", "2", "--precision", "fp32", "--checkpointing", "off", "--json"]
+    p = r.mt("fit", args)
+    if p.rc != 0:
+        return [failure(name, "fit recommends", p)]
+    fit = json.loads(p.stdout)
+    rec = fit.get("recommendation") or {}
+    if not rec:
+        return [judge_fit(fit, None, None, "")]
+    baseline = parse_smi_used(smi(["--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"]) or "")
+    out = r.path("fit-run")
+    argv = [r.bin, "run", DIGITS, "--out", out, "--max-steps", "40"]
+    for s in sets + [f"train.batch_size={rec['batch_size']}", f"train.accumulation_steps={rec['accumulation_steps']}",
+                     'memory.limit="512MiB"', 'log.progress="off"', "train.epochs=10"]:
+        argv += ["--set", s]
+    t = r.timeout()
+    with open(r.path("fit-run.log"), "w") as log:
+        child = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=r.env())
+        per_pid, device = None, None
+        end = time.time() + t
+        while child.poll() is None and time.time() < end:
+            apps = parse_smi_apps(smi(["--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]) or "")
+            if child.pid in apps:
+                per_pid = max(per_pid or 0, apps[child.pid])
+            used = parse_smi_used(smi(["--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"]) or "")
+            if used is not None and baseline is not None:
+                device = max(device or 0, used - baseline)
+            time.sleep(0.1)
+        if child.poll() is None:
+            child.kill()
+        rc = child.wait()
+    if rc != 0:
+        return [Check(name, "the recommendation runs", f"exit {rc} (log {r.path('fit-run.log')})", False)]
+    if per_pid is not None:
+        seen, how = per_pid, "its process"
+    else:
+        seen, how = device, "device used less the baseline"
+    return [judge_fit(fit, summary_of(out), seen, how)]
+
+
+def check_resume(r, probe):
+    name = "CUDA resume (rng)"
+    spec = spec_file(r, "vit-dropout", VIT.format(device=DEVICE, dropout=0.1, samples=320, epochs=2))
+    p, whole = r.run("whole", spec, [])
+    if p.rc != 0:
+        return [failure(name, "the uncut run completes", p)]
+    cut = r.path("cut")
+    argv = [r.bin, "run", spec, "--out", cut]
+    p, seen = r.spawn_until("cut", argv, "fault: waiting for a signal at step 5",
+                            env={"MEMTRAIN_FAULT_AWAIT_SIGNAL_AT_STEP": "5"})
+    if not seen:
+        return [failure(name, "the run reaches step 5", p)]
+    ckpts = sorted(os.listdir(os.path.join(cut, "checkpoints"))) if os.path.isdir(os.path.join(cut, "checkpoints")) else []
+    steps = [c for c in ckpts if c.startswith("step-")]
+    keys = []
+    if steps:
+        keys = [k for k in safetensors_keys(os.path.join(cut, "checkpoints", steps[-1], "optimizer.safetensors"))
+                if k.startswith("rng/")]
+    q = r.mt("resume", ["run", spec, "--resume", cut])
+    if q.rc != 0:
+        return [failure(name, "the resumed run completes", q)]
+    return [judge_resume(records_of(whole), records_of(cut), p.rc, keys, f"rng/{DEVICE}")]
+
+
+def check_expandable(r, probe):
+    sets = [dev(), "model.mlp.hidden=[65536]", "train.batch_size=512", "train.epochs=1",
+            "memory.allocator.expandable_segments=true", "memory.cache_clear_every=1"]
+    p, out = r.run("expandable", DIGITS, sets)
+    if p.rc != 0:
+        return [failure("expandable segments clear", "completes", p)]
+    recs = records_of(out)
+    return [judge_expandable((of_type(recs, "start") or [None])[0], recs, summary_of(out))]
+
+
+def check_host_reads(r, probe):
+    rows = []
+    for fp16 in (False, True):
+        sets = [dev(), "train.epochs=1", "log.every_steps=4"]
+        if fp16:
+            sets.append('train.precision="fp16-mixed"')
+        name = "host reads " + ("fp16-mixed" if fp16 else "fp32")
+        p, out = r.run("reads-fp16" if fp16 else "reads", DIGITS, sets)
+        if p.rc != 0:
+            rows.append(failure(name, "completes", p))
+            continue
+        rows.append(judge_host_reads(records_of(out), summary_of(out), fp16))
+    return rows
+
+
+# memtrain's train.optimizer_impl -> the torch.optim implementation it is compared with.
+OPTIMIZER_IMPLS = [("single", "single"), ("foreach", "foreach"), ("fused", "fused"), ("auto", "default")]
+
+
+def check_optimizers(r, probe):
+    sys.path.insert(0, os.path.join(HERE, "bench"))
+    try:
+        import numpy  # noqa: F401  (the job's data and the PyTorch side's data order need it)
+
+        import driver
+        import jobs
+    except ImportError as e:
+        return [Check(f"optimizer {i}", "torch.optim comparison", f"cannot import the bench helpers: {e}", False)
+                for i, _ in OPTIMIZER_IMPLS]
+    work = r.path("optim")
+    steps = "10"
+    try:
+        driver.prepare_job("mlp", work)
+    except Exception as e:
+        return [Check(f"optimizer {i}", "torch.optim comparison", f"preparing the job failed: {e}", False)
+                for i, _ in OPTIMIZER_IMPLS]
+    files = {k: os.path.join(work, f"{k}.safetensors" if k == "init" else f"{k}.npz") for k in ("init", "data", "val")}
+    spec = spec_file(r, "optim", jobs.memtrain_spec("mlp", files["init"], files["data"], files["val"], "fp32", False,
+                                                     2, DEVICE))
+    rows = []
+    for impl, theirs in OPTIMIZER_IMPLS:
+        name = f"optimizer {impl}"
+        p, out = r.run(f"optim-{impl}", spec, [f'train.optimizer_impl="{impl}"'], extra=["--max-steps", steps])
+        if p.rc != 0:
+            missing = "unknown field `optimizer_impl`" in p.stderr
+            seen = f"binary has no train.optimizer_impl (exit {p.rc}: unknown field)" if missing else p.why()
+            rows.append(Check(name, "memtrain trains with it", seen, False))
+            continue
+        result = r.path(f"torch-{impl}.json")
+        q = r.cmd([r.python, os.path.join(HERE, "bench", "pytorch_job.py"), "train", "--job", "mlp", "--init",
+                   files["init"], "--data", files["data"], "--steps", steps, "--device", DEVICE, "--threads", "2",
+                   "--optimizer-impl", theirs, "--result", result], log=f"torch-{impl}")
+        if q.rc != 0:
+            rows.append(failure(name, "torch.optim trains", q))
+            continue
+        rows.append(judge_optimizer(impl, theirs, step_losses(records_of(out)), read_json(result)["losses"]))
+    return rows
+
+
+def check_single_rank(r, probe):
+    name = "NCCL one-rank group"
+    p, plain = r.run("plain", DIGITS, [dev(), "train.epochs=1"])
+    if p.rc != 0:
+        return [failure(name, "the plain run completes", p)]
+    q, group = r.run("group", DIGITS, [dev(), "train.epochs=1"], env={"MEMTRAIN_TEST_SINGLE_RANK_GROUP": "1"})
+    if q.rc != 0:
+        note = " (binary built without NCCL)" if "without NCCL" in q.stderr else ""
+        return [Check(name, "a one-rank NCCL group trains", q.why() + note, False)]
+    backend = "NCCL" if DEVICE == "cuda" else "Gloo"
+    return [judge_single_rank(records_of(plain), records_of(group), summary_of(group), q.stderr, backend)]
+
+
+def check_darts(r, probe):
+    # configs/darts_4gb.toml sets memory.fraction, which memtrain refuses beside memory.limit
+    # (and --set cannot remove a key), so the check runs a copy without that line.
+    with open(os.path.join(ROOT, "configs", "darts_4gb.toml")) as f:
+        text = "".join(l for l in f if not re.match(r"\s*fraction\s*=", l))
+    spec = spec_file(r, "darts_4gb", text)
+    p, out = r.run("darts", spec, ['memory.limit="4GiB"', "train.epochs=1", "data.samples=20", dev()])
+    if p.rc != 0:
+        return [failure("darts_4gb under 4 GiB", "completes", p)]
+    return [judge_darts_cap(summary_of(out), 4 * GiB)]
+
+
+def check_cache_clear(r, probe):
+    p, out = r.run("cache", DIGITS, ["memory.cache_clear_every=1", "train.epochs=2", dev()])
+    if p.rc != 0:
+        return [failure("cache clear cost", "completes", p)]
+    return [judge_cache_clear_cost(summary_of(out))]
+
+
+# In order of what matters most when the budget runs short; (name, function, rows it yields).
+CHECKS = [
+    ("info", check_info, ["info vs torch.cuda"]),
+    ("backoff", check_backoff, ["OOM backoff (1 GiB cap)"]),
+    ("cpu_fallback", check_cpu_fallback, ["OOM CPU fallback"]),
+    ("snapshot", check_snapshot, ["OOM snapshot vs reserved"]),
+    ("fp16_inf", check_fp16_inf, ["fp16 inf: skip + halve"]),
+    ("recompute", check_recompute, ["recompute resnet18", "recompute vit"]),
+    ("async_cap", check_async_cap, ["cudaMallocAsync cap"]),
+    ("fit", check_fit, ["fit vs nvidia-smi"]),
+    ("resume", check_resume, ["CUDA resume (rng)"]),
+    ("expandable", check_expandable, ["expandable segments clear"]),
+    ("host_reads", check_host_reads, ["host reads fp32", "host reads fp16-mixed"]),
+    ("optimizers", check_optimizers, [f"optimizer {i}" for i, _ in OPTIMIZER_IMPLS]),
+    ("single_rank", check_single_rank, ["NCCL one-rank group"]),
+    ("darts", check_darts, ["darts_4gb under 4 GiB"]),
+    ("cache_clear", check_cache_clear, ["cache clear cost"]),
+]
+
+
+def run_checks(r, probe, only=None, log=print):
+    rows = []
+    chosen = [c for c in CHECKS if not only or c[0] in only]
+    for i, (key, fn, names) in enumerate(chosen, 1):
+        t = time.time()
+        try:
+            got = fn(r, probe)
+        except OverBudget:
+            got = [Check(n, "runs", "not run: the time budget (GPU_CHECK_BUDGET) was spent", False) for n in names]
+        except Exception as e:  # a check's own bug must not stop the others
+            got = [Check(n, "runs", f"gpu-check error: {type(e).__name__}: {e}", False) for n in names]
+        rows += got
+        verdict = "ok" if all(c.ok for c in got) else "FAIL"
+        log(f"gpu-check: [{i}/{len(chosen)}] {key}: {verdict} ({time.time() - t:.1f} s)")
+    return rows
+
+
+def find_binary():
+    b = os.environ.get("MEMTRAIN_BIN")
+    if b:
+        return os.path.abspath(b) if os.sep in b else (shutil.which(b) or os.path.abspath(b))
+    for c in (os.path.join(ROOT, "dist", "memtrain"), os.path.join(ROOT, "target", "release", "memtrain")):
+        if os.access(c, os.X_OK):
+            return c
+    return os.path.join(ROOT, "target", "release", "memtrain")
+
+
+def self_test():
+    import unittest
+
+    suite = unittest.defaultTestLoader.discover(os.path.join(ROOT, "tests", "py"), pattern="test_gpu_check.py")
+    result = unittest.TextTestRunner(verbosity=1).run(suite)
+    return 0 if result.wasSuccessful() else 1
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="memtrain's checks on a CUDA machine (see the module docstring)")
+    p.add_argument("--only", default="", help="comma-separated check names: " + ",".join(c[0] for c in CHECKS))
+    p.add_argument("--keep", action="store_true", help="keep the run directories even when all passed")
+    p.add_argument("--self-test", action="store_true", help="test the parsing and table code (no GPU needed)")
+    a = p.parse_args(argv)
+    if a.self_test:
+        return self_test()
+    python = os.environ.get("PYTHON") or sys.executable
+
+    def note(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    probe = torch_probe(python)
+    why = no_cuda_message(probe)
+    if why:
+        note(why)
+        return 2
+    lib = probe.get("lib")
+    if lib and os.path.isdir(lib):
+        os.environ["LD_LIBRARY_PATH"] = lib + (":" + os.environ["LD_LIBRARY_PATH"] if os.environ.get("LD_LIBRARY_PATH") else "")
+    if not str(probe.get("version", "")).startswith("2.11"):
+        note(f"gpu-check: warning: memtrain is built against libtorch 2.11; this torch is {probe.get('version')}")
+    binary = find_binary()
+    if not os.access(binary, os.X_OK):
+        note(f"gpu-check: no memtrain binary at {binary} (set MEMTRAIN_BIN, or build one with scripts/package-device)")
+        return 2
+    note(f"gpu-check: {probe.get('name')}, torch {probe.get('version')} (libraries from {lib}); binary {binary}")
+    only = set(s.strip() for s in a.only.split(",") if s.strip())
+    unknown = only - set(c[0] for c in CHECKS)
+    if unknown:
+        note(f"gpu-check: no check named {', '.join(sorted(unknown))}; the checks: {', '.join(c[0] for c in CHECKS)}")
+        return 2
+    tmp = tempfile.mkdtemp(prefix="memtrain-gpu-check.")
+    r = Runner(binary, python, tmp, float(os.environ.get("GPU_CHECK_BUDGET", "480")),
+               float(os.environ.get("GPU_CHECK_TIMEOUT", "180")))
+    rows = run_checks(r, probe, only, log=note)
+    print(render(rows), flush=True)
+    status = exit_status(rows)
+    if status or a.keep:
+        note(f"gpu-check: run directories and logs kept in {tmp}")
+    else:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

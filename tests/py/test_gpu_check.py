@@ -1,0 +1,298 @@
+"""scripts/gpu_check.py's self-test, on any machine: its readers, judges and table on made-up and
+reference inputs, and, when MEMTRAIN_BIN names a built memtrain, a rehearsal of the checks that
+mean something on the CPU (the same runner and judges, job.device = "cpu"), so the commands the
+GPU machine will run are known to be accepted by this build.
+
+Run: scripts/gpu-check --self-test (tests/it/gpu_check.rs does, with MEMTRAIN_BIN set)."""
+import json
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.abspath(os.path.join(HERE, "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import gpu_check as g  # noqa: E402
+
+GiB = g.GiB
+MiB = g.MiB
+
+
+def step(n, loss, **kw):
+    r = {"type": "step", "step": n, "loss": loss}
+    r.update(kw)
+    return r
+
+
+class Readers(unittest.TestCase):
+    def test_get_reads_dotted_paths(self):
+        d = {"a": {"b": {"c": 3}}, "x": None}
+        self.assertEqual(g.get(d, "a.b.c"), 3)
+        self.assertIsNone(g.get(d, "a.b.d"))
+        self.assertEqual(g.get(d, "x.y", 7), 7)
+
+    def test_sizes_read_as_a_person_would(self):
+        self.assertEqual(g.size(None), "none")
+        self.assertEqual(g.size(512), "512 B")
+        self.assertEqual(g.size(3 * MiB // 2), "1.50 MiB")
+        self.assertEqual(g.size(80 * GiB), "80.00 GiB")
+
+    def test_a_torn_last_line_is_left_out(self):
+        text = '{"type":"start","step":0}\n\n{"type":"step","step":1,"loss":2.0}\n{"type":"ste'
+        recs = g.parse_jsonl(text)
+        self.assertEqual([r["type"] for r in recs], ["start", "step"])
+        self.assertEqual(g.step_losses(recs), [2.0])
+
+    def test_relative_gaps(self):
+        self.assertEqual(g.max_rel_gap([1.0, 2.0], [1.0, 2.0]), 0.0)
+        self.assertAlmostEqual(g.max_rel_gap([1.0, 2.002], [1.0, 2.0]), 1e-3)
+        self.assertEqual(g.max_rel_gap([1.0], [1.0, 2.0]), float("inf"))
+        self.assertEqual(g.max_rel_gap([], []), float("inf"), "nothing to compare is no agreement")
+        self.assertEqual(g.gap_text(float("inf")), "lengths differ")
+
+    def test_safetensors_header_names(self):
+        header = json.dumps({"__metadata__": {}, "rng/cuda": {"dtype": "U8", "shape": [16], "data_offsets": [0, 16]},
+                             "rng/cpu": {"dtype": "U8", "shape": [16], "data_offsets": [16, 32]}}).encode()
+        with tempfile.NamedTemporaryFile(suffix=".safetensors", delete=False) as f:
+            f.write(struct.pack("<Q", len(header)) + header + bytes(32))
+        try:
+            self.assertEqual(g.safetensors_keys(f.name), ["rng/cpu", "rng/cuda"])
+        finally:
+            os.unlink(f.name)
+
+    def test_nvidia_smi_csv(self):
+        self.assertEqual(g.parse_smi_apps("1234, 812\n99, [N/A]\n\n"), {1234: 812 * MiB})
+        self.assertEqual(g.parse_smi_used("4711\n"), 4711 * MiB)
+        self.assertIsNone(g.parse_smi_used("[N/A]"))
+
+
+class Table(unittest.TestCase):
+    def test_one_row_per_check_with_its_verdict_and_a_count(self):
+        rows = [g.Check("a", "x", "seen a", True), g.Check("bb | c", "y", "seen b", False)]
+        text = g.render(rows)
+        lines = text.splitlines()
+        self.assertTrue(lines[0].startswith("| check"), text)
+        self.assertIn("result", lines[0])
+        self.assertTrue(lines[1].startswith("|-"), text)
+        self.assertIn("PASS", lines[2])
+        self.assertIn("FAIL", lines[3])
+        self.assertIn("bb / c", lines[3], "a | inside a cell would split it")
+        self.assertEqual(lines[-1], "1 passed, 1 failed")
+        self.assertEqual(len({len(l) for l in lines[:-1]}), 1, "columns line up:\n" + text)
+        self.assertEqual(g.exit_status(rows), 1)
+        self.assertEqual(g.exit_status(rows[:1]), 0)
+
+    def test_a_machine_without_cuda_is_told_so(self):
+        msg = g.no_cuda_message({"version": "2.11.0+cu130", "cuda_built": "13.0", "available": False, "count": 0})
+        self.assertIn("no CUDA device", msg)
+        self.assertIn("torch 2.11.0+cu130", msg)
+        self.assertIn("cannot use PyTorch", g.no_cuda_message({"error": "ModuleNotFoundError: torch"}))
+        self.assertIsNone(g.no_cuda_message({"available": True, "count": 1}))
+
+
+PROBE = {"available": True, "count": 1, "name": "NVIDIA H100 80GB HBM3", "total": 79 * GiB, "free": 78 * GiB}
+
+
+def info(**gpu):
+    g0 = {"index": 0, "name": "NVIDIA H100 80GB HBM3", "total_bytes": 80 * GiB, "free_bytes": 78 * GiB + 300 * MiB,
+          "used_bytes": 1 * GiB + 700 * MiB, "processes": []}
+    g0.update(gpu)
+    return {"cuda": {"available": True, "device_count": 1, "driver": "580", "runtime": "13.0"}, "gpus": [g0]}
+
+
+class Judges(unittest.TestCase):
+    def test_info_within_the_tolerances_passes(self):
+        c = g.judge_info(info(), PROBE)
+        self.assertTrue(c.ok, c)
+        self.assertIn("NVIDIA H100", c.seen)
+
+    def test_info_that_disagrees_with_torch_fails_and_says_where(self):
+        c = g.judge_info(info(free_bytes=70 * GiB), PROBE)
+        self.assertFalse(c.ok)
+        self.assertIn("MISMATCH: free_bytes", c.seen)
+        c = g.judge_info(info(name="CUDA device 0", total_bytes=40 * GiB), PROBE)
+        self.assertIn("name", c.seen)
+        self.assertIn("total", c.seen)
+        c = g.judge_info({"cuda": {"available": False}, "gpus": []}, PROBE)
+        self.assertFalse(c.ok)
+        self.assertIn("although torch sees 1: is the binary linked with libtorch_cuda", c.seen)
+
+    def test_backoff_and_fallback(self):
+        s = {"status": "completed", "device": "cuda:0", "oom": {"backoffs": 2, "cpu_fallbacks": 0},
+             "batch": {"final_micro_batch": 256, "final_accumulation_steps": 4, "effective_batch": 1024},
+             "memory": {"peak_reserved_bytes": GiB - MiB}}
+        self.assertTrue(g.judge_backoff(s, 1024).ok)
+        self.assertFalse(g.judge_backoff(dict(s, device="cpu"), 1024).ok, "a backoff must happen on the GPU")
+        self.assertFalse(g.judge_cpu_fallback(s).ok)
+        self.assertTrue(g.judge_cpu_fallback(dict(s, device="cpu", oom={"cpu_fallbacks": 1})).ok)
+
+    def test_snapshot_of_the_reference_format(self):
+        """reference.py writes a snapshot in the format torch.cuda.memory._snapshot() returns."""
+        with tempfile.TemporaryDirectory() as d:
+            out = os.path.join(d, "snapshot.pickle")
+            subprocess.run([sys.executable, os.path.join(HERE, "reference.py"), "snapshot", "--out", out], check=True)
+            with open(out, "rb") as f:
+                snap = pickle.load(f)
+        reserved, segs = g.snapshot_reserved(snap)
+        self.assertGreater(segs, 0)
+        report = {"device": "cuda:0", "allocator_stats": {"reserved": reserved, "allocated": g.snapshot_allocated(snap)}}
+        c = g.judge_snapshot(3, report, snap)
+        self.assertTrue(c.ok, c)
+        c = g.judge_snapshot(3, dict(report, allocator_stats={"reserved": reserved + 2 * MiB}), snap)
+        self.assertFalse(c.ok)
+        self.assertFalse(g.judge_snapshot(0, report, snap).ok, "the run must end with exit 3")
+        self.assertIn("no oom/report.json", g.judge_snapshot(3, None, snap).seen)
+
+    def test_inf_step(self):
+        recs = [step(1, 2.0, skipped=False, loss_scale=65536.0), step(2, 1.9, skipped=False, loss_scale=65536.0),
+                step(3, 1.8, skipped=True, loss_scale=32768.0), step(4, 1.7, skipped=False, loss_scale=32768.0)]
+        summary = {"precision": {"skipped_steps": 1, "loss_scale": 32768.0}}
+        self.assertTrue(g.judge_inf_step(recs, summary, 3).ok)
+        recs[2]["loss_scale"] = 65536.0
+        self.assertFalse(g.judge_inf_step(recs, summary, 3).ok, "the scale must halve")
+        self.assertFalse(g.judge_inf_step(recs[:2], summary, 3).ok)
+
+    def test_recompute_needs_equal_losses_and_a_lower_peak(self):
+        plain = [step(1, 2.0), step(2, 1.5)]
+        ps = {"memory": {"peak_allocated_bytes": 100 * MiB}, "precision": {"activation_checkpointing": False}}
+        cs = {"memory": {"peak_allocated_bytes": 40 * MiB}, "precision": {"activation_checkpointing": True}}
+        self.assertTrue(g.judge_recompute("vit", plain, ps, [step(1, 2.0), step(2, 1.500001)], cs).ok)
+        self.assertFalse(g.judge_recompute("vit", plain, ps, [step(1, 2.0), step(2, 1.51)], cs).ok)
+        self.assertFalse(g.judge_recompute("vit", plain, ps, plain, dict(cs, memory={"peak_allocated_bytes": 100 * MiB})).ok)
+
+    def test_async_cap(self):
+        s = {"status": "completed", "device": "cuda:0", "oom": {"backoffs": 1}, "batch": {"final_micro_batch": 512}}
+        start = {"allocator_conf": "backend:cudaMallocAsync,per_process_memory_fraction:0.012500"}
+        self.assertTrue(g.judge_async_cap(start, s, 1024).ok)
+        self.assertFalse(g.judge_async_cap({"allocator_conf": "per_process_memory_fraction:0.0125"}, s, 1024).ok)
+        self.assertFalse(g.judge_async_cap(start, dict(s, oom={"backoffs": 0}), 1024).ok, "an unenforced cap")
+
+    def test_fit_against_what_the_driver_sees(self):
+        fit = {"budget": {"bytes": 512 * MiB}, "recommendation": {"batch_size": 64, "accumulation_steps": 4,
+                                                                   "peak_bytes": 300 * MiB}}
+        run = {"memory": {"peak_reserved_bytes": 310 * MiB}}
+        self.assertTrue(g.judge_fit(fit, run, 300 * MiB + 600 * MiB, "its process").ok)
+        self.assertFalse(g.judge_fit(fit, run, 200 * MiB, "its process").ok, "the driver cannot see less")
+        self.assertFalse(g.judge_fit(fit, run, 300 * MiB + 2 * GiB, "its process").ok)
+        self.assertFalse(g.judge_fit(fit, run, None, "").ok)
+        self.assertIn("no recommendation", g.judge_fit({"recommendation": None}, run, None, "").seen)
+
+    def test_resume(self):
+        whole = [step(i, 1.0 / i) for i in range(1, 9)]
+        self.assertTrue(g.judge_resume(whole, list(whole), 130, ["rng/cpu", "rng/cuda"]).ok)
+        self.assertFalse(g.judge_resume(whole, list(whole), 130, ["rng/cpu"]).ok, "the CUDA generator must be saved")
+        self.assertFalse(g.judge_resume(whole, whole[:5] + [step(6, 0.2)] + whole[6:], 130, ["rng/cuda"]).ok)
+        self.assertFalse(g.judge_resume(whole, list(whole), 0, ["rng/cuda"]).ok)
+
+    def test_expandable(self):
+        recs = [{"type": "cache_clear", "released_bytes": 0}, {"type": "cache_clear", "released_bytes": 64 * MiB}]
+        start = {"allocator_conf": "expandable_segments:True"}
+        self.assertTrue(g.judge_expandable(start, recs, {"status": "completed"}).ok)
+        self.assertFalse(g.judge_expandable(start, recs[:1], {"status": "completed"}).ok)
+        self.assertFalse(g.judge_expandable({"allocator_conf": None}, recs, {"status": "completed"}).ok)
+
+    def test_host_reads_against_the_interface(self):
+        recs = [step(4, 1.0, host_reads=1), step(8, 1.0, host_reads=1), step(10, 1.0, host_reads=0)]
+        self.assertTrue(g.judge_host_reads(recs, {"host_reads": 2, "global_steps": 10}, False).ok)
+        over = [step(4, 1.0, host_reads=2)] + recs[1:]
+        c = g.judge_host_reads(over, {"host_reads": 3, "global_steps": 10}, False)
+        self.assertFalse(c.ok)
+        self.assertIn("step 4: 2 > 1", c.seen)
+        # fp16-mixed: one more read per step covered (the scaler's found-inf).
+        fp16 = [step(4, 1.0, host_reads=5), step(8, 1.0, host_reads=5)]
+        self.assertTrue(g.judge_host_reads(fp16, {"host_reads": 10, "global_steps": 8}, True).ok)
+        self.assertFalse(g.judge_host_reads(fp16, {"host_reads": 10, "global_steps": 8}, False).ok)
+        c = g.judge_host_reads([step(1, 1.0)], {}, False)
+        self.assertFalse(c.ok)
+        self.assertIn("binary has no host-read counter", c.seen)
+        # The epoch's end reads validation's sums and the epoch's (2), which the summary counts.
+        ended = [step(4, 1.0, host_reads=1), {"type": "epoch", "step": 6, "host_reads": 2}]
+        self.assertTrue(g.judge_host_reads(ended, {"host_reads": 3, "global_steps": 6}, False).ok)
+        ended[1]["host_reads"] = 3
+        c = g.judge_host_reads(ended, {"host_reads": 4, "global_steps": 6}, False)
+        self.assertFalse(c.ok)
+        self.assertIn("epoch 6: 3 > 2", c.seen)
+
+    def test_optimizer_and_group(self):
+        self.assertTrue(g.judge_optimizer("fused", "fused", [1.0, 0.9], [1.0, 0.9000001]).ok)
+        self.assertFalse(g.judge_optimizer("fused", "fused", [1.0, 0.9], [1.0, 0.91]).ok)
+        plain = [step(1, 2.0), step(2, 1.0)]
+        s = {"memory": {"ranks": [{"rank": 0}]}}
+        said = "memtrain: MEMTRAIN_TEST_SINGLE_RANK_GROUP=1: training as a one-rank NCCL group"
+        self.assertTrue(g.judge_single_rank(plain, list(plain), s, said).ok)
+        self.assertFalse(g.judge_single_rank(plain, list(plain), {"memory": {"ranks": []}}, said).ok)
+        self.assertFalse(g.judge_single_rank(plain, list(plain), s, "").ok)
+
+    def test_darts_and_cache_clears(self):
+        s = {"device": "cuda:0", "memory": {"peak_reserved_bytes": 3 * GiB}, "cache": {"clears": 10, "clear_seconds": 0.01}}
+        self.assertTrue(g.judge_darts_cap(s, 4 * GiB).ok)
+        self.assertFalse(g.judge_darts_cap(dict(s, memory={"peak_reserved_bytes": 5 * GiB}), 4 * GiB).ok)
+        self.assertTrue(g.judge_cache_clear_cost(s).ok)
+        self.assertFalse(g.judge_cache_clear_cost({"cache": {"clears": 0}}).ok)
+
+
+# A ViT small enough for a 2-core CPU, with the fields the checks fill in.
+SMALL_VIT = g.VIT.replace("image_size = 64", "image_size = 16").replace("patch_size = 8", "patch_size = 4") \
+    .replace("layers = 6", "layers = 2").replace("heads = 8", "heads = 2").replace("hidden_dim = 256", "hidden_dim = 32") \
+    .replace("mlp_dim = 1024", "mlp_dim = 64").replace("batch_size = 32", "batch_size = 16")
+
+
+@unittest.skipUnless(os.environ.get("MEMTRAIN_BIN"), "MEMTRAIN_BIN names no built memtrain")
+class Rehearsal(unittest.TestCase):
+    """The runner and judges against this build, on the CPU: the checks whose meaning survives
+    the move (CUDA's own figures are not there to compare with)."""
+
+    def setUp(self):
+        self.tmp = tempfile.TemporaryDirectory()
+        self.r = g.Runner(os.environ["MEMTRAIN_BIN"], sys.executable, self.tmp.name, budget=300, cmd_timeout=240)
+        self.saved = (g.DEVICE, g.VIT)
+        g.DEVICE, g.VIT = "cpu", SMALL_VIT
+
+    def tearDown(self):
+        g.DEVICE, g.VIT = self.saved
+        self.tmp.cleanup()
+
+    def rows(self, fn):
+        rows = fn(self.r, {})
+        self.assertTrue(rows)
+        return rows
+
+    def test_fp16_inf(self):
+        (c,) = self.rows(g.check_fp16_inf)
+        self.assertTrue(c.ok, c)
+
+    def test_one_rank_gloo_group(self):
+        (c,) = self.rows(g.check_single_rank)
+        self.assertEqual(c.name, "Gloo one-rank group")
+        self.assertTrue(c.ok, c)
+
+    def test_resume_restores_the_generator(self):
+        (c,) = self.rows(g.check_resume)
+        self.assertTrue(c.ok, c)
+        self.assertIn("rng/cpu", c.seen)
+
+    def test_host_reads_pass_or_say_the_counter_is_missing(self):
+        for c in self.rows(g.check_host_reads):
+            self.assertTrue(c.ok or "binary has no host-read counter" in c.seen, c)
+
+    def test_optimizers_pass_or_say_the_key_is_missing(self):
+        rows = self.rows(g.check_optimizers)
+        self.assertEqual([c.name for c in rows], [f"optimizer {i}" for i, _ in g.OPTIMIZER_IMPLS])
+        for c in rows:
+            if c.name == "optimizer fused":
+                continue  # torch.optim's fused AdamW on the CPU is not what the GPU check compares
+            self.assertTrue(c.ok or "binary has no train.optimizer_impl" in c.seen, c)
+
+    def test_the_budget_stops_what_it_no_longer_covers(self):
+        self.r.deadline = 0
+        rows = g.run_checks(self.r, {}, {"backoff", "recompute"}, log=lambda m: None)
+        self.assertEqual([c.name for c in rows], ["OOM backoff (1 GiB cap)", "recompute resnet18", "recompute vit"])
+        self.assertTrue(all("not run: the time budget" in c.seen for c in rows), rows)
+
+
+if __name__ == "__main__":
+    unittest.main()
