@@ -394,6 +394,16 @@ fn check_prints_the_resolved_spec_and_a_static_estimate() {
         .name("again")
         .spec_text(r.stdout.split("\n# Static").next().unwrap())
         .run();
+    // A CPU job's cap covers everything it holds; on a GPU the context and the libraries'
+    // workspaces lie outside it, and check says so.
+    let beyond = "beyond the cap the card also holds the CUDA context";
+    assert!(!r.stdout.contains(beyond), "{}", r.stdout);
+    let gpu = check()
+        .name("gpu")
+        .set("memory.limit", "512MiB")
+        .set("job.device", "auto")
+        .run();
+    assert!(gpu.stdout.contains(beyond), "{}", gpu.stdout);
 }
 
 #[test]
