@@ -223,6 +223,12 @@ fn apply(plan: &Plan) -> Result<()> {
             .with_context(|| format!("capping cuda:{i} at a fraction {f} of its memory"))?,
         _ => {}
     }
+    if let DevicePlan::Cuda(_) = plan.device {
+        // Not fatal: the OOM report then takes its snapshot after the attempt unwound.
+        if let Err(e) = shim::keep_oom_snapshots() {
+            tracing::warn!("the OOM report's snapshot will be taken after the failed step: {e:#}");
+        }
+    }
     if plan.record_history {
         shim::record_memory_history(true, 100_000).context("starting allocator history recording")?;
     }

@@ -345,10 +345,14 @@ impl Trainer {
                 .map(|s| serde_json::to_value(s).unwrap_or_default()),
             Place::Cpu => Some(serde_json::to_value(shim::cpu_alloc_stats()).unwrap_or_default()),
         };
+        // The one kept at the moment of the OOM, else one taken now (still before any cleanup).
         let snapshot = match self.device() {
-            Device::Cuda(_) => shim::memory_snapshot()
-                .map_err(|e| tracing::warn!("no allocator snapshot: {e:#}"))
-                .ok(),
+            Device::Cuda(_) => match shim::take_oom_snapshot() {
+                Ok(Some(s)) => Some(s),
+                _ => shim::memory_snapshot()
+                    .map_err(|e| tracing::warn!("no allocator snapshot: {e:#}"))
+                    .ok(),
+            },
             _ => None,
         };
         OomReport {

@@ -60,6 +60,8 @@ extern "C" {
     fn mt_has_cuda_snapshot() -> i32;
     fn mt_record_memory_history(enabled: i32, max_entries: u64) -> *mut c_char;
     fn mt_memory_snapshot(data: *mut *mut c_char, len: *mut u64) -> *mut c_char;
+    fn mt_cuda_keep_oom_snapshots() -> *mut c_char;
+    fn mt_cuda_take_oom_snapshot(data: *mut *mut c_char, len: *mut u64) -> *mut c_char;
     fn mt_free_buffer(b: *mut c_char);
     fn mt_autocast_enter(device_type: i32, dtype: i32, prev_enabled: *mut i32, prev_dtype: *mut i32) -> *mut c_char;
     fn mt_autocast_exit(device_type: i32, prev_enabled: i32, prev_dtype: i32) -> *mut c_char;
@@ -246,6 +248,26 @@ pub fn memory_snapshot() -> Result<Vec<u8>> {
     let out = unsafe { std::slice::from_raw_parts(data as *const u8, len as usize) }.to_vec();
     unsafe { mt_free_buffer(data) };
     Ok(out)
+}
+
+/// From now on each CUDA OOM keeps the allocator snapshot of its moment, before anything is
+/// freed (`take_oom_snapshot` hands it over). Initialises CUDA.
+pub fn keep_oom_snapshots() -> Result<()> {
+    check(unsafe { mt_cuda_keep_oom_snapshots() })
+}
+
+/// The snapshot kept at the last CUDA OOM, once; None when no OOM kept one.
+pub fn take_oom_snapshot() -> Result<Option<Vec<u8>>> {
+    let mut data: *mut c_char = std::ptr::null_mut();
+    let mut len = 0u64;
+    check(unsafe { mt_cuda_take_oom_snapshot(&mut data, &mut len) })?;
+    if data.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: the shim hands over a malloc'd buffer of `len` bytes.
+    let out = unsafe { std::slice::from_raw_parts(data as *const u8, len as usize) }.to_vec();
+    unsafe { mt_free_buffer(data) };
+    Ok(Some(out))
 }
 
 /// Tensor bytes on the CPU as the counting allocator sees them.
