@@ -34,6 +34,7 @@ fn hyper(kind: OptimizerKind, momentum: f64, nesterov: bool) -> Hyper {
         betas: [0.9, 0.999],
         eps: 1e-8,
         state_bits: 32,
+        implementation: OptimizerImpl::Single,
     }
 }
 
