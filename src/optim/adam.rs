@@ -136,7 +136,11 @@ impl MultiTensor for Adam {
     /// workspace and the op in place there, which computes the same values.
     fn foreach(&self, step: Step, g: Group<'_>) -> Result<()> {
         let Group {
-            params, grads, state, temps, ..
+            params,
+            grads,
+            state,
+            temps,
+            ..
         } = g;
         let [exp_avgs, exp_avg_sqs] = state else {
             unreachable!("Adam keeps two state slots")

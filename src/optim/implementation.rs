@@ -352,7 +352,11 @@ fn lists(b: &Batch<'_>, idx: &[usize]) -> (Vec<Tensor>, Vec<Tensor>, Vec<Vec<Ten
     let grads = idx.iter().map(|&j| b.live[j].1.shallow_clone()).collect();
     let slots = b.rule.slots().len();
     let state = (0..slots)
-        .map(|s| idx.iter().map(|&j| b.state.of(b.live[j].0)[s].shallow_clone()).collect())
+        .map(|s| {
+            idx.iter()
+                .map(|&j| b.state.of(b.live[j].0)[s].shallow_clone())
+                .collect()
+        })
         .collect();
     (params, grads, state)
 }

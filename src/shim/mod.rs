@@ -506,7 +506,17 @@ pub fn foreach(op: Foreach, a: &[tch::Tensor], b: &[tch::Tensor], c: &[tch::Tens
     let (pa, pb, pc) = (ptrs(a), ptrs(b), ptrs(c));
     let or_null = |p: &Vec<*const C_tensor>, used: bool| if used { p.as_ptr() } else { std::ptr::null() };
     let l = list.map_or(std::ptr::null(), |l| l.as_ptr());
-    check(unsafe { mt_foreach(code, pa.as_ptr(), or_null(&pb, reads >= 1), or_null(&pc, reads >= 2), n as i64, l, scalar) })
+    check(unsafe {
+        mt_foreach(
+            code,
+            pa.as_ptr(),
+            or_null(&pb, reads >= 1),
+            or_null(&pc, reads >= 2),
+            n as i64,
+            l,
+            scalar,
+        )
+    })
 }
 
 /// Adam's hyper-parameters for [`fused_adam`].
@@ -543,7 +553,10 @@ pub fn fused_adam(
     scaling: Scaling,
 ) -> Result<()> {
     let n = params.len();
-    if [grads.len(), state[0].len(), state[1].len(), steps.len()].iter().any(|&l| l != n) {
+    if [grads.len(), state[0].len(), state[1].len(), steps.len()]
+        .iter()
+        .any(|&l| l != n)
+    {
         bail!("fused Adam: every list must hold {n} entries");
     }
     let (p, g, m, v, s) = (ptrs(params), ptrs(grads), ptrs(state[0]), ptrs(state[1]), ptrs(steps));
@@ -579,7 +592,13 @@ pub struct FusedSgd {
 }
 
 /// `torch._fused_sgd_` in place (dampening 0, maximize off); `bufs` is empty without momentum.
-pub fn fused_sgd(h: FusedSgd, params: &[tch::Tensor], grads: &[tch::Tensor], bufs: &[tch::Tensor], scaling: Scaling) -> Result<()> {
+pub fn fused_sgd(
+    h: FusedSgd,
+    params: &[tch::Tensor],
+    grads: &[tch::Tensor],
+    bufs: &[tch::Tensor],
+    scaling: Scaling,
+) -> Result<()> {
     let n = params.len();
     if grads.len() != n || !(bufs.is_empty() || bufs.len() == n) {
         bail!("fused SGD: every list must hold {n} entries");
