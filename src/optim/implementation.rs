@@ -116,6 +116,9 @@ pub struct Batch<'a> {
     pub multipliers: &'a Multipliers,
     pub forms_of: fn(Device, Kind) -> Forms,
     pub grads_on_host: bool,
+    /// The loss scale the gradients still carry, per device (empty: none); only implementations
+    /// that `folds_unscale` get one.
+    pub grad_scale: &'a [(Device, Tensor)],
 }
 
 /// One way of launching a step's updates, with the state on the parameters' device.
@@ -263,7 +266,14 @@ impl Implementation for Fused {
                 temps: &[],
                 steps: &steps,
             };
-            if let Err(e) = rule.fused(b.step, g, Scaling::default()) {
+            let scaling = Scaling {
+                grad_scale: b.grad_scale.iter().find(|(d, _)| *d == members.device).map(|(_, t)| t),
+                // GradScaler's found_inf makes the kernel skip the step; the step pipeline reads
+                // it on the host first and then does not apply the step at all (nor count it),
+                // which leaves parameters, state and step count as the kernel would.
+                found_inf: None,
+            };
+            if let Err(e) = rule.fused(b.step, g, scaling) {
                 panic!("{e:#}");
             }
         }

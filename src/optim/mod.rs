@@ -172,6 +172,25 @@ pub struct Prepared {
     live: Vec<(usize, Tensor)>,
     workspace: Workspace,
     host_workspace: Workspace,
+    /// fp16-mixed with a fused optimizer: the loss scale the gradients still carry, per device,
+    /// which the kernel divides out (see [`Prepared::with_grad_scale`]).
+    grad_scale: Vec<(Device, Tensor)>,
+}
+
+impl Prepared {
+    /// The gradients are still multiplied by `scale`: the fused kernels divide it out as they
+    /// read them, as GradScaler.step has them do when `unscale_` was not called (the caller
+    /// asks [`Optimizer::folds_unscale`] first). Allocates (a 1-element tensor per device), so
+    /// it belongs to the step's first phase.
+    pub fn with_grad_scale(mut self, opt: &Optimizer, scale: f64) -> Prepared {
+        for (i, _) in &self.live {
+            let d = opt.params[*i].1.device();
+            if !self.grad_scale.iter().any(|(sd, _)| *sd == d) {
+                self.grad_scale.push((d, Tensor::full([1], scale, (Kind::Float, d))));
+            }
+        }
+        self
+    }
 }
 
 impl Optimizer {
@@ -215,6 +234,12 @@ impl Optimizer {
         };
         opt.choose_implementation();
         opt
+    }
+
+    /// Whether the update divides the loss scale out of the gradients itself (the fused
+    /// kernels' `grad_scale`), so that fp16-mixed only checks them for inf/NaN beforehand.
+    pub fn folds_unscale(&self) -> bool {
+        self.implementation() == OptimizerImpl::Fused
     }
 
     /// The implementation that runs the updates now ("single", "foreach" or "fused").
@@ -321,6 +346,7 @@ impl Optimizer {
                 live,
                 workspace,
                 host_workspace,
+                grad_scale: Vec::new(),
             }
         })
     }
@@ -337,6 +363,7 @@ impl Optimizer {
             live,
             workspace,
             host_workspace,
+            grad_scale,
         } = prepared;
         let Optimizer {
             rule,
@@ -364,6 +391,7 @@ impl Optimizer {
                     multipliers,
                     forms_of: *forms_of,
                     grads_on_host,
+                    grad_scale: &grad_scale,
                 });
             }
             // State on the host: one parameter at a time, whatever was asked (see `resolve`).

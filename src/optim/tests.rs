@@ -756,3 +756,34 @@ fn adam8_state_round_trip_is_exact() {
         "{err}"
     );
 }
+
+/// fp16-mixed with a fused optimizer: gradients still multiplied by a power-of-two loss scale,
+/// divided out in the kernel (`grad_scale`), give the parameters and state of the unscaled
+/// gradients, bit for bit (the division by a power of two is exact in f32).
+#[test]
+fn fused_kernels_divide_the_loss_scale_out() {
+    let scale = 65536.0;
+    for h in [sgd(), nesterov(), adam(), adamw()] {
+        let h = with_impl(h, OptimizerImpl::Fused);
+        let run = |scaled: bool| {
+            let p = leaf(&PARAM, &[2, 3]);
+            let mut opt = Optimizer::new(h, vec![("w".into(), p.shallow_clone())]);
+            assert!(opt.folds_unscale());
+            for g in &GRADS {
+                opt.zero_grad();
+                let g: Vec<f32> = g.iter().map(|v| if scaled { v * scale as f32 } else { *v }).collect();
+                set_grad(&p, &g);
+                let prepared = opt.prepare();
+                let prepared = match scaled {
+                    true => prepared.with_grad_scale(&opt, scale),
+                    false => prepared,
+                };
+                opt.apply(prepared, LR);
+            }
+            let mut v = values(&p);
+            v.extend(opt.state_tensors().iter().flat_map(|(_, t)| values(t)));
+            v
+        };
+        assert_eq!(run(true), run(false), "{:?}", h.kind);
+    }
+}

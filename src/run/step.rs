@@ -184,8 +184,12 @@ impl StepPipeline {
         if work.step > 0 {
             fault::plant_inf_at(work.step, grads);
         }
+        // A fused optimizer divides the scale out in its kernel unless clipping needs the
+        // gradients unscaled first (GradScaler.step without and with unscale_): then this is
+        // only the inf check, as GradScaler's `_check_inf_per_device` (a multiply by 1).
+        let folded = work.loss_scale.filter(|_| self.clip_norm == 0.0 && opt.folds_unscale());
         let found_inf = match work.loss_scale {
-            Some(scale) => unscale(&grads(), scale),
+            Some(scale) => unscale(&grads(), if folded.is_some() { 1.0 } else { scale }),
             None => false,
         };
         // clip
@@ -198,6 +202,10 @@ impl StepPipeline {
         let prepared = {
             let _squeeze = fault::squeeze_before_optimizer(work.step);
             let p = opt.prepare();
+            let p = match folded {
+                Some(scale) => p.with_grad_scale(opt, scale),
+                None => p,
+            };
             (!found_inf).then_some(p)
         };
         // One read per optimizer step; progress and records need the loss.

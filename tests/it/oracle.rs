@@ -165,6 +165,12 @@ fn run_case(
         d = dir.join("d.npz").display(),
         v = dir.join("v.npz").display(),
     );
+    // fp16: step 3's gradients overflow on both sides, so a skipped step is compared too.
+    let fp16 = precision == "fp16-mixed";
+    let t = match fp16 {
+        true => t.env("MEMTRAIN_FAULT_INF_GRAD_AT_STEP", "3"),
+        false => t,
+    };
     let r = t.spec(table(&spec)).run();
     let clip = clip.to_string();
     let mut args = vec![
@@ -189,7 +195,7 @@ fn run_case(
     args.extend_from_slice(optim_args);
     match precision {
         "bf16-mixed" => args.extend_from_slice(&["--autocast", "bf16"]),
-        "fp16-mixed" => args.extend_from_slice(&["--autocast", "fp16"]),
+        "fp16-mixed" => args.extend_from_slice(&["--autocast", "fp16", "--inf-at-step", "3"]),
         _ => {}
     }
     // reference.py's output (PyTorch's losses), JSON from Python, not memtrain's records.
@@ -206,6 +212,7 @@ fn run_case(
         summary: r.summary(),
         ours: tensors(&r.final_model()),
         theirs: py["params"].clone(),
+        scales: py["scales"].clone(),
     };
     (ours, theirs, finals)
 }
@@ -215,6 +222,8 @@ struct Finals {
     summary: Summary,
     ours: Vec<(String, tch::Tensor)>,
     theirs: serde_json::Value,
+    /// fp16: GradScaler's scale after each step.
+    scales: serde_json::Value,
 }
 
 impl Finals {
@@ -336,5 +345,37 @@ fn resnet18_foreach_and_fused_match_pytorchs_bit_for_bit() {
             assert_close(&ours, &theirs, 1e-6);
             finals.assert_identical(&what);
         }
+    }
+}
+
+/// fp16-mixed with fused AdamW and SGD against `torch.amp.GradScaler` with `fused=True`: without
+/// clipping GradScaler hands the kernel the scale and the kernel divides it out (memtrain only
+/// checks for inf first, as GradScaler does); with clipping the gradients are unscaled first
+/// and the kernel gets none. Step 3's gradients overflow on both sides (an inf planted after
+/// backward), so that step is skipped (parameters, state and step count untouched, the scale
+/// halved) alike. Final weights equal bit for bit, and the final scale and skipped steps agree.
+#[test]
+fn fp16_mixed_fused_matches_gradscaler_with_a_fused_optimizer() {
+    for (optim, clip) in [(Optim::AdamW, 0.0), (Optim::AdamW, 1.0), (Optim::SgdMomentum, 0.0)] {
+        let what = format!("fp16-mixed {optim:?} fused, clip {clip}");
+        let (ours, theirs, finals) = run_case(Model::Mlp, optim, "fp16-mixed", "fused", clip);
+        assert_close(&ours, &theirs, 1e-6);
+        finals.assert_identical(&what);
+        let p = &finals.summary.precision;
+        let scales: Vec<f64> = finals
+            .scales
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        assert_eq!(p.loss_scale, scales.last().copied(), "{what}: final scale");
+        let backoffs = scales.windows(2).filter(|w| w[1] < w[0]).count() as u64
+            + u64::from(scales.first().is_some_and(|s| *s < 65536.0));
+        assert_eq!(p.skipped_steps, backoffs, "{what}: skipped steps (scales {scales:?})");
+        assert!(
+            p.skipped_steps > 0,
+            "{what}: no step was skipped, the inf path went untested"
+        );
     }
 }

@@ -28,7 +28,7 @@ Subcommands:
               between them), seeded, its state_dict as safetensors
   train       --model (script:PATH | torchvision:NAME:INIT.safetensors | mlp:INIT.safetensors)
               --train d.npz [--autocast bf16|fp16] [--optimizer sgd|adam|adamw]
-              [--impl single|foreach|fused] [--nesterov] ...
+              [--impl single|foreach|fused] [--nesterov] [--inf-at-step N] ...
               trains as memtrain does (same epoch order, same groups and micro-batches, the
               loss summed and divided by the group size, clipping, torch.optim with the
               implementation --impl; with --autocast the forward under torch.autocast("cpu",
@@ -303,6 +303,9 @@ def cmd_train(a):
                 scaled = loss / len(group)
                 (scaler.scale(scaled) if scaler else scaled).backward()
                 total += loss.item()
+            if a.inf_at_step == len(losses) + 1:
+                # As memtrain's MEMTRAIN_FAULT_INF_GRAD_AT_STEP: an overflow in one gradient.
+                params[0].grad.fill_(float("inf"))
             if scaler:
                 # With clipping, unscale_ first (the kernel then gets found_inf only); without,
                 # a fused optimizer gets grad_scale and found_inf and unscales in the kernel.
@@ -402,6 +405,7 @@ def main():
     s.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], default="sgd")
     s.add_argument("--impl", choices=["single", "foreach", "fused"], default="single")
     s.add_argument("--nesterov", action="store_true")
+    s.add_argument("--inf-at-step", type=int, default=0)
     s.add_argument("--lr", type=float, default=0.1)
     s.add_argument("--momentum", type=float, default=0.0)
     s.add_argument("--weight-decay", type=float, default=0.0)
