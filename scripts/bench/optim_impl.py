@@ -6,10 +6,12 @@ optimizer the median step time of each implementation (the first step is warm-up
 timed; a step is forward, backward and the optimizer update, so the jobs are chosen with a
 small batch, where the update is a large part of the step), the median and range of the
 per-rep ratios against "single", and the largest relative gap between the per-step losses
-and "single"'s (0: identical; fused computes in another order).
+and "single"'s (0: identical; fused computes in another order). One libtorch thread by default:
+on a loaded machine two OpenMP threads on two cores make step times bimodal (a step waits for a
+descheduled thread), which no median over five reps smooths out.
 
   scripts/bench/optim-impl [--memtrain target/release/memtrain] [--jobs mlp-small,mlp-large,resnet18]
-                           [--optimizers adamw,sgd] [--reps 5] [--steps 30] [--threads 2]
+                           [--optimizers adamw,sgd] [--reps 5] [--steps 30] [--threads 1]
 """
 import argparse
 import json
@@ -70,7 +72,7 @@ def main():
     p.add_argument("--optimizers", default="adamw,sgd")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
     a = p.parse_args()
     work = tempfile.mkdtemp(prefix="memtrain-optim-impl-")
     print("| job | optimizer | step ms single | foreach | fused | foreach / single (range) | fused / single (range) | loss gap foreach | fused |")

@@ -76,6 +76,13 @@ impl Placement {
         ]
     }
 
+    /// State off the device updates one parameter at a time, which an explicit
+    /// `train.optimizer_impl = "foreach"` or `"fused"` refuses: such a placement runs "auto"
+    /// (which is "single" there, as it would be for any choice).
+    fn optimizer_impl(self) -> Option<&'static str> {
+        (self != Placement::Device).then_some("auto")
+    }
+
     /// The next rung up (activations only move with checkpointing on; parameters only for
     /// presets that stream).
     fn next(self, checkpointing: bool, streams: bool) -> Option<Placement> {
@@ -243,6 +250,12 @@ impl Prober<'_> {
             ("log.tensorboard", v(false.into())),
         ];
         edits.extend(setting.placement.keys().map(|(key, home)| (key, v(home.name().into()))));
+        edits.extend(
+            setting
+                .placement
+                .optimizer_impl()
+                .map(|i| ("train.optimizer_impl", v(i.into()))),
+        );
         edits
     }
 
@@ -874,6 +887,9 @@ fn write_spec(args: &FitArgs, rec: &Recommendation, budget: &Budget, out: &Path)
     }
     for (key, home) in rec.setting.placement.keys() {
         edits.push((key, v(home.name().into())));
+    }
+    if let Some(i) = rec.setting.placement.optimizer_impl() {
+        edits.push(("train.optimizer_impl", v(i.into())));
     }
     if let Some((key, value)) = &budget.written_as {
         let other = if *key == "memory.limit" {

@@ -165,7 +165,8 @@ impl MultiTensor for Adam {
         let t = step.number as f64;
         let bias_correction1 = 1.0 - beta1.powf(t);
         let bias_correction2 = 1.0 - beta2.powf(t);
-        let step_size = vec![(step.lr / bias_correction1) * -1.0; params.len()];
+        // `(lr / bc) * -1` in Python: a multiply by -1 is the negation, exactly.
+        let step_size = vec![-(step.lr / bias_correction1); params.len()];
         let bias_correction2_sqrt = vec![bias_correction2.powf(0.5); params.len()];
         let denom = temps.last().expect("a denominator temporary");
         shim::foreach(Copy, denom, exp_avg_sqs, none)?;

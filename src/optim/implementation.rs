@@ -299,60 +299,46 @@ struct Members {
 /// different steps); `capped`: each group's elements sum to at most the largest parameter's
 /// of its device and dtype.
 fn groups(b: &Batch<'_>, capped: bool) -> Vec<Members> {
-    let key = |j: usize| {
-        let (i, _) = &b.live[j];
-        let p = &b.params[*i].1;
-        (p.device(), p.kind(), b.state.of_written(*i))
-    };
-    let numel = |j: usize| b.params[b.live[j].0].1.numel();
-    let mut out: Vec<(Members, usize)> = Vec::new();
-    let mut done: Vec<Members> = Vec::new();
-    for j in 0..b.live.len() {
-        let (device, kind, written) = key(j);
-        let cap = match capped {
-            true => (0..b.live.len())
-                .filter(|&o| key(o).0 == device && key(o).1 == kind)
-                .map(numel)
-                .max()
-                .unwrap_or(0),
-            false => usize::MAX,
-        };
-        let n = numel(j);
-        let slot = out
+    let info: Vec<(Device, Kind, bool, usize)> = b
+        .live
+        .iter()
+        .map(|(i, _)| {
+            let p = &b.params[*i].1;
+            (p.device(), p.kind(), b.state.of_written(*i), p.numel())
+        })
+        .collect();
+    let cap = |d: Device, k: Kind| match capped {
+        true => info
             .iter()
-            .position(|(m, _)| m.device == device && m.kind == kind && m.written == written);
-        match slot {
-            Some(s) if out[s].1 + n <= cap => {
-                out[s].0.idx.push(j);
-                out[s].1 += n;
+            .filter(|x| x.0 == d && x.1 == k)
+            .map(|x| x.3)
+            .max()
+            .unwrap_or(0),
+        false => usize::MAX,
+    };
+    let mut open: Vec<(Members, usize)> = Vec::new();
+    let mut done = Vec::new();
+    for (j, &(device, kind, written, n)) in info.iter().enumerate() {
+        let fresh = || {
+            let m = Members {
+                device,
+                kind,
+                written,
+                idx: vec![j],
+            };
+            (m, n)
+        };
+        let same = |m: &Members| m.device == device && m.kind == kind && m.written == written;
+        match open.iter().position(|(m, _)| same(m)) {
+            Some(s) if open[s].1 + n <= cap(device, kind) => {
+                open[s].0.idx.push(j);
+                open[s].1 += n;
             }
-            Some(s) => {
-                let full = std::mem::replace(
-                    &mut out[s],
-                    (
-                        Members {
-                            device,
-                            kind,
-                            written,
-                            idx: vec![j],
-                        },
-                        n,
-                    ),
-                );
-                done.push(full.0);
-            }
-            None => out.push((
-                Members {
-                    device,
-                    kind,
-                    written,
-                    idx: vec![j],
-                },
-                n,
-            )),
+            Some(s) => done.push(std::mem::replace(&mut open[s], fresh()).0),
+            None => open.push(fresh()),
         }
     }
-    done.extend(out.into_iter().map(|(m, _)| m));
+    done.extend(open.into_iter().map(|(m, _)| m));
     done
 }
 

@@ -248,7 +248,7 @@ fn groups_change_no_value() {
             loss.backward();
             opt.step(LR);
         }
-        let mut out: Vec<f32> = params.iter().flat_map(|p| values(p)).collect();
+        let mut out: Vec<f32> = params.iter().flat_map(values).collect();
         out.extend(opt.state_tensors().iter().flat_map(|(_, t)| values(t)));
         out
     };
