@@ -184,9 +184,10 @@ impl StepPipeline {
         if work.step > 0 {
             fault::plant_inf_at(work.step, grads);
         }
-        // A fused optimizer divides the scale out in its kernel unless clipping needs the
-        // gradients unscaled first (GradScaler.step without and with unscale_): then this is
-        // only the inf check, as GradScaler's `_check_inf_per_device` (a multiply by 1).
+        // A fused optimizer divides the scale out in its kernel, as GradScaler.step has it do
+        // when unscale_ was not called, so only the inf check runs here (a multiply by 1, as
+        // GradScaler's `_check_inf_per_device`). Clipping needs unscaled gradients: with it the
+        // gradients are unscaled here and the kernel gets no scale.
         let folded = work.loss_scale.filter(|_| self.clip_norm == 0.0 && opt.folds_unscale());
         let found_inf = match work.loss_scale {
             Some(scale) => unscale(&grads(), if folded.is_some() { 1.0 } else { scale }),
