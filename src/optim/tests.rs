@@ -228,9 +228,10 @@ fn groups_change_no_value() {
             .iter()
             .enumerate()
             .map(|(i, s)| {
-                Tensor::randn(*s, (Kind::Float, Device::Cpu)).set_requires_grad(true) * 0.0 + (i as f64 + 1.0) * 0.1
+                let n: i64 = s.iter().product();
+                let v = Tensor::arange(n, (Kind::Float, Device::Cpu)) * 0.01 + 0.1 * i as f64;
+                v.reshape(*s).set_requires_grad(true)
             })
-            .map(|t| t.detach().set_requires_grad(true))
             .collect();
         let named = params
             .iter()
