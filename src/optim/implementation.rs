@@ -15,6 +15,7 @@
 //! at most the largest parameter's, so the workspace is the single-tensor implementation's (one
 //! largest parameter per temporary) and a model launches a few groups instead of one. Every op
 //! is elementwise, so the grouping changes no value.
+use anyhow::Result;
 use tch::{Device, Kind, Tensor};
 
 use super::forms::{Forms, Multipliers};
@@ -128,10 +129,10 @@ pub trait Implementation: Send {
     /// Allocates what `apply` needs for the live parameters (the step's only allocations).
     fn reserve(&mut self, r: Reserve<'_>);
 
-    /// Updates every live parameter in place; allocates nothing parameter-sized. Libtorch
-    /// errors here would be bugs (shapes and kinds are the optimizer's own), reported as the
-    /// tch ops around them report theirs.
-    fn apply(&self, b: Batch<'_>);
+    /// Updates every live parameter in place; allocates nothing parameter-sized. A libtorch
+    /// error here would be a bug (shapes and kinds are the optimizer's own); it comes back as
+    /// an error, not a panic.
+    fn apply(&self, b: Batch<'_>) -> Result<()>;
 }
 
 /// `foreach=False, fused=False`: the rule's `update`, parameter by parameter, in temporaries
@@ -155,7 +156,7 @@ impl Implementation for Single {
         }
     }
 
-    fn apply(&self, b: Batch<'_>) {
+    fn apply(&self, b: Batch<'_>) -> Result<()> {
         for (i, grad) in b.live {
             let param = &mut b.params[*i].1;
             let (device, kind) = (param.device(), param.kind());
@@ -181,6 +182,7 @@ impl Implementation for Single {
             );
             st.written = true;
         }
+        Ok(())
     }
 }
 
@@ -200,7 +202,7 @@ impl Implementation for Foreach {
         }
     }
 
-    fn apply(&self, b: Batch<'_>) {
+    fn apply(&self, b: Batch<'_>) -> Result<()> {
         let rule = multi(b.rule);
         for members in groups(&b, true) {
             let (params, grads, state) = lists(&b, &members.idx);
@@ -216,11 +218,10 @@ impl Implementation for Foreach {
                 temps: &temps,
                 steps: &[],
             };
-            if let Err(e) = rule.foreach(b.step, g) {
-                panic!("{e:#}");
-            }
+            rule.foreach(b.step, g)?;
         }
         mark_written(b);
+        Ok(())
     }
 }
 
@@ -245,7 +246,7 @@ impl Implementation for Fused {
         }
     }
 
-    fn apply(&self, b: Batch<'_>) {
+    fn apply(&self, b: Batch<'_>) -> Result<()> {
         let rule = multi(b.rule);
         for members in groups(&b, false) {
             let (params, grads, state) = lists(&b, &members.idx);
@@ -256,7 +257,7 @@ impl Implementation for Fused {
                 .expect("reserved for every device")
                 .1
                 .shallow_clone();
-            let _ = count.fill_(b.step.number as f64);
+            let _ = count.f_fill_(b.step.number as f64)?;
             let steps: Vec<Tensor> = params.iter().map(|_| count.shallow_clone()).collect();
             let g = Group {
                 params: &params,
@@ -273,11 +274,10 @@ impl Implementation for Fused {
                 // which leaves parameters, state and step count as the kernel would.
                 found_inf: None,
             };
-            if let Err(e) = rule.fused(b.step, g, scaling) {
-                panic!("{e:#}");
-            }
+            rule.fused(b.step, g, scaling)?;
         }
         mark_written(b);
+        Ok(())
     }
 }
 

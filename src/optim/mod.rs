@@ -3,23 +3,29 @@
 //!
 //! tch's built-in optimizers wrap libtorch's C++ ones, whose state cannot be read or written from
 //! Rust, so a checkpoint could not resume a run exactly. These reimplement PyTorch's Python
-//! optimizers (`torch.optim.SGD`, `Adam`, `AdamW` with their defaults: single-tensor
-//! implementation, `maximize=False`, `amsgrad=False`, `dampening=0`) with every state tensor
-//! exposed by name.
+//! optimizers (`torch.optim.SGD`, `Adam`, `AdamW` with their defaults: `maximize=False`,
+//! `amsgrad=False`, `dampening=0`; in their single-tensor, foreach or fused implementation) with
+//! every state tensor exposed by name.
 //!
 //! Each algorithm is a `rule::Rule` (`sgd`, `adam`; `adam8` for Adam/AdamW with 8-bit moments,
 //! `train.optimizer_state_bits = 8`): the state slots it keeps per parameter,
-//! the temporaries an update needs and the update of one parameter. [`Optimizer`] is the
-//! container around a rule: it owns the parameters, where their state lives (`state`), which of
-//! them this process steps (`shard`), the per-device multipliers and temporaries (`forms`,
-//! `workspace`) and the step's prepare/apply transaction.
+//! the temporaries an update needs and the update of one parameter, and for SGD and Adam the same
+//! over a group of parameters as foreach ops or a fused kernel (`rule::MultiTensor`). How a step
+//! launches the updates is an `implementation` (`train.optimizer_impl`: single, foreach, fused).
+//! [`Optimizer`] is the container around a rule: it owns the parameters, where their state lives
+//! (`state`), which of them this process steps (`shard`), the per-device multipliers and
+//! temporaries (`forms`, `workspace`), which implementation runs, and the step's prepare/apply
+//! transaction.
 //!
 //! # Numerics
 //!
 //! Each update performs the same ATen operations, in the same order and with the same rounding,
 //! as `_single_tensor_sgd` / `_single_tensor_adam` in PyTorch 2.11; the tests compare against
 //! numbers produced by PyTorch itself (`scripts/optim_reference.py`) and agree bit for bit on CPU.
-//! `forms` says how the calls tch lacks are rebuilt, and where reduced precision differs.
+//! `forms` says how the calls tch lacks are rebuilt, and where reduced precision differs. The
+//! foreach and fused forms call PyTorch's own `_foreach_*_` ops and `_fused_*_` kernels through
+//! the shim, with the Python numbers PyTorch passes them, and agree with `foreach=True` and
+//! `fused=True` bit for bit on the CPU, in bf16 too.
 //!
 //! # Step count
 //!
@@ -297,9 +303,9 @@ impl Optimizer {
     /// parameter is touched, and the step is counted last. An out-of-memory error (a tch panic)
     /// therefore leaves parameters, state and step count exactly as they were, and the step can
     /// be retried.
-    pub fn step(&mut self, lr: f64) {
+    pub fn step(&mut self, lr: f64) -> Result<()> {
         let prepared = self.prepare();
-        self.apply(prepared, lr);
+        self.apply(prepared, lr)
     }
 
     /// The step's first phase: every allocation it makes (multipliers, the workspace).
@@ -352,8 +358,9 @@ impl Optimizer {
     }
 
     /// The step's second phase, in place only: the rule updates every parameter that has a
-    /// gradient, in temporaries `prepare` allocated.
-    pub fn apply(&mut self, prepared: Prepared, lr: f64) {
+    /// gradient, in temporaries `prepare` allocated. An error (a libtorch call refusing its
+    /// arguments: a bug, never memory) leaves the step uncounted.
+    pub fn apply(&mut self, prepared: Prepared, lr: f64) -> Result<()> {
         let step = Step {
             number: self.steps + 1,
             lr,
@@ -378,7 +385,7 @@ impl Optimizer {
         } = self;
         let home = state.home();
         let grads_on_host = host_grads.is_some();
-        tch::no_grad(|| {
+        tch::no_grad(|| -> Result<()> {
             multipliers.refill(&values);
             if home == Home::Device {
                 return implementation.apply(Batch {
@@ -427,8 +434,10 @@ impl Optimizer {
             }
             // The host copies are written again next step; their uploads finish first.
             host.settle();
-        });
+            Ok(())
+        })?;
         self.steps = step.number;
+        Ok(())
     }
 
     /// Zeroes every defined grad in place (detached first, like PyTorch's

@@ -114,7 +114,7 @@ fn run_three_steps(h: Hyper) -> (Tensor, Optimizer) {
     for g in &GRADS {
         opt.zero_grad();
         set_grad(&p, g);
-        opt.step(LR);
+        opt.step(LR).unwrap();
     }
     (p, opt)
 }
@@ -160,7 +160,7 @@ fn three_steps_in(h: Hyper, kind: Kind) -> Vec<f32> {
         opt.zero_grad();
         let g = Tensor::from_slice(g).reshape([2, 3]).to_kind(kind);
         (&p * g).sum(kind).backward();
-        opt.step(LR);
+        opt.step(LR).unwrap();
     }
     values(&p.to_kind(Kind::Float))
 }
@@ -247,7 +247,7 @@ fn groups_change_no_value() {
                 .map(|(i, p)| (p * p * (0.3 + 0.1 * (i + step) as f64)).sin().sum(Kind::Float))
                 .fold(Tensor::zeros([], (Kind::Float, Device::Cpu)), |a, b| a + b);
             loss.backward();
-            opt.step(LR);
+            opt.step(LR).unwrap();
         }
         let mut out: Vec<f32> = params.iter().flat_map(values).collect();
         out.extend(opt.state_tensors().iter().flat_map(|(_, t)| values(t)));
@@ -324,7 +324,7 @@ fn bf16_params_stay_within_one_ulp_of_pytorch() {
             opt.zero_grad();
             let g = Tensor::from_slice(g).reshape([2, 3]).to_kind(Kind::BFloat16);
             (&p * g).sum(Kind::BFloat16).backward();
-            opt.step(LR);
+            opt.step(LR).unwrap();
         }
         assert_eq!(p.kind(), Kind::BFloat16);
         assert!(opt.state_tensors().iter().all(|(_, t)| t.kind() == Kind::BFloat16));
@@ -354,7 +354,7 @@ fn params_without_grad_are_skipped() {
             vec![("a".into(), a.shallow_clone()), ("b".into(), b.shallow_clone())],
         );
         set_grad(&a, &GRADS[0]);
-        opt.step(LR);
+        opt.step(LR).unwrap();
         assert_eq!(values(&b), vec![1.0, 2.0, 3.0], "{:?}", h.kind);
         assert_ne!(values(&a), PARAM.to_vec(), "{:?}", h.kind);
     }
@@ -368,7 +368,7 @@ fn drop_grads_releases_them_and_the_next_backward_makes_them_again() {
     assert!(p.grad().defined());
     opt.drop_grads();
     assert!(!p.grad().defined());
-    opt.step(0.1);
+    opt.step(0.1).unwrap();
     assert_eq!(values(&p), vec![1.0, 2.0], "no gradient, no update");
     (&p * 3.0).sum(tch::Kind::Float).backward();
     assert_eq!(values(&p.grad()), vec![3.0, 3.0]);
@@ -388,7 +388,7 @@ fn a_sharded_optimizer_steps_and_keeps_only_its_parameters() {
     assert_eq!(opt.state_names_of(0), ["exp_avg/a", "exp_avg_sq/a"]);
     set_grad(&a, &GRADS[0]);
     set_grad(&b, &[0.5, 0.5]);
-    opt.step(LR);
+    opt.step(LR).unwrap();
     assert_eq!(values(&a), PARAM.to_vec(), "rank 0's parameter is not stepped here");
     assert_ne!(values(&b), vec![1.0, 2.0]);
     // The whole optimizer's saved state loads: own part copied, the rest checked and skipped.
@@ -450,7 +450,7 @@ fn state_round_trip_is_exact() {
         for g in &GRADS[..2] {
             opt_a.zero_grad();
             set_grad(&a, g);
-            opt_a.step(LR);
+            opt_a.step(LR).unwrap();
         }
         // What a checkpoint holds: deep copies on the CPU.
         let saved: Vec<(String, Tensor)> = opt_a
@@ -465,7 +465,7 @@ fn state_round_trip_is_exact() {
         for (p, opt) in [(&a, &mut opt_a), (&b, &mut opt_b)] {
             opt.zero_grad();
             set_grad(p, &GRADS[2]);
-            opt.step(LR);
+            opt.step(LR).unwrap();
         }
         assert!(a.equal(&b), "{:?}: resumed param differs", h.kind);
         for ((na, ta), (nb, tb)) in opt_a.state_tensors().iter().zip(opt_b.state_tensors().iter()) {
@@ -480,7 +480,7 @@ fn load_state_rejects_missing_and_unexpected_names() {
     let p = leaf(&PARAM, &[2, 3]);
     let mut opt = Optimizer::new(adam(), vec![("w".into(), p.shallow_clone())]);
     set_grad(&p, &GRADS[0]);
-    opt.step(LR);
+    opt.step(LR).unwrap();
     let before = values(&opt.state_tensors()[0].1);
     let saved: Vec<(String, Tensor)> = opt
         .state_tensors()
@@ -534,7 +534,7 @@ fn to_device_keeps_state() {
     let p = leaf(&PARAM, &[2, 3]);
     let mut opt = Optimizer::new(adam(), vec![("w".into(), p.shallow_clone())]);
     set_grad(&p, &GRADS[0]);
-    opt.step(LR);
+    opt.step(LR).unwrap();
     let before: Vec<Vec<f32>> = opt.state_tensors().iter().map(|(_, t)| values(t)).collect();
     opt.to_device(Device::Cpu);
     let after: Vec<Vec<f32>> = opt.state_tensors().iter().map(|(_, t)| values(t)).collect();
@@ -622,7 +622,7 @@ fn apply_allocates_nothing_parameter_sized() {
                     let prepared = opt.prepare();
                     let before = crate::shim::cpu_alloc_stats().allocated;
                     crate::shim::cpu_alloc_reset_peak();
-                    opt.apply(prepared, LR);
+                    opt.apply(prepared, LR).unwrap();
                     let grew = crate::shim::cpu_alloc_stats().peak_allocated - before;
                     // libtorch's scalar `div_`/`add_` make 0-dim temporaries of a few bytes.
                     assert!(
@@ -658,7 +658,7 @@ fn run_on(h: Hyper, init: &Tensor, grads: &[Tensor]) -> (Tensor, Optimizer) {
     for g in grads {
         opt.zero_grad();
         (&p * g).sum(Kind::Float).backward();
-        opt.step(LR / 10.0);
+        opt.step(LR / 10.0).unwrap();
     }
     (p, opt)
 }
@@ -741,7 +741,7 @@ fn adam8_state_round_trip_is_exact() {
         for (p, opt) in [(&a, &mut opt_a), (&b, &mut opt_b)] {
             opt.zero_grad();
             (p * g).sum(Kind::Float).backward();
-            opt.step(LR / 10.0);
+            opt.step(LR / 10.0).unwrap();
         }
     }
     assert!(a.equal(&b), "resumed param differs");
@@ -779,7 +779,7 @@ fn fused_kernels_divide_the_loss_scale_out() {
                     true => prepared.with_grad_scale(&opt, scale),
                     false => prepared,
                 };
-                opt.apply(prepared, LR);
+                opt.apply(prepared, LR).unwrap();
             }
             let mut v = values(&p);
             v.extend(opt.state_tensors().iter().flat_map(|(_, t)| values(t)));

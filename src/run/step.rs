@@ -120,7 +120,7 @@ impl StepPipeline {
         let Some(d) = exec.group_mut() else {
             let (loss_sum, correct, found_inf, prepared) = attempt?;
             if let Some(p) = prepared {
-                opt.apply(p, work.lr);
+                opt.apply(p, work.lr).map_err(other)?;
             }
             return Ok(StepOutput {
                 loss_sum,
@@ -276,7 +276,7 @@ impl StepPipeline {
         }
         let (_, _, found_inf, prepared) = attempt.expect("no rank failed");
         if let Some(p) = prepared {
-            opt.apply(p, work.lr);
+            opt.apply(p, work.lr).map_err(other)?;
             // Sharded state: each rank updated its own parameters; every rank takes them. (A
             // skipped fp16 step is skipped alike everywhere, as long as the inf check reads the
             // summed gradients, which are the same on every rank.)

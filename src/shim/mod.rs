@@ -1,5 +1,6 @@
 //! The bridge to the libtorch calls tch lacks (see shim.cpp): memory statistics, cache control,
-//! device memory info, versions, the allocator snapshot and the counting CPU allocator.
+//! device memory info, versions, the allocator snapshot, the counting CPU allocator, and the
+//! optimizer's in-place foreach ops and fused kernels.
 //! Everything C++ stays behind this module.
 pub mod dist;
 

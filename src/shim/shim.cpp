@@ -1,6 +1,7 @@
 // The few libtorch calls tch does not bind: accelerator memory statistics, cache control,
-// device memory info, version strings, the allocator's memory snapshot, and the counting CPU
-// allocator that gives CPU runs exact tensor-byte accounting and a cap.
+// device memory info, version strings, the allocator's memory snapshot, the counting CPU
+// allocator that gives CPU runs exact tensor-byte accounting and a cap, and the optimizer's
+// in-place foreach ops and fused kernels.
 //
 // Every entry point is `extern "C"`, catches every C++ exception and returns it as a
 // malloc'd message (freed with mt_free_error), so nothing unwinds into Rust and nothing
