@@ -5,7 +5,10 @@ Usage: ~/.cache/memtrain/venv-torch-2.11.0/bin/python scripts/optim_reference.py
 
 Runs torch.optim.SGD / Adam / AdamW (single-tensor path: foreach=False, fused=False) for 3 steps
 with lr 0.1 on a fixed 2x3 float32 parameter and a fixed sequence of 3 gradients (and two of
-them again in bfloat16), and
+them again in bfloat16), the same with foreach=True (asserted equal to the single-tensor
+numbers bit for bit in float32: on the CPU the foreach ops loop over the same per-tensor
+kernels; in bfloat16 they are printed too, Nesterov's differ) and with
+fused=True (its own constants: the fused CPU kernels compute in another order), and
 torch.nn.utils.clip_grad_norm_ on fixed gradients, then prints the results as Rust constants.
 Every float32 is printed in its shortest round-trip form, so the Rust literals are the exact
 same float32 values PyTorch produced. Paste the output into the tests of src/optim/tests.rs.
@@ -21,18 +24,22 @@ GRADS = [
 ]
 LR = 0.1
 
+SINGLE = dict(foreach=False, fused=False)
+FOREACH = dict(foreach=True, fused=False)
+FUSED = dict(foreach=False, fused=True)
+
 CASES = {
-    "SGD_MOMENTUM": lambda p: torch.optim.SGD(
-        [p], lr=LR, momentum=0.9, weight_decay=0.01, foreach=False
+    "SGD_MOMENTUM": lambda p, impl=SINGLE: torch.optim.SGD(
+        [p], lr=LR, momentum=0.9, weight_decay=0.01, **impl
     ),
-    "SGD_NESTEROV": lambda p: torch.optim.SGD(
-        [p], lr=LR, momentum=0.9, nesterov=True, weight_decay=0.01, foreach=False
+    "SGD_NESTEROV": lambda p, impl=SINGLE: torch.optim.SGD(
+        [p], lr=LR, momentum=0.9, nesterov=True, weight_decay=0.01, **impl
     ),
-    "ADAM": lambda p: torch.optim.Adam(
-        [p], lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, foreach=False, fused=False
+    "ADAM": lambda p, impl=SINGLE: torch.optim.Adam(
+        [p], lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, **impl
     ),
-    "ADAMW": lambda p: torch.optim.AdamW(
-        [p], lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, foreach=False, fused=False
+    "ADAMW": lambda p, impl=SINGLE: torch.optim.AdamW(
+        [p], lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, **impl
     ),
 }
 
@@ -56,9 +63,9 @@ def rust_array(name: str, values) -> str:
     return f"const {name}: [f32; {len(flat)}] = [{', '.join(f32(v) for v in flat)}];"
 
 
-def run(make, dtype: torch.dtype) -> torch.Tensor:
+def run(make, dtype: torch.dtype, impl=SINGLE) -> torch.Tensor:
     p = torch.tensor(PARAM, dtype=dtype, requires_grad=True)
-    opt = make(p)
+    opt = make(p, impl)
     for g in GRADS:
         opt.zero_grad()
         p.grad = torch.tensor(g, dtype=dtype)
@@ -73,6 +80,15 @@ def main() -> None:
     # bfloat16 parameters (precision = "bf16"): state and grads in bf16 too, as PyTorch does.
     for name in BF16_CASES:
         print(rust_array(f"{name}_BF16", run(CASES[name], torch.bfloat16).float()))
+    for name, make in CASES.items():
+        assert torch.equal(run(make, torch.float32), run(make, torch.float32, FOREACH)), name
+    print("// foreach=True in bfloat16 (in float32 the single-tensor numbers above, bit for bit)")
+    for name, make in CASES.items():
+        print(rust_array(f"{name}_FOREACH_BF16", run(make, torch.bfloat16, FOREACH).float()))
+    print("// fused=True")
+    for name, make in CASES.items():
+        print(rust_array(f"{name}_FUSED", run(make, torch.float32, FUSED)))
+        print(rust_array(f"{name}_FUSED_BF16", run(make, torch.bfloat16, FUSED).float()))
 
     params = [
         torch.zeros(2, 3, requires_grad=True),

@@ -26,6 +26,8 @@ pub struct Estimate {
     /// Values of each trained tensor (8-bit state depends on each one's size).
     pub weight_sizes: Vec<u64>,
     pub optimizer: String,
+    /// How `train.optimizer_impl` resolves for the spec's device and placement, in words.
+    pub optimizer_impl: String,
     pub micro_batch: i64,
     pub accumulation_steps: i64,
     /// The model is a sequence of blocks.
@@ -162,6 +164,29 @@ impl Estimate {
     }
 }
 
+/// The implementation a run of `spec` would use; "auto" on `job.device = "auto"` depends on
+/// the machine, so both outcomes are named.
+fn impl_words(spec: &Spec) -> String {
+    use crate::spec::{Device, OptimizerImpl};
+    let asked = spec.train.optimizer_impl;
+    let placement = crate::optim::Placement::of_spec(spec);
+    let device = match spec.job.device {
+        Device::Cpu => tch::Device::Cpu,
+        Device::Cuda(i) => tch::Device::Cuda(i),
+        Device::Auto
+            if asked == OptimizerImpl::Auto && crate::optim::refusal(OptimizerImpl::Foreach, placement).is_none() =>
+        {
+            return "auto: foreach on CUDA, single on the CPU".into()
+        }
+        Device::Auto => tch::Device::Cpu,
+    };
+    let which = crate::optim::resolve(asked, device, placement).name();
+    match asked {
+        OptimizerImpl::Auto => format!("{which} (auto)"),
+        _ => which.into(),
+    }
+}
+
 pub fn estimate(spec: &Spec) -> Result<Estimate> {
     let c = model::counts(&spec.model)?;
     let (weights, arch, buffers) = (c.weights, c.arch_weights, c.buffers);
@@ -181,6 +206,7 @@ pub fn estimate(spec: &Spec) -> Result<Estimate> {
         state_bits: t.optimizer_state_bits,
         weight_sizes: c.weight_sizes,
         optimizer: format!("{:?}", t.optimizer).to_lowercase(),
+        optimizer_impl: impl_words(spec),
         micro_batch: t.batch_size,
         accumulation_steps: t.accumulation_steps,
         has_blocks: c.has_blocks,
@@ -218,17 +244,19 @@ impl fmt::Display for Estimate {
         match self.state_bits {
             8 => writeln!(
                 f,
-                "optimizer state  {} ({}, 8-bit: {} values of 1 byte per parameter and an fp32 scale per 256; fp32 for tensors under 4096 values)",
+                "optimizer state  {} ({}, 8-bit: {} values of 1 byte per parameter and an fp32 scale per 256; fp32 for tensors under 4096 values; implementation {})",
                 human_bytes(self.optimizer_bytes()),
                 self.optimizer,
-                self.state_per_weight
+                self.state_per_weight,
+                self.optimizer_impl
             )?,
             _ => writeln!(
                 f,
-                "optimizer state  {} ({}: {} value(s) per parameter)",
+                "optimizer state  {} ({}: {} value(s) per parameter; implementation {})",
                 human_bytes(self.optimizer_bytes()),
                 self.optimizer,
-                self.state_per_weight
+                self.state_per_weight,
+                self.optimizer_impl
             )?,
         }
         writeln!(f, "total static     {}", human_bytes(self.total_bytes()))?;

@@ -45,7 +45,7 @@ use tch::{Kind, Tensor};
 
 use super::preset::{run_chain, Built, Chain, ExtraStep, Genotype, Net, Preset};
 use crate::optim::Hyper;
-use crate::spec::OptimizerKind;
+use crate::spec::{OptimizerImpl, OptimizerKind};
 
 /// Channels of the stem, as a multiple of `init_channels` (3 in DARTS).
 const STEM_MULTIPLIER: i64 = 3;
@@ -656,6 +656,7 @@ impl Preset for DartsPreset {
                 betas: [0.5, 0.999],
                 eps: 1e-8,
                 state_bits: 32,
+                implementation: OptimizerImpl::Auto,
             },
         })
     }

@@ -1,8 +1,11 @@
 //! `torch.optim.Adam` and `AdamW` (single-tensor implementation, amsgrad and maximize off).
+use anyhow::Result;
 use tch::Tensor;
 
 use super::forms::{add_scaled_into, scale_, scale_into, Forms, Values};
-use super::rule::{ParamUpdate, Rule, Step};
+use super::rule::{Group, MultiTensor, ParamUpdate, Rule, Step};
+use crate::shim::{self, FusedAdam, Scaling};
+use shim::Foreach::*;
 
 /// Adam, or AdamW with decoupled weight decay: the two differ only in how the decay is applied.
 #[derive(Debug, Clone, Copy)]
@@ -48,6 +51,10 @@ impl Rule for Adam {
         v[BETA2] = self.betas[1];
         v[SHRINK] = 1.0 - step.lr * self.weight_decay;
         v
+    }
+
+    fn multi_tensor(&self) -> Option<&dyn MultiTensor> {
+        Some(self)
     }
 
     /// `_single_tensor_adam` for one parameter.
@@ -112,5 +119,74 @@ impl Rule for Adam {
                 let _ = param.addcdiv_(upd, denom);
             }
         }
+    }
+}
+
+impl MultiTensor for Adam {
+    /// The decayed gradients (Adam with weight decay only) and the denominators.
+    fn foreach_temporaries(&self) -> usize {
+        match (self.weight_decay != 0.0, self.decay) {
+            (true, Decay::Coupled) => 2,
+            _ => 1,
+        }
+    }
+
+    /// `_multi_tensor_adam` (not capturable): the same foreach ops with the same Python numbers;
+    /// its two out-of-place ops (the decayed gradients, the square roots) are a copy into the
+    /// workspace and the op in place there, which computes the same values.
+    fn foreach(&self, step: Step, g: Group<'_>) -> Result<()> {
+        let Group {
+            params,
+            grads,
+            state,
+            temps,
+            ..
+        } = g;
+        let [exp_avgs, exp_avg_sqs] = state else {
+            unreachable!("Adam keeps two state slots")
+        };
+        let none: &[Tensor] = &[];
+        let [beta1, beta2] = self.betas;
+        let mut g = grads;
+        if self.weight_decay != 0.0 {
+            match self.decay {
+                Decay::Decoupled => shim::foreach(Mul(1.0 - step.lr * self.weight_decay), params, none, none)?,
+                Decay::Coupled => {
+                    shim::foreach(Copy, &temps[0], grads, none)?;
+                    shim::foreach(Add(self.weight_decay), &temps[0], params, none)?;
+                    g = &temps[0];
+                }
+            }
+        }
+        shim::foreach(Lerp(1.0 - beta1), exp_avgs, g, none)?;
+        shim::foreach(Mul(beta2), exp_avg_sqs, none, none)?;
+        shim::foreach(Addcmul(1.0 - beta2), exp_avg_sqs, g, g)?;
+        // Python floats, as `_get_value(step)` makes them (the step count is exact in f32).
+        let t = step.number as f64;
+        let bias_correction1 = 1.0 - beta1.powf(t);
+        let bias_correction2 = 1.0 - beta2.powf(t);
+        // `(lr / bc) * -1` in Python: a multiply by -1 is the negation, exactly.
+        let step_size = vec![-(step.lr / bias_correction1); params.len()];
+        let bias_correction2_sqrt = vec![bias_correction2.powf(0.5); params.len()];
+        let denom = temps.last().expect("a denominator temporary");
+        shim::foreach(Copy, denom, exp_avg_sqs, none)?;
+        shim::foreach(Sqrt, denom, none, none)?;
+        shim::foreach(DivList(&bias_correction2_sqrt), denom, none, none)?;
+        shim::foreach(AddScalar(self.eps), denom, none, none)?;
+        shim::foreach(AddcdivList(&step_size), params, exp_avgs, denom)
+    }
+
+    fn fused(&self, step: Step, g: Group<'_>, scaling: Scaling) -> Result<()> {
+        let h = FusedAdam {
+            lr: step.lr,
+            betas: self.betas,
+            weight_decay: self.weight_decay,
+            eps: self.eps,
+            decoupled: self.decay == Decay::Decoupled,
+        };
+        let [exp_avgs, exp_avg_sqs] = g.state else {
+            unreachable!("Adam keeps two state slots")
+        };
+        shim::fused_adam(h, g.params, g.grads, [exp_avgs, exp_avg_sqs], g.steps, scaling)
     }
 }

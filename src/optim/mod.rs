@@ -3,23 +3,29 @@
 //!
 //! tch's built-in optimizers wrap libtorch's C++ ones, whose state cannot be read or written from
 //! Rust, so a checkpoint could not resume a run exactly. These reimplement PyTorch's Python
-//! optimizers (`torch.optim.SGD`, `Adam`, `AdamW` with their defaults: single-tensor
-//! implementation, `maximize=False`, `amsgrad=False`, `dampening=0`) with every state tensor
-//! exposed by name.
+//! optimizers (`torch.optim.SGD`, `Adam`, `AdamW` with their defaults: `maximize=False`,
+//! `amsgrad=False`, `dampening=0`; in their single-tensor, foreach or fused implementation) with
+//! every state tensor exposed by name.
 //!
 //! Each algorithm is a `rule::Rule` (`sgd`, `adam`; `adam8` for Adam/AdamW with 8-bit moments,
 //! `train.optimizer_state_bits = 8`): the state slots it keeps per parameter,
-//! the temporaries an update needs and the update of one parameter. [`Optimizer`] is the
-//! container around a rule: it owns the parameters, where their state lives (`state`), which of
-//! them this process steps (`shard`), the per-device multipliers and temporaries (`forms`,
-//! `workspace`) and the step's prepare/apply transaction.
+//! the temporaries an update needs and the update of one parameter, and for SGD and Adam the same
+//! over a group of parameters as foreach ops or a fused kernel (`rule::MultiTensor`). How a step
+//! launches the updates is an `implementation` (`train.optimizer_impl`: single, foreach, fused).
+//! [`Optimizer`] is the container around a rule: it owns the parameters, where their state lives
+//! (`state`), which of them this process steps (`shard`), the per-device multipliers and
+//! temporaries (`forms`, `workspace`), which implementation runs, and the step's prepare/apply
+//! transaction.
 //!
 //! # Numerics
 //!
 //! Each update performs the same ATen operations, in the same order and with the same rounding,
 //! as `_single_tensor_sgd` / `_single_tensor_adam` in PyTorch 2.11; the tests compare against
 //! numbers produced by PyTorch itself (`scripts/optim_reference.py`) and agree bit for bit on CPU.
-//! `forms` says how the calls tch lacks are rebuilt, and where reduced precision differs.
+//! `forms` says how the calls tch lacks are rebuilt, and where reduced precision differs. The
+//! foreach and fused forms call PyTorch's own `_foreach_*_` ops and `_fused_*_` kernels through
+//! the shim, with the Python numbers PyTorch passes them, and agree with `foreach=True` and
+//! `fused=True` bit for bit on the CPU, in bf16 too.
 //!
 //! # Step count
 //!
@@ -32,6 +38,7 @@ mod adam8;
 mod clip;
 mod forms;
 mod grads;
+mod implementation;
 mod quant;
 mod rule;
 mod schedule;
@@ -47,11 +54,13 @@ use tch::{Device, Kind, Tensor};
 
 use crate::host::{Home, Host};
 use crate::shim::HostScope;
-use crate::spec::{OptimizerKind, Train};
+use crate::spec::{OptimizerImpl, OptimizerKind, Train};
 pub use adam8::state_bytes_8bit;
 pub use clip::{clip_grad_norm, clip_grads};
 use forms::{Forms, Multipliers};
 use grads::HostGrads;
+pub use implementation::{refusal, resolve, Placement};
+use implementation::{Batch, Implementation, Reserve};
 pub use quant::dynamic_map;
 pub use rule::Slot;
 use rule::{ParamUpdate, Rule, Step};
@@ -75,6 +84,8 @@ pub struct Hyper {
     pub eps: f64,
     /// Bits per Adam/AdamW moment value: 32, or 8 for block-wise quantized moments (`adam8`).
     pub state_bits: u32,
+    /// `train.optimizer_impl`, as asked (the container resolves "auto").
+    pub implementation: OptimizerImpl,
 }
 
 impl Hyper {
@@ -88,6 +99,7 @@ impl Hyper {
             betas: t.betas,
             eps: t.eps,
             state_bits: t.optimizer_state_bits,
+            implementation: t.optimizer_impl,
         }
     }
 
@@ -141,6 +153,9 @@ pub struct Optimizer {
     /// Sharded state (ZeRO stage 1): which rank owns each parameter; None: this process owns all.
     shard: Option<Shard>,
     steps: i64,
+    /// How the updates are launched: `hyper.implementation` resolved for the device and the
+    /// placement (again whenever they change).
+    implementation: Box<dyn Implementation>,
     /// Where host-placed state and gradients are made.
     host: Host,
     /// `memory.gradients = "host"`: the step's gradients, collected off the device.
@@ -163,6 +178,25 @@ pub struct Prepared {
     live: Vec<(usize, Tensor)>,
     workspace: Workspace,
     host_workspace: Workspace,
+    /// fp16-mixed with a fused optimizer: the loss scale the gradients still carry, per device,
+    /// which the kernel divides out (see [`Prepared::with_grad_scale`]).
+    grad_scale: Vec<(Device, Tensor)>,
+}
+
+impl Prepared {
+    /// The gradients are still multiplied by `scale`: the fused kernels divide it out as they
+    /// read them, as GradScaler.step has them do when `unscale_` was not called (the caller
+    /// asks [`Optimizer::folds_unscale`] first). Allocates (a 1-element tensor per device), so
+    /// it belongs to the step's first phase.
+    pub fn with_grad_scale(mut self, opt: &Optimizer, scale: f64) -> Prepared {
+        for (i, _) in &self.live {
+            let d = opt.params[*i].1.device();
+            if !self.grad_scale.iter().any(|(sd, _)| *sd == d) {
+                self.grad_scale.push((d, Tensor::full([1], scale, (Kind::Float, d))));
+            }
+        }
+        self
+    }
 }
 
 impl Optimizer {
@@ -191,7 +225,7 @@ impl Optimizer {
             home,
             &host,
         );
-        Optimizer {
+        let mut opt = Optimizer {
             host,
             host_grads: None,
             hyper,
@@ -202,6 +236,39 @@ impl Optimizer {
             forms_of: Forms::of,
             shard,
             steps: 0,
+            implementation: implementation::of(OptimizerImpl::Single),
+        };
+        opt.choose_implementation();
+        opt
+    }
+
+    /// Whether the update divides the loss scale out of the gradients itself (the fused
+    /// kernels' `grad_scale`), so that fp16-mixed only checks them for inf/NaN beforehand.
+    pub fn folds_unscale(&self) -> bool {
+        self.implementation() == OptimizerImpl::Fused
+    }
+
+    /// The implementation that runs the updates now ("single", "foreach" or "fused").
+    pub fn implementation(&self) -> OptimizerImpl {
+        self.implementation.which()
+    }
+
+    /// Resolves `hyper.implementation` for where the parameters, state and gradients are now.
+    fn choose_implementation(&mut self) {
+        let device = self.params.first().map_or(Device::Cpu, |(_, p)| p.device());
+        let placement = Placement {
+            state_bits: self.hyper.state_bits,
+            state_on_host: self.state.home() == Home::Host,
+            grads_on_host: self.host_grads.is_some(),
+        };
+        let asked = self.hyper.implementation;
+        let which = resolve(asked, device, placement);
+        if which != asked && asked != OptimizerImpl::Auto {
+            let why = refusal(asked, placement).unwrap_or_default();
+            tracing::warn!("train.optimizer_impl: running \"single\" instead: {why}");
+        }
+        if which != self.implementation.which() {
+            self.implementation = implementation::of(which);
         }
     }
 
@@ -236,9 +303,9 @@ impl Optimizer {
     /// parameter is touched, and the step is counted last. An out-of-memory error (a tch panic)
     /// therefore leaves parameters, state and step count exactly as they were, and the step can
     /// be retried.
-    pub fn step(&mut self, lr: f64) {
+    pub fn step(&mut self, lr: f64) -> Result<()> {
         let prepared = self.prepare();
-        self.apply(prepared, lr);
+        self.apply(prepared, lr)
     }
 
     /// The step's first phase: every allocation it makes (multipliers, the workspace).
@@ -253,24 +320,25 @@ impl Optimizer {
                 .collect();
             let mut workspace = Workspace::default();
             let mut host_workspace = Workspace::default();
-            for (i, _) in &live {
-                let p = &self.params[*i].1;
-                let grad_on_device = self.host_grads.is_none();
-                match self.state.home() {
-                    Home::Device => {
-                        let forms = (self.forms_of)(p.device(), p.kind());
-                        self.multipliers.prepare(p.device(), p.kind(), forms);
-                        self.rule.prepare(p.device());
-                        // A host gradient comes to the device in a temporary of its own.
-                        let carried = usize::from(!grad_on_device);
-                        workspace.reserve(p, self.rule.temporaries(forms) + carried);
-                    }
-                    Home::Host => {
+            let grads_on_host = self.host_grads.is_some();
+            match self.state.home() {
+                Home::Device => self.implementation.reserve(Reserve {
+                    rule: &*self.rule,
+                    params: &self.params,
+                    live: &live,
+                    multipliers: &mut self.multipliers,
+                    forms_of: self.forms_of,
+                    workspace: &mut workspace,
+                    grads_on_host,
+                }),
+                Home::Host => {
+                    for (i, _) in &live {
+                        let p = &self.params[*i].1;
                         let forms = (self.forms_of)(Device::Cpu, p.kind());
                         self.multipliers.prepare(Device::Cpu, p.kind(), forms);
                         self.rule.prepare(Device::Cpu);
                         // The parameter's host copy, and the gradient's unless it is there.
-                        let carried = 1 + usize::from(grad_on_device);
+                        let carried = 1 + usize::from(!grads_on_host);
                         host_workspace.reserve_on(Device::Cpu, p, self.rule.temporaries(forms) + carried);
                     }
                 }
@@ -284,13 +352,15 @@ impl Optimizer {
                 live,
                 workspace,
                 host_workspace,
+                grad_scale: Vec::new(),
             }
         })
     }
 
     /// The step's second phase, in place only: the rule updates every parameter that has a
-    /// gradient, in temporaries `prepare` allocated.
-    pub fn apply(&mut self, prepared: Prepared, lr: f64) {
+    /// gradient, in temporaries `prepare` allocated. An error (a libtorch call refusing its
+    /// arguments: a bug, never memory) leaves the step uncounted.
+    pub fn apply(&mut self, prepared: Prepared, lr: f64) -> Result<()> {
         let step = Step {
             number: self.steps + 1,
             lr,
@@ -300,6 +370,7 @@ impl Optimizer {
             live,
             workspace,
             host_workspace,
+            grad_scale,
         } = prepared;
         let Optimizer {
             rule,
@@ -309,74 +380,64 @@ impl Optimizer {
             forms_of,
             host,
             host_grads,
+            implementation,
             ..
         } = self;
         let home = state.home();
         let grads_on_host = host_grads.is_some();
-        tch::no_grad(|| {
+        tch::no_grad(|| -> Result<()> {
             multipliers.refill(&values);
+            if home == Home::Device {
+                return implementation.apply(Batch {
+                    rule: &**rule,
+                    step,
+                    params,
+                    live: &live,
+                    state,
+                    workspace: &workspace,
+                    multipliers,
+                    forms_of: *forms_of,
+                    grads_on_host,
+                    grad_scale: &grad_scale,
+                });
+            }
+            // State on the host: one parameter at a time, whatever was asked (see `resolve`).
             for (i, grad) in &live {
                 let param = &mut params[*i].1;
                 let kind = param.kind();
                 let st = state.param_mut(*i);
-                match home {
-                    Home::Device => {
-                        let device = param.device();
-                        let forms = forms_of(device, kind);
-                        let n = rule.temporaries(forms);
-                        let temps = workspace.views(param);
-                        let grad = match grads_on_host {
-                            true => carry(&temps[n], grad),
-                            false => grad.shallow_clone(),
-                        };
-                        rule.update(
-                            step,
-                            ParamUpdate {
-                                param,
-                                grad: &grad,
-                                state: &mut st.tensors,
-                                state_written: st.written,
-                                temps: &temps[..n],
-                                forms,
-                                coefs: multipliers.coefs(device, kind),
-                            },
-                        );
-                    }
-                    Home::Host => {
-                        // The update runs on the host, on a copy of the parameter, which then
-                        // goes back: the same ATen calls on the same values as on the device.
-                        let temps = host_workspace.views_on(Device::Cpu, param);
-                        let forms = forms_of(Device::Cpu, kind);
-                        let n = rule.temporaries(forms);
-                        let grad = match grads_on_host {
-                            true => grad.shallow_clone(),
-                            false => carry(&temps[n + 1], grad),
-                        };
-                        let mut master = temps[n].shallow_clone();
-                        master.copy_(param);
-                        rule.update(
-                            step,
-                            ParamUpdate {
-                                param: &mut master,
-                                grad: &grad,
-                                state: &mut st.tensors,
-                                state_written: st.written,
-                                temps: &temps[..n],
-                                forms,
-                                coefs: multipliers.coefs(Device::Cpu, kind),
-                            },
-                        );
-                        host.copy_into_device(param, &master);
-                    }
-                }
+                // The update runs on the host, on a copy of the parameter, which then goes
+                // back: the same ATen calls on the same values as on the device.
+                let temps = host_workspace.views_on(Device::Cpu, param);
+                let forms = forms_of(Device::Cpu, kind);
+                let n = rule.temporaries(forms);
+                let grad = match grads_on_host {
+                    true => grad.shallow_clone(),
+                    false => carry(&temps[n + 1], grad),
+                };
+                let mut master = temps[n].shallow_clone();
+                master.copy_(param);
+                rule.update(
+                    step,
+                    ParamUpdate {
+                        param: &mut master,
+                        grad: &grad,
+                        state: &mut st.tensors,
+                        state_written: st.written,
+                        temps: &temps[..n],
+                        forms,
+                        coefs: multipliers.coefs(Device::Cpu, kind),
+                    },
+                );
+                host.copy_into_device(param, &master);
                 st.written = true;
             }
-            if home == Home::Host {
-                // The host copies are written again next step; their uploads finish first.
-                host.settle();
-            }
-        });
+            // The host copies are written again next step; their uploads finish first.
+            host.settle();
+            Ok(())
+        })?;
         self.steps = step.number;
+        Ok(())
     }
 
     /// Zeroes every defined grad in place (detached first, like PyTorch's
@@ -450,6 +511,7 @@ impl Optimizer {
     /// Moves the state to `home` (`memory.optimizer_state`); the values are kept exactly.
     pub fn place_state(&mut self, home: Home) {
         self.state.place(home, &self.host, &self.params);
+        self.choose_implementation();
     }
 
     /// Keeps the gradients on `home` from the next backward on (`memory.gradients`).
@@ -462,6 +524,7 @@ impl Optimizer {
             ),
             Home::Device => None,
         };
+        self.choose_implementation();
     }
 
     /// Every state tensor, named `<slot>/<param name>` with slot `exp_avg` and `exp_avg_sq`
@@ -517,6 +580,7 @@ impl Optimizer {
         self.host = Host::new(device);
         self.state.move_to(device);
         self.multipliers.retain_on(device);
+        self.choose_implementation();
     }
 }
 

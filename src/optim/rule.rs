@@ -1,7 +1,9 @@
 //! What an optimization algorithm is to the container: a rule for updating one parameter.
+use anyhow::Result;
 use tch::{Device, Kind, Tensor};
 
 use super::forms::{Coefs, Forms, Values};
+use crate::shim::Scaling;
 
 /// One state tensor a rule keeps for a parameter: its checkpoint slot name, size and kind.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -44,6 +46,41 @@ pub trait Rule: std::fmt::Debug + Send + Sync {
     /// Updates one parameter in place from its gradient. Allocates nothing parameter-sized: the
     /// temporaries are views of the container's workspace.
     fn update(&self, step: Step, u: ParamUpdate<'_>);
+
+    /// The rule's multi-tensor forms (foreach ops, fused kernels); None: it has only the
+    /// single-tensor update (8-bit Adam).
+    fn multi_tensor(&self) -> Option<&dyn MultiTensor> {
+        None
+    }
+}
+
+/// A rule as PyTorch's `_multi_tensor_*` and `_fused_*` functions run it: over a group of
+/// parameters of one device and dtype at once.
+pub trait MultiTensor {
+    /// Parameter-shaped temporaries per parameter of a group the foreach update needs at once.
+    fn foreach_temporaries(&self) -> usize;
+
+    /// `_multi_tensor_<rule>` for one group, with in-place foreach ops only (the temporaries
+    /// are the container's workspace).
+    fn foreach(&self, step: Step, g: Group<'_>) -> Result<()>;
+
+    /// `_fused_<rule>` for one group: one in-place kernel, no temporaries.
+    fn fused(&self, step: Step, g: Group<'_>, scaling: Scaling) -> Result<()>;
+}
+
+/// One group of parameters, all of one device and dtype, with their state written alike.
+/// Lists are shallow clones: the ops write through them.
+pub struct Group<'a> {
+    pub params: &'a [Tensor],
+    pub grads: &'a [Tensor],
+    /// `state[slot][i]`: parameter i's tensor of each slot.
+    pub state: &'a [Vec<Tensor>],
+    /// See `ParamUpdate::state_written`.
+    pub state_written: bool,
+    /// `temps[k][i]`: `foreach_temporaries()` lists of parameter-shaped workspace views.
+    pub temps: &'a [Vec<Tensor>],
+    /// Fused kernels: each parameter's step count (0-dim float tensors holding this step's).
+    pub steps: &'a [Tensor],
 }
 
 /// The step being taken: its number (1 for the first update) and learning rate.

@@ -1,6 +1,11 @@
 //! `torch.optim.SGD` (single-tensor implementation, dampening 0, maximize off).
+use anyhow::Result;
+use tch::Tensor;
+
 use super::forms::{add_scaled_, add_scaled_into, scale_, Forms, Values};
-use super::rule::{ParamUpdate, Rule, Step};
+use super::rule::{Group, MultiTensor, ParamUpdate, Rule, Step};
+use crate::shim::{self, FusedSgd, Scaling};
+use shim::Foreach::*;
 
 /// SGD with optional momentum (heavy-ball or Nesterov) and L2 weight decay.
 #[derive(Debug, Clone, Copy)]
@@ -37,6 +42,10 @@ impl Rule for Sgd {
         v[WEIGHT_DECAY] = self.weight_decay;
         v[MOMENTUM] = self.momentum;
         v
+    }
+
+    fn multi_tensor(&self) -> Option<&dyn MultiTensor> {
+        Some(self)
     }
 
     /// `_single_tensor_sgd` for one parameter.
@@ -84,5 +93,60 @@ impl Rule for Sgd {
         }
         // param.add_(grad, alpha=-lr)
         add_scaled_(param, d_p.as_ref().expect("set above"), neg_lr, scratch);
+    }
+}
+
+impl MultiTensor for Sgd {
+    /// The decayed (and for Nesterov, the look-ahead) gradients.
+    fn foreach_temporaries(&self) -> usize {
+        usize::from(self.weight_decay != 0.0 || self.nesterov)
+    }
+
+    /// `_multi_tensor_sgd` (dampening 0). Where PyTorch adds the Nesterov term to the gradients
+    /// in place, this adds it to their copy in the workspace: the same values, and the
+    /// gradients stay as backward left them.
+    fn foreach(&self, step: Step, g: Group<'_>) -> Result<()> {
+        let Group {
+            params,
+            grads,
+            state,
+            state_written,
+            temps,
+            ..
+        } = g;
+        let none: &[Tensor] = &[];
+        let mut d_p = grads;
+        if self.weight_decay != 0.0 || self.nesterov {
+            shim::foreach(Copy, &temps[0], grads, none)?;
+            d_p = &temps[0];
+        }
+        if self.weight_decay != 0.0 {
+            shim::foreach(Add(self.weight_decay), &temps[0], params, none)?;
+        }
+        if let Some(bufs) = state.first() {
+            if state_written {
+                shim::foreach(Mul(self.momentum), bufs, none, none)?;
+                shim::foreach(Add(1.0), bufs, d_p, none)?;
+            } else {
+                shim::foreach(Copy, bufs, d_p, none)?;
+            }
+            match self.nesterov {
+                true => shim::foreach(Add(self.momentum), &temps[0], bufs, none)?,
+                false => d_p = bufs,
+            }
+        }
+        shim::foreach(Add(-step.lr), params, d_p, none)
+    }
+
+    fn fused(&self, step: Step, g: Group<'_>, scaling: Scaling) -> Result<()> {
+        let h = FusedSgd {
+            lr: step.lr,
+            momentum: self.momentum,
+            nesterov: self.nesterov,
+            weight_decay: self.weight_decay,
+            first_step: !g.state_written,
+        };
+        let bufs = g.state.first().map_or(&[][..], |b| b.as_slice());
+        shim::fused_sgd(h, g.params, g.grads, bufs, scaling)
     }
 }

@@ -105,6 +105,11 @@ impl StateStore {
         &self.params[i].tensors
     }
 
+    /// Whether parameter `i`'s state has been written (see `ParamState::written`).
+    pub fn of_written(&self, i: usize) -> bool {
+        self.params[i].written
+    }
+
     pub fn param_mut(&mut self, i: usize) -> &mut ParamState {
         &mut self.params[i]
     }

@@ -10,6 +10,20 @@ const ADAMW: [f32; 6] = [0.340299, -1.1720663, 0.2084967, 2.0962877, -0.8199715,
 // The same for SGD_MOMENTUM and ADAM with bfloat16 parameters and grads (values widened to f32).
 const SGD_MOMENTUM_BF16: [f32; 6] = [0.49023438, -1.234375, 0.27539062, 2.03125, -0.7734375, 0.15820312];
 const ADAM_BF16: [f32; 6] = [0.33984375, -1.1640625, 0.20703125, 2.09375, -0.8203125, 0.18066406];
+// foreach=True: in float32 the numbers above, bit for bit (the script checks); in bfloat16 these.
+const SGD_MOMENTUM_FOREACH_BF16: [f32; 6] = [0.49023438, -1.234375, 0.27539062, 2.03125, -0.7734375, 0.15820312];
+const SGD_NESTEROV_FOREACH_BF16: [f32; 6] = [0.50390625, -1.25, 0.28125, 2.03125, -0.7890625, 0.20117188];
+const ADAM_FOREACH_BF16: [f32; 6] = [0.33984375, -1.1640625, 0.20703125, 2.09375, -0.8203125, 0.18066406];
+const ADAMW_FOREACH_BF16: [f32; 6] = [0.34179688, -1.171875, 0.20996094, 2.09375, -0.82421875, 0.18066406];
+// fused=True, in float32 and bfloat16.
+const SGD_MOMENTUM_FUSED: [f32; 6] = [0.4906404, -1.2373544, 0.27460745, 2.030573, -0.7709314, 0.15764679];
+const SGD_MOMENTUM_FUSED_BF16: [f32; 6] = [0.49023438, -1.234375, 0.27539062, 2.03125, -0.7734375, 0.15820312];
+const SGD_NESTEROV_FUSED: [f32; 6] = [0.50516343, -1.2499778, 0.28138798, 2.0263546, -0.79152334, 0.20146933];
+const SGD_NESTEROV_FUSED_BF16: [f32; 6] = [0.50390625, -1.25, 0.28125, 2.03125, -0.79296875, 0.20214844];
+const ADAM_FUSED: [f32; 6] = [0.339019, -1.1630648, 0.20731245, 2.0902748, -0.81890184, 0.18155235];
+const ADAM_FUSED_BF16: [f32; 6] = [0.33984375, -1.1640625, 0.20800781, 2.09375, -0.8203125, 0.18164062];
+const ADAMW_FUSED: [f32; 6] = [0.340299, -1.1720663, 0.2084967, 2.0962877, -0.8199715, 0.18159024];
+const ADAMW_FUSED_BF16: [f32; 6] = [0.34179688, -1.171875, 0.20898438, 2.09375, -0.8203125, 0.18164062];
 // torch.nn.utils.clip_grad_norm_(max_norm=1.0) on CLIP_GRADS (and a param without grad).
 const CLIP_TOTAL_NORM: [f32; 1] = [2.7789388];
 const CLIP_GRAD0: [f32; 6] = [0.03598495, -0.0719699, 0.10795485, -0.1439398, 0.17992474, -0.2159097];
@@ -34,6 +48,7 @@ fn hyper(kind: OptimizerKind, momentum: f64, nesterov: bool) -> Hyper {
         betas: [0.9, 0.999],
         eps: 1e-8,
         state_bits: 32,
+        implementation: OptimizerImpl::Single,
     }
 }
 
@@ -99,7 +114,7 @@ fn run_three_steps(h: Hyper) -> (Tensor, Optimizer) {
     for g in &GRADS {
         opt.zero_grad();
         set_grad(&p, g);
-        opt.step(LR);
+        opt.step(LR).unwrap();
     }
     (p, opt)
 }
@@ -129,6 +144,169 @@ fn adamw_matches_pytorch() {
     assert_close("adamw", &values(&p), &ADAMW);
 }
 
+fn with_impl(h: Hyper, implementation: OptimizerImpl) -> Hyper {
+    Hyper { implementation, ..h }
+}
+
+/// Three steps on PARAM in `kind` (grads, state and parameter in that dtype, as PyTorch).
+fn three_steps_in(h: Hyper, kind: Kind) -> Vec<f32> {
+    let p = Tensor::from_slice(&PARAM)
+        .reshape([2, 3])
+        .to_kind(kind)
+        .set_requires_grad(true);
+    let mut opt = Optimizer::new(h, vec![("w".into(), p.shallow_clone())]);
+    assert_eq!(opt.implementation(), h.implementation);
+    for g in &GRADS {
+        opt.zero_grad();
+        let g = Tensor::from_slice(g).reshape([2, 3]).to_kind(kind);
+        (&p * g).sum(kind).backward();
+        opt.step(LR).unwrap();
+    }
+    values(&p.to_kind(Kind::Float))
+}
+
+/// PyTorch's foreach and fused implementations are deterministic on the CPU, and memtrain's
+/// run the same kernels with the same numbers: equal bit for bit, fp32 and bf16 alike (bf16
+/// too, unlike the single-tensor forms: the foreach ops take the Python numbers directly).
+#[test]
+fn foreach_and_fused_match_pytorch_bit_for_bit() {
+    let cases = [
+        (
+            "sgd momentum",
+            sgd(),
+            [
+                SGD_MOMENTUM,
+                SGD_MOMENTUM_FOREACH_BF16,
+                SGD_MOMENTUM_FUSED,
+                SGD_MOMENTUM_FUSED_BF16,
+            ],
+        ),
+        (
+            "sgd nesterov",
+            nesterov(),
+            [
+                SGD_NESTEROV,
+                SGD_NESTEROV_FOREACH_BF16,
+                SGD_NESTEROV_FUSED,
+                SGD_NESTEROV_FUSED_BF16,
+            ],
+        ),
+        ("adam", adam(), [ADAM, ADAM_FOREACH_BF16, ADAM_FUSED, ADAM_FUSED_BF16]),
+        (
+            "adamw",
+            adamw(),
+            [ADAMW, ADAMW_FOREACH_BF16, ADAMW_FUSED, ADAMW_FUSED_BF16],
+        ),
+    ];
+    for (what, h, [foreach, foreach_bf16, fused, fused_bf16]) in cases {
+        let runs = [
+            (OptimizerImpl::Foreach, Kind::Float, foreach),
+            (OptimizerImpl::Foreach, Kind::BFloat16, foreach_bf16),
+            (OptimizerImpl::Fused, Kind::Float, fused),
+            (OptimizerImpl::Fused, Kind::BFloat16, fused_bf16),
+        ];
+        for (imp, kind, want) in runs {
+            let got = three_steps_in(with_impl(h, imp), kind);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&got),
+                bits(&want),
+                "{what} {imp:?} {kind:?}: {got:?} vs PyTorch {want:?}"
+            );
+        }
+    }
+}
+
+/// Several parameters of different sizes, so that foreach splits them into groups (capped at
+/// the largest parameter) and fused launches one kernel for all: each parameter ends as the
+/// single-tensor update leaves it, and the state is the same.
+#[test]
+fn groups_change_no_value() {
+    let shapes: [&[i64]; 5] = [&[7, 5], &[5], &[64], &[3, 4, 2], &[1]];
+    let run = |h: Hyper| {
+        let params: Vec<Tensor> = shapes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let n: i64 = s.iter().product();
+                let v = Tensor::arange(n, (Kind::Float, Device::Cpu)) * 0.01 + 0.1 * i as f64;
+                v.reshape(*s).set_requires_grad(true)
+            })
+            .collect();
+        let named = params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (format!("p{i}"), p.shallow_clone()))
+            .collect();
+        let mut opt = Optimizer::new(h, named);
+        for step in 0..4 {
+            opt.zero_grad();
+            let loss = params
+                .iter()
+                .enumerate()
+                .map(|(i, p)| (p * p * (0.3 + 0.1 * (i + step) as f64)).sin().sum(Kind::Float))
+                .fold(Tensor::zeros([], (Kind::Float, Device::Cpu)), |a, b| a + b);
+            loss.backward();
+            opt.step(LR).unwrap();
+        }
+        let mut out: Vec<f32> = params.iter().flat_map(values).collect();
+        out.extend(opt.state_tensors().iter().flat_map(|(_, t)| values(t)));
+        out
+    };
+    for h in [
+        sgd(),
+        nesterov(),
+        hyper(OptimizerKind::Sgd, 0.0, false),
+        adam(),
+        adamw(),
+    ] {
+        let single = run(h);
+        let foreach = run(with_impl(h, OptimizerImpl::Foreach));
+        assert_eq!(single, foreach, "{:?}: foreach differs from single", h.kind);
+        // The fused kernels compute in another order (within a few float32 ulps of single).
+        let fused = run(with_impl(h, OptimizerImpl::Fused));
+        for (a, b) in single.iter().zip(&fused) {
+            assert!(
+                (a - b).abs() <= 1e-6 * a.abs().max(1.0),
+                "{:?}: fused {b} vs single {a}",
+                h.kind
+            );
+        }
+    }
+}
+
+#[test]
+fn auto_is_single_on_the_cpu_and_explicit_choices_fall_back_where_they_cannot_run() {
+    let p = || vec![("w".to_string(), leaf(&PARAM, &[2, 3]))];
+    let opt = Optimizer::new(with_impl(adamw(), OptimizerImpl::Auto), p());
+    assert_eq!(opt.implementation(), OptimizerImpl::Single);
+    let mut opt = Optimizer::new(with_impl(adamw(), OptimizerImpl::Fused), p());
+    assert_eq!(opt.implementation(), OptimizerImpl::Fused);
+    opt.place_state(Home::Host);
+    assert_eq!(opt.implementation(), OptimizerImpl::Single);
+    opt.place_state(Home::Device);
+    assert_eq!(opt.implementation(), OptimizerImpl::Fused);
+    let opt = Optimizer::new(with_impl(with_8bit_state(adamw()), OptimizerImpl::Foreach), p());
+    assert_eq!(opt.implementation(), OptimizerImpl::Single);
+    let cuda = Device::Cuda(0);
+    let on_device = Placement {
+        state_bits: 32,
+        state_on_host: false,
+        grads_on_host: false,
+    };
+    assert_eq!(resolve(OptimizerImpl::Auto, cuda, on_device), OptimizerImpl::Foreach);
+    let host_grads = Placement {
+        grads_on_host: true,
+        ..on_device
+    };
+    assert_eq!(resolve(OptimizerImpl::Auto, cuda, host_grads), OptimizerImpl::Single);
+    let why = refusal(OptimizerImpl::Fused, host_grads).unwrap();
+    assert!(
+        why.contains("memory.gradients") && why.contains("\"auto\" or \"single\""),
+        "{why}"
+    );
+}
+
 /// bf16 parameters take the unfused forms (module docs): within one bf16 ulp of PyTorch.
 /// The unfused forms (bf16 off the CPU) run on the CPU here too, through the same code.
 #[test]
@@ -146,7 +324,7 @@ fn bf16_params_stay_within_one_ulp_of_pytorch() {
             opt.zero_grad();
             let g = Tensor::from_slice(g).reshape([2, 3]).to_kind(Kind::BFloat16);
             (&p * g).sum(Kind::BFloat16).backward();
-            opt.step(LR);
+            opt.step(LR).unwrap();
         }
         assert_eq!(p.kind(), Kind::BFloat16);
         assert!(opt.state_tensors().iter().all(|(_, t)| t.kind() == Kind::BFloat16));
@@ -176,7 +354,7 @@ fn params_without_grad_are_skipped() {
             vec![("a".into(), a.shallow_clone()), ("b".into(), b.shallow_clone())],
         );
         set_grad(&a, &GRADS[0]);
-        opt.step(LR);
+        opt.step(LR).unwrap();
         assert_eq!(values(&b), vec![1.0, 2.0, 3.0], "{:?}", h.kind);
         assert_ne!(values(&a), PARAM.to_vec(), "{:?}", h.kind);
     }
@@ -190,7 +368,7 @@ fn drop_grads_releases_them_and_the_next_backward_makes_them_again() {
     assert!(p.grad().defined());
     opt.drop_grads();
     assert!(!p.grad().defined());
-    opt.step(0.1);
+    opt.step(0.1).unwrap();
     assert_eq!(values(&p), vec![1.0, 2.0], "no gradient, no update");
     (&p * 3.0).sum(tch::Kind::Float).backward();
     assert_eq!(values(&p.grad()), vec![3.0, 3.0]);
@@ -210,7 +388,7 @@ fn a_sharded_optimizer_steps_and_keeps_only_its_parameters() {
     assert_eq!(opt.state_names_of(0), ["exp_avg/a", "exp_avg_sq/a"]);
     set_grad(&a, &GRADS[0]);
     set_grad(&b, &[0.5, 0.5]);
-    opt.step(LR);
+    opt.step(LR).unwrap();
     assert_eq!(values(&a), PARAM.to_vec(), "rank 0's parameter is not stepped here");
     assert_ne!(values(&b), vec![1.0, 2.0]);
     // The whole optimizer's saved state loads: own part copied, the rest checked and skipped.
@@ -272,7 +450,7 @@ fn state_round_trip_is_exact() {
         for g in &GRADS[..2] {
             opt_a.zero_grad();
             set_grad(&a, g);
-            opt_a.step(LR);
+            opt_a.step(LR).unwrap();
         }
         // What a checkpoint holds: deep copies on the CPU.
         let saved: Vec<(String, Tensor)> = opt_a
@@ -287,7 +465,7 @@ fn state_round_trip_is_exact() {
         for (p, opt) in [(&a, &mut opt_a), (&b, &mut opt_b)] {
             opt.zero_grad();
             set_grad(p, &GRADS[2]);
-            opt.step(LR);
+            opt.step(LR).unwrap();
         }
         assert!(a.equal(&b), "{:?}: resumed param differs", h.kind);
         for ((na, ta), (nb, tb)) in opt_a.state_tensors().iter().zip(opt_b.state_tensors().iter()) {
@@ -302,7 +480,7 @@ fn load_state_rejects_missing_and_unexpected_names() {
     let p = leaf(&PARAM, &[2, 3]);
     let mut opt = Optimizer::new(adam(), vec![("w".into(), p.shallow_clone())]);
     set_grad(&p, &GRADS[0]);
-    opt.step(LR);
+    opt.step(LR).unwrap();
     let before = values(&opt.state_tensors()[0].1);
     let saved: Vec<(String, Tensor)> = opt
         .state_tensors()
@@ -356,7 +534,7 @@ fn to_device_keeps_state() {
     let p = leaf(&PARAM, &[2, 3]);
     let mut opt = Optimizer::new(adam(), vec![("w".into(), p.shallow_clone())]);
     set_grad(&p, &GRADS[0]);
-    opt.step(LR);
+    opt.step(LR).unwrap();
     let before: Vec<Vec<f32>> = opt.state_tensors().iter().map(|(_, t)| values(t)).collect();
     opt.to_device(Device::Cpu);
     let after: Vec<Vec<f32>> = opt.state_tensors().iter().map(|(_, t)| values(t)).collect();
@@ -424,26 +602,34 @@ fn apply_allocates_nothing_parameter_sized() {
     let plain_sgd = hyper(OptimizerKind::Sgd, 0.0, false);
     let adam8 = with_8bit_state(adam());
     let adamw8 = with_8bit_state(adamw());
-    for h in [sgd(), nesterov(), plain_sgd, adam(), adamw(), adam8, adamw8] {
+    let single = [sgd(), nesterov(), plain_sgd, adam(), adamw(), adam8, adamw8];
+    let multi = [sgd(), nesterov(), plain_sgd, adam(), adamw()]
+        .into_iter()
+        .flat_map(|h| [OptimizerImpl::Foreach, OptimizerImpl::Fused].map(|i| with_impl(h, i)));
+    for h in single.into_iter().chain(multi) {
         for kind in [Kind::Float, Kind::BFloat16] {
             for forms in [Forms::Cpu, Forms::Device, Forms::Unfused] {
                 let p = Tensor::ones([n], (kind, Device::Cpu)).set_requires_grad(true);
-                let mut opt = Optimizer::new(h, vec![("w".into(), p.shallow_clone())]);
+                // Two parameters: foreach and fused update them as one group.
+                let q = Tensor::ones([n / 2], (kind, Device::Cpu)).set_requires_grad(true);
+                let named = vec![("w".into(), p.shallow_clone()), ("v".into(), q.shallow_clone())];
+                let mut opt = Optimizer::new(h, named);
                 opt.forms_of = forms_as(forms);
                 // Two steps: SGD's first copies the gradient into its buffer, the second
                 // updates it.
                 for step in 0..2 {
-                    (&p * 0.5).sum(kind).backward();
+                    ((&p * 0.5).sum(kind) + (&q * 0.25).sum(kind)).backward();
                     let prepared = opt.prepare();
                     let before = crate::shim::cpu_alloc_stats().allocated;
                     crate::shim::cpu_alloc_reset_peak();
-                    opt.apply(prepared, LR);
+                    opt.apply(prepared, LR).unwrap();
                     let grew = crate::shim::cpu_alloc_stats().peak_allocated - before;
                     // libtorch's scalar `div_`/`add_` make 0-dim temporaries of a few bytes.
                     assert!(
                         grew < 64,
-                        "{:?} {kind:?} {forms:?} step {step}: apply allocated {grew} bytes",
-                        h.kind
+                        "{:?} {:?} {kind:?} {forms:?} step {step}: apply allocated {grew} bytes",
+                        h.kind,
+                        h.implementation
                     );
                     opt.drop_grads();
                 }
@@ -472,7 +658,7 @@ fn run_on(h: Hyper, init: &Tensor, grads: &[Tensor]) -> (Tensor, Optimizer) {
     for g in grads {
         opt.zero_grad();
         (&p * g).sum(Kind::Float).backward();
-        opt.step(LR / 10.0);
+        opt.step(LR / 10.0).unwrap();
     }
     (p, opt)
 }
@@ -555,7 +741,7 @@ fn adam8_state_round_trip_is_exact() {
         for (p, opt) in [(&a, &mut opt_a), (&b, &mut opt_b)] {
             opt.zero_grad();
             (p * g).sum(Kind::Float).backward();
-            opt.step(LR / 10.0);
+            opt.step(LR / 10.0).unwrap();
         }
     }
     assert!(a.equal(&b), "resumed param differs");
@@ -570,4 +756,35 @@ fn adam8_state_round_trip_is_exact() {
         err.contains("missing exp_avg_q8/w") && err.contains("unexpected exp_avg/w"),
         "{err}"
     );
+}
+
+/// fp16-mixed with a fused optimizer: gradients still multiplied by a power-of-two loss scale,
+/// divided out in the kernel (`grad_scale`), give the parameters and state of the unscaled
+/// gradients, bit for bit (the division by a power of two is exact in f32).
+#[test]
+fn fused_kernels_divide_the_loss_scale_out() {
+    let scale = 65536.0;
+    for h in [sgd(), nesterov(), adam(), adamw()] {
+        let h = with_impl(h, OptimizerImpl::Fused);
+        let run = |scaled: bool| {
+            let p = leaf(&PARAM, &[2, 3]);
+            let mut opt = Optimizer::new(h, vec![("w".into(), p.shallow_clone())]);
+            assert!(opt.folds_unscale());
+            for g in &GRADS {
+                opt.zero_grad();
+                let g: Vec<f32> = g.iter().map(|v| if scaled { v * scale as f32 } else { *v }).collect();
+                set_grad(&p, &g);
+                let prepared = opt.prepare();
+                let prepared = match scaled {
+                    true => prepared.with_grad_scale(&opt, scale),
+                    false => prepared,
+                };
+                opt.apply(prepared, LR).unwrap();
+            }
+            let mut v = values(&p);
+            v.extend(opt.state_tensors().iter().flat_map(|(_, t)| values(t)));
+            v
+        };
+        assert_eq!(run(true), run(false), "{:?}", h.kind);
+    }
 }

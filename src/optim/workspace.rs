@@ -70,4 +70,28 @@ impl Workspace {
         let shape = p.size();
         bufs.iter().map(|b| b.narrow(0, 0, n).view(shape.as_slice())).collect()
     }
+
+    /// For a group of parameters of one (device, kind) whose sizes sum to at most the largest
+    /// one reserved: `temporaries` lists of views, each parameter's at its own offset.
+    pub fn packed(&self, d: Device, k: Kind, params: &[Tensor]) -> Vec<Vec<Tensor>> {
+        let (_, _, bufs) = self
+            .buffers
+            .iter()
+            .find(|b| b.0 == d && b.1 == k)
+            .expect("reserved for every parameter");
+        bufs.iter()
+            .map(|b| {
+                let mut at = 0;
+                params
+                    .iter()
+                    .map(|p| {
+                        let n = p.numel() as i64;
+                        let v = b.narrow(0, at, n).view(p.size().as_slice());
+                        at += n;
+                        v
+                    })
+                    .collect()
+            })
+            .collect()
+    }
 }

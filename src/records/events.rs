@@ -46,6 +46,9 @@ pub struct StartEvent {
     pub train_samples: i64,
     pub val_samples: i64,
     pub libtorch: String,
+    /// `train.optimizer_impl` as resolved for this session: "single", "foreach" or "fused".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer_impl: Option<String>,
     /// The peaks of setting up (building the model, loading data and checkpoint), which the
     /// cap also covers; the step records' peaks start after them.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -359,6 +362,9 @@ pub struct PrecisionSummary {
     pub loss_scale: Option<f64>,
     pub skipped_steps: u64,
     pub activation_checkpointing: bool,
+    /// The optimizer implementation at the end ("single" once an offload moved the state).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub optimizer_impl: Option<String>,
 }
 
 /// A summary nobody filled in yet computes in the spec's default precision.
@@ -369,6 +375,7 @@ impl Default for PrecisionSummary {
             loss_scale: None,
             skipped_steps: 0,
             activation_checkpointing: false,
+            optimizer_impl: None,
         }
     }
 }

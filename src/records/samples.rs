@@ -29,6 +29,7 @@ pub fn start(step: i64, resumed: bool, cap_bytes: Option<u64>) -> StartEvent {
         train_samples: 48,
         val_samples: 12,
         libtorch: "2.11.0".into(),
+        optimizer_impl: Some("single".into()),
         setup_peak_allocated_bytes: Some(1000),
         setup_peak_reserved_bytes: None,
     }
@@ -233,6 +234,7 @@ pub fn summary(status: Status, global_steps: i64) -> Summary {
             loss_scale: Some(32768.0),
             skipped_steps: 1,
             activation_checkpointing: true,
+            optimizer_impl: Some("fused".into()),
         },
         host_reads: 5,
     }

@@ -25,7 +25,7 @@ use crate::optim::{Hyper, LrSchedule, Optimizer, Shard};
 use crate::plan::{DevicePlan, Plan};
 use crate::progress::Progress;
 use crate::records::{Event, Recorder, StartEvent};
-use crate::spec::{self, Precision, Spec};
+use crate::spec::{self, OptimizerImpl, Precision, Spec};
 use crate::{atomic, shim};
 
 /// What the command line adds to the plan.
@@ -85,7 +85,14 @@ impl Plan {
         fs::create_dir_all(&self.run_dir)
             .with_context(|| format!("creating run directory {}", self.run_dir.display()))?;
         atomic::write_atomic(&self.run_dir.join("config.resolved.toml"), spec_toml.as_bytes())?;
-        let out = self.outputs(spec, &spec_toml, &state, &data, session.quiet)?;
+        let out = self.outputs(
+            spec,
+            &spec_toml,
+            &state,
+            &data,
+            model.opt.implementation(),
+            session.quiet,
+        )?;
         // Optimizer state needs no sharing: fresh, or read from the same checkpoint by every rank.
         let mut vars: Vec<(String, Tensor)> = model.vs.variables().into_iter().collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
@@ -297,7 +304,15 @@ impl Plan {
 
     /// The records (with the start event), the terminal and its opening lines, checkpoints and
     /// the cache policy.
-    fn outputs(&self, spec: &Spec, spec_toml: &str, state: &TrainState, data: &Splits, quiet: bool) -> Result<Outputs> {
+    fn outputs(
+        &self,
+        spec: &Spec,
+        spec_toml: &str,
+        state: &TrainState,
+        data: &Splits,
+        optimizer_impl: OptimizerImpl,
+        quiet: bool,
+    ) -> Result<Outputs> {
         let run_dir = &self.run_dir;
         let device = self.device.tch();
         let effective = self.configured.effective();
@@ -318,6 +333,7 @@ impl Plan {
             train_samples,
             val_samples,
             libtorch: shim::versions().libtorch,
+            optimizer_impl: Some(optimizer_impl.name().into()),
             setup_peak_allocated_bytes: setup.peak_allocated_bytes,
             setup_peak_reserved_bytes: setup.peak_reserved_bytes,
         }))?;
@@ -344,6 +360,12 @@ impl Plan {
         if let Some(conf) = &self.alloc.conf {
             progress.println(&format!("Allocator: {conf}"));
         }
+        progress.println(&format!(
+            "Optimizer: {} ({} implementation; train.optimizer_impl = \"{}\")",
+            format!("{:?}", spec.train.optimizer).to_lowercase(),
+            optimizer_impl.name(),
+            spec.train.optimizer_impl.name()
+        ));
         let m = &spec.memory;
         Ok(Outputs {
             recorder,

@@ -133,7 +133,7 @@ impl StepPipeline {
                 None => drop(totals),
             }
             if let Some(p) = prepared {
-                opt.apply(p, work.lr);
+                opt.apply(p, work.lr).map_err(other)?;
             }
             return Ok(StepOutput { found_inf, stop: false });
         };
@@ -199,8 +199,13 @@ impl StepPipeline {
         if work.step > 0 {
             fault::plant_inf_at(work.step, grads);
         }
+        // A fused optimizer divides the scale out in its kernel, as GradScaler.step has it do
+        // when unscale_ was not called, so only the inf check runs here (a multiply by 1, as
+        // GradScaler's `_check_inf_per_device`). Clipping needs unscaled gradients: with it the
+        // gradients are unscaled here and the kernel gets no scale.
+        let folded = work.loss_scale.filter(|_| self.clip_norm == 0.0 && opt.folds_unscale());
         let found_inf = match work.loss_scale {
-            Some(scale) => unscale(&grads(), scale),
+            Some(scale) => unscale(&grads(), if folded.is_some() { 1.0 } else { scale }),
             None => false,
         };
         // clip (the norm stays on the device: nothing here needs it)
@@ -213,6 +218,10 @@ impl StepPipeline {
         let prepared = {
             let _squeeze = fault::squeeze_before_optimizer(work.step);
             let p = opt.prepare();
+            let p = match folded {
+                Some(scale) => p.with_grad_scale(opt, scale),
+                None => p,
+            };
             (!found_inf).then_some(p)
         };
         // A rank without samples ran one with a zero loss: it counts nothing.
@@ -286,7 +295,7 @@ impl StepPipeline {
         }
         let (_, found_inf, prepared) = attempt.expect("no rank failed");
         if let Some(p) = prepared {
-            opt.apply(p, work.lr);
+            opt.apply(p, work.lr).map_err(other)?;
             // Sharded state: each rank updated its own parameters; every rank takes them. (A
             // skipped fp16 step is skipped alike everywhere, as long as the inf check reads the
             // summed gradients, which are the same on every rank.)

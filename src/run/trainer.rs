@@ -928,6 +928,7 @@ impl Trainer {
                 loss_scale: self.state.scaler.map(|s| s.scale),
                 skipped_steps: scalers.iter().flatten().map(|s| s.skipped_steps).sum(),
                 activation_checkpointing: self.recovery.engaged().contains("recompute"),
+                optimizer_impl: Some(self.model.opt.implementation().name().into()),
             },
             host_reads: readback::count(),
         };

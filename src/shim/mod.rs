@@ -1,5 +1,6 @@
 //! The bridge to the libtorch calls tch lacks (see shim.cpp): memory statistics, cache control,
-//! device memory info, versions, the allocator snapshot and the counting CPU allocator.
+//! device memory info, versions, the allocator snapshot, the counting CPU allocator, and the
+//! optimizer's in-place foreach ops and fused kernels.
 //! Everything C++ stays behind this module.
 pub mod dist;
 
@@ -70,6 +71,45 @@ extern "C" {
     fn mt_rng_set_state(device_type: i32, index: i64, data: *const c_char, len: u64) -> *mut c_char;
     fn mt_backward(outputs: *const *const C_tensor, grads: *const *const C_tensor, n: i64) -> *mut c_char;
     fn mt_drop_grads(params: *const *const C_tensor, n: i64) -> *mut c_char;
+    fn mt_foreach(
+        op: i32,
+        a: *const *const C_tensor,
+        b: *const *const C_tensor,
+        c: *const *const C_tensor,
+        n: i64,
+        scalars: *const f64,
+        scalar: f64,
+    ) -> *mut c_char;
+    fn mt_fused_adam(
+        params: *const *const C_tensor,
+        grads: *const *const C_tensor,
+        exp_avgs: *const *const C_tensor,
+        exp_avg_sqs: *const *const C_tensor,
+        steps: *const *const C_tensor,
+        n: i64,
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        weight_decay: f64,
+        eps: f64,
+        decoupled: i32,
+        grad_scale: *const C_tensor,
+        found_inf: *const C_tensor,
+    ) -> *mut c_char;
+    fn mt_fused_sgd(
+        params: *const *const C_tensor,
+        grads: *const *const C_tensor,
+        bufs: *const *const C_tensor,
+        n: i64,
+        n_bufs: i64,
+        weight_decay: f64,
+        momentum: f64,
+        lr: f64,
+        nesterov: i32,
+        first_step: i32,
+        grad_scale: *const C_tensor,
+        found_inf: *const C_tensor,
+    ) -> *mut c_char;
     fn mt_amp_unscale(
         grads: *const *const C_tensor,
         n: i64,
@@ -470,6 +510,172 @@ pub fn amp_unscale(grads: &[tch::Tensor], found_inf: &tch::Tensor, inv_scale: &t
 pub fn drop_grads<'a>(params: impl IntoIterator<Item = &'a tch::Tensor>) -> Result<()> {
     let p: Vec<*const C_tensor> = params.into_iter().map(|t| t.as_ptr()).collect();
     check(unsafe { mt_drop_grads(p.as_ptr(), p.len() as i64) })
+}
+
+fn ptrs(ts: &[tch::Tensor]) -> Vec<*const C_tensor> {
+    ts.iter().map(|t| t.as_ptr()).collect()
+}
+
+/// One in-place `torch._foreach_*_` op over tensor lists of equal length: `a` is written; `b`
+/// and `c` are read where the op has them. Scalars are Python numbers (f64), as the Python
+/// optimizers pass them.
+#[derive(Debug, Clone, Copy)]
+pub enum Foreach<'a> {
+    /// `_foreach_copy_(a, b)`
+    Copy,
+    /// `_foreach_mul_(a, s)`
+    Mul(f64),
+    /// `_foreach_add_(a, s)`
+    AddScalar(f64),
+    /// `_foreach_add_(a, b, alpha=s)`
+    Add(f64),
+    /// `_foreach_lerp_(a, b, weight)`
+    Lerp(f64),
+    /// `_foreach_addcmul_(a, b, c, value)`
+    Addcmul(f64),
+    /// `_foreach_sqrt_(a)`
+    Sqrt,
+    /// `_foreach_div_(a, [s_i])`
+    DivList(&'a [f64]),
+    /// `_foreach_addcdiv_(a, b, c, [s_i])`
+    AddcdivList(&'a [f64]),
+}
+
+/// Runs `op` (see [`Foreach`]); a length mismatch is an error, not undefined behaviour.
+pub fn foreach(op: Foreach, a: &[tch::Tensor], b: &[tch::Tensor], c: &[tch::Tensor]) -> Result<()> {
+    let n = a.len();
+    let (code, reads, scalar, list): (i32, usize, f64, Option<&[f64]>) = match op {
+        Foreach::Copy => (0, 1, 0.0, None),
+        Foreach::Mul(s) => (1, 0, s, None),
+        Foreach::AddScalar(s) => (2, 0, s, None),
+        Foreach::Add(s) => (3, 1, s, None),
+        Foreach::Lerp(s) => (4, 1, s, None),
+        Foreach::Addcmul(s) => (5, 2, s, None),
+        Foreach::Sqrt => (6, 0, 0.0, None),
+        Foreach::DivList(l) => (7, 0, 0.0, Some(l)),
+        Foreach::AddcdivList(l) => (8, 2, 0.0, Some(l)),
+    };
+    let lists = [b, c];
+    if lists[..reads].iter().any(|l| l.len() != n) || list.is_some_and(|l| l.len() != n) {
+        bail!("foreach {op:?}: every list must hold {n} entries");
+    }
+    let (pa, pb, pc) = (ptrs(a), ptrs(b), ptrs(c));
+    let or_null = |p: &Vec<*const C_tensor>, used: bool| if used { p.as_ptr() } else { std::ptr::null() };
+    let l = list.map_or(std::ptr::null(), |l| l.as_ptr());
+    check(unsafe {
+        mt_foreach(
+            code,
+            pa.as_ptr(),
+            or_null(&pb, reads >= 1),
+            or_null(&pc, reads >= 2),
+            n as i64,
+            l,
+            scalar,
+        )
+    })
+}
+
+/// Adam's hyper-parameters for [`fused_adam`].
+#[derive(Debug, Clone, Copy)]
+pub struct FusedAdam {
+    pub lr: f64,
+    pub betas: [f64; 2],
+    pub weight_decay: f64,
+    pub eps: f64,
+    /// AdamW (`_fused_adamw_`) rather than Adam.
+    pub decoupled: bool,
+}
+
+/// GradScaler's arguments to a fused kernel: the scale the gradients still carry (None: they
+/// were unscaled already) and the flag that makes the kernel skip the step.
+#[derive(Clone, Copy, Default)]
+pub struct Scaling<'a> {
+    pub grad_scale: Option<&'a tch::Tensor>,
+    pub found_inf: Option<&'a tch::Tensor>,
+}
+
+fn opt_ptr(t: Option<&tch::Tensor>) -> *const C_tensor {
+    t.map_or(std::ptr::null(), |t| t.as_ptr())
+}
+
+/// `torch._fused_adam_` / `_fused_adamw_` in place (amsgrad and maximize off); `steps` holds
+/// each parameter's step count, a 0-dim float tensor on its device.
+pub fn fused_adam(
+    h: FusedAdam,
+    params: &[tch::Tensor],
+    grads: &[tch::Tensor],
+    state: [&[tch::Tensor]; 2],
+    steps: &[tch::Tensor],
+    scaling: Scaling,
+) -> Result<()> {
+    let n = params.len();
+    if [grads.len(), state[0].len(), state[1].len(), steps.len()]
+        .iter()
+        .any(|&l| l != n)
+    {
+        bail!("fused Adam: every list must hold {n} entries");
+    }
+    let (p, g, m, v, s) = (ptrs(params), ptrs(grads), ptrs(state[0]), ptrs(state[1]), ptrs(steps));
+    check(unsafe {
+        mt_fused_adam(
+            p.as_ptr(),
+            g.as_ptr(),
+            m.as_ptr(),
+            v.as_ptr(),
+            s.as_ptr(),
+            n as i64,
+            h.lr,
+            h.betas[0],
+            h.betas[1],
+            h.weight_decay,
+            h.eps,
+            h.decoupled as i32,
+            opt_ptr(scaling.grad_scale),
+            opt_ptr(scaling.found_inf),
+        )
+    })
+}
+
+/// SGD's hyper-parameters for [`fused_sgd`].
+#[derive(Debug, Clone, Copy)]
+pub struct FusedSgd {
+    pub lr: f64,
+    pub momentum: f64,
+    pub nesterov: bool,
+    pub weight_decay: f64,
+    /// The momentum buffers are written from the gradient rather than updated.
+    pub first_step: bool,
+}
+
+/// `torch._fused_sgd_` in place (dampening 0, maximize off); `bufs` is empty without momentum.
+pub fn fused_sgd(
+    h: FusedSgd,
+    params: &[tch::Tensor],
+    grads: &[tch::Tensor],
+    bufs: &[tch::Tensor],
+    scaling: Scaling,
+) -> Result<()> {
+    let n = params.len();
+    if grads.len() != n || !(bufs.is_empty() || bufs.len() == n) {
+        bail!("fused SGD: every list must hold {n} entries");
+    }
+    let (p, g, b) = (ptrs(params), ptrs(grads), ptrs(bufs));
+    check(unsafe {
+        mt_fused_sgd(
+            p.as_ptr(),
+            g.as_ptr(),
+            b.as_ptr(),
+            n as i64,
+            b.len() as i64,
+            h.weight_decay,
+            h.momentum,
+            h.lr,
+            h.nesterov as i32,
+            h.first_step as i32,
+            opt_ptr(scaling.grad_scale),
+            opt_ptr(scaling.found_inf),
+        )
+    })
 }
 
 /// A loaded TorchScript module (`torch.jit.load`).

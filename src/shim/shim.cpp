@@ -1,6 +1,7 @@
 // The few libtorch calls tch does not bind: accelerator memory statistics, cache control,
-// device memory info, version strings, the allocator's memory snapshot, and the counting CPU
-// allocator that gives CPU runs exact tensor-byte accounting and a cap.
+// device memory info, version strings, the allocator's memory snapshot, the counting CPU
+// allocator that gives CPU runs exact tensor-byte accounting and a cap, and the optimizer's
+// in-place foreach ops and fused kernels.
 //
 // Every entry point is `extern "C"`, catches every C++ exception and returns it as a
 // malloc'd message (freed with mt_free_error), so nothing unwinds into Rust and nothing
@@ -170,6 +171,21 @@ void CountingCpuAllocator::counted_delete(void *data) {
 // "no accelerator" is an answer, not an error.
 bool have_accelerator() { return at::accelerator::getAccelerator(false).has_value(); }
 
+} // namespace
+
+// Helpers of the multi-tensor optimizer ops below.
+namespace {
+std::vector<at::Tensor> tensor_list(at::Tensor **ts, int64_t n) {
+  std::vector<at::Tensor> v;
+  v.reserve(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) v.push_back(*ts[i]);
+  return v;
+}
+
+std::optional<at::Tensor> maybe(at::Tensor *t) {
+  if (!t) return std::nullopt;
+  return *t;
+}
 } // namespace
 
 extern "C" {
@@ -537,6 +553,69 @@ char *mt_amp_unscale(at::Tensor **grads, int64_t n, at::Tensor *found_inf, at::T
     std::vector<at::Tensor> g;
     for (int64_t i = 0; i < n; ++i) g.push_back(*grads[i]);
     at::_amp_foreach_non_finite_check_and_unscale_(g, *found_inf, *inv_scale);
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Multi-tensor optimizer ops (train.optimizer_impl = "foreach" / "fused"). Only the in-place
+// forms: the update writes into state and workspaces the Rust side allocated beforehand, so
+// nothing parameter-sized is allocated once the first tensor is written. (The generated
+// `_foreach_*_out` variants compute a fresh result and copy it, which would allocate.)
+
+
+// One in-place foreach op on `a` (with `b`, `c` where the op reads them); `scalar` is its
+// Python number, `scalars` its per-tensor list (n values). Codes as in src/shim/mod.rs.
+char *mt_foreach(int32_t op, at::Tensor **a, at::Tensor **b, at::Tensor **c, int64_t n, const double *scalars,
+                 double scalar) {
+  return guarded([&] {
+    auto A = tensor_list(a, n);
+    std::vector<at::Tensor> B = b ? tensor_list(b, n) : std::vector<at::Tensor>{};
+    std::vector<at::Tensor> C = c ? tensor_list(c, n) : std::vector<at::Tensor>{};
+    std::vector<c10::Scalar> list;
+    if (scalars)
+      for (int64_t i = 0; i < n; ++i) list.emplace_back(scalars[i]);
+    switch (op) {
+    case 0: at::_foreach_copy_(A, B); break;
+    case 1: at::_foreach_mul_(A, c10::Scalar(scalar)); break;
+    case 2: at::_foreach_add_(A, c10::Scalar(scalar)); break;
+    case 3: at::_foreach_add_(A, B, c10::Scalar(scalar)); break;
+    case 4: at::_foreach_lerp_(A, B, c10::Scalar(scalar)); break;
+    case 5: at::_foreach_addcmul_(A, B, C, c10::Scalar(scalar)); break;
+    case 6: at::_foreach_sqrt_(A); break;
+    case 7: at::_foreach_div_(A, list); break;
+    case 8: at::_foreach_addcdiv_(A, B, C, list); break;
+    default: throw std::invalid_argument("mt_foreach: unknown op code " + std::to_string(op));
+    }
+  });
+}
+
+// torch._fused_adam_ / _fused_adamw_ (amsgrad and maximize off), in place on params and
+// moments; `steps` holds one 0-dim float tensor per parameter. grad_scale and found_inf may be
+// null (GradScaler's arguments).
+char *mt_fused_adam(at::Tensor **params, at::Tensor **grads, at::Tensor **exp_avgs, at::Tensor **exp_avg_sqs,
+                    at::Tensor **steps, int64_t n, double lr, double beta1, double beta2, double weight_decay,
+                    double eps, int32_t decoupled, at::Tensor *grad_scale, at::Tensor *found_inf) {
+  return guarded([&] {
+    auto p = tensor_list(params, n), g = tensor_list(grads, n), m = tensor_list(exp_avgs, n),
+         v = tensor_list(exp_avg_sqs, n), s = tensor_list(steps, n);
+    std::vector<at::Tensor> none;
+    if (decoupled)
+      at::_fused_adamw_(p, g, m, v, none, s, lr, beta1, beta2, weight_decay, eps, false, false, maybe(grad_scale),
+                        maybe(found_inf));
+    else
+      at::_fused_adam_(p, g, m, v, none, s, lr, beta1, beta2, weight_decay, eps, false, false, maybe(grad_scale),
+                       maybe(found_inf));
+  });
+}
+
+// torch._fused_sgd_ (dampening 0, maximize off); `bufs` is empty (n_bufs = 0) without momentum.
+char *mt_fused_sgd(at::Tensor **params, at::Tensor **grads, at::Tensor **bufs, int64_t n, int64_t n_bufs,
+                   double weight_decay, double momentum, double lr, int32_t nesterov, int32_t first_step,
+                   at::Tensor *grad_scale, at::Tensor *found_inf) {
+  return guarded([&] {
+    auto p = tensor_list(params, n), g = tensor_list(grads, n), b = tensor_list(bufs, n_bufs);
+    at::_fused_sgd_(p, g, b, weight_decay, momentum, lr, 0.0, nesterov != 0, false, first_step != 0,
+                    maybe(grad_scale), maybe(found_inf));
   });
 }
 

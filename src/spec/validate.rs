@@ -42,6 +42,7 @@ pub fn validate(s: &Spec) -> Problems {
     data(&mut p, &s.data);
     train(&mut p, &s.train);
     memory(&mut p, &s.memory, &s.train, &s.model.preset);
+    optimizer_impl(&mut p, s);
     checkpoint(&mut p, s);
     at_least(&mut p, "log.every_steps", s.log.every_steps, 0);
     p
@@ -218,6 +219,26 @@ fn optimizer_state_bits(p: &mut Problems, t: &Train) {
     };
     if let Some(why) = problem {
         p.push((key.into(), why));
+    }
+}
+
+/// An explicit foreach or fused request the run could not honour, now or after an OOM decision.
+fn optimizer_impl(p: &mut Problems, s: &Spec) {
+    let asked = s.train.optimizer_impl;
+    let key = "train.optimizer_impl";
+    if let Some(why) = crate::optim::refusal(asked, crate::optim::Placement::of_spec(s)) {
+        p.push((key.into(), why));
+        return;
+    }
+    let offload = s.memory.on_oom.contains(&OomAction::Offload);
+    if offload && matches!(asked, OptimizerImpl::Foreach | OptimizerImpl::Fused) {
+        p.push((
+            key.into(),
+            format!(
+                "\"{}\" updates the state on the device, and memory.on_oom's \"offload\" may move the optimizer state or the gradients to the host, where only \"single\" runs: set train.optimizer_impl = \"auto\" (it switches to \"single\" when they move) or take \"offload\" out of memory.on_oom",
+                asked.name()
+            ),
+        ));
     }
 }
 

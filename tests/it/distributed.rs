@@ -181,6 +181,28 @@ fn sharded_optimizer_state_trains_the_same_weights_with_less_memory_per_rank() {
     assert!(html.contains("id=\"ranks\""), "report has no per-rank table");
 }
 
+/// Sharded state with the foreach and fused implementations: each rank runs its own
+/// parameters' groups, and the weights are those of the unsharded run, bit for bit.
+#[test]
+fn sharded_state_trains_the_same_weights_with_foreach_and_fused() {
+    let t = mlp().set("model.mlp.hidden", vec![64]).set("train.epochs", 1);
+    for imp in ["foreach", "fused"] {
+        let t = t.clone().set("train.optimizer_impl", imp);
+        let plain = t.clone().name(&format!("plain-{imp}")).arg("--nproc").arg("2").run();
+        let sharded = t
+            .clone()
+            .name(&format!("sharded-{imp}"))
+            .set("train.shard_optimizer_state", true)
+            .arg("--nproc")
+            .arg("2")
+            .run();
+        assert_eq!(step_losses(&plain), step_losses(&sharded), "{imp}");
+        let gap = weight_gap(&plain.final_model(), &sharded.final_model());
+        assert_eq!(gap, 0.0, "{imp}: sharded and unsharded weights differ");
+        assert_eq!(sharded.summary().precision.optimizer_impl.as_deref(), Some(imp));
+    }
+}
+
 #[test]
 fn a_sharded_checkpoint_resumes_on_one_rank_and_a_single_one_on_two_sharded() {
     let t = mlp();

@@ -206,6 +206,30 @@ hiden = [8]
             "unknown variant `retry`",
         ),
         (
+            "unknown_optimizer_impl",
+            base("[train]\noptimizer_impl = \"fast\"\n"),
+            "4:1",
+            "expected one of `single`, `foreach`, `fused`, `auto`",
+        ),
+        (
+            "fused_with_8bit_state",
+            base("[train]\noptimizer = \"adamw\"\noptimizer_state_bits = 8\noptimizer_impl = \"fused\"\n"),
+            "6:1",
+            "\"fused\" has no 8-bit form",
+        ),
+        (
+            "foreach_with_host_gradients",
+            base("[train]\noptimizer_impl = \"foreach\"\n[memory]\ngradients = \"host\"\n"),
+            "4:1",
+            "set train.optimizer_impl = \"auto\" or \"single\", or keep the gradients on the device",
+        ),
+        (
+            "fused_with_offload",
+            base("[train]\noptimizer_impl = \"fused\"\n[memory]\non_oom = [\"offload\", \"fail\"]\n"),
+            "4:1",
+            "take \"offload\" out of memory.on_oom",
+        ),
+        (
             "fail_not_last",
             base("[memory]\non_oom = [\"fail\", \"cpu\"]\n"),
             "4:1",
@@ -360,7 +384,7 @@ fn check_prints_the_resolved_spec_and_a_static_estimate() {
     assert!(r.stdout.contains("parameters       9.41 KiB"), "{}", r.stdout);
     assert!(
         r.stdout
-            .contains("optimizer state  18.83 KiB (adam: 2 value(s) per parameter)"),
+            .contains("optimizer state  18.83 KiB (adam: 2 value(s) per parameter; implementation "),
         "{}",
         r.stdout
     );

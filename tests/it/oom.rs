@@ -222,6 +222,37 @@ fn an_oom_inside_the_optimizer_step_leaves_no_trace() {
     assert_eq!(faulted.summary().global_steps, clean.summary().global_steps);
 }
 
+/// The same real failure with the foreach and fused implementations: what their update needs
+/// (foreach: the groups' workspace; fused: its step count tensor) is allocated before any
+/// parameter or state tensor is written, and the in-place ops after it allocate nothing, so
+/// the failed step leaves no trace either.
+#[test]
+fn an_oom_in_a_foreach_or_fused_step_leaves_no_trace() {
+    for imp in ["foreach", "fused"] {
+        let faulted = optimizer_oom_at(adam().name(&format!("faulted-{imp}")), 1)
+            .set("train.optimizer_impl", imp)
+            .set("memory.on_oom", policy(&["backoff", "fail"]))
+            .stderr_has("backing off: micro-batch 8 -> 4")
+            .run();
+        let ooms = faulted.ooms();
+        assert_eq!(ooms.len(), 1, "{imp}");
+        assert!(ooms[0].error.contains("CPU out of memory"), "{imp}: {:?}", ooms[0]);
+        let clean = adam()
+            .name(&format!("clean-{imp}"))
+            .set("train.optimizer_impl", imp)
+            .set("train.batch_size", 4)
+            .set("train.accumulation_steps", 2)
+            .run();
+        assert!(clean.ooms().is_empty());
+        assert_eq!(
+            faulted.final_bytes(),
+            clean.final_bytes(),
+            "{imp}: a failed optimizer step must leave parameters and state untouched"
+        );
+        assert_eq!(faulted.summary().precision.optimizer_impl.as_deref(), Some(imp));
+    }
+}
+
 #[test]
 fn with_fail_the_exit_checkpoint_holds_the_weights_from_before_the_failed_step() {
     // 32 training samples at 8 per step: 4 steps an epoch. Step 5 (epoch 2's first) fails.

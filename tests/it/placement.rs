@@ -231,10 +231,23 @@ fn check_warns_when_the_device_part_cannot_fit_and_names_the_placements_that_wou
 
 #[test]
 fn fit_climbs_the_placement_ladder_only_as_far_as_the_budget_needs() {
+    fit_climbs_the_ladder(job());
+}
+
+/// An explicit `train.optimizer_impl = "fused"` cannot update state on the host: the probes and
+/// the tuned spec that move it there run "auto" instead.
+#[test]
+fn fit_moving_the_state_of_a_fused_spec_writes_auto() {
+    let text = fit_climbs_the_ladder(job().set("train.optimizer_impl", "fused"));
+    assert!(text.contains("optimizer_impl = \"auto\""), "{text}");
+}
+
+/// The tuned spec's text.
+fn fit_climbs_the_ladder(t: Test) -> String {
     // 2.11 MiB of static state (541 KiB weights, as much gradient, 1.06 MiB AdamW moments) under
     // a 2 MiB budget: nothing fits with everything on the device; with the moments on the host
     // 1.06 MiB stays and the activations have the rest.
-    let t = job().set("train.epochs", 1);
+    let t = t.set("train.epochs", 1);
     // fit writes the tuned spec where this run reads its spec file.
     let tuned_run = t.clone().name("tuned").spec_written();
     let tuned = tuned_run.spec_path();
@@ -275,6 +288,7 @@ fn fit_climbs_the_placement_ladder_only_as_far_as_the_budget_needs() {
     let s = run.summary();
     assert!(peak(&s) <= 2 << 20, "{:?}", s.memory);
     assert!(s.memory.peak_host_bytes.unwrap() > 0);
+    text
 }
 
 #[test]

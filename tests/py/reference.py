@@ -27,11 +27,14 @@ Subcommands:
               an MLP as memtrain's mlp preset builds it (fc0, fc1, ... Linear layers with ReLU
               between them), seeded, its state_dict as safetensors
   train       --model (script:PATH | torchvision:NAME:INIT.safetensors | mlp:INIT.safetensors)
-              --train d.npz [--autocast bf16] ...
+              --train d.npz [--autocast bf16|fp16] [--optimizer sgd|adam|adamw]
+              [--impl single|foreach|fused] [--nesterov] [--inf-at-step N] ...
               trains as memtrain does (same epoch order, same groups and micro-batches, the
-              loss summed and divided by the group size, clipping, torch.optim; with
-              --autocast the forward under torch.autocast("cpu", bfloat16)) and prints
-              {"losses": [...], "buffers": {name: [...]}} as JSON
+              loss summed and divided by the group size, clipping, torch.optim with the
+              implementation --impl; with --autocast the forward under torch.autocast("cpu",
+              bfloat16 or float16), fp16 with torch.amp.GradScaler) and prints
+              {"losses": [...], "buffers": {name: [...]}, "scales": [...] (fp16),
+              "params": {name: [...]} (the final weights)} as JSON
   tensorboard DIR
               the scalars of DIR's event files as TensorBoard's own reader sees them:
               {tag: [[step, value], ...]} as JSON
@@ -262,13 +265,26 @@ def cmd_train(a):
     d = np.load(a.train)
     x, y = torch.from_numpy(d["x"]), torch.from_numpy(d["y"])
     params = [p for _, p in sorted(model.named_parameters())]
+    impl = {
+        "single": dict(foreach=False, fused=False),
+        "foreach": dict(foreach=True, fused=False),
+        "fused": dict(foreach=False, fused=True),
+    }[a.impl]
     if a.optimizer == "sgd":
-        opt = torch.optim.SGD(params, lr=a.lr, momentum=a.momentum, weight_decay=a.weight_decay)
+        opt = torch.optim.SGD(
+            params, lr=a.lr, momentum=a.momentum, nesterov=a.nesterov, weight_decay=a.weight_decay, **impl
+        )
+    elif a.optimizer == "adam":
+        opt = torch.optim.Adam(params, lr=a.lr, weight_decay=a.weight_decay, **impl)
     else:
-        opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=a.weight_decay)
+        opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=a.weight_decay, **impl)
+    # fp16: GradScaler's defaults, as memtrain's scaler (init 2^16, growth interval 2000).
+    scaler = torch.amp.GradScaler("cpu") if a.autocast == "fp16" else None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.autocast)
     effective = a.batch_size * a.accumulation_steps
     n = len(y)
     losses = []
+    scales = []
     model.train()
     for epoch in range(a.epochs):
         order = epoch_order(n, a.seed, epoch)
@@ -279,21 +295,36 @@ def cmd_train(a):
             for m in range(0, len(group), a.batch_size):
                 idx = torch.tensor(group[m : m + a.batch_size])
                 if a.autocast:
-                    with torch.autocast("cpu", dtype=torch.bfloat16):
+                    with torch.autocast("cpu", dtype=dtype):
                         logits = model(x[idx])
                 else:
                     logits = model(x[idx])
                 loss = torch.nn.functional.cross_entropy(logits.float(), y[idx], reduction="sum")
-                (loss / len(group)).backward()
+                scaled = loss / len(group)
+                (scaler.scale(scaled) if scaler else scaled).backward()
                 total += loss.item()
-            if a.clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, a.clip)
-            opt.step()
+            if a.inf_at_step == len(losses) + 1:
+                # As memtrain's MEMTRAIN_FAULT_INF_GRAD_AT_STEP: an overflow in one gradient.
+                params[0].grad.fill_(float("inf"))
+            if scaler:
+                # With clipping, unscale_ first (the kernel then gets found_inf only); without,
+                # a fused optimizer gets grad_scale and found_inf and unscales in the kernel.
+                if a.clip > 0:
+                    scaler.unscale_(opt)
+                    torch.nn.utils.clip_grad_norm_(params, a.clip)
+                scaler.step(opt)
+                scaler.update()
+                scales.append(scaler.get_scale())
+            else:
+                if a.clip > 0:
+                    torch.nn.utils.clip_grad_norm_(params, a.clip)
+                opt.step()
             losses.append(total / len(group))
     # JSON has no NaN: a non-finite value becomes null.
     finite = lambda xs: [None if isinstance(x, float) and not math.isfinite(x) else x for x in xs]
     buffers = {k: finite(v.flatten().tolist()) for k, v in model.named_buffers()}
-    print(json.dumps({"losses": finite(losses), "buffers": buffers}))
+    weights = {k: finite(v.detach().flatten().tolist()) for k, v in model.named_parameters()}
+    print(json.dumps({"losses": finite(losses), "buffers": buffers, "scales": scales, "params": weights}))
 
 
 def cmd_tensorboard(a):
@@ -371,13 +402,16 @@ def main():
     s.add_argument("--epochs", type=int, default=1)
     s.add_argument("--batch-size", type=int, required=True)
     s.add_argument("--accumulation-steps", type=int, default=1)
-    s.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    s.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], default="sgd")
+    s.add_argument("--impl", choices=["single", "foreach", "fused"], default="single")
+    s.add_argument("--nesterov", action="store_true")
+    s.add_argument("--inf-at-step", type=int, default=0)
     s.add_argument("--lr", type=float, default=0.1)
     s.add_argument("--momentum", type=float, default=0.0)
     s.add_argument("--weight-decay", type=float, default=0.0)
     s.add_argument("--clip", type=float, default=0.0)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--autocast", choices=["bf16"], default=None)
+    s.add_argument("--autocast", choices=["bf16", "fp16"], default=None)
     s = sub.add_parser("mlp")
     s.add_argument("--inputs", type=int, required=True)
     s.add_argument("--hidden", required=True)
