@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 fn main() {
     println!("cargo:rerun-if-changed=src/shim/shim.cpp");
+    println!("cargo:rerun-if-changed=src/shim/cuda.cpp");
     println!("cargo:rerun-if-changed=src/shim/dist.cpp");
     println!("cargo:rerun-if-changed=src/shim/guard.h");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
@@ -24,7 +25,7 @@ fn main() {
 
     let cuda_include = have_cuda.then(|| cuda_include(&root)).flatten();
     let mut build = torch_cpp(&root, &abi);
-    build.file("src/shim/shim.cpp");
+    build.file("src/shim/shim.cpp").file("src/shim/cuda.cpp");
     if have_cuda {
         build.define("MEMTRAIN_HAVE_CUDA", None);
     }
