@@ -105,9 +105,9 @@ impl LayerNorm {
 /// gives libtorch's bf16 CPU kernel no weight taps that meet only padding.
 ///
 /// oneDNN's bf16 backward-weights convolution (`jit_bf16:avx512_core_bf16`, which libtorch 2.11
-/// picks on CPUs with AVX512-BF16) leaves the weight gradient of such taps unwritten when the
-/// output is one wide and the stride is above 1: a 3×3 stride-2 convolution on a 1×1 map, as in
-/// ResNet18's layer4 on 16-pixel images. Those gradient values are whatever the buffer held:
+/// picks on CPUs with AVX512-BF16) leaves the weight gradient of such taps unwritten when they
+/// lie along the width and the stride is wider than the input: a 3×3 stride-2 convolution on a
+/// 1×1 map, as in ResNet18's layer4 on 16-pixel images. Those gradient values are whatever the buffer held:
 /// zeros from a fresh mmap, old floats (NaN among them) from recycled heap memory. Their true
 /// value is exactly 0, so on the CPU in bf16 the forward takes the weight through
 /// `where(live, w, 0)`: the output is unchanged (those taps multiply padding only, and oneDNN
@@ -161,7 +161,13 @@ impl Conv {
                 (0..k).map(|t| tap_is_live(input, out, s, p, t * dil)).collect()
             })
             .collect();
-        if live.iter().flatten().all(|&l| l) {
+        // Only the width's taps go unwritten, and only when the stride is wider than the input
+        // (856 geometries swept: every fault had both, no geometry without them faulted). That
+        // keeps the extra `where` out of ordinary shapes: at 32 pixels ResNet18's layer4 has dead
+        // taps too, but a stride no wider than its 2×2 input.
+        let last = nd - 1;
+        let width = xs[xs.len() - 1];
+        if self.stride[last] <= width || live[last].iter().all(|&l| l) {
             return None;
         }
         // Row-major over the kernel's dimensions: a tap is live when it is live in every one.
@@ -194,5 +200,25 @@ impl nn::Module for Conv {
             4 => x.conv2d(w, self.bs.as_ref(), s, p, d, g),
             n => panic!("a {n}-dimensional convolution weight"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn taps_meeting_only_padding_are_found() {
+        // 3 taps, stride 2, padding 1 on a 1-wide input: one output, only the centre tap meets it.
+        let live: Vec<bool> = (0..3).map(|t| tap_is_live(1, 1, 2, 1, t)).collect();
+        assert_eq!(live, [false, true, false]);
+        // On a 2-wide input the output at 0 sees input 0 with tap 1 and input 1 with tap 2.
+        let live: Vec<bool> = (0..3).map(|t| tap_is_live(2, 1, 2, 1, t)).collect();
+        assert_eq!(live, [false, true, true]);
+        // Dilation 2, kernel 3 (offsets 0, 2, 4), padding 2, stride 1 on 1 sample: the centre only.
+        let live: Vec<bool> = (0..3).map(|t| tap_is_live(1, 1, 1, 2, 2 * t)).collect();
+        assert_eq!(live, [false, true, false]);
+        // An ordinary shape: every tap meets the input.
+        assert!((0..3).all(|t| tap_is_live(8, 4, 2, 1, t)));
     }
 }
