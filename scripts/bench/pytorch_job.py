@@ -25,6 +25,7 @@ import argparse
 import ctypes
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -262,6 +263,8 @@ def cmd_train(a):
     result = {
         "startup_seconds": started - a.launched if a.launched else started - T_START,
         "samples_per_s": sum(step_samples[timed]) / max(sum(step_times[timed]), 1e-12),
+        "median_step_samples_per_s": statistics.median(
+            n / max(t, 1e-12) for n, t in zip(step_samples[timed], step_times[timed])),
         "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if cuda
         else (counting.peak() if counting else None),
         "peak_rss_bytes": rss_peak(),
