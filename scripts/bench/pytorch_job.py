@@ -25,7 +25,6 @@ import argparse
 import ctypes
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -142,6 +141,13 @@ def cmd_init(a):
     model = build(a.job)
     state = model.state_for_memtrain() if isinstance(model, darts_twin.Darts) else model.state_dict()
     reference.write_safetensors(state, a.out)
+
+
+def median(xs):
+    # Not the statistics module: importing it here made the process segfault at exit.
+    xs = sorted(xs)
+    n = len(xs)
+    return (xs[(n - 1) // 2] + xs[n // 2]) / 2
 
 
 def cmd_train(a):
@@ -263,8 +269,8 @@ def cmd_train(a):
     result = {
         "startup_seconds": started - a.launched if a.launched else started - T_START,
         "samples_per_s": sum(step_samples[timed]) / max(sum(step_times[timed]), 1e-12),
-        "median_step_samples_per_s": statistics.median(
-            n / max(t, 1e-12) for n, t in zip(step_samples[timed], step_times[timed])),
+        "median_step_samples_per_s": median(
+            [n / max(t, 1e-12) for n, t in zip(step_samples[timed], step_times[timed])]),
         "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if cuda
         else (counting.peak() if counting else None),
         "peak_rss_bytes": rss_peak(),
