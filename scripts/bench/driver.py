@@ -8,6 +8,8 @@ For each job (jobs.py) and setting, REPS pairs of fresh processes, the order alt
 same initial weights on the same data in the same order. Per process:
 
   samples/s      over the steps after the first (each side times its own steps)
+  median step    samples/s of the median step after the first: a step the scheduler preempted
+                 (other work on a shared machine) moves the total above but not this
   peak alloc     tensor bytes at their peak over the training steps: on the CPU both sides count
                  with memtrain's counting allocator (src/shim/shim.cpp, built into a shared
                  library for the Python side and installed with c10::SetCPUAllocator); on CUDA the
@@ -99,6 +101,7 @@ def run_memtrain(a, work, job, setting, rep):
     return {
         "startup_seconds": first_start - launched,
         "samples_per_s": sum(s["samples"] for s in timed) / max(sum(s["seconds"] for s in timed), 1e-12),
+        "median_step_samples_per_s": statistics.median(s["samples"] / max(s["seconds"], 1e-12) for s in timed),
         "peak_allocated_bytes": max(s["memory"].get("peak_allocated_bytes", 0) for s in steps),
         "peak_rss_bytes": summary["memory"]["peak_rss_bytes"],
         "checkpointing": summary["precision"]["activation_checkpointing"],
@@ -159,8 +162,8 @@ def main():
           f"{os.cpu_count()} cores, {a.threads} threads, {a.reps} alternating pairs per row; {time.strftime('%Y-%m-%d')}")
     if cuda:
         print(f"# GPU: {torch.cuda.get_device_name(0)}")
-    header = ("| job | setting | samples/s memtrain | PyTorch | ratio (range) | peak alloc memtrain | PyTorch | ratio "
-              "| peak RSS ratio | start-up memtrain | PyTorch | loss gap |")
+    header = ("| job | setting | samples/s memtrain | PyTorch | ratio (range) | median-step ratio (range) "
+              "| peak alloc memtrain | PyTorch | ratio | peak RSS ratio | start-up memtrain | PyTorch | loss gap |")
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     with tempfile.TemporaryDirectory() as tmp:
@@ -179,11 +182,13 @@ def main():
                         else:
                             pt.append(run_pytorch(a, work, job, setting, rep, counting))
                 rate = [m["samples_per_s"] / q["samples_per_s"] for m, q in zip(mt, pt)]
+                step = [m["median_step_samples_per_s"] / q["median_step_samples_per_s"] for m, q in zip(mt, pt)]
                 alloc = [m["peak_allocated_bytes"] / q["peak_allocated_bytes"] for m, q in zip(mt, pt)]
                 rss = [m["peak_rss_bytes"] / q["peak_rss_bytes"] for m, q in zip(mt, pt)]
                 mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
                 print(f"| {job} | {setting[0]} | {med([m['samples_per_s'] for m in mt]):.1f} "
                       f"| {med([q['samples_per_s'] for q in pt]):.1f} | {med(rate):.2f} ({spread(rate)}) "
+                      f"| {med(step):.2f} ({spread(step)}) "
                       f"| {mib(med([m['peak_allocated_bytes'] for m in mt]))} "
                       f"| {mib(med([q['peak_allocated_bytes'] for q in pt]))} | {med(alloc):.2f} "
                       f"| {med(rss):.2f} | {med([m['startup_seconds'] for m in mt]):.2f} s "

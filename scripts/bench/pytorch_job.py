@@ -143,6 +143,13 @@ def cmd_init(a):
     reference.write_safetensors(state, a.out)
 
 
+def median(xs):
+    # Not the statistics module: importing it here made the process segfault at exit.
+    xs = sorted(xs)
+    n = len(xs)
+    return (xs[(n - 1) // 2] + xs[n // 2]) / 2
+
+
 def cmd_train(a):
     torch.set_num_threads(a.threads)
     device = torch.device(a.device)
@@ -266,6 +273,8 @@ def cmd_train(a):
     result = {
         "startup_seconds": started - a.launched if a.launched else started - T_START,
         "samples_per_s": sum(step_samples[timed]) / max(sum(step_times[timed]), 1e-12),
+        "median_step_samples_per_s": median(
+            [n / max(t, 1e-12) for n, t in zip(step_samples[timed], step_times[timed])]),
         "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if cuda
         else (counting.peak() if counting else None),
         "peak_rss_bytes": rss_peak(),

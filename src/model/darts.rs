@@ -43,6 +43,7 @@ use serde::{Deserialize, Serialize};
 use tch::nn::{self, Module, ModuleT, RNN};
 use tch::{Kind, Tensor};
 
+use super::layers::Conv;
 use super::preset::{run_chain, Built, Chain, ExtraStep, Genotype, Net, Preset};
 use crate::optim::Hyper;
 use crate::spec::{OptimizerImpl, OptimizerKind};
@@ -115,17 +116,21 @@ fn bn_cfg() -> nn::BatchNormConfig {
 }
 
 /// 1-D convolution without bias, padded so that the length becomes `ceil(L / stride)` (odd `k`).
-fn conv1d(p: nn::Path, cin: i64, cout: i64, k: i64, stride: i64, dilation: i64, groups: i64) -> nn::Conv1D {
+fn conv1d(p: nn::Path, cin: i64, cout: i64, k: i64, stride: i64, dilation: i64, groups: i64) -> Conv {
     let padding = dilation * (k - 1) / 2;
-    let cfg = nn::ConvConfig {
-        stride,
-        padding,
-        dilation,
+    // tch's 1-D default (the one `nn::conv1d` uses) with this geometry.
+    let d = nn::ConvConfig::default();
+    let cfg = nn::ConvConfigND::<[i64; 1]> {
+        stride: [stride],
+        padding: [padding],
+        dilation: [dilation],
         groups,
         bias: false,
-        ..Default::default()
+        ws_init: d.ws_init,
+        bs_init: d.bs_init,
+        padding_mode: d.padding_mode,
     };
-    nn::conv1d(p, cin, cout, k, cfg)
+    Conv::new(p, cin, cout, [k], cfg)
 }
 
 /// Average pool, kernel 3, padding 1, padding not counted: length `ceil(L / stride)`.
@@ -136,7 +141,7 @@ fn avg_pool_3(x: &Tensor, stride: i64) -> Tensor {
 /// ReLU-Conv-BN (no affine).
 #[derive(Debug)]
 struct ReluConvBn {
-    conv: nn::Conv1D,
+    conv: Conv,
     bn: nn::BatchNorm,
 }
 
@@ -157,8 +162,8 @@ impl ReluConvBn {
 /// sample, concatenated along channels (DARTS' FactorizedReduce).
 #[derive(Debug)]
 struct FactorizedReduce {
-    conv1: nn::Conv1D,
-    conv2: nn::Conv1D,
+    conv1: Conv,
+    conv2: Conv,
     bn: nn::BatchNorm,
 }
 
@@ -238,22 +243,22 @@ enum Op {
     },
     Conv(ReluConvBn),
     SepConv {
-        dw1: nn::Conv1D,
-        pw1: nn::Conv1D,
+        dw1: Conv,
+        pw1: Conv,
         bn1: nn::BatchNorm,
-        dw2: nn::Conv1D,
-        pw2: nn::Conv1D,
+        dw2: Conv,
+        pw2: Conv,
         bn2: nn::BatchNorm,
     },
     DilConv {
-        dw: nn::Conv1D,
-        pw: nn::Conv1D,
+        dw: Conv,
+        pw: Conv,
         bn: nn::BatchNorm,
     },
     Disjoint {
-        temporal: nn::Conv2D,
+        temporal: Conv,
         bn1: nn::BatchNorm,
-        spatial: nn::Conv2D,
+        spatial: Conv,
         bn2: nn::BatchNorm,
     },
     Lstm {
@@ -322,9 +327,9 @@ impl Op {
                     ..Default::default()
                 };
                 Op::Disjoint {
-                    temporal: nn::conv(p / "temporal", 1, c, [1, k], temporal),
+                    temporal: Conv::new(p / "temporal", 1, c, [1, k], temporal),
                     bn1: nn::batch_norm2d(p / "bn1", c, bn_cfg()),
-                    spatial: nn::conv(p / "spatial", c, c, [c, 1], spatial),
+                    spatial: Conv::new(p / "spatial", c, c, [c, 1], spatial),
                     bn2: nn::batch_norm2d(p / "bn2", c, bn_cfg()),
                 }
             }
@@ -665,7 +670,7 @@ impl Preset for DartsPreset {
 /// The DARTS supernet.
 #[derive(Debug)]
 pub struct Darts {
-    stem_conv: nn::Conv1D,
+    stem_conv: Conv,
     stem_bn: nn::BatchNorm,
     cells: Vec<Cell>,
     classifier: nn::Linear,

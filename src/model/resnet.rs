@@ -15,7 +15,7 @@ use tch::nn::init::{FanInOut, NonLinearity, NormalOrUniform};
 use tch::nn::{self, Init, Module};
 use tch::Tensor;
 
-use super::layers::{self, BatchNorm2d};
+use super::layers::{self, BatchNorm2d, Conv};
 use super::preset::{run_chain, Built, Chain, Net, Preset};
 
 /// `[model.resnet18]` (and `resnet34`, `resnet50`).
@@ -85,15 +85,15 @@ impl<const DEPTH: u32> Preset for ResNetPreset<DEPTH> {
 }
 
 /// torchvision's convolution initialisation: kaiming normal, fan-out, ReLU gain.
-fn conv(p: nn::Path, cin: i64, cout: i64, k: i64, stride: i64, padding: i64) -> nn::Conv2D {
-    nn::conv2d(
+fn conv(p: nn::Path, cin: i64, cout: i64, k: i64, stride: i64, padding: i64) -> Conv {
+    Conv::new(
         p,
         cin,
         cout,
-        k,
-        nn::ConvConfig {
-            stride,
-            padding,
+        [k, k],
+        nn::ConvConfigND::<[i64; 2]> {
+            stride: [stride, stride],
+            padding: [padding, padding],
             bias: false,
             ws_init: Init::Kaiming {
                 dist: NormalOrUniform::Normal,
@@ -108,8 +108,8 @@ fn conv(p: nn::Path, cin: i64, cout: i64, k: i64, stride: i64, padding: i64) -> 
 /// A BasicBlock (two 3×3 convolutions) or a Bottleneck (1×1, 3×3 with the stride, 1×1 ×4).
 #[derive(Debug)]
 struct Block {
-    convs: Vec<(nn::Conv2D, BatchNorm2d)>,
-    downsample: Option<(nn::Conv2D, BatchNorm2d)>,
+    convs: Vec<(Conv, BatchNorm2d)>,
+    downsample: Option<(Conv, BatchNorm2d)>,
 }
 
 impl Block {
@@ -166,7 +166,7 @@ impl Block {
 
 #[derive(Debug)]
 pub struct ResNet {
-    conv1: nn::Conv2D,
+    conv1: Conv,
     bn1: BatchNorm2d,
     max_pool: bool,
     blocks: Vec<Block>,

@@ -36,9 +36,11 @@ use trainer::Trainer;
 pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
     let t_start = Instant::now();
     oom::install_hook();
-    // Before anything is loaded, so every CPU tensor byte of the run is counted. (glibc's malloc
-    // thresholds are not warmed: with them, an every-precision test of the new presets (tests/it/models.rs) produced
-    // a NaN loss; see `sysmem::warm_malloc_thresholds`.)
+    // Freed memory is reused from here on, not handed back and faulted in again each step. The
+    // NaN this once exposed (oneDNN's bf16 weight gradient leaves taps that meet only padding
+    // unwritten) is avoided where it arises: `model::layers::Conv`.
+    crate::sysmem::warm_malloc_thresholds();
+    // Before anything is loaded, so every CPU tensor byte of the run is counted.
     shim::cpu_alloc_install().context("installing the counting CPU allocator")?;
     let world = World::from_env().map_err(|e| UsageError(format!("{e:#}")))?;
     // Ranks other than 0 print nothing unless something goes wrong.

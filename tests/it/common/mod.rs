@@ -796,12 +796,19 @@ pub fn file_bytes(p: &Path) -> Bytes {
 /// standard output. `scripts/bootstrap` exports MEMTRAIN_PYTHON; without it these tests fail.
 #[track_caller]
 pub fn reference(dir: &Path, args: &[&str]) -> String {
+    reference_with(dir, args, &[])
+}
+
+/// `reference` with extra environment variables.
+#[track_caller]
+pub fn reference_with(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> String {
     let python = python();
     let o = match Command::new(&python)
         .arg(repo().join("tests/py/reference.py"))
         .args(args)
         .current_dir(dir)
         .env("OMP_NUM_THREADS", "1")
+        .envs(env.iter().copied())
         .output()
     {
         Ok(o) => o,
