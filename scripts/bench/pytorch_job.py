@@ -100,9 +100,13 @@ def forward(model, chain, x, checkpointing):
 class Counting:
     """memtrain's counting CPU allocator, from the shim built as a shared library."""
 
+    # Field for field src/shim/shim.cpp's MtCpuStats: mt_cpu_alloc_stats writes the whole struct,
+    # and a shorter one here let it write past the buffer into Python's heap (the process then
+    # died in the garbage collector at exit).
     class Stats(ctypes.Structure):
         _fields_ = [("allocated", ctypes.c_int64), ("peak", ctypes.c_int64), ("cap", ctypes.c_int64),
-                    ("num_ooms", ctypes.c_int64), ("installed", ctypes.c_int)]
+                    ("num_ooms", ctypes.c_int64), ("installed", ctypes.c_int),
+                    ("host_allocated", ctypes.c_int64), ("host_peak", ctypes.c_int64)]
 
     def __init__(self, path):
         self.lib = ctypes.CDLL(path)
@@ -144,7 +148,8 @@ def cmd_init(a):
 
 
 def median(xs):
-    # Not the statistics module: importing it here made the process segfault at exit.
+    # (A segfault at exit once blamed on importing the statistics module here was Counting.Stats
+    # being shorter than the shim's struct.)
     xs = sorted(xs)
     n = len(xs)
     return (xs[(n - 1) // 2] + xs[n // 2]) / 2
