@@ -220,9 +220,15 @@ fn apply(plan: &Plan) -> Result<()> {
     match (plan.device, &plan.cap) {
         (DevicePlan::Cpu, Some(cap)) => shim::cpu_alloc_set_cap(Some(cap.bytes)),
         // Also set in PYTORCH_CUDA_ALLOC_CONF, which the native allocator reads; this reaches
-        // cudaMallocAsync too.
-        (DevicePlan::Cuda(i), Some(Cap { fraction: Some(f), .. })) => shim::cuda_set_memory_fraction(*f, i)
-            .with_context(|| format!("capping cuda:{i} at a fraction {f} of its memory"))?,
+        // cudaMallocAsync too. A binary built without the CUDA runtime's headers has only the
+        // configuration's fraction, which the native allocator still honours.
+        (DevicePlan::Cuda(i), Some(Cap { fraction: Some(f), .. })) => {
+            if let Err(e) = shim::cuda_set_memory_fraction(*f, i) {
+                tracing::warn!(
+                    "the cap on cuda:{i} rests on the allocator settings alone (backend:cudaMallocAsync ignores them): {e:#}"
+                );
+            }
+        }
         _ => {}
     }
     if let DevicePlan::Cuda(_) = plan.device {
