@@ -131,6 +131,11 @@ pub fn process_device_bytes(index: usize) -> Option<u64> {
     let d = n.device_by_uuid(uuid).ok()?;
     let me = std::process::id();
     let p = d.running_compute_processes().ok()?.into_iter().find(|p| p.pid == me)?;
+    used_bytes(&p)
+}
+
+/// A process's device memory as NVML reports it; None where the driver does not say.
+fn used_bytes(p: &nvml_wrapper::struct_wrappers::device::ProcessInfo) -> Option<u64> {
     match p.used_gpu_memory {
         nvml_wrapper::enums::device::UsedGpuMemory::Used(b) => Some(b),
         nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => None,
@@ -177,10 +182,7 @@ fn nvml_gpus(n: &nvml_wrapper::Nvml, cuda_devices: usize) -> Vec<GpuInfo> {
                         name: std::fs::read_to_string(format!("/proc/{}/comm", p.pid))
                             .map(|s| s.trim().to_owned())
                             .unwrap_or_else(|_| "?".into()),
-                        used_bytes: match p.used_gpu_memory {
-                            nvml_wrapper::enums::device::UsedGpuMemory::Used(b) => Some(b),
-                            nvml_wrapper::enums::device::UsedGpuMemory::Unavailable => None,
-                        },
+                        used_bytes: used_bytes(&p),
                     })
                     .collect(),
             })

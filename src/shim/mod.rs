@@ -284,10 +284,18 @@ pub fn memory_snapshot() -> Result<Vec<u8>> {
     let mut data: *mut c_char = std::ptr::null_mut();
     let mut len = 0u64;
     check(unsafe { mt_memory_snapshot(&mut data, &mut len) })?;
-    // SAFETY: on success the shim hands over a malloc'd buffer of `len` bytes.
+    Ok(handed_over(data, len).unwrap_or_default())
+}
+
+/// A buffer the shim handed over (malloc'd, `len` bytes), copied and freed; None for a null one.
+fn handed_over(data: *mut c_char, len: u64) -> Option<Vec<u8>> {
+    if data.is_null() {
+        return None;
+    }
+    // SAFETY: the shim's contract: a non-null buffer holds `len` bytes and is ours to free.
     let out = unsafe { std::slice::from_raw_parts(data as *const u8, len as usize) }.to_vec();
     unsafe { mt_free_buffer(data) };
-    Ok(out)
+    Some(out)
 }
 
 /// From now on each CUDA OOM keeps the allocator snapshot of its moment, before anything is
@@ -301,13 +309,7 @@ pub fn take_oom_snapshot() -> Result<Option<Vec<u8>>> {
     let mut data: *mut c_char = std::ptr::null_mut();
     let mut len = 0u64;
     check(unsafe { mt_cuda_take_oom_snapshot(&mut data, &mut len) })?;
-    if data.is_null() {
-        return Ok(None);
-    }
-    // SAFETY: the shim hands over a malloc'd buffer of `len` bytes.
-    let out = unsafe { std::slice::from_raw_parts(data as *const u8, len as usize) }.to_vec();
-    unsafe { mt_free_buffer(data) };
-    Ok(Some(out))
+    Ok(handed_over(data, len))
 }
 
 /// Tensor bytes on the CPU as the counting allocator sees them.
@@ -481,10 +483,7 @@ pub fn rng_state(device: tch::Device) -> Result<Vec<u8>> {
     let mut data: *mut c_char = std::ptr::null_mut();
     let mut len = 0u64;
     check(unsafe { mt_rng_get_state(t, i, &mut data, &mut len) })?;
-    // SAFETY: on success the shim hands over a malloc'd buffer of `len` bytes.
-    let v = unsafe { std::slice::from_raw_parts(data as *const u8, len as usize) }.to_vec();
-    unsafe { mt_free_buffer(data) };
-    Ok(v)
+    Ok(handed_over(data, len).unwrap_or_default())
 }
 
 pub fn set_rng_state(device: tch::Device, state: &[u8]) -> Result<()> {
