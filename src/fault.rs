@@ -11,12 +11,80 @@ use crate::shim;
 /// lowered to the bytes allocated when the optimizer step begins, so its first allocation fails
 /// for real in the counting allocator. The guard puts the cap back when the step ends or unwinds.
 /// `N@R` fires on data-parallel rank R only (the RANK variable), for an OOM on one rank.
+/// The same as `MEMTRAIN_FAULT_OOM_IN=optimizer:N`, kept for the tests that name it.
 pub const OOM_IN_OPTIMIZER: &str = "MEMTRAIN_FAULT_OOM_IN_OPTIMIZER_AT_STEP";
+
+/// `MEMTRAIN_FAULT_OOM_IN=PHASE[:N][@R]`: the first time the run enters PHASE (at global step N,
+/// when given; on data-parallel rank R only, when given), the CPU cap is lowered to the bytes
+/// allocated at that moment, so the phase's next allocation fails for real in the counting
+/// allocator, as it would under a tight cap. Fires once per process. PHASE is one of
+/// [`Phase::ALL`]'s names. The phase-by-phase OOM tests use it to put a real allocation failure
+/// at one exact place.
+pub const OOM_IN: &str = "MEMTRAIN_FAULT_OOM_IN";
+
+/// The places of a run where an out-of-memory error can happen, each with its own answer
+/// (README, "Out of memory in every phase").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    Data,
+    Model,
+    InitFrom,
+    Resume,
+    Preflight,
+    Forward,
+    Backward,
+    Optimizer,
+    Arch,
+    Validation,
+    Checkpoint,
+    Report,
+}
+
+impl Phase {
+    pub const ALL: [Phase; 12] = [
+        Phase::Data,
+        Phase::Model,
+        Phase::InitFrom,
+        Phase::Resume,
+        Phase::Preflight,
+        Phase::Forward,
+        Phase::Backward,
+        Phase::Optimizer,
+        Phase::Arch,
+        Phase::Validation,
+        Phase::Checkpoint,
+        Phase::Report,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Phase::Data => "data",
+            Phase::Model => "model",
+            Phase::InitFrom => "init_from",
+            Phase::Resume => "resume",
+            Phase::Preflight => "preflight",
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+            Phase::Optimizer => "optimizer",
+            Phase::Arch => "arch",
+            Phase::Validation => "validation",
+            Phase::Checkpoint => "checkpoint",
+            Phase::Report => "report",
+        }
+    }
+}
 
 static FIRED: AtomicBool = AtomicBool::new(false);
 
 pub struct Squeeze {
     restore: Option<Option<u64>>,
+}
+
+impl Squeeze {
+    /// Whether this guard lowered the cap (the fault fired here).
+    pub fn fired(&self) -> bool {
+        self.restore.is_some()
+    }
 }
 
 impl Drop for Squeeze {
@@ -27,15 +95,57 @@ impl Drop for Squeeze {
     }
 }
 
-pub fn squeeze_before_optimizer(step: i64) -> Squeeze {
-    // Read once: this runs on every training step.
-    static WANTED: OnceLock<Option<i64>> = OnceLock::new();
-    if step_from(OOM_IN_OPTIMIZER, &WANTED) != Some(step) || FIRED.swap(true, Ordering::SeqCst) {
+/// What `MEMTRAIN_FAULT_OOM_IN` asks for: a phase, maybe a step, maybe a rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Wanted {
+    phase: Phase,
+    step: Option<i64>,
+}
+
+fn parse_wanted(v: &str, rank: Option<&str>) -> Option<Wanted> {
+    let (v, on_rank) = match v.split_once('@') {
+        Some((v, r)) => (v, Some(r.trim())),
+        None => (v, None),
+    };
+    if on_rank.is_some() && on_rank != rank.map(str::trim) {
+        return None;
+    }
+    let (name, step) = match v.split_once(':') {
+        Some((n, s)) => (n.trim(), Some(s.trim().parse().ok()?)),
+        None => (v.trim(), None),
+    };
+    let phase = Phase::ALL.into_iter().find(|p| p.name() == name)?;
+    Some(Wanted { phase, step })
+}
+
+/// Entering `phase` at global step `step` (the step being worked on, or the last one done
+/// outside the loop): squeezes the cap if the fault asks for this place. The returned guard
+/// lifts it again.
+pub fn squeeze_in(phase: Phase, step: i64) -> Squeeze {
+    static WANTED: OnceLock<Option<Wanted>> = OnceLock::new();
+    let wanted = WANTED.get_or_init(|| {
+        let optimizer = std::env::var(OOM_IN_OPTIMIZER).ok().map(|n| format!("optimizer:{n}"));
+        let v = std::env::var(OOM_IN).ok().or(optimizer)?;
+        let w = parse_wanted(&v, std::env::var("RANK").ok().as_deref());
+        if w.is_none() && !v.contains('@') {
+            eprintln!(
+                "fault: {OOM_IN}={v:?} names no phase; expected PHASE[:STEP][@RANK] with PHASE one of {}",
+                Phase::ALL.map(Phase::name).join(", ")
+            );
+        }
+        w
+    });
+    let hit = wanted.is_some_and(|w| w.phase == phase && w.step.is_none_or(|s| s == step));
+    if !hit || FIRED.swap(true, Ordering::SeqCst) {
         return Squeeze { restore: None };
     }
     let s = shim::cpu_alloc_stats();
     shim::cpu_alloc_set_cap(Some(s.allocated.max(1)));
     Squeeze { restore: Some(s.cap) }
+}
+
+pub fn squeeze_before_optimizer(step: i64) -> Squeeze {
+    squeeze_in(Phase::Optimizer, step)
 }
 
 fn step_from(var: &'static str, cell: &'static OnceLock<Option<i64>>) -> Option<i64> {
@@ -89,6 +199,26 @@ pub fn plant_inf_at(step: i64, grads: impl FnOnce() -> Vec<tch::Tensor>) {
     if step_from(INF_GRAD, &WANTED) == Some(step) {
         if let Some(g) = grads().first() {
             let _ = g.shallow_clone().fill_(f64::INFINITY);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fault_names_a_phase_a_step_and_a_rank() {
+        let w = |phase, step| Some(Wanted { phase, step });
+        assert_eq!(parse_wanted("validation", None), w(Phase::Validation, None));
+        assert_eq!(parse_wanted("optimizer:3", None), w(Phase::Optimizer, Some(3)));
+        assert_eq!(parse_wanted("optimizer:3@1", Some("1")), w(Phase::Optimizer, Some(3)));
+        assert_eq!(parse_wanted("optimizer:3@1", Some("0")), None, "another rank's fault");
+        assert_eq!(parse_wanted("optimizer:3@1", None), None, "not a data-parallel run");
+        assert_eq!(parse_wanted("nowhere", None), None);
+        assert_eq!(parse_wanted("forward:x", None), None);
+        for p in Phase::ALL {
+            assert_eq!(parse_wanted(p.name(), None), w(p, None));
         }
     }
 }
