@@ -33,6 +33,12 @@ pub struct TrainState {
     #[serde(default)]
     pub effective_batch: i64,
     pub clean_steps: i64,
+    /// Validation's own micro-batch and its clean count (absent in checkpoints from before it
+    /// had one: validation starts at the configured one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_micro_batch: Option<i64>,
+    #[serde(default)]
+    pub eval_clean: i64,
     /// Running sums of the epoch in progress, so a mid-epoch resume reports the same epoch loss.
     pub epoch_loss_sum: f64,
     pub epoch_correct: i64,
@@ -329,6 +335,8 @@ mod tests {
             accumulation_steps: 1,
             effective_batch: 4,
             clean_steps: 0,
+            eval_micro_batch: None,
+            eval_clean: 0,
             epoch_loss_sum: 0.0,
             epoch_correct: 0,
             epoch_seen: 0,

@@ -191,6 +191,10 @@ pub struct Decision {
 
 impl Decision {
     pub const FAIL: &'static str = "fail";
+    /// Validation's own micro-batch halved (training's shape untouched).
+    pub const EVAL_BACKOFF: &'static str = "eval_backoff";
+    /// Validation at one sample still ran out of memory: this epoch's validation is skipped.
+    pub const SKIP_VALIDATION: &'static str = "skip_validation";
 
     pub fn fail() -> Decision {
         Decision {
@@ -205,13 +209,18 @@ impl Decision {
 }
 
 /// OOM counts over a run, for summary.json: OOM events, engagements of each lever under the
-/// lever's count name (`"backoffs"`), and grow-backs.
+/// lever's count name (`"backoffs"`), and grow-backs; validation's own halvings and
+/// grow-backs apart, since they never touch training.
 #[derive(Debug, Default, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct OomCounts {
     pub events: u64,
     #[serde(flatten)]
     pub engaged: std::collections::BTreeMap<String, u64>,
     pub grow_backs: u64,
+    #[serde(default)]
+    pub eval_backoffs: u64,
+    #[serde(default)]
+    pub eval_grow_backs: u64,
 }
 
 impl OomCounts {

@@ -318,6 +318,8 @@ pub fn fresh_state(shape: BatchShape) -> TrainState {
         accumulation_steps: shape.accumulation_steps,
         effective_batch: shape.effective(),
         clean_steps: 0,
+        eval_micro_batch: None,
+        eval_clean: 0,
         epoch_loss_sum: 0.0,
         epoch_correct: 0,
         epoch_seen: 0,

@@ -225,6 +225,19 @@ pub struct GrowBackEvent {
     pub step: i64,
     pub micro_batch_before: i64,
     pub micro_batch: i64,
+    /// Whose micro-batch grew: training's, or validation's own (records from before validation
+    /// had one say neither: training's).
+    #[serde(default)]
+    pub micro_batch_of: MicroBatchOf,
+}
+
+/// Training and validation each have a micro-batch of their own.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MicroBatchOf {
+    #[default]
+    Training,
+    Validation,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

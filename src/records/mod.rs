@@ -189,6 +189,7 @@ mod tests {
             step: 7,
             micro_batch_before: 4,
             micro_batch: 8,
+            micro_batch_of: MicroBatchOf::Training,
         }))
         .unwrap();
         r.emit(&Event::End(Summary::default())).unwrap();

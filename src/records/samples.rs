@@ -224,6 +224,8 @@ pub fn summary(status: Status, global_steps: i64) -> Summary {
                 .map(|(k, v)| (k.to_owned(), v))
                 .collect(),
             grow_backs: 1,
+            eval_backoffs: 1,
+            eval_grow_backs: 1,
         },
         checkpoints: CheckpointSummary {
             saved: 1,
@@ -249,12 +251,33 @@ pub fn every_kind() -> Vec<Event> {
         Event::Oom(oom(1, engaged("recompute"))),
         Event::Oom(oom(1, backoff())),
         Event::Oom(oom(1, engaged("move_to_cpu"))),
+        Event::Oom(OomEvent {
+            phase: "validation".into(),
+            accumulation_before: 1,
+            ..oom(
+                1,
+                Decision {
+                    action: Decision::EVAL_BACKOFF.into(),
+                    to: Some(BatchShape {
+                        micro_batch: 4,
+                        accumulation_steps: 1,
+                    }),
+                },
+            )
+        }),
         Event::Step(step(2, 1.5, 120, 300)),
         Event::CacheClear(cache_clear(2)),
         Event::GrowBack(GrowBackEvent {
             step: 2,
             micro_batch_before: 4,
             micro_batch: 8,
+            micro_batch_of: MicroBatchOf::Training,
+        }),
+        Event::GrowBack(GrowBackEvent {
+            step: 2,
+            micro_batch_before: 16,
+            micro_batch: 32,
+            micro_batch_of: MicroBatchOf::Validation,
         }),
         Event::Epoch(epoch(2, 0.6)),
         Event::Checkpoint(checkpoint(2)),

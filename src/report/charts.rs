@@ -94,6 +94,7 @@ pub fn mark_color(k: MarkKind) -> RGBColor {
         MarkKind::Lever("host_optimizer_state" | "host_gradients" | "host_activations") => RGBColor(117, 107, 177),
         // A lever without a colour of its own yet.
         MarkKind::Lever(_) => RGBColor(227, 119, 194),
+        MarkKind::Validation => RGBColor(23, 100, 160),
         MarkKind::GrowBack => RGBColor(44, 160, 44),
         MarkKind::CacheClear => RGBColor(148, 103, 189),
         MarkKind::Checkpoint => RGBColor(127, 127, 127),

@@ -12,7 +12,8 @@ use anyhow::{Context, Result};
 
 use crate::human::{human_bytes, human_duration};
 use crate::memory::ClearReason;
-use crate::records::{Event, OomEvent, RankPeak, Summary};
+use crate::oom::Decision;
+use crate::records::{Event, MicroBatchOf, OomEvent, RankPeak, Summary};
 use crate::run::levers::{by_action, lever};
 
 pub use segments::{Block, BlockState, Segment, SegmentMap};
@@ -72,6 +73,8 @@ pub struct EpochPoint {
 pub enum MarkKind {
     /// An OOM that engaged this lever (by name).
     Lever(&'static str),
+    /// An OOM in validation: its own micro-batch halved, or the pass skipped.
+    Validation,
     Fail,
     GrowBack,
     CacheClear,
@@ -83,6 +86,7 @@ impl MarkKind {
     pub fn label(self) -> &'static str {
         match self {
             MarkKind::Lever(name) => lever(name).map_or(name, |l| l.label()),
+            MarkKind::Validation => "OOM in validation",
             MarkKind::Fail => "OOM, failed",
             MarkKind::GrowBack => "grow-back",
             MarkKind::CacheClear => "cache clear",
@@ -197,7 +201,15 @@ impl Run {
             Event::GrowBack(g) => self.mark(
                 g.step as f64,
                 MarkKind::GrowBack,
-                format!("micro-batch {} -> {}", g.micro_batch_before, g.micro_batch),
+                format!(
+                    "{}micro-batch {} -> {}",
+                    match g.micro_batch_of {
+                        MicroBatchOf::Training => "",
+                        MicroBatchOf::Validation => "validation ",
+                    },
+                    g.micro_batch_before,
+                    g.micro_batch
+                ),
             ),
             Event::CacheClear(c) => self.mark(
                 c.step as f64,
@@ -320,7 +332,7 @@ impl Run {
         let ooms: Vec<&Mark> = self
             .marks
             .iter()
-            .filter(|m| matches!(m.kind, MarkKind::Lever(_) | MarkKind::Fail))
+            .filter(|m| matches!(m.kind, MarkKind::Lever(_) | MarkKind::Validation | MarkKind::Fail))
             .collect();
         line(format!("OOM events: {}", ooms.len()));
         for m in ooms {
@@ -366,6 +378,22 @@ impl Run {
 /// The memory timeline's mark for an OOM and what was done about it.
 fn decision_mark(o: &OomEvent) -> (MarkKind, String) {
     let before = format!("micro-batch {} x {}", o.micro_batch_before, o.accumulation_before);
+    match o.decision.action.as_str() {
+        Decision::EVAL_BACKOFF => {
+            let to = o.decision.to.map_or(0, |t| t.micro_batch);
+            return (
+                MarkKind::Validation,
+                format!("validation micro-batch {} -> {to}", o.micro_batch_before),
+            );
+        }
+        Decision::SKIP_VALIDATION => {
+            return (
+                MarkKind::Validation,
+                format!("validation skipped at micro-batch {}", o.micro_batch_before),
+            );
+        }
+        _ => {}
+    }
     match (by_action(&o.decision.action), o.decision.to) {
         (Some(l), Some(to)) => (
             MarkKind::Lever(l.name()),
@@ -462,8 +490,14 @@ mod tests {
                     MarkKind::Lever("cpu"),
                     "OOM in training step: CPU fallback at micro-batch 8 x 1; CPU cap"
                 ),
+                (
+                    1.0,
+                    MarkKind::Validation,
+                    "OOM in validation: validation micro-batch 8 -> 4; CPU cap"
+                ),
                 (2.0, MarkKind::CacheClear, "every clear, 500 ms, released 2.00 KiB"),
                 (2.0, MarkKind::GrowBack, "micro-batch 4 -> 8"),
+                (2.0, MarkKind::GrowBack, "validation micro-batch 16 -> 32"),
                 (2.0, MarkKind::Checkpoint, "epoch checkpoint, 4.00 KiB in 125 ms"),
                 (
                     3.0,
@@ -476,8 +510,10 @@ mod tests {
         for line in [
             "status oom",
             "cache clearing: 1 clears took 500 ms; 2 synchronisations took 250 ms",
-            "OOM events: 4",
+            "OOM events: 5",
+            "  step 1: OOM in validation: validation micro-batch 8 -> 4; CPU cap",
             "  step 2: grew back, micro-batch 4 -> 8",
+            "  step 2: grew back, validation micro-batch 16 -> 32",
             "  rank 0: 400 B allocated, 10 B RSS",
             "throughput: 24.0 samples/s over 3 steps, wall 3.0 s",
         ] {

@@ -11,7 +11,7 @@ use super::execution::Execution;
 use super::forward::{Forward, PrecisionStage};
 use super::levers::{self, Lever, Position};
 use super::parts::{ArchStep, Model};
-use super::recovery::{Policy, Recovery};
+use super::recovery::{EvalPosition, Policy, Recovery};
 use super::step::StepPipeline;
 use crate::checkpoint::{NamedTensors, Store, TrainState};
 use crate::data::Splits;
@@ -273,6 +273,7 @@ impl Plan {
                 min_batch: m.min_batch_size,
                 grow_back_after: m.grow_back_after,
                 configured: self.configured,
+                eval_configured: spec.train.eval_batch_size.unwrap_or(spec.train.batch_size),
                 planned_on_cpu: self.device == DevicePlan::Cpu,
                 has_blocks,
                 blockwise: crate::model::blockwise(model.net.as_ref(), &model.vs),
@@ -289,6 +290,10 @@ impl Plan {
                 clean_steps: state.clean_steps,
                 engaged,
             },
+            state.eval_micro_batch.map(|micro_batch| EvalPosition {
+                micro_batch,
+                clean: state.eval_clean,
+            }),
         );
         for (key, lever) in levers::configured(spec) {
             if let Err(why) = recovery.engage_configured(lever) {

@@ -1,5 +1,6 @@
 //! OOM recovery as a state machine: the only owner of the run's position (the batch shape in
-//! force, the clean-step count and the levers engaged) and of the counters. It walks
+//! force, the clean-step count and the levers engaged, and validation's own micro-batch) and of
+//! the counters. It walks
 //! `memory.on_oom`'s levers and decides every transition; the levers say what applies. No
 //! libtorch in here: the trainer reports what happened (an OOM, a clean step) and carries out
 //! what comes back on the parts.
@@ -43,6 +44,45 @@ pub struct GrowBack {
     pub after: BatchShape,
 }
 
+/// Validation's own micro-batch. An OOM in validation halves it and nothing else: training's
+/// shape, accumulation and levers stay as they are (a validation pass keeps no activations, so
+/// what fits it says nothing about training).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EvalPosition {
+    pub micro_batch: i64,
+    /// Validation micro-batches run cleanly since the last validation OOM, counted per clean
+    /// pass (so data-parallel ranks, which agree on every OOM, count alike).
+    pub clean: i64,
+}
+
+/// A validation OOM's outcome: the micro-batch before and after (None: already 1, so this
+/// epoch's validation is skipped), and whether this was the run's first OOM.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EvalOutcome {
+    pub before: i64,
+    pub after: Option<i64>,
+    pub first: bool,
+}
+
+impl EvalOutcome {
+    /// As the OOM record states it.
+    pub fn decision(&self) -> Decision {
+        match self.after {
+            Some(m) => Decision {
+                action: Decision::EVAL_BACKOFF.into(),
+                to: Some(BatchShape {
+                    micro_batch: m,
+                    accumulation_steps: 1,
+                }),
+            },
+            None => Decision {
+                action: Decision::SKIP_VALIDATION.into(),
+                to: None,
+            },
+        }
+    }
+}
+
 /// What recovery is told once, at the start of a run.
 #[derive(Debug, Clone)]
 pub struct Policy {
@@ -53,6 +93,9 @@ pub struct Policy {
     pub grow_back_after: i64,
     /// The spec's batch shape; its product never changes.
     pub configured: BatchShape,
+    /// Validation's micro-batch as the spec sets it (`train.eval_batch_size`, else the
+    /// training micro-batch).
+    pub eval_configured: i64,
     /// The run was planned on the CPU.
     pub planned_on_cpu: bool,
     /// The model is a sequence of blocks.
@@ -73,16 +116,84 @@ pub struct Policy {
 pub struct Recovery {
     policy: Policy,
     at: Position,
+    eval: EvalPosition,
     counts: OomCounts,
 }
 
 impl Recovery {
-    pub fn new(policy: Policy, at: Position) -> Self {
+    /// `eval`: a resumed run's validation position; None starts at the configured one. A saved
+    /// micro-batch above the configured one (the spec lowered it) gives way to the spec.
+    pub fn new(policy: Policy, at: Position, eval: Option<EvalPosition>) -> Self {
+        let configured = policy.eval_configured.max(1);
+        let eval = match eval {
+            Some(e) if e.micro_batch >= 1 && e.micro_batch <= configured => e,
+            _ => EvalPosition {
+                micro_batch: configured,
+                clean: 0,
+            },
+        };
         Recovery {
             policy,
             at,
+            eval,
             counts: OomCounts::new(LEVERS.iter().map(|l| l.counted_as())),
         }
+    }
+
+    /// Validation's micro-batch in force.
+    pub fn eval_micro_batch(&self) -> i64 {
+        self.eval.micro_batch
+    }
+
+    /// What a checkpoint saves of validation.
+    pub fn eval_position(&self) -> EvalPosition {
+        self.eval
+    }
+
+    /// Validation ran out of memory (on this rank or, agreed, on another): its micro-batch
+    /// halves, down to 1; at 1 the pass is skipped. Training's position does not move.
+    pub fn on_eval_oom(&mut self) -> EvalOutcome {
+        self.counts.events += 1;
+        let first = !self.policy.reported;
+        self.policy.reported = true;
+        let before = self.eval.micro_batch;
+        self.eval.clean = 0;
+        let after = (before > 1).then_some(before / 2);
+        if let Some(m) = after {
+            self.eval.micro_batch = m;
+            self.counts.eval_backoffs += 1;
+        }
+        EvalOutcome { before, after, first }
+    }
+
+    /// A validation pass ended. `clean`: no rank ran out of memory in it; its micro-batches
+    /// (at the size in force) count towards growing back.
+    pub fn on_eval_pass(&mut self, clean: bool, micro_batches: i64) {
+        self.eval.clean = if clean { self.eval.clean + micro_batches } else { 0 };
+    }
+
+    /// Before a validation pass: after `memory.grow_back_after` clean validation micro-batches
+    /// the micro-batch doubles, at most back to the configured one (as training's does).
+    pub fn eval_grow_back(&mut self) -> Option<GrowBack> {
+        let after = self.policy.grow_back_after;
+        let configured = self.policy.eval_configured.max(1);
+        if after <= 0 || self.eval.clean < after || self.eval.micro_batch >= configured {
+            return None;
+        }
+        let before = self.eval.micro_batch;
+        self.eval = EvalPosition {
+            micro_batch: (before * 2).min(configured),
+            clean: 0,
+        };
+        self.counts.eval_grow_backs += 1;
+        let shape = |m| BatchShape {
+            micro_batch: m,
+            accumulation_steps: 1,
+        };
+        Some(GrowBack {
+            before: shape(before),
+            after: shape(self.eval.micro_batch),
+        })
     }
 
     pub fn shape(&self) -> BatchShape {
@@ -217,6 +328,7 @@ mod tests {
             min_batch: min,
             grow_back_after: grow,
             configured: shape(8, 1),
+            eval_configured: 8,
             planned_on_cpu: on_cpu,
             has_blocks: true,
             blockwise: true,
@@ -228,7 +340,7 @@ mod tests {
     }
 
     fn machine(on_oom: Vec<OomAction>, min: i64, grow: i64, on_cpu: bool) -> Recovery {
-        Recovery::new(policy(on_oom, min, grow, on_cpu), fresh(shape(8, 1)))
+        Recovery::new(policy(on_oom, min, grow, on_cpu), fresh(shape(8, 1)), None)
     }
 
     fn backoff_to(s: BatchShape) -> Decision {
@@ -319,7 +431,7 @@ mod tests {
         };
         let mut p = policy(vec![Cpu, Fail], 1, 0, false);
         p.reported = true;
-        let mut r = Recovery::new(p, at);
+        let mut r = Recovery::new(p, at, None);
         assert_eq!(r.shape(), shape(2, 4));
         let o = r.on_oom();
         assert!(!o.first, "the oom/ report of the earlier session stays");
@@ -352,7 +464,7 @@ mod tests {
     fn recompute_does_not_apply_to_a_model_without_blocks() {
         let mut p = policy(vec![Recompute, Fail], 1, 0, true);
         p.has_blocks = false;
-        let mut r = Recovery::new(p, fresh(shape(8, 1)));
+        let mut r = Recovery::new(p, fresh(shape(8, 1)), None);
         let o = r.on_oom();
         assert!(o.decision().is_fail());
         assert_eq!(
@@ -410,5 +522,61 @@ mod tests {
             last.skipped
         );
         assert_eq!(r.counts().engaged["state_offloads"], 1);
+    }
+
+    #[test]
+    fn a_validation_oom_halves_only_validations_micro_batch_and_it_grows_back() {
+        let mut r = machine(vec![Backoff, Cpu, Fail], 1, 4, false);
+        let o = r.on_eval_oom();
+        assert!(o.first);
+        assert_eq!((o.before, o.after), (8, Some(4)));
+        assert_eq!(
+            o.decision(),
+            Decision {
+                action: "eval_backoff".into(),
+                to: Some(shape(4, 1))
+            }
+        );
+        assert_eq!(r.shape(), shape(8, 1), "training's shape does not move");
+        assert!(r.engaged().names().is_empty(), "no lever engaged");
+        assert_eq!(r.eval_micro_batch(), 4);
+        // A pass with an OOM in it counts nothing; clean passes count their micro-batches.
+        r.on_eval_pass(false, 3);
+        assert_eq!(r.eval_grow_back(), None);
+        r.on_eval_pass(true, 3);
+        assert_eq!(r.eval_grow_back(), None, "3 clean micro-batches of the 4 asked for");
+        r.on_eval_pass(true, 3);
+        let g = r.eval_grow_back().expect("6 clean micro-batches");
+        assert_eq!((g.before.micro_batch, g.after.micro_batch), (4, 8));
+        r.on_eval_pass(true, 100);
+        assert_eq!(r.eval_grow_back(), None, "never past the configured micro-batch");
+        let c = r.counts();
+        assert_eq!(
+            (c.events, c.eval_backoffs, c.eval_grow_backs, c.grow_backs),
+            (1, 1, 1, 0)
+        );
+        assert_eq!(c.of("backoffs"), 0, "training's backoffs are not counted");
+    }
+
+    #[test]
+    fn validation_at_one_sample_skips_and_a_saved_position_is_kept() {
+        let at = EvalPosition {
+            micro_batch: 1,
+            clean: 2,
+        };
+        let mut r = Recovery::new(policy(vec![Fail], 1, 0, true), fresh(shape(8, 1)), Some(at));
+        assert_eq!(r.eval_position(), at, "a resumed run's validation position is kept");
+        let o = r.on_eval_oom();
+        assert_eq!(o.after, None);
+        assert_eq!(o.decision().action, "skip_validation");
+        assert_eq!(r.eval_micro_batch(), 1);
+        assert_eq!(r.counts().eval_backoffs, 0);
+        // A spec that lowered eval_batch_size below the saved one wins.
+        let saved = EvalPosition {
+            micro_batch: 32,
+            clean: 0,
+        };
+        let r = Recovery::new(policy(vec![Fail], 1, 0, true), fresh(shape(8, 1)), Some(saved));
+        assert_eq!(r.eval_micro_batch(), 8);
     }
 }

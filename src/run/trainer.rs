@@ -21,10 +21,12 @@ use super::step::{StepOutput, StepPipeline, Work};
 use super::tally::{Tally, Totals};
 use crate::checkpoint::{self, NamedTensors, TrainState};
 use crate::data::{self, Splits};
+use crate::dist::{Local, Outcome};
 use crate::exit::{Interrupted, OomExit};
+use crate::fault;
 use crate::human::{device_name, human_bytes, human_duration};
 use crate::memory::{self, ClearReason, MemorySample, Place, StepMemory};
-use crate::oom::{self, BatchShape, StepError};
+use crate::oom::{self, BatchShape, OomKind, StepError};
 use crate::optim::Optimizer;
 use crate::progress::Progress;
 use crate::readback;
@@ -64,6 +66,14 @@ struct StepWindows {
     /// How many readings were taken and what they cost, for the summary.
     readings: u64,
     reading_seconds: f64,
+}
+
+/// Where a validation pass stands: the next sample, the sums of the micro-batches run so far,
+/// and whether it has met no OOM (only a clean pass counts towards growing back).
+struct EvalPass {
+    next: usize,
+    tally: Tally,
+    clean: bool,
 }
 
 /// What the loop needs from a finished step beyond the records.
@@ -471,59 +481,171 @@ impl Trainer {
         self.emit(Event::Preflight(e))
     }
 
+    /// The validation pass, at validation's own micro-batch. An OOM here halves only that
+    /// micro-batch and the pass goes on from the micro-batch that failed (a validation
+    /// micro-batch changes nothing but the sums, which it adds only once it has run); training's
+    /// shape, accumulation and levers stay as they are. At one sample the epoch's validation is
+    /// skipped with a warning.
     fn validate(&mut self) -> Result<Option<(f64, f64)>> {
         let n = self.data.val.len();
         if n == 0 {
             return Ok(None);
         }
-        let pass = |t: &mut Self| {
-            let b = t.shape().micro_batch as usize;
-            let place = t.place();
-            oom::guarded_counting(
-                || memory::oom_count(place),
-                || {
-                    tch::no_grad(|| {
-                        // Summed on the device in f64, in order (what adding each value read
-                        // on the host gave), and read once at the end.
-                        let f = &t.pipeline.forward;
-                        let mut tally = Tally::new(f.device, 0.0, 0);
-                        let idx: Vec<i64> = (0..n).collect();
-                        let chunks: Vec<&[i64]> = idx.chunks(b).collect();
-                        let mut ahead = chunks.first().map(|c| f.inputs(&t.data.val, c, 0));
-                        for i in 0..chunks.len() {
-                            let batch = ahead.take().expect("one placed batch per micro-batch");
-                            ahead = chunks.get(i + 1).map(|c| f.inputs(&t.data.val, c, 0));
-                            let (l, c) = f.forward_loss(t.model.net.as_ref(), t.model.stream.as_ref(), &batch, false);
-                            tally.add(Totals::new(l, c));
-                        }
-                        let r = tally.read().unwrap_or_else(|e| panic!("{e:#}"));
-                        (r.epoch_loss_sum, r.epoch_correct)
-                    })
-                },
-            )
+        self.eval_grow_back()?;
+        let mut pass = EvalPass {
+            next: 0,
+            tally: Tally::new(self.device(), 0.0, 0),
+            clean: true,
         };
-        let (loss, correct) = if self.execution.group().is_some() {
-            // Every rank validates (rank 0's result is recorded), at the same time, so no rank
-            // waits on another past the collective timeout. The recovery machine must change on
-            // every rank or none, and validation has no agreement step, so an OOM here skips this
-            // epoch's validation on that rank instead.
-            match pass(self) {
-                Ok(v) => v,
-                Err(StepError::Oom { message, .. }) => {
-                    tracing::warn!(
-                        "validation ran out of memory ({}); skipped this epoch, training goes on unchanged",
-                        first_line(&message)
-                    );
-                    return Ok(None);
-                }
-                Err(StepError::Other(m) | StepError::PeerLost(m)) => {
-                    return Err(anyhow::anyhow!("validation failed: {m}"))
-                }
+        loop {
+            let attempt = self.eval_from(&mut pass);
+            let Some((kind, message)) = self.agree_on_eval(attempt)? else {
+                break;
+            };
+            pass.clean = false;
+            if !self.eval_oom(kind, message)? {
+                return Ok(None);
             }
-        } else {
-            self.with_recovery("validation", pass)?
+        }
+        let b = self.recovery.eval_micro_batch();
+        self.recovery.on_eval_pass(pass.clean, (n + b - 1) / b);
+        let r = pass.tally.read().context("reading the validation sums")?;
+        Ok(Some((r.epoch_loss_sum / n as f64, r.epoch_correct as f64 / n as f64)))
+    }
+
+    /// Validation from `pass.next` to the end at the micro-batch in force. Summed on the device
+    /// in f64, in order (what adding each value read on the host gave), and read once at the
+    /// end of the pass.
+    fn eval_from(&self, pass: &mut EvalPass) -> Result<(), StepError> {
+        let n = self.data.val.len();
+        let b = self.recovery.eval_micro_batch() as usize;
+        let place = self.place();
+        let idx: Vec<i64> = (pass.next as i64..n).collect();
+        let chunks: Vec<&[i64]> = idx.chunks(b).collect();
+        oom::guarded_counting(
+            || memory::oom_count(place),
+            || {
+                tch::no_grad(|| {
+                    let _squeeze = fault::squeeze_in(fault::Phase::Validation, self.state.global_step);
+                    let f = &self.pipeline.forward;
+                    let mut ahead = chunks.first().map(|c| f.inputs(&self.data.val, c, 0));
+                    for (i, chunk) in chunks.iter().enumerate() {
+                        let batch = ahead.take().expect("one placed batch per micro-batch");
+                        ahead = chunks.get(i + 1).map(|c| f.inputs(&self.data.val, c, 0));
+                        let (l, c) = f.forward_loss(self.model.net.as_ref(), self.model.stream.as_ref(), &batch, false);
+                        // Adding allocates nothing, so a micro-batch is either in the sums or not.
+                        pass.tally.add(Totals::new(l, c));
+                        pass.next += chunk.len();
+                    }
+                })
+            },
+        )
+    }
+
+    /// Some: validation ran out of memory, here or (data-parallel, agreed) on another rank:
+    /// every rank halves together, as they do for training steps, so their validation
+    /// micro-batches stay the same.
+    fn agree_on_eval(&mut self, attempt: Result<(), StepError>) -> Result<Option<(OomKind, String)>> {
+        let (own, broken) = match attempt {
+            Ok(()) => (None, None),
+            Err(StepError::Oom { kind, message }) => (Some((kind, message)), None),
+            Err(StepError::Other(m) | StepError::PeerLost(m)) => (None, Some(m)),
         };
-        Ok(Some((loss / n as f64, correct as f64 / n as f64)))
+        let Some(d) = self.execution.group() else {
+            return match broken {
+                Some(m) => Err(anyhow::anyhow!("validation failed: {m}")),
+                None => Ok(own),
+            };
+        };
+        let local = Local {
+            outcome: match (&own, &broken) {
+                (_, Some(_)) => Outcome::Broken,
+                (Some(_), _) => Outcome::OutOfMemory,
+                _ => Outcome::Done,
+            },
+            stop: false,
+            loss_sum: 0.0,
+            correct: 0,
+        };
+        let agreed = match d.exchange(&local) {
+            Ok(a) => a,
+            Err(e) => {
+                // Every step of the epoch is done: what is saved resumes at its end.
+                let note = self.save_without_peers();
+                return Err(anyhow::anyhow!("validation: {e:#}{note}"));
+            }
+        };
+        if let Some(&first) = agreed.broken.first() {
+            return Err(anyhow::anyhow!(
+                "validation failed: {}",
+                broken.unwrap_or_else(|| format!("rank {first} failed (its own message says why)"))
+            ));
+        }
+        Ok(agreed.failed.first().map(|&first| {
+            own.unwrap_or_else(|| (OomKind::Peer, format!("rank {first} ran out of memory in validation")))
+        }))
+    }
+
+    /// Answers a validation OOM. Ok(true): go on at the halved micro-batch; Ok(false): already
+    /// at one sample, so this epoch's validation is skipped.
+    fn eval_oom(&mut self, kind: OomKind, message: String) -> Result<bool> {
+        let o = self.recovery.on_eval_oom();
+        let report = o.first.then(|| self.oom_report());
+        self.clear_cache(ClearReason::Oom)?;
+        let event = OomEvent {
+            epoch: self.state.epoch + 1,
+            step: self.state.global_step,
+            phase: "validation".into(),
+            kind,
+            error: message.clone(),
+            batch_shape: self.input_shape(o.before),
+            device: self.device_name(),
+            micro_batch_before: o.before,
+            accumulation_before: 1,
+            decision: o.decision(),
+            skipped: vec![],
+            report,
+        };
+        self.emit(Event::Oom(event))?;
+        let reason = first_line(&message);
+        let training = self.shape();
+        match o.after {
+            Some(m) => {
+                tracing::warn!(
+                    "out of memory in validation at epoch {} on {} ({reason}); validation's micro-batch {} -> {m} (train.eval_batch_size); training's stays {} x {}",
+                    self.state.epoch + 1,
+                    self.device_name(),
+                    o.before,
+                    training.micro_batch,
+                    training.accumulation_steps
+                );
+                Ok(true)
+            }
+            None => {
+                tracing::warn!(
+                    "out of memory in validation at one sample per micro-batch ({reason}); this epoch's validation is skipped, training goes on unchanged"
+                );
+                Ok(false)
+            }
+        }
+    }
+
+    /// Before a pass: validation's micro-batch grows back after enough clean ones.
+    fn eval_grow_back(&mut self) -> Result<()> {
+        let Some(g) = self.recovery.eval_grow_back() else {
+            return Ok(());
+        };
+        tracing::info!(
+            "clean validation micro-batches since the last OOM: validation's micro-batch grows back {} -> {}",
+            g.before.micro_batch,
+            g.after.micro_batch
+        );
+        self.emit(Event::GrowBack(GrowBackEvent {
+            step: self.state.global_step,
+            micro_batch_before: g.before.micro_batch,
+            micro_batch: g.after.micro_batch,
+            micro_batch_of: MicroBatchOf::Validation,
+        }))
     }
 
     fn checkpoint_contents(&self) -> Result<(NamedTensors, NamedTensors)> {
@@ -574,6 +696,9 @@ impl Trainer {
         self.state.accumulation_steps = pos.shape.accumulation_steps;
         self.state.clean_steps = pos.clean_steps;
         self.state.levers = pos.engaged.names().iter().map(|n| n.to_string()).collect();
+        let eval = self.recovery.eval_position();
+        self.state.eval_micro_batch = Some(eval.micro_batch);
+        self.state.eval_clean = eval.clean;
         if let Some(a) = &self.arch {
             self.state.arch = a.state.clone();
         }
@@ -643,6 +768,7 @@ impl Trainer {
                 step: self.state.global_step,
                 micro_batch_before: g.before.micro_batch,
                 micro_batch: g.after.micro_batch,
+                micro_batch_of: MicroBatchOf::Training,
             };
             self.emit(Event::GrowBack(e))?;
         }

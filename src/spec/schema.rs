@@ -335,6 +335,9 @@ pub struct Train {
     pub batch_size: i64,
     /// Micro-batches whose gradients are summed before one optimizer step.
     pub accumulation_steps: i64,
+    /// Validation's micro-batch (default: `batch_size`). A validation OOM halves only this one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eval_batch_size: Option<i64>,
     pub optimizer: OptimizerKind,
     pub lr: f64,
     pub momentum: f64,
@@ -371,6 +374,7 @@ impl Default for Train {
             epochs: 10,
             batch_size: 32,
             accumulation_steps: 1,
+            eval_batch_size: None,
             optimizer: OptimizerKind::Adam,
             lr: 1e-3,
             momentum: 0.0,

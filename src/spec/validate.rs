@@ -165,6 +165,9 @@ fn train(p: &mut Problems, t: &Train) {
     at_least(p, "train.epochs", t.epochs, 1);
     at_least(p, "train.batch_size", t.batch_size, 1);
     at_least(p, "train.accumulation_steps", t.accumulation_steps, 1);
+    if let Some(b) = t.eval_batch_size {
+        at_least(p, "train.eval_batch_size", b, 1);
+    }
     positive(p, "train.lr", t.lr);
     in_range(p, "train.momentum", t.momentum, 0.0, 0.999_999, "[0, 1)");
     if t.nesterov && !(t.optimizer == OptimizerKind::Sgd && t.momentum > 0.0) {
