@@ -481,6 +481,36 @@ def judge_single_rank(plain_records, group_records, group_summary, stderr, backe
                  f"a one-rank {backend} group trains; losses within {LOSS_REL_GROUP:g} of no group", seen, ok)
 
 
+def judge_eval_oom(clean, hit, clean_records, hit_records, weights_equal, eval_batch):
+    """A CUDA OOM in validation halves validation's micro-batch only: training's shape, its losses
+    and its final weights are those of the run whose validation fitted."""
+    ooms = of_type(hit_records, "oom")
+    gap = max_rel_gap(step_losses(hit_records), step_losses(clean_records))
+    micro = get(clean, "batch.final_micro_batch")
+    eval_ooms = [o for o in ooms if o.get("phase") == "validation" and get(o, "decision.action") == "eval_backoff"]
+    last = get(eval_ooms[-1], "decision.to.micro_batch") if eval_ooms else None
+    ok = (
+        bool(clean) and bool(hit)
+        and clean.get("status") == "completed" and hit.get("status") == "completed"
+        and str(hit.get("device", "")).startswith("cuda")
+        and len(ooms) >= 1 and len(eval_ooms) == len(ooms)
+        and get(hit, "oom.eval_backoffs") == len(ooms)
+        and get(hit, "oom.backoffs") == 0
+        and get(hit, "batch.final_micro_batch") == micro
+        and gap <= LOSS_REL_GROUP
+        and weights_equal
+    )
+    seen = (
+        f"{len(eval_ooms)} validation backoff(s) of {len(ooms)} OOM(s), validation micro-batch {eval_batch} -> {last};"
+        f" training micro-batch {get(hit, 'batch.final_micro_batch') if hit else None} (clean {micro}),"
+        f" {get(hit, 'oom.backoffs') if hit else None} training backoff(s); loss gap {gap_text(gap)};"
+        f" final weights {'byte-identical' if weights_equal else 'differ'}; {hit.get('status') if hit else 'no summary'}"
+        f" on {hit.get('device') if hit else None}"
+    )
+    expected = "validation OOMs halve eval micro-batch only; training shape, losses, weights equal to the clean run"
+    return Check("validation OOM (1 GiB cap)", expected, seen, ok)
+
+
 def judge_darts_cap(summary, cap):
     peak = get(summary, "memory.peak_reserved_bytes")
     ok = isinstance(peak, int) and peak < cap and str(summary.get("device", "")).startswith("cuda")
@@ -957,6 +987,30 @@ def check_darts(r, probe):
     return [judge_darts_cap(summary_of(out), 4 * GiB)]
 
 
+def final_model_bytes(out):
+    ck = os.path.join(out, "checkpoints")
+    steps = sorted(d for d in os.listdir(ck) if d.startswith("step-")) if os.path.isdir(ck) else []
+    if not steps:
+        return None
+    with open(os.path.join(ck, steps[-1], "model.safetensors"), "rb") as f:
+        return f.read()
+
+
+def check_eval_oom(r, probe):
+    # Training at 64 samples fits the 1 GiB cap; validating all 359 held-out samples at once
+    # (a 262144-wide activation of 1 MiB per sample, twice) does not.
+    common = ["model.mlp.hidden=[262144]", "train.batch_size=64", "train.epochs=1", 'memory.limit="1GiB"', dev()]
+    p, clean = r.run("eval_clean", DIGITS, common + ["train.eval_batch_size=64"])
+    if p.rc != 0:
+        return [failure("validation OOM (1 GiB cap)", "completes", p)]
+    p, hit = r.run("eval_hit", DIGITS, common + ["train.eval_batch_size=512"])
+    if p.rc != 0:
+        return [failure("validation OOM (1 GiB cap)", "completes", p)]
+    a, b = final_model_bytes(clean), final_model_bytes(hit)
+    return [judge_eval_oom(summary_of(clean), summary_of(hit), records_of(clean), records_of(hit),
+                           a is not None and a == b, 512)]
+
+
 def check_cache_clear(r, probe):
     p, out = r.run("cache", DIGITS, ["memory.cache_clear_every=1", "train.epochs=2", dev()])
     if p.rc != 0:
@@ -980,6 +1034,7 @@ CHECKS = [
     ("optimizers", check_optimizers, [f"optimizer {i}" for i, _ in OPTIMIZER_IMPLS]),
     ("single_rank", check_single_rank, ["NCCL one-rank group"]),
     ("darts", check_darts, ["darts_4gb under 4 GiB"]),
+    ("eval_oom", check_eval_oom, ["validation OOM (1 GiB cap)"]),
     ("cache_clear", check_cache_clear, ["cache clear cost"]),
 ]
 

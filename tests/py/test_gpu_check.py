@@ -130,6 +130,22 @@ class Judges(unittest.TestCase):
         self.assertFalse(g.judge_cpu_fallback(s).ok)
         self.assertTrue(g.judge_cpu_fallback(dict(s, device="cpu", oom={"cpu_fallbacks": 1})).ok)
 
+    def test_a_validation_oom_must_leave_training_alone(self):
+        clean = {"status": "completed", "device": "cuda:0", "oom": {"backoffs": 0, "eval_backoffs": 0},
+                 "batch": {"final_micro_batch": 64}}
+        hit = dict(clean, oom={"backoffs": 0, "eval_backoffs": 1})
+        oom = {"type": "oom", "phase": "validation", "decision": {"action": "eval_backoff", "to": {"micro_batch": 256}}}
+        steps = [step(1, 2.0), step(2, 1.5)]
+        c = g.judge_eval_oom(clean, hit, steps, steps + [oom], True, 512)
+        self.assertTrue(c.ok, c.seen)
+        self.assertIn("512 -> 256", c.seen)
+        self.assertFalse(g.judge_eval_oom(clean, hit, steps, steps + [oom], False, 512).ok, "weights must match")
+        shrunk = dict(hit, oom={"backoffs": 1, "eval_backoffs": 1})
+        self.assertFalse(g.judge_eval_oom(clean, shrunk, steps, steps + [oom], True, 512).ok, "training shrank")
+        trained = dict(oom, phase="training step", decision={"action": "backoff"})
+        self.assertFalse(g.judge_eval_oom(clean, hit, steps, steps + [trained], True, 512).ok)
+        self.assertFalse(g.judge_eval_oom(clean, hit, steps, steps, True, 512).ok, "no OOM happened")
+
     def test_snapshot_of_the_reference_format(self):
         """reference.py writes a snapshot in the format torch.cuda.memory._snapshot() returns."""
         with tempfile.TemporaryDirectory() as d:
