@@ -845,7 +845,13 @@ impl Trainer {
         // Data-parallel ranks stop on the step they agreed on, never on their own.
         if self.execution.stops(out.stop, self.session.stop.requested()) {
             self.out.progress.finish_epoch();
-            let saved = self.save_checkpoint("interrupted")?;
+            // An interrupted run whose checkpoint does not fit ends as an OOM does.
+            let saved = self
+                .save_checkpoint("interrupted")
+                .map_err(|e| match e.downcast::<SaveOom>() {
+                    Ok(oom) => OomExit(oom.to_string()).into(),
+                    Err(e) => e,
+                })?;
             self.write_summary(Status::Interrupted, None)?;
             let at = saved.map_or("rank 0's run directory".into(), |(p, _)| p.display().to_string());
             return Err(Interrupted(format!(
