@@ -53,13 +53,19 @@ impl Plan {
         let mut data = {
             let _squeeze = fault::squeeze_in(Phase::Data, self.start.global_step);
             let needs = data_size(&spec.data, &built.input_shape);
-            setup_step(Phase::Data.label(), needs.clone(), CHANGE_DATA, || {
+            setup_step(Phase::Data.label(), &|| needs.clone(), CHANGE_DATA, || {
                 crate::data::load(&spec.data, &built.input_shape, built.num_classes, spec.job.seed)
             })?
             .map_err(|e| -> anyhow::Error {
                 let text = format!("{e:#}");
                 match oom::classify(&text) {
-                    Some(_) => setup_oom(Phase::Data.label(), needs, CHANGE_DATA, &oom::short_message(&text)).into(),
+                    Some(_) => setup_oom(
+                        Phase::Data.label(),
+                        &|| needs.clone(),
+                        CHANGE_DATA,
+                        &oom::short_message(&text),
+                    )
+                    .into(),
                     None => UsageError(text).into(),
                 }
             })?
@@ -89,8 +95,10 @@ impl Plan {
         let recovery = self.recovery(spec, &state, &model, &execution)?;
         if spec.memory.parameters.is_host() && !recovery.engaged().contains(levers::HostParams.name()) {
             // Built on the host for streaming, which does not apply (the warning said why).
-            model.vs.set_device(device);
-            model.opt.to_device(device);
+            setup_step(Phase::Model.label(), &|| None, CHANGE_MODEL, || {
+                model.vs.set_device(device);
+                model.opt.to_device(device);
+            })?;
         }
         let spec_toml = spec::to_toml(spec);
         fs::create_dir_all(&self.run_dir)
@@ -160,18 +168,16 @@ impl Plan {
             false => self.device.tch(),
         };
         let mut vs = nn::VarStore::new(device);
-        let estimate = crate::estimate::estimate(spec).ok();
-        let needs = estimate
-            .as_ref()
-            .map(|e| format!("its parameters are {}", human_bytes(e.parameter_bytes())));
+        let needs =
+            || after_setup_oom(spec).map(|e| format!("its parameters are {}", human_bytes(e.parameter_bytes())));
         let built = {
             let _squeeze = fault::squeeze_in(Phase::Model, self.start.global_step);
-            setup_try(Phase::Model.label(), needs, CHANGE_MODEL, || {
+            setup_try(Phase::Model.label(), &needs, CHANGE_MODEL, || {
                 model::build(&vs.root(), &spec.model)
             })?
         };
         if spec.train.precision == Precision::Bf16 {
-            vs.bfloat16();
+            setup_step(Phase::Model.label(), &needs, CHANGE_MODEL, || vs.bfloat16())?;
         }
         if let Some(path) = &spec.model.init_from {
             init_from(&vs, path)?;
@@ -210,16 +216,15 @@ impl Plan {
             true => Home::Host,
             false => Home::Device,
         };
-        let needs = crate::estimate::estimate(spec)
-            .ok()
-            .map(|e| format!("the optimizer state is {}", human_bytes(e.optimizer_bytes())));
-        let opt = setup_step(OPTIMIZER_STATE, needs, CHANGE_OPTIMIZER, || {
+        let needs =
+            || after_setup_oom(spec).map(|e| format!("the optimizer state is {}", human_bytes(e.optimizer_bytes())));
+        let opt = setup_step(OPTIMIZER_STATE, &needs, CHANGE_OPTIMIZER, || {
             Optimizer::placed(Hyper::from_train(t), weights, shard, home)
         })?;
         let extra = match model::extra_step(&spec.model) {
             Some(x) => Some((
                 x,
-                setup_step(OPTIMIZER_STATE, None, CHANGE_OPTIMIZER, || {
+                setup_step(OPTIMIZER_STATE, &|| None, CHANGE_OPTIMIZER, || {
                     Optimizer::new(x.hyper, arch)
                 })?,
             )),
@@ -244,8 +249,8 @@ impl Plan {
             "the checkpoint is {} on disk",
             human_bytes(dir_bytes(&r.checkpoint))
         ));
-        let ck = setup_try(&what, needs.clone(), CHANGE_RESUME, || Store::load(&r.checkpoint))?;
-        setup_try(&what, needs, CHANGE_RESUME, || {
+        let ck = setup_try(&what, &|| needs.clone(), CHANGE_RESUME, || Store::load(&r.checkpoint))?;
+        setup_try(&what, &|| needs.clone(), CHANGE_RESUME, || {
             copy_into(&model.vs, &ck.model, "checkpoint model")
         })?;
         let pick = |prefix: &str| -> NamedTensors {
@@ -254,7 +259,7 @@ impl Plan {
                 .filter_map(|(n, t)| n.strip_prefix(prefix).map(|s| (s.to_owned(), t.shallow_clone())))
                 .collect()
         };
-        setup_try(&what, None, CHANGE_RESUME, || {
+        setup_try(&what, &|| None, CHANGE_RESUME, || {
             model.opt.load_state(&pick("weight/"), ck.state.weight_steps)
         })?;
         for (name, t) in pick("rng/") {
@@ -443,7 +448,7 @@ const CHANGE_INIT_FROM: &str = "raise memory.limit (memory.fraction on a GPU), o
 /// Runs set-up work that allocates (building the model, loading data or a checkpoint), so an
 /// OOM there ends with exit 3 and a message that names the phase, the sizes (`needs`: what the
 /// phase holds; what was allocated under which cap) and what to change, instead of a panic.
-fn setup_step<T>(what: &str, needs: Option<String>, change: &str, f: impl FnOnce() -> T) -> Result<T> {
+fn setup_step<T>(what: &str, needs: Needs, change: &str, f: impl FnOnce() -> T) -> Result<T> {
     oom::guarded(f).map_err(|e| match e {
         StepError::Oom { message, .. } => setup_oom(what, needs, change, &message).into(),
         StepError::Other(m) | StepError::PeerLost(m) => anyhow::anyhow!("{what} failed: {m}"),
@@ -452,8 +457,8 @@ fn setup_step<T>(what: &str, needs: Option<String>, change: &str, f: impl FnOnce
 
 /// `setup_step` for work that reports libtorch's errors as values (`f_` calls, file readers):
 /// an error that is an OOM ends the run as one too.
-fn setup_try<T>(what: &str, needs: Option<String>, change: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
-    setup_step(what, needs.clone(), change, f)?.map_err(|e| {
+fn setup_try<T>(what: &str, needs: Needs, change: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    setup_step(what, needs, change, f)?.map_err(|e| {
         let text = format!("{e:#}");
         match oom::classify(&text) {
             Some(_) => setup_oom(what, needs, change, &oom::short_message(&text)).into(),
@@ -462,13 +467,24 @@ fn setup_try<T>(what: &str, needs: Option<String>, change: &str, f: impl FnOnce(
     })
 }
 
-fn setup_oom(what: &str, needs: Option<String>, change: &str, message: &str) -> OomExit {
+/// What a set-up phase holds, said only once it ran out of memory (it may take work).
+type Needs<'a> = &'a dyn Fn() -> Option<String>;
+
+/// The static estimate, for the message of an OOM while building the model or its optimizer
+/// state. Counting builds the model once more on the host, so it is done only then, with the CPU
+/// cap lifted: the run ends on this error, and the cap has been read for the message.
+fn after_setup_oom(spec: &Spec) -> Option<crate::estimate::Estimate> {
+    shim::cpu_alloc_set_cap(None);
+    oom::guarded(|| crate::estimate::estimate(spec).ok()).ok().flatten()
+}
+
+fn setup_oom(what: &str, needs: Needs, change: &str, message: &str) -> OomExit {
     let s = shim::cpu_alloc_stats();
     let cap = s
         .cap
         .map(|c| format!(" under the {} cap", human_bytes(c)))
         .unwrap_or_default();
-    let needs = needs.map(|n| format!(" ({n})")).unwrap_or_default();
+    let needs = needs().map(|n| format!(" ({n})")).unwrap_or_default();
     OomExit(format!(
         "out of memory while {what}{needs}: {}; {} of tensors were allocated{cap}. To fix: {change}",
         crate::shim::first_line(message),
@@ -584,13 +600,13 @@ pub fn init_from(vs: &nn::VarStore, path: &Path) -> Result<()> {
     let _squeeze = fault::squeeze_in(Phase::InitFrom, 0);
     let size = fs::metadata(path).map(|m| m.len()).unwrap_or(0);
     let needs = Some(format!("{} on disk", human_bytes(size)));
-    let tensors = setup_step(&what, needs.clone(), CHANGE_INIT_FROM, || {
+    let tensors = setup_step(&what, &|| needs.clone(), CHANGE_INIT_FROM, || {
         Tensor::read_safetensors(path)
     })?
     .map_err(|e| -> anyhow::Error {
         let text = e.to_string();
         if oom::classify(&text).is_some() {
-            setup_oom(&what, needs.clone(), CHANGE_INIT_FROM, &oom::short_message(&text)).into()
+            setup_oom(&what, &|| needs.clone(), CHANGE_INIT_FROM, &oom::short_message(&text)).into()
         } else {
             UsageError(format!(
                 "model.init_from: cannot read {} as safetensors: {}",
@@ -601,7 +617,9 @@ pub fn init_from(vs: &nn::VarStore, path: &Path) -> Result<()> {
         }
     })?;
     let label = format!("model.init_from {}", path.display());
-    setup_step(&what, needs, CHANGE_INIT_FROM, || copy_into(vs, &tensors, &label))?
+    setup_step(&what, &|| needs.clone(), CHANGE_INIT_FROM, || {
+        copy_into(vs, &tensors, &label)
+    })?
 }
 
 #[cfg(test)]

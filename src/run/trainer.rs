@@ -582,7 +582,7 @@ impl Trainer {
         if let Some(a) = &self.arch {
             self.state.arch = a.state.clone();
         }
-        let _squeeze = fault::squeeze_in(Phase::Checkpoint, self.state.global_step);
+        let squeeze = fault::squeeze_in(Phase::Checkpoint, self.state.global_step);
         // Gathering the state allocates (the generators' states, sharded state on rank 0): an
         // OOM there is a typed error the caller decides on. The store writes atomically, so the
         // checkpoints already written stay as they were.
@@ -607,6 +607,7 @@ impl Trainer {
                     .map(Some)
             },
         );
+        drop(squeeze);
         let saved = match saved {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => match oom::classify(&format!("{e:#}")) {
@@ -651,13 +652,16 @@ impl Trainer {
             .values()
             .map(|t| t.numel() as u64 * t.kind().elt_size_in_bytes() as u64)
             .sum();
-        let state: u64 = self
-            .model
-            .opt
-            .state_tensors()
-            .iter()
-            .map(|(_, t)| t.numel() as u64 * t.kind().elt_size_in_bytes() as u64)
-            .sum();
+        // Listing the state may allocate (8-bit state, host copies) where memory just ran out.
+        let state: u64 = oom::guarded(|| {
+            self.model
+                .opt
+                .state_tensors()
+                .iter()
+                .map(|(_, t)| t.numel() as u64 * t.kind().elt_size_in_bytes() as u64)
+                .sum()
+        })
+        .unwrap_or(0);
         SaveOom {
             message,
             step: self.state.global_step,
