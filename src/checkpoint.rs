@@ -198,6 +198,9 @@ impl Store {
         let tmp = self.dir.join(format!(".tmp-{name}"));
         let _ = fs::remove_dir_all(&tmp);
         fs::create_dir(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+        // A save that fails half-way (out of memory, a full disk) leaves no half-written
+        // directory behind; the checkpoints already written are untouched either way.
+        let partial = Partial(&tmp);
         write_safetensors(&tmp.join("model.safetensors"), &c.model)?;
         crate::fault::abort_save_at(c.state.global_step);
         write_safetensors(&tmp.join("optimizer.safetensors"), &c.optimizer)?;
@@ -209,6 +212,7 @@ impl Store {
             fs::remove_dir_all(&fin)?;
         }
         fs::rename(&tmp, &fin).with_context(|| format!("renaming {} to {}", tmp.display(), fin.display()))?;
+        std::mem::forget(partial);
         sync_dir(&self.dir);
         let size = fs::read_dir(&fin)?
             .filter_map(|e| e.ok()?.metadata().ok())
@@ -317,6 +321,15 @@ impl Store {
             optimizer: read_safetensors(&dir.join("optimizer.safetensors"))?,
             state,
         })
+    }
+}
+
+/// A save's temporary directory, removed unless the save got as far as renaming it.
+struct Partial<'a>(&'a Path);
+
+impl Drop for Partial<'_> {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(self.0);
     }
 }
 

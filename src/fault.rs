@@ -72,6 +72,24 @@ impl Phase {
             Phase::Report => "report",
         }
     }
+
+    /// The phase as OOM messages and records name it.
+    pub fn label(self) -> &'static str {
+        match self {
+            Phase::Data => "reading the data",
+            Phase::Model => "building the model",
+            Phase::InitFrom => "model.init_from",
+            Phase::Resume => "resuming a checkpoint",
+            Phase::Preflight => "preflight",
+            Phase::Forward => "forward",
+            Phase::Backward => "backward",
+            Phase::Optimizer => "optimizer step",
+            Phase::Arch => "architecture step",
+            Phase::Validation => "validation",
+            Phase::Checkpoint => "writing a checkpoint",
+            Phase::Report => "writing the report",
+        }
+    }
 }
 
 static FIRED: AtomicBool = AtomicBool::new(false);

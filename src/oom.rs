@@ -1,12 +1,13 @@
 //! Out-of-memory: recognising it in libtorch's errors (by text, and by the allocator's OOM
 //! counter rising), catching it where tch panics, and the batch shape that backoff changes.
 //! What to do about one is `run::recovery`'s business.
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::Once;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::fault::Phase;
 use crate::shim::{grad_enabled, set_grad_enabled};
 
 /// What kind of allocation failure an error text describes.
@@ -83,6 +84,9 @@ pub enum StepError {
     Oom {
         kind: OomKind,
         message: String,
+        /// The stage the guarded work had reached ([`entering`]), when it marks its stages: the
+        /// step pipeline tells forward, backward and the optimizer step apart this way.
+        phase: Option<Phase>,
     },
     /// Data-parallel: another rank stopped answering before this step wrote anything, so the
     /// state is the last completed step's and can still be saved.
@@ -92,6 +96,13 @@ pub enum StepError {
 
 thread_local! {
     static GUARDED: RefCell<bool> = const { RefCell::new(false) };
+    static STAGE: Cell<Option<Phase>> = const { Cell::new(None) };
+}
+
+/// Guarded work marks the stage it enters, so an OOM that unwinds out of it names the stage
+/// (the pipeline's forward, backward, optimizer step) without every stage catching on its own.
+pub fn entering(phase: Phase) {
+    STAGE.with(|s| s.set(Some(phase)));
 }
 
 /// Installs a panic hook that stays silent inside `guarded` (the error is reported properly by
@@ -140,9 +151,11 @@ pub fn guarded_counting<T>(ooms: impl Fn() -> u64, f: impl FnOnce() -> T) -> Res
     install_hook();
     let ooms_before = ooms();
     let grad_mode = grad_enabled();
+    let outer_stage = STAGE.with(|s| s.take());
     GUARDED.with(|g| *g.borrow_mut() = true);
     let r = panic::catch_unwind(AssertUnwindSafe(f));
     GUARDED.with(|g| *g.borrow_mut() = false);
+    let phase = STAGE.with(|s| s.replace(outer_stage));
     if r.is_err() {
         // tch's `no_grad` restores the grad mode only when its closure returns; an error inside
         // (an OOM in the optimizer step or validation) would leave gradients off for the retry.
@@ -152,7 +165,7 @@ pub fn guarded_counting<T>(ooms: impl Fn() -> u64, f: impl FnOnce() -> T) -> Res
         let text = panic_text(p.as_ref());
         let message = short_message(&text);
         match classify_step(&text, ooms() > ooms_before) {
-            Some(kind) => StepError::Oom { kind, message },
+            Some(kind) => StepError::Oom { kind, message, phase },
             None => StepError::Other(message),
         }
     })
@@ -195,10 +208,19 @@ impl Decision {
     pub const EVAL_BACKOFF: &'static str = "eval_backoff";
     /// Validation at one sample still ran out of memory: this epoch's validation is skipped.
     pub const SKIP_VALIDATION: &'static str = "skip_validation";
+    /// Work the run can go on without (a periodic checkpoint) was left out; no lever engaged.
+    pub const SKIP: &'static str = "skip";
 
     pub fn fail() -> Decision {
         Decision {
             action: Self::FAIL.into(),
+            to: None,
+        }
+    }
+
+    pub fn skip() -> Decision {
+        Decision {
+            action: Self::SKIP.into(),
             to: None,
         }
     }

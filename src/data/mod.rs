@@ -273,6 +273,131 @@ fn load_source(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) ->
     }
 }
 
+/// The shape of one sample as the data set has it of its own, read cheaply (file headers, not
+/// the samples), so image models can take their image size and channels from the data: None
+/// where the data follows the model (synthetic data; an imagefolder tree without
+/// `data.image_size`, whose images are resized to the model's size). An imagefolder's channel
+/// count is the model's (it decodes to 1 or 3): 0 there.
+pub fn sample_shape(data: &Data) -> Result<Option<Vec<i64>>> {
+    let Some(path) = data.path.as_deref() else {
+        return Ok(None);
+    };
+    Ok(match data.source {
+        DataSource::Synthetic => None,
+        DataSource::Cifar10 => Some(vec![3, 32, 32]),
+        DataSource::Mnist => Some(vec![28, 28]),
+        DataSource::Imagefolder => (data.image_size > 0).then(|| vec![0, data.image_size, data.image_size]),
+        DataSource::Npz => Some(npz_sample_shape(path)?),
+        DataSource::Safetensors => Some(safetensors_sample_shape(path)?),
+    })
+}
+
+/// `x`'s shape without N from a safetensors file's JSON header.
+fn safetensors_sample_shape(path: &Path) -> Result<Vec<i64>> {
+    use std::io::Read;
+    let what = format!("data.path {}", path.display());
+    let mut f = fs::File::open(path).with_context(|| format!("{what}: cannot read it"))?;
+    let mut len = [0u8; 8];
+    f.read_exact(&mut len)
+        .with_context(|| format!("{what}: not a safetensors file"))?;
+    let len = u64::from_le_bytes(len);
+    if len > 100 << 20 {
+        bail!("{what}: not a safetensors file (a header of {len} bytes)");
+    }
+    let mut header = vec![0u8; len as usize];
+    f.read_exact(&mut header)
+        .with_context(|| format!("{what}: not a safetensors file"))?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&header).with_context(|| format!("{what}: not a safetensors file"))?;
+    let shape = v["x"]["shape"]
+        .as_array()
+        .ok_or_else(|| anyhow!("{what}: has no tensor x"))?;
+    Ok(shape.iter().skip(1).filter_map(|d| d.as_i64()).collect())
+}
+
+/// `x`'s shape without N from an .npz: the zip's central directory, then `x.npy`'s header,
+/// when numpy stored it uncompressed (`numpy.savez`); a compressed archive
+/// (`numpy.savez_compressed`) is read whole.
+fn npz_sample_shape(path: &Path) -> Result<Vec<i64>> {
+    match npz_header_shape(path) {
+        Some(s) => Ok(s.into_iter().skip(1).collect()),
+        None => {
+            let (x, _) = read_npz(path, &format!("data.path {}", path.display()))?;
+            Ok(x.size().into_iter().skip(1).collect())
+        }
+    }
+}
+
+fn npz_header_shape(path: &Path) -> Option<Vec<i64>> {
+    use std::io::{Read, Seek, SeekFrom};
+    let u16_at = |b: &[u8], i: usize| Some(u16::from_le_bytes(b.get(i..i + 2)?.try_into().ok()?) as usize);
+    let u32_at = |b: &[u8], i: usize| Some(u32::from_le_bytes(b.get(i..i + 4)?.try_into().ok()?) as u64);
+    let mut f = fs::File::open(path).ok()?;
+    let size = f.metadata().ok()?.len();
+    // The end of central directory record: 22 bytes and a comment of up to 64 KiB.
+    let tail_len = size.min(22 + 65_535);
+    f.seek(SeekFrom::Start(size - tail_len)).ok()?;
+    let mut tail = vec![0u8; tail_len as usize];
+    f.read_exact(&mut tail).ok()?;
+    let eocd = (0..tail.len().saturating_sub(21))
+        .rev()
+        .find(|&i| tail[i..i + 4] == [0x50, 0x4b, 0x05, 0x06])?;
+    let entries = u16_at(&tail, eocd + 10)?;
+    let (cd_size, cd_offset) = (u32_at(&tail, eocd + 12)?, u32_at(&tail, eocd + 16)?);
+    if cd_offset == 0xFFFF_FFFF || cd_size > 16 << 20 {
+        return None; // zip64: read whole
+    }
+    f.seek(SeekFrom::Start(cd_offset)).ok()?;
+    let mut cd = vec![0u8; cd_size as usize];
+    f.read_exact(&mut cd).ok()?;
+    let mut at = 0;
+    for _ in 0..entries {
+        if cd.get(at..at + 4)? != [0x50, 0x4b, 0x01, 0x02] {
+            return None;
+        }
+        let method = u16_at(&cd, at + 10)?;
+        let (n, e, c) = (u16_at(&cd, at + 28)?, u16_at(&cd, at + 30)?, u16_at(&cd, at + 32)?);
+        let local = u32_at(&cd, at + 42)?;
+        let name = cd.get(at + 46..at + 46 + n)?;
+        at += 46 + n + e + c;
+        if name != b"x.npy" {
+            continue;
+        }
+        if method != 0 || local == 0xFFFF_FFFF {
+            return None;
+        }
+        f.seek(SeekFrom::Start(local)).ok()?;
+        let mut lh = [0u8; 30];
+        f.read_exact(&mut lh).ok()?;
+        let skip = u16_at(&lh, 26)? + u16_at(&lh, 28)?;
+        f.seek(SeekFrom::Current(skip as i64)).ok()?;
+        let mut npy = vec![0u8; 4096];
+        let got = f.read(&mut npy).ok()?;
+        return npy_shape(&npy[..got]);
+    }
+    None
+}
+
+/// The `shape` of an .npy header: magic, version, header length, a Python dict literal.
+fn npy_shape(b: &[u8]) -> Option<Vec<i64>> {
+    if b.get(..6)? != b"\x93NUMPY" {
+        return None;
+    }
+    let (start, len) = match b.get(6)? {
+        1 => (10, u16::from_le_bytes(b.get(8..10)?.try_into().ok()?) as usize),
+        _ => (12, u32::from_le_bytes(b.get(8..12)?.try_into().ok()?) as usize),
+    };
+    let header = std::str::from_utf8(b.get(start..start + len)?).ok()?;
+    let rest = &header[header.find("'shape'")?..];
+    let inner = &rest[rest.find('(')? + 1..rest.find(')')?];
+    inner
+        .split(',')
+        .map(str::trim)
+        .filter(|d| !d.is_empty())
+        .map(|d| d.trim_end_matches('L').parse().ok())
+        .collect()
+}
+
 /// Deterministic permutation of `0..n` for `(seed, epoch)`, independent of torch's RNG, so a
 /// resumed run replays exactly the same order. Empty for `n <= 0`.
 pub fn epoch_order(n: i64, seed: i64, epoch: i64) -> Vec<i64> {
@@ -751,6 +876,54 @@ fn read_idx(path: &Path, ndim: usize, key: &str) -> Result<(Vec<i64>, Vec<u8>)> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_data_says_its_sample_shape_from_headers() {
+        let dir = tempfile::tempdir().unwrap();
+        let x = Tensor::zeros([5, 3, 12, 12], (Kind::Float, Device::Cpu));
+        let y = Tensor::zeros([5], (Kind::Int64, Device::Cpu));
+        let st = dir.path().join("d.safetensors");
+        Tensor::write_safetensors(&[("x", &x), ("y", &y)], &st).unwrap();
+        let npz = dir.path().join("d.npz");
+        Tensor::write_npz(&[("x", &x), ("y", &y)], &npz).unwrap();
+        let data = |source, path: &Path| Data {
+            source,
+            path: Some(path.to_owned()),
+            ..Data::default()
+        };
+        assert_eq!(
+            sample_shape(&data(DataSource::Safetensors, &st)).unwrap(),
+            Some(vec![3, 12, 12])
+        );
+        assert_eq!(
+            sample_shape(&data(DataSource::Npz, &npz)).unwrap(),
+            Some(vec![3, 12, 12])
+        );
+        // numpy.savez_compressed's (digits: 8×8 grey images, no channel axis) is read whole.
+        let digits = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/digits.npz");
+        assert_eq!(npz_header_shape(&digits), None, "deflated");
+        assert_eq!(sample_shape(&data(DataSource::Npz, &digits)).unwrap(), Some(vec![8, 8]));
+        assert_eq!(
+            sample_shape(&data(DataSource::Cifar10, dir.path())).unwrap(),
+            Some(vec![3, 32, 32])
+        );
+        let folder = Data {
+            image_size: 48,
+            ..data(DataSource::Imagefolder, dir.path())
+        };
+        assert_eq!(sample_shape(&folder).unwrap(), Some(vec![0, 48, 48]));
+        assert_eq!(sample_shape(&data(DataSource::Imagefolder, dir.path())).unwrap(), None);
+        assert_eq!(
+            sample_shape(&Data::default()).unwrap(),
+            None,
+            "synthetic follows the model"
+        );
+        let header = "{'descr': '<f4', 'fortran_order': False, 'shape': (10, 3, 32, 32), }\n";
+        let mut npy = b"\x93NUMPY\x01\x00".to_vec();
+        npy.extend((header.len() as u16).to_le_bytes());
+        npy.extend(header.as_bytes());
+        assert_eq!(npy_shape(&npy), Some(vec![10, 3, 32, 32]));
+    }
 
     #[test]
     fn only_small_unaugmented_data_stays_on_a_cuda_device() {

@@ -14,7 +14,7 @@ use anyhow::Result;
 use serde::de::DeserializeOwned;
 use tch::{nn, Device};
 
-use crate::spec::Model;
+use crate::spec::{Data, Model};
 
 pub use darts::{derive_genotype, Darts, DartsOptions};
 pub use mlp::Mlp;
@@ -123,9 +123,112 @@ pub fn names() -> Vec<&'static str> {
     PRESETS.iter().map(|p| p.name()).collect()
 }
 
+/// Presets that take square images `[in_channels, image_size, image_size]`, whose size and
+/// channels follow the data when the spec leaves them out.
+const IMAGE_PRESETS: &[&str] = &["resnet18", "resnet34", "resnet50", "vit"];
+
+/// The data's own sample shape, and how to name the data in a message.
+pub struct DataImages<'a> {
+    /// `[C, H, W]` (C is 0 where the data takes the model's channels); any other shape is not
+    /// an image the presets take, and leaves them as configured.
+    pub sample: &'a [i64],
+    pub source: String,
+}
+
+fn data_words(d: &Data) -> String {
+    let source = toml::Value::try_from(d.source)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_default();
+    match &d.path {
+        Some(p) => format!("data.source = \"{source}\", {}", p.display()),
+        None => format!("data.source = \"{source}\""),
+    }
+}
+
+/// An image preset's `image_size` and `in_channels` from the data where the spec leaves them
+/// out; one the spec sets that the data contradicts is a problem naming both sizes. A ViT also
+/// needs patches that tile the data's images.
+pub fn follow_data(preset: &str, m: &mut Model, data: &DataImages) -> Vec<(String, String)> {
+    let &[c, h, w] = data.sample else {
+        return vec![];
+    };
+    let key = |k: &str| format!("model.{preset}.{k}");
+    let table = match m
+        .options
+        .entry(preset.to_owned())
+        .or_insert_with(|| toml::Value::Table(Default::default()))
+    {
+        toml::Value::Table(t) => t,
+        _ => return vec![],
+    };
+    let mut problems = vec![];
+    if h != w {
+        if !table.contains_key("image_size") {
+            problems.push((
+                key("image_size"),
+                format!(
+                    "cannot follow the data: its images are {h}×{w} ({}), and {preset} takes square images; make them square",
+                    data.source
+                ),
+            ));
+        }
+        return problems;
+    }
+    match table.get("image_size").and_then(toml::Value::as_integer) {
+        None => {
+            table.insert("image_size".into(), toml::Value::Integer(h));
+        }
+        Some(s) if s != h => problems.push((
+            key("image_size"),
+            format!(
+                "is {s}, but the data's images are {h}×{h} ({}); leave image_size out to follow the data, or set it to {h}",
+                data.source
+            ),
+        )),
+        Some(_) => {}
+    }
+    if c > 0 {
+        match table.get("in_channels").and_then(toml::Value::as_integer) {
+            None => {
+                table.insert("in_channels".into(), toml::Value::Integer(c));
+            }
+            Some(s) if s != c => problems.push((
+                key("in_channels"),
+                format!(
+                    "is {s}, but the data's images have {c} channels ({}); leave in_channels out to follow the data, or set it to {c}",
+                    data.source
+                ),
+            )),
+            Some(_) => {}
+        }
+    }
+    if preset == "vit" && problems.is_empty() {
+        let patch = table
+            .get("patch_size")
+            .and_then(toml::Value::as_integer)
+            .unwrap_or(vit::VitOptions::default().patch_size);
+        if patch >= 1 && h % patch != 0 {
+            let divisors: Vec<String> = (2..h).filter(|d| h % d == 0).map(|d| d.to_string()).collect();
+            problems.push((
+                key("patch_size"),
+                format!(
+                    "is {patch}, which does not tile the data's {h}×{h} images ({}; image_size follows the data); a ViT needs image_size % patch_size == 0: set patch_size to a divisor of {h}{}",
+                    data.source,
+                    match divisors.is_empty() {
+                        true => String::new(),
+                        false => format!(" ({})", divisors.join(", ")),
+                    }
+                ),
+            ));
+        }
+    }
+    problems
+}
+
 /// The preset checks of a spec, and its options table completed with the defaults (so the
 /// resolved spec that `check` prints and runs record shows every option).
-pub fn validate(m: &mut Model) -> Vec<(String, String)> {
+pub fn validate(m: &mut Model, data: &Data) -> Vec<(String, String)> {
     let Some(p) = preset_named(&m.preset) else {
         return vec![(
             "model.preset".into(),
@@ -153,6 +256,22 @@ pub fn validate(m: &mut Model) -> Vec<(String, String)> {
             )
         };
         problems.push((format!("model.{key}"), msg));
+    }
+    if !problems.is_empty() {
+        return problems;
+    }
+    if IMAGE_PRESETS.contains(&p.name()) {
+        // A data set that cannot be read is reported where it is loaded, with its own message.
+        if let Ok(Some(sample)) = crate::data::sample_shape(data) {
+            let from = DataImages {
+                sample: &sample,
+                source: data_words(data),
+            };
+            let follow = follow_data(p.name(), m, &from);
+            if !follow.is_empty() {
+                return follow;
+            }
+        }
     }
     problems.extend(p.validate(m));
     if problems.is_empty() {
@@ -204,6 +323,72 @@ pub fn counts(model: &Model) -> Result<Counts> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn images(sample: &[i64]) -> DataImages<'_> {
+        DataImages {
+            sample,
+            source: "data.source = \"cifar10\"".into(),
+        }
+    }
+
+    fn option(m: &Model, preset: &str, key: &str) -> Option<i64> {
+        m.options[preset].get(key).and_then(toml::Value::as_integer)
+    }
+
+    #[test]
+    fn image_models_follow_the_data_unless_told_otherwise() {
+        // Left out: taken from the data, channels too.
+        let mut m = model("resnet18", "num_classes = 10");
+        assert!(follow_data("resnet18", &mut m, &images(&[3, 32, 32])).is_empty());
+        assert_eq!(option(&m, "resnet18", "image_size"), Some(32));
+        assert_eq!(option(&m, "resnet18", "in_channels"), Some(3));
+        assert!(validate(&mut m, &Data::default()).is_empty());
+        // No [model.resnet18] table at all.
+        let mut bare = Model {
+            preset: "resnet18".into(),
+            init_from: None,
+            options: Default::default(),
+        };
+        assert!(follow_data("resnet18", &mut bare, &images(&[1, 28, 28])).is_empty());
+        assert_eq!(option(&bare, "resnet18", "in_channels"), Some(1));
+        // An imagefolder tree decodes to the model's channels: only the size follows.
+        let mut m = model("resnet18", "in_channels = 1");
+        assert!(follow_data("resnet18", &mut m, &images(&[0, 64, 64])).is_empty());
+        assert_eq!(option(&m, "resnet18", "in_channels"), Some(1));
+        assert_eq!(option(&m, "resnet18", "image_size"), Some(64));
+        // Set and agreeing: fine; set and disagreeing: both sizes and the key to change.
+        let mut m = model("resnet34", "image_size = 32");
+        assert!(follow_data("resnet34", &mut m, &images(&[3, 32, 32])).is_empty());
+        let mut m = model("resnet50", "image_size = 224");
+        let p = follow_data("resnet50", &mut m, &images(&[3, 32, 32]));
+        assert_eq!(p.len(), 1, "{p:?}");
+        assert_eq!(p[0].0, "model.resnet50.image_size");
+        assert!(p[0].1.contains("is 224, but the data's images are 32×32"), "{p:?}");
+        assert!(p[0].1.contains("set it to 32"), "{p:?}");
+        let mut m = model("vit", "in_channels = 1");
+        let p = follow_data("vit", &mut m, &images(&[3, 32, 32]));
+        assert_eq!(p[0].0, "model.vit.in_channels", "{p:?}");
+        // A ViT's patches must tile the data's images.
+        let mut m = model("vit", "patch_size = 8");
+        assert!(follow_data("vit", &mut m, &images(&[3, 32, 32])).is_empty());
+        let mut m = model("vit", "patch_size = 5");
+        let p = follow_data("vit", &mut m, &images(&[3, 32, 32]));
+        assert_eq!(p[0].0, "model.vit.patch_size");
+        assert!(p[0].1.contains("does not tile the data's 32×32 images"), "{p:?}");
+        assert!(p[0].1.contains("(2, 4, 8, 16)"), "{p:?}");
+        // The default patch (16) does not tile 28×28.
+        let mut m = model("vit", "");
+        assert_eq!(
+            follow_data("vit", &mut m, &images(&[1, 28, 28]))[0].0,
+            "model.vit.patch_size"
+        );
+        // Samples that are not square images leave the model as configured.
+        let mut m = model("resnet18", "");
+        assert!(follow_data("resnet18", &mut m, &images(&[64])).is_empty());
+        assert_eq!(option(&m, "resnet18", "image_size"), None);
+        let p = follow_data("resnet18", &mut m, &images(&[3, 32, 48]));
+        assert!(p[0].1.contains("32×48"), "{p:?}");
+    }
 
     fn model(preset: &str, options: &str) -> Model {
         let mut m = Model {

@@ -119,7 +119,7 @@ pub fn oom(step: i64, decision: Decision) -> OomEvent {
     OomEvent {
         epoch: 1,
         step,
-        phase: "training step".into(),
+        phase: "backward".into(),
         kind: OomKind::Cpu,
         error: "CPU cap\nException raised from alloc_cpu at alloc.cpp:1".into(),
         batch_shape: vec![8, 64],

@@ -405,6 +405,9 @@ fn decision_mark(o: &OomEvent) -> (MarkKind, String) {
             ),
         ),
         (Some(l), None) => (MarkKind::Lever(l.name()), format!("{} at {before}", l.label())),
+        (None, _) if o.decision.action == crate::oom::Decision::SKIP => {
+            (MarkKind::Fail, format!("skipped at {before}; the run went on"))
+        }
         (None, _) => (MarkKind::Fail, format!("failed at {before}")),
     }
 }
@@ -457,7 +460,7 @@ mod tests {
         assert_eq!(kinds, [MarkKind::Lever("backoff"), MarkKind::CacheClear]);
         assert_eq!(
             run.marks[0].detail,
-            "OOM in training step: backoff from micro-batch 8 x 1 to 4 x 2; CPU cap"
+            "OOM in backward: backoff from micro-batch 8 x 1 to 4 x 2; CPU cap"
         );
         assert_eq!(run.marks[1].detail, "every clear, 500 ms, released 2.00 KiB");
         let text = run.text_summary();
@@ -478,17 +481,17 @@ mod tests {
                 (
                     1.0,
                     MarkKind::Lever("recompute"),
-                    "OOM in training step: recompute at micro-batch 8 x 1; CPU cap"
+                    "OOM in backward: recompute at micro-batch 8 x 1; CPU cap"
                 ),
                 (
                     1.0,
                     MarkKind::Lever("backoff"),
-                    "OOM in training step: backoff from micro-batch 8 x 1 to 4 x 2; CPU cap"
+                    "OOM in backward: backoff from micro-batch 8 x 1 to 4 x 2; CPU cap"
                 ),
                 (
                     1.0,
                     MarkKind::Lever("cpu"),
-                    "OOM in training step: CPU fallback at micro-batch 8 x 1; CPU cap"
+                    "OOM in backward: CPU fallback at micro-batch 8 x 1; CPU cap"
                 ),
                 (
                     1.0,
@@ -502,7 +505,7 @@ mod tests {
                 (
                     3.0,
                     MarkKind::Fail,
-                    "OOM in training step: failed at micro-batch 8 x 1; CPU cap"
+                    "OOM in backward: failed at micro-batch 8 x 1; CPU cap"
                 ),
             ]
         );

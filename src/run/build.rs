@@ -16,6 +16,7 @@ use super::step::StepPipeline;
 use crate::checkpoint::{NamedTensors, Store, TrainState};
 use crate::data::Splits;
 use crate::exit::{OomExit, UsageError};
+use crate::fault::{self, Phase};
 use crate::host::Home;
 use crate::human::{device_name, human_bytes};
 use crate::memory::CachePolicy;
@@ -47,12 +48,28 @@ impl Plan {
         }
         tch::manual_seed(spec.job.seed);
         let (vs, built) = self.build_model(spec)?;
-        // A data file that does not fit the model is bad input, like a bad spec: exit 2.
-        let data = setup_step("loading the data", || {
-            crate::data::load(&spec.data, &built.input_shape, built.num_classes, spec.job.seed)
-        })?
-        .map_err(|e| UsageError(format!("{e:#}")))?;
-        let mut data = data;
+        // A data file that does not fit the model is bad input, like a bad spec: exit 2; one
+        // that does not fit in memory is an OOM: exit 3.
+        let mut data = {
+            let _squeeze = fault::squeeze_in(Phase::Data, self.start.global_step);
+            let needs = data_size(&spec.data, &built.input_shape);
+            setup_step(Phase::Data.label(), &|| needs.clone(), CHANGE_DATA, || {
+                crate::data::load(&spec.data, &built.input_shape, built.num_classes, spec.job.seed)
+            })?
+            .map_err(|e| -> anyhow::Error {
+                let text = format!("{e:#}");
+                match oom::classify(&text) {
+                    Some(_) => setup_oom(
+                        Phase::Data.label(),
+                        &|| needs.clone(),
+                        CHANGE_DATA,
+                        &oom::short_message(&text),
+                    )
+                    .into(),
+                    None => UsageError(text).into(),
+                }
+            })?
+        };
         if data.stay_resident(device, self.device_budget) {
             // Steps then copy indices, not samples.
             data.train.keep_on(device);
@@ -78,8 +95,10 @@ impl Plan {
         let recovery = self.recovery(spec, &state, &model, &execution)?;
         if spec.memory.parameters.is_host() && !recovery.engaged().contains(levers::HostParams.name()) {
             // Built on the host for streaming, which does not apply (the warning said why).
-            model.vs.set_device(device);
-            model.opt.to_device(device);
+            setup_step(Phase::Model.label(), &|| None, CHANGE_MODEL, || {
+                model.vs.set_device(device);
+                model.opt.to_device(device);
+            })?;
         }
         let spec_toml = spec::to_toml(spec);
         fs::create_dir_all(&self.run_dir)
@@ -149,9 +168,16 @@ impl Plan {
             false => self.device.tch(),
         };
         let mut vs = nn::VarStore::new(device);
-        let built = setup_step("building the model", || model::build(&vs.root(), &spec.model))??;
+        let needs =
+            || after_setup_oom(spec).map(|e| format!("its parameters are {}", human_bytes(e.parameter_bytes())));
+        let built = {
+            let _squeeze = fault::squeeze_in(Phase::Model, self.start.global_step);
+            setup_try(Phase::Model.label(), &needs, CHANGE_MODEL, || {
+                model::build(&vs.root(), &spec.model)
+            })?
+        };
         if spec.train.precision == Precision::Bf16 {
-            vs.bfloat16();
+            setup_step(Phase::Model.label(), &needs, CHANGE_MODEL, || vs.bfloat16())?;
         }
         if let Some(path) = &spec.model.init_from {
             init_from(&vs, path)?;
@@ -190,13 +216,17 @@ impl Plan {
             true => Home::Host,
             false => Home::Device,
         };
-        let opt = setup_step("creating the optimizer state", || {
+        let needs =
+            || after_setup_oom(spec).map(|e| format!("the optimizer state is {}", human_bytes(e.optimizer_bytes())));
+        let opt = setup_step(OPTIMIZER_STATE, &needs, CHANGE_OPTIMIZER, || {
             Optimizer::placed(Hyper::from_train(t), weights, shard, home)
         })?;
         let extra = match model::extra_step(&spec.model) {
             Some(x) => Some((
                 x,
-                setup_step("creating the optimizer state", || Optimizer::new(x.hyper, arch))?,
+                setup_step(OPTIMIZER_STATE, &|| None, CHANGE_OPTIMIZER, || {
+                    Optimizer::new(x.hyper, arch)
+                })?,
             )),
             None => None,
         };
@@ -213,17 +243,25 @@ impl Plan {
     /// A resumed run's model, optimizer state and generators, from its checkpoint.
     fn restore(&self, model: &mut Model, arch: Option<&mut ArchStep>, device: Device) -> Result<()> {
         let Some(r) = &self.resume else { return Ok(()) };
-        let ck = setup_step("reading the checkpoint", || Store::load(&r.checkpoint))??;
-        setup_step("restoring the checkpoint", || {
+        let _squeeze = fault::squeeze_in(Phase::Resume, r.state.global_step);
+        let what = format!("{} from {}", Phase::Resume.label(), r.checkpoint.display());
+        let needs = Some(format!(
+            "the checkpoint is {} on disk",
+            human_bytes(dir_bytes(&r.checkpoint))
+        ));
+        let ck = setup_try(&what, &|| needs.clone(), CHANGE_RESUME, || Store::load(&r.checkpoint))?;
+        setup_try(&what, &|| needs.clone(), CHANGE_RESUME, || {
             copy_into(&model.vs, &ck.model, "checkpoint model")
-        })??;
+        })?;
         let pick = |prefix: &str| -> NamedTensors {
             ck.optimizer
                 .iter()
                 .filter_map(|(n, t)| n.strip_prefix(prefix).map(|s| (s.to_owned(), t.shallow_clone())))
                 .collect()
         };
-        model.opt.load_state(&pick("weight/"), ck.state.weight_steps)?;
+        setup_try(&what, &|| None, CHANGE_RESUME, || {
+            model.opt.load_state(&pick("weight/"), ck.state.weight_steps)
+        })?;
         for (name, t) in pick("rng/") {
             // A checkpoint from a CUDA run resumed on the CPU keeps only the CPU stream.
             let d = match name.as_str() {
@@ -400,24 +438,93 @@ fn scalers(spec: &Spec, state: &mut TrainState, arch: Option<&mut ArchStep>) {
     }
 }
 
+const OPTIMIZER_STATE: &str = "creating the optimizer state";
+
+/// What to change when a set-up phase runs out of memory (README, "Out of memory in every
+/// phase").
+const CHANGE_DATA: &str =
+    "raise memory.limit (the CPU cap covers the data, which is loaded on the host), or train on less data";
+const CHANGE_MODEL: &str = "raise memory.limit (memory.fraction on a GPU) or use a smaller model; on a GPU, memory.parameters = \"host\" keeps the weights in host memory";
+const CHANGE_OPTIMIZER: &str = "set memory.optimizer_state = \"host\" or train.optimizer_state_bits = 8, or raise memory.limit (memory.fraction on a GPU)";
+const CHANGE_RESUME: &str =
+    "the checkpoint is untouched: raise memory.limit (memory.fraction on a GPU) and run --resume again";
+const CHANGE_INIT_FROM: &str = "raise memory.limit (memory.fraction on a GPU), or use a smaller model";
+
 /// Runs set-up work that allocates (building the model, loading data or a checkpoint), so an
-/// OOM there ends with exit 3 and a message that names the sizes instead of a panic.
-fn setup_step<T>(what: &str, f: impl FnOnce() -> T) -> Result<T> {
+/// OOM there ends with exit 3 and a message that names the phase, the sizes (`needs`: what the
+/// phase holds; what was allocated under which cap) and what to change, instead of a panic.
+fn setup_step<T>(what: &str, needs: Needs, change: &str, f: impl FnOnce() -> T) -> Result<T> {
     oom::guarded(f).map_err(|e| match e {
-        StepError::Oom { message, .. } => {
-            let s = shim::cpu_alloc_stats();
-            let cap = s
-                .cap
-                .map(|c| format!(" under the {} cap", human_bytes(c)))
-                .unwrap_or_default();
-            OomExit(format!(
-                "out of memory while {what}: {message}; {} of tensors were allocated{cap}. Raise memory.limit/memory.fraction, or use a smaller model or data set",
-                human_bytes(s.allocated)
-            ))
-            .into()
-        }
+        StepError::Oom { message, .. } => setup_oom(what, needs, change, &message).into(),
         StepError::Other(m) | StepError::PeerLost(m) => anyhow::anyhow!("{what} failed: {m}"),
     })
+}
+
+/// `setup_step` for work that reports libtorch's errors as values (`f_` calls, file readers):
+/// an error that is an OOM ends the run as one too.
+fn setup_try<T>(what: &str, needs: Needs, change: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    setup_step(what, needs, change, f)?.map_err(|e| {
+        let text = format!("{e:#}");
+        match oom::classify(&text) {
+            Some(_) => setup_oom(what, needs, change, &oom::short_message(&text)).into(),
+            None => e,
+        }
+    })
+}
+
+/// What a set-up phase holds, said only once it ran out of memory (it may take work).
+type Needs<'a> = &'a dyn Fn() -> Option<String>;
+
+/// The static estimate, for the message of an OOM while building the model or its optimizer
+/// state. Counting builds the model once more on the host, so it is done only then, with the CPU
+/// cap lifted: the run ends on this error, and the cap has been read for the message.
+fn after_setup_oom(spec: &Spec) -> Option<crate::estimate::Estimate> {
+    shim::cpu_alloc_set_cap(None);
+    oom::guarded(|| crate::estimate::estimate(spec).ok()).ok().flatten()
+}
+
+fn setup_oom(what: &str, needs: Needs, change: &str, message: &str) -> OomExit {
+    let s = shim::cpu_alloc_stats();
+    let cap = s
+        .cap
+        .map(|c| format!(" under the {} cap", human_bytes(c)))
+        .unwrap_or_default();
+    let needs = needs().map(|n| format!(" ({n})")).unwrap_or_default();
+    OomExit(format!(
+        "out of memory while {what}{needs}: {}; {} of tensors were allocated{cap}. To fix: {change}",
+        crate::shim::first_line(message),
+        human_bytes(s.allocated)
+    ))
+}
+
+/// What the data set holds, for an OOM while loading it: its files' size on disk, or what the
+/// synthetic samples take.
+fn data_size(d: &spec::Data, input_shape: &[i64]) -> Option<String> {
+    match d.source {
+        spec::DataSource::Synthetic => {
+            let per: i64 = input_shape.iter().product();
+            Some(format!(
+                "{} samples of {input_shape:?} are {}",
+                d.samples,
+                human_bytes((d.samples * per * 4).max(0) as u64)
+            ))
+        }
+        _ => {
+            let bytes: u64 = d.path.iter().chain(&d.val_path).map(|p| dir_bytes(p)).sum();
+            Some(format!("the data files are {} on disk", human_bytes(bytes)))
+        }
+    }
+}
+
+/// The bytes of a file, or of every file under a directory.
+fn dir_bytes(p: &Path) -> u64 {
+    match fs::metadata(p) {
+        Ok(m) if m.is_dir() => fs::read_dir(p)
+            .map(|entries| entries.filter_map(|e| e.ok()).map(|e| dir_bytes(&e.path())).sum())
+            .unwrap_or(0),
+        Ok(m) => m.len(),
+        Err(_) => 0,
+    }
 }
 
 /// Weight-optimizer parameters: every trainable variable that is not an architecture weight,
@@ -495,18 +602,16 @@ fn few<S: AsRef<str>>(names: &[S], sep: &str) -> String {
 /// that load torchvision's state dicts through it.
 pub fn init_from(vs: &nn::VarStore, path: &Path) -> Result<()> {
     let what = format!("reading model.init_from {}", path.display());
-    let tensors = setup_step(&what, || Tensor::read_safetensors(path))?.map_err(|e| -> anyhow::Error {
+    let _squeeze = fault::squeeze_in(Phase::InitFrom, 0);
+    let size = fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+    let needs = Some(format!("{} on disk", human_bytes(size)));
+    let tensors = setup_step(&what, &|| needs.clone(), CHANGE_INIT_FROM, || {
+        Tensor::read_safetensors(path)
+    })?
+    .map_err(|e| -> anyhow::Error {
         let text = e.to_string();
         if oom::classify(&text).is_some() {
-            let size = fs::metadata(path).map(|m| m.len()).unwrap_or(0);
-            let cap = shim::cpu_alloc_stats().cap;
-            OomExit(format!(
-                "out of memory while {what} ({} on disk{}): {}; raise memory.limit/memory.fraction",
-                human_bytes(size),
-                cap.map(|c| format!(", cap {}", human_bytes(c))).unwrap_or_default(),
-                crate::shim::first_line(&oom::short_message(&text))
-            ))
-            .into()
+            setup_oom(&what, &|| needs.clone(), CHANGE_INIT_FROM, &oom::short_message(&text)).into()
         } else {
             UsageError(format!(
                 "model.init_from: cannot read {} as safetensors: {}",
@@ -517,7 +622,9 @@ pub fn init_from(vs: &nn::VarStore, path: &Path) -> Result<()> {
         }
     })?;
     let label = format!("model.init_from {}", path.display());
-    setup_step(&what, || copy_into(vs, &tensors, &label))?
+    setup_step(&what, &|| needs.clone(), CHANGE_INIT_FROM, || {
+        copy_into(vs, &tensors, &label)
+    })?
 }
 
 #[cfg(test)]

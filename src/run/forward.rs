@@ -26,8 +26,10 @@ use tch::{Device, Kind, Reduction, Tensor};
 
 use super::stream::{streamed_logits, Streamer};
 use crate::data::Dataset;
+use crate::fault::{self, Phase};
 use crate::host::{Home, Host};
 use crate::model::{Chain, Net};
+use crate::oom;
 use crate::shim::{self, Autocast};
 use crate::spec::Precision;
 
@@ -98,6 +100,15 @@ pub struct Micro<'a> {
     pub loss_scale: Option<f64>,
     /// Parameters streamed by block: the recomputed pass brings each block in and sends it back.
     pub stream: Option<&'a Streamer>,
+    /// The global step this micro-batch belongs to, for fault injection in tests.
+    pub step: i64,
+}
+
+/// Entering a stage of the step: marked for the OOM guard, so an OOM names it, and squeezed
+/// where a test's fault asks for this stage (the guard lifts the squeeze).
+pub fn stage(phase: Phase, step: i64) -> fault::Squeeze {
+    oom::entering(phase);
+    fault::squeeze_in(phase, step)
 }
 
 impl Forward {
@@ -163,7 +174,10 @@ impl Forward {
         match net.chain().filter(|_| self.recompute || m.stream.is_some()) {
             Some(chain) => recomputed(self, chain, m, n, after_block),
             None => {
+                let forward = stage(Phase::Forward, m.step);
                 let (loss, c) = self.forward_loss(net, None, &m.batch, true);
+                drop(forward);
+                let _backward = stage(Phase::Backward, m.step);
                 self.scaled(&loss, n, m.loss_scale).backward();
                 after_block();
                 (loss, c)
@@ -267,6 +281,7 @@ fn rerun(p: &Forward, chain: &dyn Chain, i: usize, ins: &[Tensor], rng: &[(tch::
 /// Checkpointed forward, loss and backward of one micro-batch; returns the sum-reduced loss and
 /// the correct count, as `Forward::forward_loss` does.
 fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, after_block: &mut dyn FnMut()) -> (Tensor, Tensor) {
+    let forward = stage(Phase::Forward, m.step);
     let (x, y) = (m.batch.x.shallow_clone(), &m.batch.y);
     let k = chain.blocks();
     let bounds = Boundaries {
@@ -311,6 +326,9 @@ fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, after_block: &m
     };
     // The last saved boundary and its block come back while the head's backward runs.
     let mut ahead = saved.pop().map(|(ins, rng)| (bounds.fetch(ins), rng));
+    drop(forward);
+    // Recomputing each block's forward is backward's memory: it happens only for backward.
+    let _backward = stage(Phase::Backward, m.step);
     if let Some(j) = k.checked_sub(2) {
         bring(j);
     }

@@ -147,9 +147,27 @@ fn join(world: Option<World>, plan: &mut Plan) -> Result<(Execution, Option<Remo
 /// Every run gets its report, interrupted and failed ones included; then the last words.
 fn report(trainer: &Trainer, run_dir: &std::path::Path, result: Result<Status>, max_steps: Option<i64>) -> Result<()> {
     let progress = trainer.progress();
-    match crate::report::write(run_dir) {
-        Ok(r) => progress.println(&format!("report: {}", r.html.display())),
-        Err(e) => tracing::warn!("could not write the report: {e:#}"),
+    // The report reads the records and draws them: it holds no tensors, so a squeezed cap
+    // leaves it be. Whatever stops it, the run's outcome stands and the records can be drawn
+    // again later.
+    let written = {
+        let _squeeze = crate::fault::squeeze_in(crate::fault::Phase::Report, trainer.global_step());
+        oom::guarded(|| crate::report::write(run_dir))
+    };
+    let redo = format!(
+        "the records are intact: write it later with `memtrain report {}`",
+        run_dir.display()
+    );
+    match written {
+        Ok(Ok(r)) => progress.println(&format!("report: {}", r.html.display())),
+        Ok(Err(e)) => tracing::warn!("could not write the report: {e:#}; {redo}"),
+        Err(oom::StepError::Oom { message, .. }) => tracing::warn!(
+            "out of memory in {}: {message}; skipped it, {redo}",
+            crate::fault::Phase::Report.label()
+        ),
+        Err(oom::StepError::Other(m) | oom::StepError::PeerLost(m)) => {
+            tracing::warn!("could not write the report: {m}; {redo}")
+        }
     }
     let status = result?;
     if status == Status::StepLimit {

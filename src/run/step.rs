@@ -29,7 +29,7 @@ use super::stream::Streamer;
 use super::tally::{Tally, Totals};
 use crate::data::Dataset;
 use crate::dist::{Dist, Local, Outcome};
-use crate::fault;
+use crate::fault::{self, Phase};
 use crate::memory::{self, Place};
 use crate::model::Net;
 use crate::oom::{self, StepError};
@@ -155,7 +155,9 @@ impl StepPipeline {
         work: &Work,
         reducer: Option<&Reducer>,
     ) -> Attempt {
-        // zero: gradients are released, as PyTorch's default zero_grad does
+        // zero: gradients are released, as PyTorch's default zero_grad does; placing the inputs
+        // counts as forward's memory
+        oom::entering(Phase::Forward);
         opt.drop_grads();
         for o in others.iter_mut() {
             o.drop_grads();
@@ -183,6 +185,7 @@ impl StepPipeline {
                 buffers: work.buffers,
                 loss_scale: work.loss_scale,
                 stream: work.stream,
+                step: work.step,
             };
             let (loss, c) = self
                 .forward
@@ -193,6 +196,8 @@ impl StepPipeline {
         if let Some(r) = reducer {
             r.settle(false).unwrap_or_else(|e| panic!("{e:#}"));
         }
+        // From here on an OOM is the optimizer step's: it reads and rewrites the gradients.
+        oom::entering(Phase::Optimizer);
         // unscale (the gradients are the optimizer's: on the device, or on the host; listed
         // only when a stage reads them)
         let grads = || -> Vec<Tensor> { opt.grads().into_iter().map(|(_, g)| g).collect() };
@@ -290,6 +295,7 @@ impl StepPipeline {
                 Ok(_) => StepError::Oom {
                     kind: crate::oom::OomKind::Peer,
                     message: format!("rank {first} ran out of memory"),
+                    phase: None,
                 },
             });
         }

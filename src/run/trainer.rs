@@ -23,10 +23,10 @@ use crate::checkpoint::{self, NamedTensors, TrainState};
 use crate::data::{self, Splits};
 use crate::dist::{Local, Outcome};
 use crate::exit::{Interrupted, OomExit};
-use crate::fault;
+use crate::fault::{self, Phase};
 use crate::human::{device_name, human_bytes, human_duration};
 use crate::memory::{self, ClearReason, MemorySample, Place, StepMemory};
-use crate::oom::{self, BatchShape, OomKind, StepError};
+use crate::oom::{self, BatchShape, Decision, OomKind, StepError};
 use crate::optim::Optimizer;
 use crate::progress::Progress;
 use crate::readback;
@@ -245,8 +245,12 @@ impl Trainer {
     /// Carries out the recovery machine's decision for one OOM. Ok: retry the failed work;
     /// Err: the run ends.
     fn handle_oom(&mut self, err: StepError, phase: &str) -> Result<()> {
-        let (kind, message) = match err {
-            StepError::Oom { kind, message } => (kind, message),
+        let (kind, message, phase) = match err {
+            StepError::Oom {
+                kind,
+                message,
+                phase: at,
+            } => (kind, message, phase_name(phase, at)),
             StepError::Other(m) => return Err(anyhow::anyhow!("{phase} failed: {m}")),
             StepError::PeerLost(m) => {
                 let note = self.save_without_peers();
@@ -270,7 +274,7 @@ impl Trainer {
         let event = OomEvent {
             epoch: self.state.epoch + 1,
             step: self.state.global_step,
-            phase: phase.into(),
+            phase: phase.clone(),
             kind,
             error: message.clone(),
             batch_shape: self.input_shape(before.micro_batch),
@@ -526,7 +530,7 @@ impl Trainer {
             || memory::oom_count(place),
             || {
                 tch::no_grad(|| {
-                    let _squeeze = fault::squeeze_in(fault::Phase::Validation, self.state.global_step);
+                    let _squeeze = fault::squeeze_in(Phase::Validation, self.state.global_step);
                     let f = &self.pipeline.forward;
                     let mut ahead = chunks.first().map(|c| f.inputs(&self.data.val, c, 0));
                     for (i, chunk) in chunks.iter().enumerate() {
@@ -548,7 +552,7 @@ impl Trainer {
     fn agree_on_eval(&mut self, attempt: Result<(), StepError>) -> Result<Option<(OomKind, String)>> {
         let (own, broken) = match attempt {
             Ok(()) => (None, None),
-            Err(StepError::Oom { kind, message }) => (Some((kind, message)), None),
+            Err(StepError::Oom { kind, message, .. }) => (Some((kind, message)), None),
             Err(StepError::Other(m) | StepError::PeerLost(m)) => (None, Some(m)),
         };
         let Some(d) = self.execution.group() else {
@@ -669,6 +673,8 @@ impl Trainer {
         for (name, d) in gens {
             match shim::rng_state(d) {
                 Ok(bytes) => optim.push((name, Tensor::from_slice(&bytes))),
+                // Out of memory is the save's failure, not a state to leave out.
+                Err(e) if oom::classify(&e.to_string()).is_some() => return Err(e),
                 Err(e) => tracing::warn!("saving the {name} generator state: {e}"),
             }
         }
@@ -689,8 +695,6 @@ impl Trainer {
         let before = memory::sample(place);
         memory::reset_peaks(place);
         self.state.weight_steps = self.model.opt.steps_taken();
-        // An interrupted epoch resumes with its sums so far.
-        self.read_tally()?;
         let pos = self.recovery.position();
         self.state.micro_batch = pos.shape.micro_batch;
         self.state.accumulation_steps = pos.shape.accumulation_steps;
@@ -702,20 +706,47 @@ impl Trainer {
         if let Some(a) = &self.arch {
             self.state.arch = a.state.clone();
         }
-        let (model, optim) = self.checkpoint_contents()?;
-        if self.follower() {
+        let squeeze = fault::squeeze_in(Phase::Checkpoint, self.state.global_step);
+        // Gathering the state allocates (the generators' states, sharded state on rank 0): an
+        // OOM there is a typed error the caller decides on. The store writes atomically, so the
+        // checkpoints already written stay as they were.
+        let saved = oom::guarded_counting(
+            || memory::oom_count(place),
+            || -> Result<Option<(PathBuf, u64)>> {
+                oom::entering(Phase::Checkpoint);
+                // An interrupted epoch resumes with its sums so far.
+                self.read_tally()?;
+                let (model, optim) = self.checkpoint_contents()?;
+                if self.follower() {
+                    return Ok(None);
+                }
+                self.out
+                    .store
+                    .save(&checkpoint::Contents {
+                        model,
+                        optimizer: optim,
+                        state: &self.state,
+                        spec_toml: &self.settings.spec_toml,
+                    })
+                    .map(Some)
+            },
+        );
+        drop(squeeze);
+        let saved = match saved {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => match oom::classify(&format!("{e:#}")) {
+                Some(_) => return Err(self.save_oom(oom::short_message(&format!("{e:#}"))).into()),
+                None => return Err(e),
+            },
+            Err(StepError::Oom { message, .. }) => return Err(self.save_oom(message).into()),
+            Err(StepError::Other(m) | StepError::PeerLost(m)) => return Err(anyhow::anyhow!("{m}")),
+        };
+        let Some((path, size)) = saved else {
             return Ok(None);
-        }
-        let saved = self.out.store.save(&checkpoint::Contents {
-            model,
-            optimizer: optim,
-            state: &self.state,
-            spec_toml: &self.settings.spec_toml,
-        });
+        };
         let peak = memory::window_peak(place);
         let base = before.allocated_bytes.unwrap_or(before.rss_bytes);
         let spike = peak.saturating_sub(base);
-        let (path, size) = saved?;
         if self.settings.clear_after_checkpoint {
             self.clear_cache(ClearReason::Checkpoint)?;
         }
@@ -730,6 +761,40 @@ impl Trainer {
         };
         self.emit(Event::Checkpoint(e))?;
         Ok(Some((path, size)))
+    }
+
+    /// A checkpoint that ran out of memory while being gathered or written: what it needed and
+    /// what was left, and the newest checkpoint that is still there.
+    fn save_oom(&self, message: String) -> SaveOom {
+        let place = self.place();
+        let m = memory::sample(place);
+        let cap = self.settings.cap.as_ref().map(|c| c.bytes);
+        let model: u64 = self
+            .model
+            .vs
+            .variables()
+            .values()
+            .map(|t| t.numel() as u64 * t.kind().elt_size_in_bytes() as u64)
+            .sum();
+        // Listing the state may allocate (8-bit state, host copies) where memory just ran out.
+        let state: u64 = oom::guarded(|| {
+            self.model
+                .opt
+                .state_tensors()
+                .iter()
+                .map(|(_, t)| t.numel() as u64 * t.kind().elt_size_in_bytes() as u64)
+                .sum()
+        })
+        .unwrap_or(0);
+        SaveOom {
+            message,
+            step: self.state.global_step,
+            model_bytes: model,
+            state_bytes: state,
+            allocated: m.allocated_bytes,
+            cap,
+            previous: self.out.store.latest(),
+        }
     }
 
     fn clear_cache(&mut self, reason: ClearReason) -> Result<()> {
@@ -824,14 +889,20 @@ impl Trainer {
         if measure {
             memory::reset_peaks(self.place());
         }
+        let step = self.state.global_step + 1;
         if self.arch.is_some() {
-            self.with_recovery("architecture step", |t| t.arch_step())?;
+            self.with_recovery(ARCH_STEP, |t| {
+                let _squeeze = fault::squeeze_in(Phase::Arch, step);
+                t.arch_step()
+            })?;
         }
         let lr = self.model.sched.lr_at(self.model.opt.steps_taken());
-        let out = self.with_recovery("training step", |t| {
+        let work = if measure { PREFLIGHT } else { WEIGHT_STEP };
+        let out = self.with_recovery(work, |t| {
             if measure {
                 memory::reset_peaks(t.place());
             }
+            let _squeeze = measure.then(|| fault::squeeze_in(Phase::Preflight, step));
             t.weight_step(group, lr)
         })?;
         if measure {
@@ -903,7 +974,13 @@ impl Trainer {
         // Data-parallel ranks stop on the step they agreed on, never on their own.
         if self.execution.stops(out.stop, self.session.stop.requested()) {
             self.out.progress.finish_epoch();
-            let saved = self.save_checkpoint("interrupted")?;
+            // An interrupted run whose checkpoint does not fit ends as an OOM does.
+            let saved = self
+                .save_checkpoint("interrupted")
+                .map_err(|e| match e.downcast::<SaveOom>() {
+                    Ok(oom) => OomExit(oom.to_string()).into(),
+                    Err(e) => e,
+                })?;
             self.write_summary(Status::Interrupted, None)?;
             let at = saved.map_or("rank 0's run directory".into(), |(p, _)| p.display().to_string());
             return Err(Interrupted(format!(
@@ -997,12 +1074,61 @@ impl Trainer {
         // --max-steps is a smoke test or a fit probe: it leaves no checkpoint behind.
         let probing = self.settings.max_steps.is_some();
         if !probing && (last_epoch || (every > 0 && self.state.epoch % every == 0)) {
-            self.save_checkpoint("epoch").context("saving a checkpoint")?;
+            match self.save_checkpoint("epoch") {
+                Ok(_) => {}
+                Err(e) => match e.downcast::<SaveOom>() {
+                    // A periodic checkpoint can wait for the next one; the last one is the
+                    // run's result, so the run ends on it.
+                    Ok(oom) if !last_epoch => self.skip_checkpoint(oom)?,
+                    Ok(oom) => {
+                        self.record_save_oom(&oom, Decision::fail())?;
+                        self.write_summary(Status::Oom, None)?;
+                        return Err(OomExit(oom.to_string()).into());
+                    }
+                    Err(e) => return Err(e.context("saving a checkpoint")),
+                },
+            }
         }
         if self.settings.clear_on_epoch_end {
             self.clear_cache(ClearReason::EpochEnd)?;
         }
         Ok(())
+    }
+
+    /// A periodic checkpoint that did not fit: the run goes on, the previous checkpoint stays.
+    fn skip_checkpoint(&mut self, oom: SaveOom) -> Result<()> {
+        tracing::warn!(
+            "{oom}; skipped this checkpoint, training goes on (the next one is due after {} more epoch(s))",
+            self.settings.checkpoint_every.max(1)
+        );
+        self.record_save_oom(&oom, Decision::skip())
+    }
+
+    fn record_save_oom(&mut self, oom: &SaveOom, decision: Decision) -> Result<()> {
+        let shape = self.shape();
+        let e = OomEvent {
+            epoch: self.state.epoch,
+            step: self.state.global_step,
+            phase: Phase::Checkpoint.label().into(),
+            kind: match self.place() {
+                Place::Cpu => OomKind::Cpu,
+                Place::Cuda(_) => OomKind::Cuda,
+            },
+            error: oom.message.clone(),
+            batch_shape: self.input_shape(shape.micro_batch),
+            device: self.device_name(),
+            micro_batch_before: shape.micro_batch,
+            accumulation_before: shape.accumulation_steps,
+            decision,
+            skipped: vec![],
+            report: None,
+        };
+        self.emit(Event::Oom(e))
+    }
+
+    /// The optimizer steps done so far, the run's position.
+    pub fn global_step(&self) -> i64 {
+        self.state.global_step
     }
 
     pub fn last(&self) -> Option<&EpochResult> {
@@ -1061,6 +1187,63 @@ impl Trainer {
         self.out.recorder.close(closing)
     }
 }
+
+/// What `with_recovery` calls the weight step, the session's first (measured) weight step and
+/// DARTS's architecture step; an OOM inside the first two is named by the stage it reached.
+const WEIGHT_STEP: &str = "training step";
+const PREFLIGHT: &str = "preflight";
+const ARCH_STEP: &str = "architecture step";
+
+/// The phase an OOM's message and record name: the weight step's stage (forward, backward,
+/// optimizer step), marked "(preflight)" on the session's first step; other work by its name.
+fn phase_name(work: &str, at: Option<Phase>) -> String {
+    match (work, at) {
+        (WEIGHT_STEP, Some(p)) => p.label().into(),
+        (PREFLIGHT, Some(p)) => format!("{} (preflight)", p.label()),
+        _ => work.into(),
+    }
+}
+
+/// A checkpoint that ran out of memory while being gathered or written.
+#[derive(Debug)]
+struct SaveOom {
+    message: String,
+    step: i64,
+    model_bytes: u64,
+    state_bytes: u64,
+    allocated: Option<u64>,
+    cap: Option<u64>,
+    previous: Option<PathBuf>,
+}
+
+impl std::fmt::Display for SaveOom {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let held = match (self.allocated, self.cap) {
+            (Some(a), Some(c)) => format!(
+                "; {} of tensors were allocated under the {} cap",
+                human_bytes(a),
+                human_bytes(c)
+            ),
+            (Some(a), None) => format!("; {} of tensors were allocated", human_bytes(a)),
+            _ => String::new(),
+        };
+        let previous = match &self.previous {
+            Some(p) => format!("the previous checkpoint {} is intact", p.display()),
+            None => "no earlier checkpoint exists".into(),
+        };
+        write!(
+            f,
+            "out of memory in {} at step {} ({}): the model is {} and the optimizer state {}{held}; {previous}. Raise memory.limit (memory.fraction on a GPU), or set memory.clear_after_checkpoint = true and memory.optimizer_state = \"host\" to leave the save more room",
+            Phase::Checkpoint.label(),
+            self.step,
+            first_line(&self.message),
+            human_bytes(self.model_bytes),
+            human_bytes(self.state_bytes),
+        )
+    }
+}
+
+impl std::error::Error for SaveOom {}
 
 fn first_line(s: &str) -> &str {
     s.lines().next().unwrap_or(s)

@@ -74,8 +74,8 @@ pub struct LoadedSpec {
 
 /// Problems the model layer finds in the spec's `[model]` table (a preset's options), as
 /// (dotted key, message); it may complete what it owns with defaults (the preset's options
-/// table). It sees `[model]` only, not the whole spec.
-pub type MoreChecks<'a> = &'a dyn Fn(&mut Model) -> Vec<(String, String)>;
+/// table) and with what the data says (an image model's size). It sees `[model]` and `[data]`.
+pub type MoreChecks<'a> = &'a dyn Fn(&mut Model, &Data) -> Vec<(String, String)>;
 
 /// Parses `--set` arguments and loads the spec with `more` checks (the presets'); every
 /// failure is a spec error (exit 2) placed at its `file:line:col` or override.
@@ -90,7 +90,7 @@ pub fn load_args(file: &Path, sets: &[String], more: MoreChecks) -> Result<Loade
 
 /// Reads, overrides, deserialises and validates a spec.
 pub fn load(path: &Path, overrides: &[Override]) -> Result<LoadedSpec, SpecError> {
-    load_with(path, overrides, &|_| vec![])
+    load_with(path, overrides, &|_, _| vec![])
 }
 
 /// `load`, with `more` checks run after the spec's own.
@@ -145,7 +145,7 @@ pub fn load_with(path: &Path, overrides: &[Override], more: MoreChecks) -> Resul
     }
     let mut problems = validate::validate(&spec);
     if problems.is_empty() {
-        problems = more(&mut spec.model);
+        problems = more(&mut spec.model, &spec.data);
     }
     if !problems.is_empty() {
         return Err(SpecError {

@@ -11,6 +11,7 @@ mod models;
 mod oom;
 mod optim8;
 mod oracle;
+mod phases;
 mod placement;
 mod placement_stream;
 mod precision;

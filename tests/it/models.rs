@@ -520,3 +520,86 @@ fn augmented_images_resume_exactly() {
     let resumed = first.resume().run();
     assert_eq!(resumed.final_bytes(), straight.final_bytes());
 }
+
+/// CIFAR-10's binary layout with two random images per batch file: 10 training and 2
+/// validation images of 3×32×32, in `dir/cifar`.
+fn tiny_cifar(dir: &std::path::Path) -> String {
+    let root = dir.join("cifar");
+    std::fs::create_dir_all(&root).unwrap();
+    let mut state = 7u64;
+    let names = (1..=5)
+        .map(|i| format!("data_batch_{i}.bin"))
+        .chain(["test_batch.bin".into()]);
+    for name in names {
+        let mut bytes = vec![];
+        for label in 0..2u8 {
+            bytes.push(label);
+            bytes.extend((0..3072).map(|_| {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (state >> 56) as u8
+            }));
+        }
+        std::fs::write(root.join(name), bytes).unwrap();
+    }
+    format!("source = \"cifar10\"\npath = \"{}\"", root.display())
+}
+
+#[test]
+fn image_models_take_their_image_size_from_the_data() {
+    let t = Test::new();
+    let dir = t.dir().to_path_buf();
+    let cifar = tiny_cifar(&dir);
+    // No image_size, no in_channels: CIFAR-10's 3×32×32, in the resolved spec too.
+    let r = job(
+        "preset = \"resnet18\"\n[model.resnet18]\nnum_classes = 10\nsmall_stem = true",
+        &cifar,
+    )
+    .name("resnet18")
+    .set("train.epochs", 1)
+    .run();
+    assert_eq!(r.summary().status, Status::Completed);
+    let resolved: toml::Table = std::fs::read_to_string(r.out.join("config.resolved.toml"))
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(resolved["model"]["resnet18"]["image_size"].as_integer(), Some(32));
+    assert_eq!(resolved["model"]["resnet18"]["in_channels"].as_integer(), Some(3));
+    // check resolves the same way, reading only the data's shape.
+    let c = job("preset = \"resnet18\"\n[model.resnet18]\nnum_classes = 10", &cifar)
+        .name("check")
+        .command("check")
+        .out(false)
+        .run();
+    assert!(c.stdout.contains("image_size = 32"), "{}", c.stdout);
+
+    // A size the spec sets that the data contradicts: exit 2, naming both and the key.
+    job(
+        "preset = \"resnet18\"\n[model.resnet18]\nnum_classes = 10\nimage_size = 64",
+        &cifar,
+    )
+    .name("disagrees")
+    .exit(2)
+    .stderr_has("model.resnet18.image_size is 64, but the data's images are 32×32")
+    .stderr_has("leave image_size out to follow the data, or set it to 32")
+    .run();
+    // A ViT whose patches do not tile the data's images: exit 2, naming the patch size.
+    job(
+        "preset = \"vit\"\n[model.vit]\npatch_size = 5\nlayers = 1\nheads = 2\nhidden_dim = 8\nmlp_dim = 8\nnum_classes = 10",
+        &cifar,
+    )
+    .name("vit-patch")
+    .command("check")
+    .out(false)
+    .exit(2)
+    .stderr_has("model.vit.patch_size is 5, which does not tile the data's 32×32 images")
+    .run();
+    // numpy's .npz, read from its header: a ViT on 16×16 images without image_size.
+    let npz = npz_data(&dir, "3,16,16");
+    let v = job(&tiny_vit().replace("image_size = 16\n", ""), &npz)
+        .name("vit")
+        .set("train.epochs", 1)
+        .run();
+    assert_eq!(v.summary().status, Status::Completed);
+}

@@ -97,7 +97,7 @@ fn fail_exits_3_and_writes_the_oom_report() {
     let r = capped()
         .set("memory.on_oom", policy(&["fail"]))
         .exit(3)
-        .stderr_has("error: out of memory in training step")
+        .stderr_has("error: out of memory in backward (preflight)")
         .run();
     let s = r.summary();
     assert_eq!(s.status, Status::Oom);
@@ -259,7 +259,7 @@ fn with_fail_the_exit_checkpoint_holds_the_weights_from_before_the_failed_step()
     let failed = optimizer_oom_at(adam().name("failed"), 5)
         .set("memory.on_oom", policy(&["fail"]))
         .exit(3)
-        .stderr_has("out of memory in training step")
+        .stderr_has("out of memory in optimizer step")
         .run();
     let ck = failed.checkpoints();
     assert_eq!(ck.last().unwrap().reason, "oom");

@@ -133,7 +133,7 @@ fn a_failed_run_has_its_report_and_a_snapshot_becomes_a_segment_map() {
     assert_eq!(r.summary().status, Status::Oom);
     let html = std::fs::read_to_string(r.out.join("report.html")).unwrap();
     assert!(
-        html.contains("OOM in training step: failed at micro-batch 16 x 2"),
+        html.contains("OOM in optimizer step: failed at micro-batch 16 x 2"),
         "the failing OOM is listed"
     );
     assert!(!html.contains("id=\"segments\""), "the CPU has no allocator snapshot");
