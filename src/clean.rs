@@ -70,6 +70,13 @@ impl Target {
 }
 
 pub fn clean(args: &CleanArgs) -> Result<()> {
+    if !(args.grace.is_finite() && args.grace >= 0.0) {
+        return Err(UsageError(format!(
+            "--grace {}: expected seconds, 0 or more (e.g. --grace 10)",
+            args.grace
+        ))
+        .into());
+    }
     let runs = registry::live();
     let gpu = gpu_bytes_by_pid(&runs);
     let targets = match args.pids.is_empty() {
@@ -131,6 +138,18 @@ fn named(pids: &[u32], runs: &[Entry], gpu: &[(u32, u64)]) -> Result<Vec<Target>
                 proc.name,
                 proc.user(),
                 user_name(me)
+            ))
+            .into());
+        }
+        if pid == 1 || pid == std::process::id() {
+            return Err(UsageError(format!(
+                "--pid {pid}: {} is {}; memtrain clean will not end it",
+                proc.name,
+                if pid == 1 {
+                    "the init process"
+                } else {
+                    "this memtrain clean itself"
+                }
             ))
             .into());
         }

@@ -303,15 +303,19 @@ fn job_view(dir: &Path, f: &Follower, running: &[&Entry]) -> JobView {
         .filter(|s| s.effective_batch > 0)
         .map(|s| (s.train_samples + s.effective_batch - 1) / s.effective_batch);
     let step = last.map(|s| s.step).or(start.map(|s| s.step));
-    let samples_per_s = last.map(|s| s.samples_per_s).filter(|v| v.is_finite() && *v > 0.0);
-    let eta_seconds = match (
-        running.is_empty(),
-        steps_per_epoch,
-        f.epochs,
-        step,
-        samples_per_s,
-        start,
-    ) {
+    let positive = |v: f64| (v.is_finite() && v > 0.0).then_some(v);
+    let samples_per_s = last.and_then(|s| positive(s.samples_per_s));
+    // A whole epoch's rate counts validation and checkpoints too, which the steps' leaves out.
+    let epoch_rate = r
+        .events
+        .iter()
+        .rev()
+        .find_map(|e| match e {
+            Event::Epoch(e) => positive(e.samples_per_s),
+            _ => None,
+        })
+        .or(samples_per_s);
+    let eta_seconds = match (running.is_empty(), steps_per_epoch, f.epochs, step, epoch_rate, start) {
         (false, Some(spe), Some(epochs), Some(step), Some(sps), Some(s)) => {
             let left = (spe * epochs - step).max(0);
             Some(left as f64 * s.effective_batch as f64 / sps)

@@ -6,7 +6,9 @@ use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Modifier, Style};
 use ratatui::symbols::Marker;
 use ratatui::text::{Line, Span};
-use ratatui::widgets::{Axis, Block, Cell, Chart, Dataset, GraphType, List, ListItem, Paragraph, Row, Table};
+use ratatui::widgets::{
+    Axis, Block, Cell, Chart, Dataset, GraphType, LegendPosition, List, ListItem, Paragraph, Row, Table,
+};
 use ratatui::Frame;
 
 use super::model::{GpuView, JobView, Snapshot};
@@ -316,6 +318,9 @@ fn draw_timeline(f: &mut Frame, j: &JobView, area: Rect) {
         .collect();
     let chart = Chart::new(datasets)
         .block(block)
+        // Top left, where the lines start low; shown whenever it fits.
+        .legend_position(Some(LegendPosition::TopLeft))
+        .hidden_legend_constraints((Constraint::Percentage(50), Constraint::Percentage(80)))
         .x_axis(
             Axis::default()
                 .title("step")
@@ -324,9 +329,8 @@ fn draw_timeline(f: &mut Frame, j: &JobView, area: Rect) {
         )
         .y_axis(
             Axis::default()
-                .title("MiB")
                 .bounds([0.0, top])
-                .labels(["0".to_owned(), format!("{top:.1}")]),
+                .labels(["0".to_owned(), human_bytes((top * MIB) as u64)]),
         );
     f.render_widget(chart, area);
 }

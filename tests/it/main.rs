@@ -17,3 +17,4 @@ mod precision;
 mod reads;
 mod report;
 mod training;
+mod watch;
