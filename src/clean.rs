@@ -203,7 +203,7 @@ fn held(proc: &Proc, run: Option<&Entry>, gpu: &[(u32, u64)]) -> Held {
     let cpu = run
         .filter(|e| e.device == "cpu" && e.rank.unwrap_or(0) == 0)
         .and_then(|e| crate::records::read(&e.run_dir).ok())
-        .and_then(|r| r.steps().last().map(|s| s.memory.clone()))
+        .and_then(|r| r.steps().last().map(|s| s.memory))
         .and_then(|m| Some(m.allocated_bytes? + m.host_bytes.unwrap_or(0)));
     match cpu {
         Some(b) => Held::CpuTensors(b),

@@ -454,3 +454,80 @@ fn describe(e: &Event) -> Option<JobEvent> {
         text,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::records::samples::{self, lines};
+    use crate::records::Status;
+
+    #[test]
+    fn a_growing_metrics_file_is_read_as_it_grows_and_a_cut_line_waits_for_its_end() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        let first = lines(&[
+            Event::Start(samples::start(0, false, Some(1 << 20))),
+            Event::Step(samples::step(1, 2.0, 100, 150)),
+        ]);
+        let second = lines(&[Event::Step(samples::step(2, 1.5, 200, 250))]);
+        let (head, tail) = second.split_at(second.len() / 2);
+        fs::write(&path, format!("{first}{head}")).unwrap();
+        let mut f = Follower::new(dir.path());
+        f.refresh();
+        assert_eq!(f.records.steps().count(), 1);
+        assert_eq!(
+            f.records.unreadable_lines, 0,
+            "half a line is kept for later, not counted"
+        );
+        let mut file = fs::OpenOptions::new().append(true).open(&path).unwrap();
+        std::io::Write::write_all(&mut file, tail.as_bytes()).unwrap();
+        f.refresh();
+        let steps: Vec<i64> = f.records.steps().map(|s| s.step).collect();
+        assert_eq!((steps, f.records.unreadable_lines), (vec![1, 2], 0));
+        let offset = f.offset;
+        f.refresh();
+        assert_eq!(
+            (f.offset, f.records.steps().count()),
+            (offset, 2),
+            "nothing new, nothing read"
+        );
+        // A new run in the same directory starts the file again.
+        fs::write(&path, lines(&[Event::Start(samples::start(0, false, None))])).unwrap();
+        f.refresh();
+        assert_eq!((f.records.starts().count(), f.records.steps().count()), (1, 0));
+    }
+
+    #[test]
+    fn a_finished_run_shows_its_summary_status_its_memory_and_its_events() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut events = vec![
+            Event::Start(samples::start(0, false, Some(1 << 20))),
+            Event::Preflight(samples::preflight()),
+        ];
+        events.extend((1..=4).map(|s| Event::Step(samples::step(s, 1.0, 100 * s as u64, 150 * s as u64))));
+        events.push(Event::Oom(samples::oom(4, samples::backoff())));
+        fs::write(dir.path().join("metrics.jsonl"), lines(&events)).unwrap();
+        crate::atomic::write_json(&dir.path().join("summary.json"), &samples::summary(Status::Oom, 4)).unwrap();
+        fs::write(dir.path().join("config.resolved.toml"), "[train]\nepochs = 2\n").unwrap();
+        let mut f = Follower::new(dir.path());
+        f.refresh();
+        let j = job_view(dir.path(), &f, &[]);
+        assert_eq!((j.job.as_str(), j.status.as_str()), ("j", "oom"));
+        // 48 samples in batches of 8: 6 steps an epoch.
+        assert_eq!((j.step, j.steps_per_epoch, j.epochs), (Some(4), Some(6), Some(2)));
+        assert_eq!(j.eta_seconds, None, "no time left to a run that is not running");
+        let m = j.memory.unwrap();
+        assert_eq!(
+            (m.allocated_bytes, m.peak_allocated_bytes, m.cap_bytes),
+            (Some(400), Some(600), Some(1 << 20))
+        );
+        assert_eq!(j.timeline.iter().map(|p| p.step).collect::<Vec<_>>(), [1, 2, 3, 4]);
+        let kinds: Vec<&str> = j.events.iter().map(|e| e.kind.as_str()).collect();
+        assert_eq!(kinds, ["start", "preflight", "oom"]);
+        let oom = &j.events[2].text;
+        assert!(
+            oom.contains("OOM in training step") && oom.contains("backoff to micro-batch 4"),
+            "{oom}"
+        );
+    }
+}

@@ -6,9 +6,7 @@ use ratatui::layout::{Constraint, Layout, Rect};
 use ratatui::style::{Color, Modifier, Style};
 use ratatui::symbols::Marker;
 use ratatui::text::{Line, Span};
-use ratatui::widgets::{
-    Axis, Block, Cell, Chart, Dataset, GraphType, LegendPosition, List, ListItem, Paragraph, Row, Table,
-};
+use ratatui::widgets::{Axis, Block, Chart, Dataset, GraphType, LegendPosition, List, ListItem, Paragraph, Row, Table};
 use ratatui::Frame;
 
 use super::model::{GpuView, JobView, Snapshot};
@@ -87,11 +85,19 @@ fn draw_gpus(f: &mut Frame, s: &Snapshot, area: Rect) {
         );
         return;
     }
-    let mut rows = vec![];
+    // Lines rather than a table: a GPU's own line spans the columns of its processes.
+    let bold = Style::new().add_modifier(Modifier::BOLD);
+    let mut lines = vec![Line::styled(
+        format!(
+            "  {:<8} {:<10} {:<16} {:>10}  memtrain job",
+            "pid", "user", "name", "memory"
+        ),
+        bold,
+    )];
     for g in &s.gpus {
-        rows.push(gpu_row(g));
+        lines.push(Line::styled(gpu_line(g), bold));
         if g.processes.is_empty() {
-            rows.push(Row::new(vec![Cell::from("  no processes")]));
+            lines.push(Line::from("  no processes"));
         }
         for p in &g.processes {
             let stale = p
@@ -108,49 +114,34 @@ fn draw_gpus(f: &mut Frame, s: &Snapshot, area: Rect) {
                 ),
                 _ => String::new(),
             };
-            let row = Row::new(vec![
-                Cell::from(format!("  {}", p.pid)),
-                Cell::from(p.user.clone().unwrap_or_else(|| "?".into())),
-                Cell::from(p.name.clone()),
-                Cell::from(bytes(p.used_bytes)),
-                Cell::from(format!("{run}{stale}")),
-            ]);
-            rows.push(match p.stale {
-                Some(_) => row.style(Style::new().fg(Color::Red)),
-                None => row,
+            let text = format!(
+                "  {:<8} {:<10} {:<16} {:>10}  {run}{stale}",
+                p.pid,
+                p.user.as_deref().unwrap_or("?"),
+                p.name,
+                bytes(p.used_bytes)
+            );
+            lines.push(match p.stale {
+                Some(_) => Line::styled(text, Style::new().fg(Color::Red)),
+                None => Line::from(text),
             });
         }
     }
-    let table = Table::new(
-        rows,
-        [
-            Constraint::Length(10),
-            Constraint::Length(10),
-            Constraint::Length(16),
-            Constraint::Length(11),
-            Constraint::Fill(1),
-        ],
-    )
-    .header(
-        Row::new(["  pid", "user", "name", "memory", "memtrain job"]).style(Style::new().add_modifier(Modifier::BOLD)),
-    )
-    .block(Block::bordered().title(" GPUs "));
-    f.render_widget(table, area);
+    f.render_widget(Paragraph::new(lines).block(Block::bordered().title(" GPUs ")), area);
 }
 
-fn gpu_row(g: &GpuView) -> Row<'static> {
+fn gpu_line(g: &GpuView) -> String {
     let util = g
         .utilization_percent
         .map(|u| format!(", {u}% busy"))
         .unwrap_or_default();
-    Row::new(vec![Cell::from(format!(
+    format!(
         "GPU {} {}: {} used of {}{util}",
         g.index,
         g.name,
         human_bytes(g.used_bytes),
         human_bytes(g.total_bytes)
-    ))])
-    .style(Style::new().add_modifier(Modifier::BOLD))
+    )
 }
 
 fn draw_jobs(f: &mut Frame, s: &Snapshot, selected: usize, area: Rect) {
@@ -350,4 +341,80 @@ pub fn plain(buf: &Buffer) -> String {
         out.push('\n');
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::frame_text;
+    use super::super::model::*;
+    use crate::procs::Stale;
+
+    fn process(pid: u32, user: &str, name: &str, job: Option<&str>, stale: Option<Stale>) -> ProcessView {
+        ProcessView {
+            pid,
+            user: Some(user.into()),
+            name: name.into(),
+            used_bytes: Some(3 << 30),
+            stale,
+            job: job.map(Into::into),
+            run_dir: job.map(|j| format!("/runs/{j}").into()),
+            rank: job.map(|_| 1),
+            step: job.map(|_| 120),
+            status: job.map(|_| "running".into()),
+        }
+    }
+
+    /// The GPU side, which a machine without a GPU cannot show for real.
+    #[test]
+    fn a_gpu_shows_its_memory_and_processes_and_flags_the_stale_one() {
+        let snap = Snapshot {
+            time: 3600.0 * 25.0 + 61.0,
+            host: HostView {
+                ram_total_bytes: 64 << 30,
+                ram_available_bytes: 48 << 30,
+            },
+            nvml: true,
+            gpus: vec![GpuView {
+                index: 0,
+                name: "NVIDIA H100".into(),
+                total_bytes: 80 << 30,
+                used_bytes: 6 << 30,
+                utilization_percent: Some(37),
+                processes: vec![
+                    process(4242, "ana", "memtrain", Some("vit"), Some(Stale::Orphaned)),
+                    process(77, "bob", "python3", None, None),
+                ],
+            }],
+            jobs: vec![],
+        };
+        let text = frame_text(&snap, 140);
+        assert!(text.contains("01:01:01 UTC"), "{text}");
+        assert!(
+            text.contains("Host RAM: 16.00 GiB used of 64.00 GiB (48.00 GiB available)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("GPU 0 NVIDIA H100: 6.00 GiB used of 80.00 GiB, 37% busy"),
+            "{text}"
+        );
+        let ours = text.lines().find(|l| l.contains("4242")).unwrap();
+        for want in [
+            "ana",
+            "memtrain",
+            "3.00 GiB",
+            "vit rank 1",
+            "step 120",
+            "running",
+            "/runs/vit",
+            "[ORPHANED]",
+        ] {
+            assert!(ours.contains(want), "{want:?} missing: {ours}");
+        }
+        let theirs = text.lines().find(|l| l.contains(" 77 ")).unwrap();
+        assert!(
+            theirs.contains("bob") && theirs.contains("python3") && !theirs.contains("step"),
+            "{theirs}"
+        );
+        assert!(text.contains("no memtrain run is running"), "{text}");
+    }
 }
