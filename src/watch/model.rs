@@ -81,7 +81,8 @@ pub struct JobView {
     pub step: Option<i64>,
     pub steps_per_epoch: Option<i64>,
     pub samples_per_s: Option<f64>,
-    /// Seconds left at the latest samples/s; running jobs only.
+    /// Seconds left at the pace of the session so far (its steps over its wall time);
+    /// running jobs only.
     pub eta_seconds: Option<f64>,
     pub memory: Option<MemoryNow>,
     /// The latest step records' memory, oldest first.
@@ -155,6 +156,7 @@ impl Gatherer {
     }
 
     pub fn snapshot(&mut self) -> Snapshot {
+        let now = crate::records::unix_time();
         let runs = registry::live();
         let host = crate::sysmem::host_memory().unwrap_or_default();
         // Registered runs first, in pid order, then the given directories not running.
@@ -176,7 +178,7 @@ impl Gatherer {
                 let mine: Vec<&Entry> = runs.iter().filter(|e| key(&e.run_dir) == *d).collect();
                 let f = self.followers.entry(d.clone()).or_insert_with(|| Follower::new(d));
                 f.refresh();
-                job_view(d, f, &mine)
+                job_view(d, f, &mine, now)
             })
             .collect();
         let gpus = match &self.nvml {
@@ -187,7 +189,7 @@ impl Gatherer {
             None => vec![],
         };
         Snapshot {
-            time: crate::records::unix_time(),
+            time: now,
             host: HostView {
                 ram_total_bytes: host.ram_total_bytes,
                 ram_available_bytes: host.ram_available_bytes,
@@ -290,7 +292,15 @@ fn configured_epochs(dir: &Path) -> Option<i64> {
     t.get("train")?.get("epochs")?.as_integer()
 }
 
-fn job_view(dir: &Path, f: &Follower, running: &[&Entry]) -> JobView {
+/// Time left at the session's pace so far: its steps over the wall time since the process
+/// registered, so validation, checkpoints and stalls count, which a step's samples/s leaves out.
+fn eta(e: &Entry, from_step: i64, step: i64, total_steps: i64, now: f64) -> Option<f64> {
+    let done = step - from_step;
+    let elapsed = now - e.started_at;
+    (done > 0 && elapsed > 0.0).then(|| (total_steps - step).max(0) as f64 * elapsed / done as f64)
+}
+
+fn job_view(dir: &Path, f: &Follower, running: &[&Entry], now: f64) -> JobView {
     let r = &f.records;
     let start: Option<&StartEvent> = r.starts().last();
     let last: Option<&StepEvent> = r.steps().last();
@@ -303,23 +313,9 @@ fn job_view(dir: &Path, f: &Follower, running: &[&Entry]) -> JobView {
         .filter(|s| s.effective_batch > 0)
         .map(|s| (s.train_samples + s.effective_batch - 1) / s.effective_batch);
     let step = last.map(|s| s.step).or(start.map(|s| s.step));
-    let positive = |v: f64| (v.is_finite() && v > 0.0).then_some(v);
-    let samples_per_s = last.and_then(|s| positive(s.samples_per_s));
-    // A whole epoch's rate counts validation and checkpoints too, which the steps' leaves out.
-    let epoch_rate = r
-        .events
-        .iter()
-        .rev()
-        .find_map(|e| match e {
-            Event::Epoch(e) => positive(e.samples_per_s),
-            _ => None,
-        })
-        .or(samples_per_s);
-    let eta_seconds = match (running.is_empty(), steps_per_epoch, f.epochs, step, epoch_rate, start) {
-        (false, Some(spe), Some(epochs), Some(step), Some(sps), Some(s)) => {
-            let left = (spe * epochs - step).max(0);
-            Some(left as f64 * s.effective_batch as f64 / sps)
-        }
+    let samples_per_s = last.map(|s| s.samples_per_s).filter(|v| v.is_finite() && *v > 0.0);
+    let eta_seconds = match (running.first(), steps_per_epoch, f.epochs, step, start) {
+        (Some(e), Some(spe), Some(epochs), Some(step), Some(s)) => eta(e, s.step, step, spe * epochs, now),
         _ => None,
     };
     let steps: Vec<&StepEvent> = r.steps().collect();
@@ -511,7 +507,7 @@ mod tests {
         fs::write(dir.path().join("config.resolved.toml"), "[train]\nepochs = 2\n").unwrap();
         let mut f = Follower::new(dir.path());
         f.refresh();
-        let j = job_view(dir.path(), &f, &[]);
+        let j = job_view(dir.path(), &f, &[], 0.0);
         assert_eq!((j.job.as_str(), j.status.as_str()), ("j", "oom"));
         // 48 samples in batches of 8: 6 steps an epoch.
         assert_eq!((j.step, j.steps_per_epoch, j.epochs), (Some(4), Some(6), Some(2)));

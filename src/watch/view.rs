@@ -260,10 +260,12 @@ fn draw_detail(f: &mut Frame, j: &JobView, area: Rect) {
 }
 
 fn draw_timeline(f: &mut Frame, j: &JobView, area: Rect) {
-    let title = format!(" {} memory by step  {} ", j.job, j.run_dir.display());
-    let block = Block::bordered().title(title);
     if j.timeline.is_empty() {
-        f.render_widget(Paragraph::new("no step records yet").block(block), area);
+        let title = format!(" {} memory by step  {} ", j.job, j.run_dir.display());
+        f.render_widget(
+            Paragraph::new("no step records yet").block(Block::bordered().title(title)),
+            area,
+        );
         return;
     }
     let series = |get: &dyn Fn(&super::model::TimelinePoint) -> Option<u64>| -> Vec<(f64, f64)> {
@@ -281,14 +283,22 @@ fn draw_timeline(f: &mut Frame, j: &JobView, area: Rect) {
         j.timeline.last().map_or(1.0, |p| p.step as f64),
     );
     let x1 = if x1 > x0 { x1 } else { x0 + 1.0 };
-    let cap = j.memory.as_ref().and_then(|m| m.cap_bytes).map(|c| c as f64 / MIB);
-    let cap_line = cap.map(|c| vec![(x0, c), (x1, c)]).unwrap_or_default();
-    let top = [&allocated, &reserved, &peak, &host, &cap_line]
+    let highest = [&allocated, &reserved, &peak, &host]
         .iter()
         .flat_map(|s| s.iter().map(|p| p.1))
-        .fold(0.0f64, f64::max)
-        .max(1e-3)
-        * 1.1;
+        .fold(1e-3f64, f64::max);
+    // A cap far above what the run uses would flatten every line against the floor: then it
+    // is named in the title instead of drawn.
+    let cap = j.memory.as_ref().and_then(|m| m.cap_bytes);
+    let cap_drawn = cap.map(|c| c as f64 / MIB).filter(|&c| c <= highest * 4.0);
+    let cap_line = cap_drawn.map(|c| vec![(x0, c), (x1, c)]).unwrap_or_default();
+    let top = highest.max(cap_drawn.unwrap_or(0.0)) * 1.1;
+    let off_scale = match (cap, cap_drawn) {
+        (Some(c), None) => format!(", cap {} above", human_bytes(c)),
+        _ => String::new(),
+    };
+    let title = format!(" {} memory by step{off_scale}  {} ", j.job, j.run_dir.display());
+    let block = Block::bordered().title(title);
     // The datasets borrow their points, which live to the end of this function.
     let keep: [Vec<(f64, f64)>; 5] = [allocated, reserved, peak, host, cap_line];
     let names = ["allocated", "reserved", "peak", "host", "cap"];
