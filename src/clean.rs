@@ -111,12 +111,18 @@ fn count(n: usize) -> String {
 /// This user's registered memtrain processes whose launcher has gone.
 fn orphans(runs: &[Entry], gpu: &[(u32, u64)]) -> Vec<Target> {
     runs.iter()
-        .filter(|e| e.stale() == Some(Stale::Orphaned))
+        .filter(|e| e.orphaned())
         .filter_map(|e| {
-            let proc = Proc::read(e.pid).filter(|p| p.uid == my_uid() && p.started == e.started)?;
+            // A zombie has already ended and holds nothing; a stopped orphan is still an orphan.
+            let proc = Proc::read(e.pid).filter(|p| p.uid == my_uid() && p.started == e.started && p.state != 'Z')?;
+            let stopped = if proc.state() == Some(Stale::Stopped) {
+                ", stopped"
+            } else {
+                ""
+            };
             Some(Target {
                 held: held(&proc, Some(e), gpu),
-                why: format!("orphaned (launcher pid {} has gone)", e.launcher_pid),
+                why: format!("orphaned (launcher pid {} has gone){stopped}", e.launcher_pid),
                 run: Some(e.clone()),
                 proc,
             })

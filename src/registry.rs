@@ -107,7 +107,29 @@ fn try_register(rank: Option<usize>, job: &str, run_dir: &Path, device: &str) ->
     };
     let path = dir.join(format!("{}.json", me.pid));
     crate::atomic::write_json(&path, &entry)?;
+    prune_leftovers(&dir);
     Ok(Registration(path))
+}
+
+/// Removes the files of runs that were killed before they could remove their own, so the
+/// directory does not grow without end. Only a run does this; readers never write.
+fn prune_leftovers(dir: &Path) {
+    let Ok(files) = fs::read_dir(dir) else { return };
+    for f in files.flatten() {
+        let path = f.path();
+        if path.extension().is_none_or(|e| e != "json") {
+            continue;
+        }
+        let Some(e) = fs::read(&path)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Entry>(&b).ok())
+        else {
+            continue;
+        };
+        if Proc::read(e.pid).is_none_or(|p| p.started != e.started) {
+            let _ = fs::remove_file(&path);
+        }
+    }
 }
 
 /// The directory, readable by its user only: it says what this user runs and where.
@@ -171,5 +193,23 @@ mod tests {
         assert!(moved.orphaned());
         // A leftover whose pid now names another process is not alive.
         assert!(!entry(me.pid, me.started + 1, parent.pid, parent.started).alive());
+    }
+
+    #[test]
+    fn a_run_registering_removes_the_files_killed_runs_left_and_keeps_the_live_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let me = Proc::read(std::process::id()).unwrap();
+        let live = entry(me.pid, me.started, me.ppid, 0);
+        let leftover = entry(me.pid, me.started + 1, me.ppid, 0);
+        crate::atomic::write_json(&dir.path().join("live.json"), &live).unwrap();
+        crate::atomic::write_json(&dir.path().join("leftover.json"), &leftover).unwrap();
+        fs::write(dir.path().join("notes.txt"), "not ours").unwrap();
+        prune_leftovers(dir.path());
+        let mut left: Vec<String> = fs::read_dir(dir.path())
+            .unwrap()
+            .map(|f| f.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["live.json", "notes.txt"]);
     }
 }

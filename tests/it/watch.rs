@@ -314,7 +314,8 @@ fn watch_in_a_terminal_draws_the_live_run_switches_jobs_and_quits_on_q() {
     let dead = tmux.await_output(
         &["display-message", "-p", "-t", "w", "#{pane_dead} #{pane_dead_status}"],
         "watch exiting",
-        |s| s.starts_with('1'),
+        // Dead, with its exit status (tmux may show the first before the second).
+        |s| s.split_whitespace().count() == 2 && s.starts_with('1'),
     );
     assert_eq!(dead.trim(), "1 0", "watch exits 0 on q");
     // The terminal is given back: no alternate screen left behind, the last frame gone with it.
@@ -378,8 +379,8 @@ fn clean_orphans() {
     let kept = live_run(&t, "kept", 5, &mut reap);
     let kept_pid = kept.pid() as u32;
 
-    let info: Value = serde_json::from_str(&command(&t, &["info", "--json"]).run().stdout).unwrap();
     let stale_of = |pid: u32| {
+        let info: Value = serde_json::from_str(&command(&t, &["info", "--json"]).run().stdout).unwrap();
         let r = info["runs"].as_array().unwrap().iter().find(|r| r["pid"] == pid);
         r.unwrap_or_else(|| panic!("pid {pid} not among info's runs: {info:#}"))["stale"].clone()
     };
@@ -409,6 +410,21 @@ fn clean_orphans() {
         "a run under its launcher is not an orphan:\n{dry}"
     );
     assert!(alive(orphan), "a dry run ends nothing");
+
+    // Stopped too (Ctrl-Z, SIGSTOP): flagged as stopped, and still an orphan to clean, which
+    // lets it run again after SIGTERM so that it can act on it.
+    assert_eq!(unsafe { libc::kill(orphan as i32, libc::SIGSTOP) }, 0);
+    let until = Instant::now() + PATIENCE;
+    while Proc::read(orphan).is_some_and(|p| p.state != 'T') {
+        assert!(Instant::now() < until, "pid {orphan} never stopped");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(stale_of(orphan), "stopped");
+    let dry = command(&t, &["clean"]).run().stdout;
+    assert!(
+        dry.contains(&format!("pid {orphan} ")) && dry.contains("has gone), stopped"),
+        "{dry}"
+    );
 
     // Other users' processes and missing ones are refused, before anything is done.
     let mut nobody = None;
