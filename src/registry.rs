@@ -132,14 +132,24 @@ fn prune_leftovers(dir: &Path) {
     }
 }
 
-/// The directory, readable by its user only: it says what this user runs and where.
+/// The directory, readable by its user only: it says what this user runs and where. One that
+/// someone else made (in a shared /tmp) is not used: they could read or plant entries there.
 fn create_private_dir(dir: &Path) -> Result<()> {
-    use std::os::unix::fs::DirBuilderExt;
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt};
     fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(dir)
-        .with_context(|| format!("creating {}", dir.display()))
+        .with_context(|| format!("creating {}", dir.display()))?;
+    let m = fs::symlink_metadata(dir).with_context(|| format!("reading {}", dir.display()))?;
+    if !m.is_dir() || m.uid() != crate::procs::my_uid() {
+        anyhow::bail!(
+            "{} is not a directory of this user's (owner uid {}); set {DIR_VAR} to one that is",
+            dir.display(),
+            m.uid()
+        );
+    }
+    Ok(())
 }
 
 /// The registered processes that still run, by pid; leftovers of killed runs are skipped

@@ -137,6 +137,8 @@ impl Gatherer {
             if !d.join("metrics.jsonl").is_file() {
                 let what = if d.is_dir() {
                     "is not a run directory (it has no metrics.jsonl)"
+                } else if d.exists() {
+                    "is not a directory"
                 } else {
                     "does not exist"
                 };

@@ -194,7 +194,16 @@ fn watch_refuses_what_is_not_a_run_directory() {
         .exit(2)
         .stderr_has(&format!("{empty} is not a run directory"))
         .run();
+    let file = t.dir().join("notes.txt");
+    std::fs::write(&file, "").unwrap();
+    let file = file.display().to_string();
+    command(&t, &["watch", "--once", &file])
+        .exit(2)
+        .stderr_has(&format!("{file} is not a directory"))
+        .run();
     command(&t, &["watch", "--json"]).exit(2).stderr_has("--once").run();
+    // Not on a terminal, the live view says what to use instead.
+    command(&t, &["watch"]).exit(2).stderr_has("use --once").run();
 }
 
 /// A tmux server of the test's own, killed however the test ends.
@@ -493,4 +502,18 @@ fn clean_orphans() {
     kept.signal(libc::SIGINT);
     kept.finish();
     assert_eq!(registered_files(&t), Vec::<PathBuf>::new());
+}
+
+#[test]
+fn a_run_that_cannot_register_warns_and_trains() {
+    let t = Test::new();
+    let blocked = t.dir().join("a-file");
+    std::fs::write(&blocked, "").unwrap();
+    let o = t
+        .clone()
+        .env(RUNS_DIR, &blocked.join("runs").display().to_string())
+        .args(&["--max-steps", "2"])
+        .stderr_has("this run is not registered for `memtrain watch` and `clean`")
+        .run();
+    assert_eq!(o.summary().global_steps, 2);
 }
