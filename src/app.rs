@@ -22,6 +22,8 @@ pub fn main(cli: Cli) -> i32 {
         },
         Command::Report { run_dir } => report(&run_dir),
         Command::Fit(args) => crate::fit::fit(&args, cli.quiet),
+        Command::Watch(args) => crate::watch::watch(&args),
+        Command::Clean(args) => crate::clean::clean(&args),
     };
     match result {
         Ok(()) => exit::OK,

@@ -36,6 +36,38 @@ pub enum Command {
         /// A run directory written by `memtrain run`.
         run_dir: PathBuf,
     },
+    /// A live view of the GPUs, who holds their memory, and each running (or given) memtrain
+    /// job's memory timeline and events; refreshes every second. q, Esc or Ctrl-C quits.
+    Watch(WatchArgs),
+    /// End processes that hold memory for nothing: this user's orphaned memtrain runs, or the
+    /// processes named with --pid. Lists them only, unless --yes.
+    Clean(CleanArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct WatchArgs {
+    /// Run directories to show besides the running jobs (finished ones too).
+    #[arg(value_name = "RUN_DIR")]
+    pub run_dirs: Vec<PathBuf>,
+    /// Print one frame as plain text and exit.
+    #[arg(long)]
+    pub once: bool,
+    /// With --once: print the frame's model as one JSON object (schema in README).
+    #[arg(long, requires = "once")]
+    pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct CleanArgs {
+    /// End them: SIGTERM, then SIGKILL after the grace period. Without it, only list them.
+    #[arg(long)]
+    pub yes: bool,
+    /// Act on this process instead of the orphaned memtrain runs (repeatable); it must be yours.
+    #[arg(long = "pid", value_name = "PID")]
+    pub pids: Vec<u32>,
+    /// Seconds between SIGTERM and SIGKILL.
+    #[arg(long, value_name = "SECONDS", default_value_t = 10.0)]
+    pub grace: f64,
 }
 
 #[derive(Debug, Args)]

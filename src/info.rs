@@ -2,7 +2,8 @@
 use serde::Serialize;
 
 use crate::human::human_bytes;
-use crate::{alloc_conf, shim, sysmem};
+use crate::procs::{Proc, Stale};
+use crate::{alloc_conf, registry, shim, sysmem};
 
 /// The `info --json` object. Its field names are a stable interface (documented in README).
 #[derive(Debug, Serialize)]
@@ -15,6 +16,35 @@ pub struct Info {
     pub gpus: Vec<GpuInfo>,
     pub allocator: alloc_conf::EnvSettings,
     pub data_parallel: DataParallelInfo,
+    /// The memtrain runs (and data-parallel ranks) running now, from the registry.
+    pub runs: Vec<RunProcess>,
+}
+
+/// A running memtrain process, as it registered itself.
+#[derive(Debug, Clone, Serialize)]
+pub struct RunProcess {
+    pub pid: u32,
+    pub rank: Option<usize>,
+    pub job: String,
+    pub run_dir: std::path::PathBuf,
+    pub device: String,
+    pub launcher_pid: u32,
+    /// "stopped", "zombie" or "orphaned" (its launcher has gone); null for a healthy run.
+    pub stale: Option<Stale>,
+}
+
+impl From<&registry::Entry> for RunProcess {
+    fn from(e: &registry::Entry) -> Self {
+        RunProcess {
+            pid: e.pid,
+            rank: e.rank,
+            job: e.job.clone(),
+            run_dir: e.run_dir.clone(),
+            device: e.device.clone(),
+            launcher_pid: e.launcher_pid,
+            stale: e.stale(),
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -56,6 +86,8 @@ pub struct GpuInfo {
     pub total_bytes: u64,
     pub free_bytes: u64,
     pub used_bytes: u64,
+    /// The GPU's busy percentage over the driver's last sample period; null where NVML does not say.
+    pub utilization_percent: Option<u32>,
     /// Processes holding memory on this GPU (NVML); empty when NVML is unavailable.
     pub processes: Vec<GpuProcess>,
 }
@@ -66,13 +98,36 @@ pub struct GpuProcess {
     pub name: String,
     /// null where the driver does not report per-process usage.
     pub used_bytes: Option<u64>,
+    /// The owner's login name; null when the process is not visible (another PID namespace).
+    pub user: Option<String>,
+    /// Why its memory is probably held for nothing: "stopped" (state T), "zombie" (Z), or
+    /// "orphaned" (a memtrain run whose launcher has gone); null otherwise.
+    pub stale: Option<Stale>,
+}
+
+impl GpuProcess {
+    fn new(pid: u32, used_bytes: Option<u64>, runs: &[registry::Entry]) -> Self {
+        let p = Proc::read(pid);
+        let run = runs.iter().find(|e| e.pid == pid);
+        GpuProcess {
+            pid,
+            name: p.as_ref().map_or_else(|| "?".into(), |p| p.name.clone()),
+            used_bytes,
+            user: p.as_ref().map(Proc::user),
+            stale: match (p.as_ref().and_then(Proc::state), run) {
+                (Some(s), _) => Some(s),
+                (None, Some(e)) => e.orphaned().then_some(Stale::Orphaned),
+                (None, None) => None,
+            },
+        }
+    }
 }
 
 /// NVML's library names, in the order tried: driver-only machines and containers install only
 /// the versioned `.so.1` (the unversioned name comes with the development package).
 const NVML_LIBS: [&str; 2] = ["libnvidia-ml.so.1", "libnvidia-ml.so"];
 
-fn nvml() -> Option<nvml_wrapper::Nvml> {
+pub(crate) fn nvml() -> Option<nvml_wrapper::Nvml> {
     NVML_LIBS.iter().find_map(|lib| {
         nvml_wrapper::Nvml::builder()
             .lib_path(std::ffi::OsStr::new(lib))
@@ -87,8 +142,9 @@ pub fn collect() -> anyhow::Result<Info> {
     let available = shim::accelerator_available();
     let device_count = if available { shim::device_count()? } else { 0 };
     let nvml = nvml();
+    let runs = registry::live();
     let gpus = match &nvml {
-        Some(n) => nvml_gpus(n, device_count),
+        Some(n) => nvml_gpus(n, device_count, &runs),
         None => shim_gpus(device_count),
     };
     Ok(Info {
@@ -119,6 +175,7 @@ pub fn collect() -> anyhow::Result<Info> {
                 nccl: b.nccl,
             }
         },
+        runs: runs.iter().map(RunProcess::from).collect(),
     })
 }
 
@@ -160,7 +217,13 @@ fn cuda_ordered(n: &nvml_wrapper::Nvml, cuda_devices: usize) -> Vec<(usize, nvml
     }
 }
 
-fn nvml_gpus(n: &nvml_wrapper::Nvml, cuda_devices: usize) -> Vec<GpuInfo> {
+/// Every GPU NVML sees, in its own order, without starting CUDA in this process (which would
+/// itself take memory on each card): what `watch` and `clean` show.
+pub fn gpus_without_cuda(n: &nvml_wrapper::Nvml, runs: &[registry::Entry]) -> Vec<GpuInfo> {
+    nvml_gpus(n, 0, runs)
+}
+
+fn nvml_gpus(n: &nvml_wrapper::Nvml, cuda_devices: usize, runs: &[registry::Entry]) -> Vec<GpuInfo> {
     cuda_ordered(n, cuda_devices)
         .into_iter()
         .filter_map(|(i, d)| {
@@ -175,15 +238,10 @@ fn nvml_gpus(n: &nvml_wrapper::Nvml, cuda_devices: usize) -> Vec<GpuInfo> {
                 total_bytes: mem.total,
                 free_bytes: mem.free,
                 used_bytes: mem.used,
+                utilization_percent: d.utilization_rates().ok().map(|u| u.gpu),
                 processes: procs
                     .into_iter()
-                    .map(|p| GpuProcess {
-                        pid: p.pid,
-                        name: std::fs::read_to_string(format!("/proc/{}/comm", p.pid))
-                            .map(|s| s.trim().to_owned())
-                            .unwrap_or_else(|_| "?".into()),
-                        used_bytes: used_bytes(&p),
-                    })
+                    .map(|p| GpuProcess::new(p.pid, used_bytes(&p), runs))
                     .collect(),
             })
         })
@@ -201,10 +259,21 @@ fn shim_gpus(count: usize) -> Vec<GpuInfo> {
                 total_bytes: total,
                 free_bytes: free,
                 used_bytes: total - free,
+                utilization_percent: None,
                 processes: vec![],
             })
         })
         .collect()
+}
+
+/// "  [STALE: stopped ...]" after a process that holds memory for nothing; `clean` ends them.
+pub fn stale_note(s: Option<Stale>) -> String {
+    match s {
+        None => String::new(),
+        Some(Stale::Stopped) => "  [STALE: stopped (state T); `kill -CONT` or `memtrain clean --pid`]".into(),
+        Some(Stale::Zombie) => "  [STALE: zombie (state Z); its parent has not reaped it]".into(),
+        Some(Stale::Orphaned) => "  [STALE: orphaned, its launcher has gone; `memtrain clean` ends it]".into(),
+    }
 }
 
 pub fn print_human(i: &Info) {
@@ -239,8 +308,25 @@ pub fn print_human(i: &Info) {
         );
         for p in &g.processes {
             let used = p.used_bytes.map(human_bytes).unwrap_or_else(|| "unknown".into());
-            println!("  pid {} ({}): {}", p.pid, p.name, used);
+            let user = p.user.as_deref().unwrap_or("?");
+            println!("  pid {} ({}, {user}): {}{}", p.pid, p.name, used, stale_note(p.stale));
         }
+    }
+    if i.runs.is_empty() {
+        println!("memtrain runs: none running (registry {})", registry::dir().display());
+    } else {
+        println!("memtrain runs (registry {}):", registry::dir().display());
+    }
+    for r in &i.runs {
+        let rank = r.rank.map(|r| format!(" rank {r}")).unwrap_or_default();
+        println!(
+            "  pid {}{rank}: job {} on {}, {}{}",
+            r.pid,
+            r.job,
+            r.device,
+            r.run_dir.display(),
+            stale_note(r.stale)
+        );
     }
     let built = |on: bool| if on { "built" } else { "not built" };
     println!(

@@ -52,13 +52,18 @@ impl RunRecords {
     /// metrics.jsonl's text, one event a line.
     pub fn parse(text: &str) -> Self {
         let mut records = RunRecords::default();
+        records.push_lines(text);
+        records
+    }
+
+    /// More of metrics.jsonl's text, whole lines only, for a reader that follows a live run.
+    pub fn push_lines(&mut self, text: &str) {
         for line in text.lines().filter(|l| !l.trim().is_empty()) {
             match serde_json::from_str::<Event>(line) {
-                Ok(event) => records.push(event),
-                Err(_) => records.unreadable_lines += 1,
+                Ok(event) => self.push(event),
+                Err(_) => self.unreadable_lines += 1,
             }
         }
-        records
     }
 
     fn push(&mut self, event: Event) {

@@ -52,6 +52,13 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
     };
     let facts = Facts::probe(&spec, &request)?;
     let mut plan = Plan::resolve(&spec, &request, &facts)?;
+    // For `watch` and `clean`; the file goes when this returns, whatever the outcome.
+    let _registration = crate::registry::register(
+        world.as_ref().map(|w| w.rank),
+        &spec.job.name,
+        &plan.run_dir,
+        &device_name(plan.device.tch()),
+    );
     // Before joining: a NCCL barrier's first CUDA allocation starts the caching allocator, which
     // reads its settings (the cap's fraction among them) once, then.
     set_environment(&plan);

@@ -19,3 +19,4 @@ mod reads;
 mod report;
 mod training;
 mod validation;
+mod watch;

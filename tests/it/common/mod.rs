@@ -377,6 +377,9 @@ impl Test {
             }
         };
         cmd.args(&argv);
+        // Each test's runs register in its own directory, never in the user's registry, where
+        // `memtrain watch` and `clean` would find them.
+        cmd.env("MEMTRAIN_RUNS_DIR", self.dir().join("registry"));
         for (k, v) in &self.env {
             cmd.env(k, v);
         }
