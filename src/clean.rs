@@ -83,12 +83,17 @@ pub fn clean(args: &CleanArgs) -> Result<()> {
         true => orphans(&runs, &gpu),
         false => named(&args.pids, &runs, &gpu)?,
     };
+    // A run whose launcher ended within its first second, before it registered, was recorded
+    // under the parent it was handed to and cannot be told from one under a live launcher:
+    // the runs spared are named, so that one can be ended with --pid.
+    let spared = if args.pids.is_empty() { spared(&runs) } else { vec![] };
     if targets.is_empty() {
         println!(
             "nothing to clean: no orphaned memtrain processes of user {} (registry {})",
             user_name(my_uid()),
             registry::dir().display()
         );
+        print_spared(&spared);
         return Ok(());
     }
     if !args.yes {
@@ -96,6 +101,7 @@ pub fn clean(args: &CleanArgs) -> Result<()> {
         for t in &targets {
             println!("  {}", t.line());
         }
+        print_spared(&spared);
         return Ok(());
     }
     end(&targets, Duration::from_secs_f64(args.grace))
@@ -128,6 +134,34 @@ fn orphans(runs: &[Entry], gpu: &[(u32, u64)]) -> Vec<Target> {
             })
         })
         .collect()
+}
+
+/// This user's live runs that are not orphaned: left alone unless named with `--pid`.
+fn spared(runs: &[Entry]) -> Vec<(Entry, String)> {
+    runs.iter()
+        .filter(|e| !e.orphaned())
+        .filter(|e| Proc::read(e.pid).is_some_and(|p| p.uid == my_uid() && p.started == e.started))
+        .map(|e| {
+            let launcher = Proc::read(e.launcher_pid).map_or_else(|| "?".into(), |p| p.name);
+            (e.clone(), launcher)
+        })
+        .collect()
+}
+
+fn print_spared(spared: &[(Entry, String)]) {
+    if spared.is_empty() {
+        return;
+    }
+    println!("spared, under a live launcher (end one with --pid PID):");
+    for (e, launcher) in spared {
+        println!(
+            "  {} (job {}, {}) under launcher pid {} ({launcher})",
+            e.pid,
+            e.job,
+            e.run_dir.display(),
+            e.launcher_pid
+        );
+    }
 }
 
 /// The processes named with `--pid`: each must exist and be this user's.
