@@ -524,7 +524,7 @@ mod tests {
         assert_eq!(kinds, ["start", "preflight", "oom"]);
         let oom = &j.events[2].text;
         assert!(
-            oom.contains("OOM in training step") && oom.contains("backoff to micro-batch 4"),
+            oom.contains("OOM in backward") && oom.contains("backoff to micro-batch 4"),
             "{oom}"
         );
     }
