@@ -285,6 +285,33 @@ impl Recovery {
         }
     }
 
+    /// What the message of a run that ran out of options suggests before `--resume`: adding
+    /// `"backoff"` when the policy lacks it; otherwise lowering `memory.min_batch_size` where
+    /// that lets backoff go further, and the other levers the policy does not list.
+    pub fn advice(&self) -> String {
+        let on_oom = &self.policy.on_oom;
+        if !on_oom.contains(&OomAction::Backoff) {
+            return "after adding \"backoff\" to memory.on_oom, or with a smaller train.batch_size".into();
+        }
+        let mut ways = vec![];
+        if self.policy.min_batch > 1 {
+            ways.push(format!(
+                "after lowering memory.min_batch_size (now {})",
+                self.policy.min_batch
+            ));
+        }
+        let missing: Vec<String> = [OomAction::Offload, OomAction::Recompute]
+            .into_iter()
+            .filter(|a| !on_oom.contains(a))
+            .map(|a| format!("\"{}\"", a.name()))
+            .collect();
+        if !missing.is_empty() {
+            ways.push(format!("after adding {} to memory.on_oom", missing.join(" or ")));
+        }
+        ways.push("with a larger memory.limit or a smaller model".into());
+        ways.join(", or ")
+    }
+
     /// An optimizer step finished cleanly. Levers that let go after enough clean steps do
     /// (backoff: the micro-batch doubles, at most back to the configured one).
     pub fn on_clean_step(&mut self) -> Option<GrowBack> {
@@ -578,5 +605,21 @@ mod tests {
         };
         let r = Recovery::new(policy(vec![Fail], 1, 0, true), fresh(shape(8, 1)), Some(saved));
         assert_eq!(r.eval_micro_batch(), 8);
+    }
+
+    #[test]
+    fn the_advice_never_suggests_what_the_policy_already_tries() {
+        let r = machine(vec![Fail], 1, 0, false);
+        assert_eq!(
+            r.advice(),
+            "after adding \"backoff\" to memory.on_oom, or with a smaller train.batch_size"
+        );
+        let r = machine(vec![Backoff, Fail], 4, 0, false);
+        let a = r.advice();
+        assert!(!a.contains("\"backoff\""), "{a}");
+        assert!(a.contains("lowering memory.min_batch_size (now 4)"), "{a}");
+        assert!(a.contains("adding \"offload\" or \"recompute\""), "{a}");
+        let r = machine(vec![Recompute, Offload, Backoff, Fail], 1, 0, false);
+        assert_eq!(r.advice(), "with a larger memory.limit or a smaller model");
     }
 }

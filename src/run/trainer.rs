@@ -308,7 +308,11 @@ impl Trainer {
                 } else {
                     match self.save_checkpoint("oom") {
                         Ok(None) => "rank 0 saves the last good state".to_owned(),
-                        Ok(Some((p, _))) => format!("last good state saved to {}; resume with --resume after adding \"backoff\" to memory.on_oom, or with a smaller train.batch_size", p.display()),
+                        Ok(Some((p, _))) => format!(
+                            "last good state saved to {}; resume with --resume {}",
+                            p.display(),
+                            self.recovery.advice()
+                        ),
                         Err(e) => format!("no checkpoint could be written: {e:#}"),
                     }
                 };
