@@ -314,7 +314,13 @@ fn job_view(dir: &Path, f: &Follower, running: &[&Entry], now: f64) -> JobView {
     let steps_per_epoch = start
         .filter(|s| s.effective_batch > 0)
         .map(|s| (s.train_samples + s.effective_batch - 1) / s.effective_batch);
-    let step = last.map(|s| s.step).or(start.map(|s| s.step));
+    // The furthest step any record reached: a run that logs every N steps writes no step
+    // record between them, and a finished run's summary counts every step it took.
+    let recorded = r.events.iter().filter_map(|e| e.at_step()).max();
+    let step = match (running.is_empty(), &f.summary) {
+        (true, Some(s)) => Some(recorded.map_or(s.global_steps, |x| x.max(s.global_steps))),
+        _ => recorded,
+    };
     let samples_per_s = last.map(|s| s.samples_per_s).filter(|v| v.is_finite() && *v > 0.0);
     let eta_seconds = match (running.first(), steps_per_epoch, f.epochs, step, start) {
         (Some(e), Some(spe), Some(epochs), Some(step), Some(s)) => eta(e, s.step, step, spe * epochs, now),
@@ -527,5 +533,21 @@ mod tests {
             oom.contains("OOM in backward") && oom.contains("backoff to micro-batch 4"),
             "{oom}"
         );
+    }
+
+    #[test]
+    fn a_finished_run_that_logged_no_step_shows_the_steps_its_summary_counts() {
+        let dir = tempfile::tempdir().unwrap();
+        let events = vec![Event::Start(samples::start(0, false, None))];
+        fs::write(dir.path().join("metrics.jsonl"), lines(&events)).unwrap();
+        let summary = Summary {
+            global_steps: 2,
+            ..samples::summary(Status::StepLimit, 2)
+        };
+        crate::atomic::write_json(&dir.path().join("summary.json"), &summary).unwrap();
+        let mut f = Follower::new(dir.path());
+        f.refresh();
+        let j = job_view(dir.path(), &f, &[], 0.0);
+        assert_eq!((j.status.as_str(), j.step), ("step_limit", Some(2)));
     }
 }
