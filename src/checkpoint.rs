@@ -101,7 +101,7 @@ pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()
     let mut header = serde_json::Map::new();
     let mut offset = 0u64;
     for (name, t) in tensors {
-        let bytes = (t.numel() * t.kind().elt_size_in_bytes()) as u64;
+        let bytes = crate::memory::tensor_bytes(t);
         header.insert(
             name.clone(),
             serde_json::json!({"dtype": dtype(t.kind())?, "shape": t.size(), "data_offsets": [offset, offset + bytes]}),

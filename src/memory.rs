@@ -337,6 +337,11 @@ fn due(every: u64, step: u64) -> bool {
     every > 0 && step.is_multiple_of(every)
 }
 
+/// The bytes a tensor's elements take (its storage may hold more).
+pub fn tensor_bytes(t: &tch::Tensor) -> u64 {
+    (t.numel() * t.kind().elt_size_in_bytes()) as u64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -41,7 +41,7 @@ impl Proc {
             started: field(22)?.parse().ok()?,
             uid,
             name,
-            rss_bytes: field(24)?.parse::<u64>().ok()? * page_size(),
+            rss_bytes: field(24)?.parse::<u64>().ok()? * crate::sysmem::page_size(),
         })
     }
 
@@ -103,16 +103,6 @@ pub fn user_name(uid: u32) -> String {
             (f.nth(1)?.parse::<u32>().ok()? == uid).then(|| name.to_owned())
         })
         .unwrap_or_else(|| uid.to_string())
-}
-
-fn page_size() -> u64 {
-    // SAFETY: sysconf has no preconditions.
-    let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
-    if n > 0 {
-        n as u64
-    } else {
-        4096
-    }
 }
 
 #[cfg(test)]

@@ -55,7 +55,7 @@ pub fn rss_now() -> u64 {
     pages * page_size()
 }
 
-fn page_size() -> u64 {
+pub(crate) fn page_size() -> u64 {
     // SAFETY: sysconf has no preconditions.
     let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     if n > 0 {

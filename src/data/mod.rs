@@ -65,10 +65,7 @@ impl Dataset {
 
     /// Bytes its samples and labels take.
     pub fn bytes(&self) -> u64 {
-        [&self.x, &self.y]
-            .iter()
-            .map(|t| (t.numel() * t.kind().elt_size_in_bytes()) as u64)
-            .sum()
+        [&self.x, &self.y].iter().map(|t| crate::memory::tensor_bytes(t)).sum()
     }
 
     /// Keeps the samples on `device`, where batches are then drawn: a step copies only the

@@ -146,6 +146,21 @@ fn data_words(d: &Data) -> String {
     }
 }
 
+/// One key that follows the data: set to the data's `value` where the spec leaves it out; a
+/// different value in the spec is the message returned (`seen`: what the data's images are).
+fn follow(table: &mut toml::map::Map<String, toml::Value>, name: &str, value: i64, seen: &str) -> Option<String> {
+    match table.get(name).and_then(toml::Value::as_integer) {
+        None => {
+            table.insert(name.into(), toml::Value::Integer(value));
+            None
+        }
+        Some(s) if s != value => Some(format!(
+            "is {s}, but the data's images {seen}; leave {name} out to follow the data, or set it to {value}"
+        )),
+        Some(_) => None,
+    }
+}
+
 /// An image preset's `image_size` and `in_channels` from the data where the spec leaves them
 /// out; one the spec sets that the data contradicts is a problem naming both sizes. A ViT also
 /// needs patches that tile the data's images.
@@ -175,33 +190,11 @@ pub fn follow_data(preset: &str, m: &mut Model, data: &DataImages) -> Vec<(Strin
         }
         return problems;
     }
-    match table.get("image_size").and_then(toml::Value::as_integer) {
-        None => {
-            table.insert("image_size".into(), toml::Value::Integer(h));
-        }
-        Some(s) if s != h => problems.push((
-            key("image_size"),
-            format!(
-                "is {s}, but the data's images are {h}×{h} ({}); leave image_size out to follow the data, or set it to {h}",
-                data.source
-            ),
-        )),
-        Some(_) => {}
-    }
+    let size = follow(table, "image_size", h, &format!("are {h}×{h} ({})", data.source));
+    problems.extend(size.map(|m| (key("image_size"), m)));
     if c > 0 {
-        match table.get("in_channels").and_then(toml::Value::as_integer) {
-            None => {
-                table.insert("in_channels".into(), toml::Value::Integer(c));
-            }
-            Some(s) if s != c => problems.push((
-                key("in_channels"),
-                format!(
-                    "is {s}, but the data's images have {c} channels ({}); leave in_channels out to follow the data, or set it to {c}",
-                    data.source
-                ),
-            )),
-            Some(_) => {}
-        }
+        let channels = follow(table, "in_channels", c, &format!("have {c} channels ({})", data.source));
+        problems.extend(channels.map(|m| (key("in_channels"), m)));
     }
     if preset == "vit" && problems.is_empty() {
         let patch = table

@@ -14,6 +14,7 @@ use tch::{Device, Tensor};
 
 use super::components::{Components, LoopSettings, Outputs};
 use super::execution::Execution;
+use super::forward::stage;
 use super::levers;
 use super::parts::{ArchAt, ArchStep, Model, Parts};
 use super::recovery::Recovery;
@@ -534,7 +535,7 @@ impl Trainer {
             || memory::oom_count(place),
             || {
                 tch::no_grad(|| {
-                    let _squeeze = fault::squeeze_in(Phase::Validation, self.state.global_step);
+                    let _validation = stage(Phase::Validation, self.state.global_step);
                     let f = &self.pipeline.forward;
                     let mut ahead = chunks.first().map(|c| f.inputs(&self.data.val, c, 0));
                     for (i, chunk) in chunks.iter().enumerate() {
@@ -710,14 +711,13 @@ impl Trainer {
         if let Some(a) = &self.arch {
             self.state.arch = a.state.clone();
         }
-        let squeeze = fault::squeeze_in(Phase::Checkpoint, self.state.global_step);
         // Gathering the state allocates (the generators' states, sharded state on rank 0): an
         // OOM there is a typed error the caller decides on. The store writes atomically, so the
         // checkpoints already written stay as they were.
         let saved = oom::guarded_counting(
             || memory::oom_count(place),
             || -> Result<Option<(PathBuf, u64)>> {
-                oom::entering(Phase::Checkpoint);
+                let _checkpoint = stage(Phase::Checkpoint, self.state.global_step);
                 // An interrupted epoch resumes with its sums so far.
                 self.read_tally()?;
                 let (model, optim) = self.checkpoint_contents()?;
@@ -735,7 +735,6 @@ impl Trainer {
                     .map(Some)
             },
         );
-        drop(squeeze);
         let saved = match saved {
             Ok(Ok(s)) => s,
             Ok(Err(e)) => match oom::classify(&format!("{e:#}")) {
@@ -773,20 +772,14 @@ impl Trainer {
         let place = self.place();
         let m = memory::sample(place);
         let cap = self.settings.cap.as_ref().map(|c| c.bytes);
-        let model: u64 = self
-            .model
-            .vs
-            .variables()
-            .values()
-            .map(|t| t.numel() as u64 * t.kind().elt_size_in_bytes() as u64)
-            .sum();
+        let model: u64 = self.model.vs.variables().values().map(memory::tensor_bytes).sum();
         // Listing the state may allocate (8-bit state, host copies) where memory just ran out.
         let state: u64 = oom::guarded(|| {
             self.model
                 .opt
                 .state_tensors()
                 .iter()
-                .map(|(_, t)| t.numel() as u64 * t.kind().elt_size_in_bytes() as u64)
+                .map(|(_, t)| memory::tensor_bytes(t))
                 .sum()
         })
         .unwrap_or(0);
