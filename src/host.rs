@@ -1,8 +1,8 @@
 //! Host memory: where the memory levers put what leaves the device (optimizer state, gradients,
 //! saved activations, parameters), and the copies between it and the device.
 //!
-//! On CUDA a host tensor is pinned CPU memory, so copies to the device can be issued without
-//! blocking. On the CPU the "device" is the counting allocator's capped count and a host tensor
+//! On CUDA a host tensor is pinned CPU memory, so copies run on a copy stream beside the
+//! kernels, ordered by events (see [`Host`]). On the CPU the "device" is the counting allocator's capped count and a host tensor
 //! is a CPU tensor allocated inside a [`HostScope`]: counted apart, never against the cap. Both
 //! are plain CPU tensors to the math, so every lever computes with the same ATen calls on the
 //! same values whichever side a tensor is on, and a CPU run with a lever equals one without,
@@ -35,6 +35,13 @@ impl Home {
 }
 
 /// The host side of a run on `device`: where its host tensors are made and how they travel.
+///
+/// Every copy between host and device goes through here. On CUDA, host tensors are pinned and
+/// copies run without blocking on the device's copy stream ([`Copies`]); on the CPU they are
+/// ordinary copies. The one rule the asynchrony brings: the CPU writes a pinned buffer only
+/// after [`Host::before_cpu_writes`], so no queued copy still reads (or writes) it. The
+/// optimizer's host update and the host gradients' accumulation are the only CPU writers of
+/// buffers that copies touch, and both call it first.
 #[derive(Debug, Clone, Copy)]
 pub struct Host {
     pub device: Device,
@@ -45,13 +52,22 @@ impl Host {
         Host { device }
     }
 
-    /// An uninitialised host tensor.
-    pub fn empty(&self, size: &[i64], kind: Kind) -> Tensor {
-        let _scope = HostScope::enter();
-        let t = Tensor::empty(size, (kind, Device::Cpu));
+    fn cuda(&self) -> Option<usize> {
         match self.device {
-            Device::Cuda(_) => t.pin_memory(self.device),
-            _ => t,
+            Device::Cuda(i) => Some(i),
+            _ => None,
+        }
+    }
+
+    /// An uninitialised host tensor: pinned memory on CUDA, counted as host memory on the CPU.
+    pub fn empty(&self, size: &[i64], kind: Kind) -> Tensor {
+        match self.cuda() {
+            // Inside the OOM guard like any libtorch error.
+            Some(_) => crate::shim::copies::pinned_empty(size, kind).unwrap_or_else(|e| panic!("{e:#}")),
+            None => {
+                let _scope = HostScope::enter();
+                Tensor::empty(size, (kind, Device::Cpu))
+            }
         }
     }
 
@@ -70,35 +86,116 @@ impl Host {
         h
     }
 
-    /// A device copy of the host tensor `h`. From pinned memory the copy does not block the CPU;
-    /// the device's stream orders it before any kernel that reads it.
+    /// A device copy of the host tensor `h`, complete before any kernel queued after it runs.
     pub fn to_device(&self, h: &Tensor) -> Tensor {
         match self.device {
             Device::Cpu => tch::no_grad(|| h.copy()),
-            d => h.to_device_(d, h.kind(), true, false),
+            d => {
+                let copies = self.copies();
+                let t = copies.up_new(h);
+                copies.fence().compute_waits();
+                debug_assert_eq!(t.device(), d);
+                t
+            }
         }
     }
 
-    /// Copies the host tensor `h` into the device tensor `dst` in place.
-    pub fn copy_into_device(&self, dst: &mut Tensor, h: &Tensor) {
-        tch::no_grad(|| {
-            match self.device {
-                Device::Cpu => {
-                    dst.copy_(h);
-                }
-                // `_copy_from(src, dst, non_blocking)`.
-                _ => {
-                    let _ = h.internal_copy_from(dst, true);
-                }
+    /// A CPU tensor (a batch of inputs) on its way to the device on the compute stream: staged
+    /// in pinned memory so the copy does not block the host (the host allocator keeps the
+    /// staging buffer until the copy has run). Already on the device: the tensor itself.
+    pub fn input(&self, t: &Tensor) -> Tensor {
+        match (t.device(), self.device) {
+            (from, to) if from == to => t.shallow_clone(),
+            (Device::Cpu, to) => {
+                let mut staged = self.empty(&t.size(), t.kind());
+                tch::no_grad(|| staged.copy_(t));
+                staged.to_device_(to, t.kind(), true, false)
             }
-        });
+            // Resident data after a CPU fallback, say.
+            (_, to) => t.to_device(to),
+        }
     }
 
-    /// Waits for the device copies issued so far, before their host sources are written again.
-    pub fn settle(&self) {
-        if let Device::Cuda(i) = self.device {
-            // A failed synchronize is a broken device; the next kernel reports it.
-            let _ = crate::shim::synchronize(i);
+    /// A batch of copies on the copy stream, each ordered after the compute stream's work queued
+    /// before this call.
+    pub fn copies(&self) -> Copies {
+        if let Some(i) = self.cuda() {
+            ok(crate::shim::copies::copies_after_compute(i));
+        }
+        Copies { device: self.device }
+    }
+
+    /// Waits until no queued copy reads or writes host memory, so the CPU may write it.
+    pub fn before_cpu_writes(&self) {
+        if self.cuda().is_some() {
+            Copies { device: self.device }.fence().host_waits();
+        }
+    }
+}
+
+/// A libtorch error inside a step leaves it as a panic, which the OOM guard turns into an error.
+fn ok<T>(r: anyhow::Result<T>) -> T {
+    r.unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+/// Copies issued together (see [`Host::copies`]). On CUDA they run on the copy stream without
+/// blocking the host; on the CPU each is done when its call returns.
+pub struct Copies {
+    device: Device,
+}
+
+impl Copies {
+    /// `dst` (host) takes the value of `src` (device).
+    pub fn down(&self, dst: &Tensor, src: &Tensor) {
+        self.copy(dst, src)
+    }
+
+    /// `dst` (device) takes the value of `src` (host).
+    pub fn up(&self, dst: &Tensor, src: &Tensor) {
+        self.copy(dst, src)
+    }
+
+    /// A new device tensor that takes the value of the host tensor `h`.
+    pub fn up_new(&self, h: &Tensor) -> Tensor {
+        let t = Tensor::empty(h.size(), (h.kind(), self.device));
+        self.up(&t, h);
+        t
+    }
+
+    fn copy(&self, dst: &Tensor, src: &Tensor) {
+        match self.device {
+            Device::Cuda(i) => ok(crate::shim::copies::copy_async(i, dst, src)),
+            _ => {
+                tch::no_grad(|| dst.shallow_clone().copy_(src));
+            }
+        }
+    }
+
+    /// Marks the copies issued so far on this device's copy stream.
+    pub fn fence(&self) -> Fence {
+        match self.device {
+            Device::Cuda(i) => Fence(Some(ok(crate::shim::copies::CopyEvent::record(i)))),
+            _ => Fence(None),
+        }
+    }
+}
+
+/// The copies queued before it was made (nothing to wait for on the CPU).
+#[must_use = "a fence orders nothing until something waits for it"]
+pub struct Fence(Option<crate::shim::copies::CopyEvent>);
+
+impl Fence {
+    /// Kernels queued from now on run after the copies; the host does not wait.
+    pub fn compute_waits(&self) {
+        if let Some(e) = &self.0 {
+            ok(e.block_compute());
+        }
+    }
+
+    /// The host waits until the copies have run.
+    pub fn host_waits(&self) {
+        if let Some(e) = &self.0 {
+            ok(e.synchronize());
         }
     }
 }

@@ -111,9 +111,20 @@ pub fn step_reading(place: Place) -> StepMemory {
                 m.peak_reserved_bytes = Some(s.peak_reserved);
                 let _ = shim::reset_peak_stats(i);
             }
+            (m.host_bytes, m.peak_host_bytes) = pinned_figures();
+            let _ = shim::copies::cuda_host_reset_peak();
         }
     }
     m
+}
+
+/// On CUDA, host memory is what the pinned host allocator holds for tensors (host levers'
+/// buffers and the inputs' staging), recorded once something has been pinned.
+fn pinned_figures() -> (Option<u64>, Option<u64>) {
+    match shim::copies::cuda_host_stats() {
+        Ok((now, peak)) if now > 0 || peak > 0 => (Some(now), Some(peak)),
+        _ => (None, None),
+    }
 }
 
 /// Host figures are recorded once something has lived on the host, so runs without a host
@@ -175,6 +186,7 @@ pub fn sample(place: Place) -> MemorySample {
             m.peak_reserved_bytes = Some(s.peak_reserved);
             m.num_alloc_retries = Some(s.num_alloc_retries);
         }
+        (m.host_bytes, m.peak_host_bytes) = pinned_figures();
         if let Ok(Some((free, total))) = shim::memory_info(i) {
             m.device_free_bytes = Some(free);
             m.device_total_bytes = Some(total);
@@ -199,6 +211,7 @@ pub fn reset_peaks(place: Place) {
     match place {
         Place::Cuda(i) => {
             let _ = shim::reset_peak_stats(i);
+            let _ = shim::copies::cuda_host_reset_peak();
         }
         Place::Cpu => shim::cpu_alloc_reset_peak(),
     }

@@ -87,11 +87,8 @@ impl Dataset {
 
     /// The samples at `idx` (a CPU int64 tensor of indices), as `(x, y)` on the CPU.
     pub fn batch(&self, idx: &Tensor) -> (Tensor, Tensor) {
-        let idx = match self.x.device() {
-            Device::Cpu => idx.shallow_clone(),
-            // Resident samples: the indices go over from pinned memory, without waiting.
-            d => idx.pin_memory(d).to_device_(d, idx.kind(), true, false),
-        };
+        // Resident samples: the indices go over from pinned memory, without waiting.
+        let idx = crate::host::Host::new(self.x.device()).input(idx);
         (self.x.index_select(0, &idx), self.y.index_select(0, &idx))
     }
 }

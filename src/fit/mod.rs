@@ -22,7 +22,6 @@ use crate::host::Home;
 use crate::human::{human_bytes, human_duration};
 use crate::plan::{DevicePlan, Facts, Plan, Request};
 use crate::records::{self, RunRecords, StepEvent};
-use crate::spec::OptimizerImpl;
 use crate::spec::{self, ByteSize, Precision};
 pub use search::{fastest, largest_fit, micro_batch_for, Measured};
 
@@ -75,14 +74,6 @@ impl Placement {
             ("memory.activations", at(matches!(self, StateGradsActs | Everything))),
             ("memory.parameters", at(self == Everything)),
         ]
-    }
-
-    /// State off the device updates one parameter at a time, which an explicit
-    /// `train.optimizer_impl = "foreach"` or `"fused"` refuses: with such a spec this placement
-    /// runs "auto" (which is "single" there).
-    fn optimizer_impl(self, asked: OptimizerImpl) -> Option<&'static str> {
-        let explicit = matches!(asked, OptimizerImpl::Foreach | OptimizerImpl::Fused);
-        (self != Placement::Device && explicit).then_some("auto")
     }
 
     /// The next rung up (activations only move with checkpointing on; parameters only for
@@ -216,8 +207,6 @@ struct Prober<'a> {
     count: usize,
     probes: Vec<Probe>,
     quiet: bool,
-    /// The spec's `train.optimizer_impl` (see `Placement::optimizer_impl`).
-    optimizer_impl: OptimizerImpl,
 }
 
 impl Prober<'_> {
@@ -254,12 +243,6 @@ impl Prober<'_> {
             ("log.tensorboard", v(false.into())),
         ];
         edits.extend(setting.placement.keys().map(|(key, home)| (key, v(home.name().into()))));
-        edits.extend(
-            setting
-                .placement
-                .optimizer_impl(self.optimizer_impl)
-                .map(|i| ("train.optimizer_impl", v(i.into()))),
-        );
         edits
     }
 
@@ -587,7 +570,6 @@ pub fn fit(args: &FitArgs, quiet: bool) -> Result<()> {
         count: 0,
         probes: vec![],
         quiet,
-        optimizer_impl: spec.train.optimizer_impl,
     };
     let mut results = vec![];
     let mut candidates = vec![];
@@ -611,7 +593,7 @@ pub fn fit(args: &FitArgs, quiet: bool) -> Result<()> {
         min_batch_size: (spec.memory.min_batch_size > m.micro_batch).then_some(m.micro_batch),
     });
     let written = match (&recommendation, &args.write) {
-        (Some(r), Some(out)) => Some(write_spec(args, r, &budget, spec.train.optimizer_impl, out)?),
+        (Some(r), Some(out)) => Some(write_spec(args, r, &budget, out)?),
         _ => None,
     };
     let report = Report {
@@ -880,7 +862,6 @@ fn write_spec(
     args: &FitArgs,
     rec: &Recommendation,
     budget: &Budget,
-    asked: OptimizerImpl,
     out: &Path,
 ) -> Result<PathBuf> {
     let v = |x: toml_edit::Value| Some(x);
@@ -898,9 +879,6 @@ fn write_spec(
     }
     for (key, home) in rec.setting.placement.keys() {
         edits.push((key, v(home.name().into())));
-    }
-    if let Some(i) = rec.setting.placement.optimizer_impl(asked) {
-        edits.push(("train.optimizer_impl", v(i.into())));
     }
     if let Some((key, value)) = &budget.written_as {
         let other = if *key == "memory.limit" {

@@ -1,18 +1,28 @@
 //! Gradients on the host (`memory.gradients = "host"`): each parameter's gradient leaves the
-//! device as soon as a block's backward has produced it and accumulates in a host buffer.
+//! device as soon as a block's backward has produced it and accumulates in a host buffer. The
+//! same buffers stage the gradients of an update that runs on the host
+//! (`memory.optimizer_state = "host"`), downloaded once backward is done.
 //!
 //! Exact by construction: the first piece of a step is copied (autograd would have taken it as
 //! the gradient), every later one is added in place (`grad += new`, autograd's own
 //! accumulation), so the host buffer holds the same values the device gradient would have.
+//!
+//! On CUDA the pieces go down on the copy stream while backward goes on. A later piece lands in
+//! a staging buffer of its own and is added once it has arrived: at the next collection (the
+//! block before's downloads are done by then, or nearly) or at [`HostGrads::finish`].
 use tch::Tensor;
 
-use crate::host::Host;
+use crate::host::{Fence, Host};
 
 pub struct HostGrads {
     /// One host buffer per parameter, shaped like it.
     buffers: Vec<Tensor>,
     /// Whether this step has written buffer `i` (the step's first piece is copied, not added).
     written: Vec<bool>,
+    /// Later pieces on their way down: (parameter, staging buffer), added once `arrived` passes.
+    pending: Vec<(usize, Tensor)>,
+    /// The downloads issued so far.
+    arrived: Option<Fence>,
 }
 
 impl HostGrads {
@@ -20,11 +30,15 @@ impl HostGrads {
         HostGrads {
             buffers: params.iter().map(|(_, p)| host.zeros_like(p)).collect(),
             written: vec![false; params.len()],
+            pending: Vec::new(),
+            arrived: None,
         }
     }
 
     /// Moves every gradient the device holds into its host buffer and releases it there.
-    pub fn collect(&mut self, params: &[(String, Tensor)]) {
+    pub fn collect(&mut self, host: &Host, params: &[(String, Tensor)]) {
+        self.add_arrived(host);
+        let copies = host.copies();
         let mut moved = Vec::new();
         tch::no_grad(|| {
             for (i, (_, p)) in params.iter().enumerate() {
@@ -33,25 +47,58 @@ impl HostGrads {
                     continue;
                 }
                 let buf = &mut self.buffers[i];
-                match self.written[i] {
-                    false => buf.copy_(&g),
-                    true => {
-                        let _ = buf.g_add_(&g.to_device(buf.device()));
+                match (self.written[i], host.device) {
+                    (false, _) => copies.down(buf, &g),
+                    // On the CPU the piece is where the buffer is.
+                    (true, tch::Device::Cpu) => {
+                        let _ = buf.g_add_(&g);
+                    }
+                    (true, _) => {
+                        let staged = host.empty(&g.size(), g.kind());
+                        copies.down(&staged, &g);
+                        self.pending.push((i, staged));
                     }
                 }
                 self.written[i] = true;
                 moved.push(p);
             }
         });
+        self.arrived = Some(copies.fence());
         if let Err(e) = crate::shim::drop_grads(moved) {
             // Inside the OOM guard like any libtorch error.
             panic!("{e}");
         }
     }
 
+    /// Waits for the downloads issued so far and adds the pieces that were waiting for them.
+    fn add_arrived(&mut self, host: &Host) {
+        if self.pending.is_empty() {
+            return;
+        }
+        match self.arrived.take() {
+            Some(f) => f.host_waits(),
+            None => host.before_cpu_writes(),
+        }
+        tch::no_grad(|| {
+            for (i, piece) in self.pending.drain(..) {
+                let _ = self.buffers[i].g_add_(&piece);
+            }
+        });
+    }
+
+    /// Backward is over: every piece of this step is in its buffer once this returns.
+    pub fn finish(&mut self, host: &Host) {
+        self.add_arrived(host);
+        if let Some(f) = self.arrived.take() {
+            f.host_waits();
+        }
+    }
+
     /// A new step: nothing written yet.
     pub fn reset(&mut self) {
         self.written.iter_mut().for_each(|w| *w = false);
+        self.pending.clear();
+        self.arrived = None;
     }
 
     /// Parameter `i`'s gradient of this step, if any piece of it arrived.

@@ -60,9 +60,8 @@ pub fn refusal(asked: OptimizerImpl, p: Placement) -> Option<String> {
         ));
     }
     if p.state_on_host {
-        return Some(format!(
-            "\"{x}\" updates the state on the device, and memory.optimizer_state = \"host\" (or memory.parameters = \"host\", which brings the state along) keeps it on the host, where memtrain updates one parameter at a time; {instead}, or keep the state on the device"
-        ));
+        // The update runs on the host, over host gradients, state and parameters.
+        return None;
     }
     if p.grads_on_host {
         return Some(format!(
@@ -72,11 +71,14 @@ pub fn refusal(asked: OptimizerImpl, p: Placement) -> Option<String> {
     None
 }
 
-/// What runs for `asked` on `device` with `p`: "auto" is PyTorch's default (foreach on CUDA,
-/// single on the CPU) where foreach can run, single otherwise; an explicit choice that cannot
-/// run (a spec refuses it; a later placement can still force it) falls back to single.
+/// What runs for `asked` on `device` with `p`: "auto" is the fused kernel for state on the host
+/// (one multi-threaded pass over memory, where host memory bandwidth is the wall), and
+/// otherwise PyTorch's default (foreach on CUDA, single on the CPU) where foreach can run,
+/// single otherwise; an explicit choice that cannot run (a spec refuses it; a later placement
+/// can still force it) falls back to single.
 pub fn resolve(asked: OptimizerImpl, device: Device, p: Placement) -> OptimizerImpl {
     match asked {
+        OptimizerImpl::Auto if p.state_on_host && refusal(OptimizerImpl::Fused, p).is_none() => OptimizerImpl::Fused,
         OptimizerImpl::Auto => match device.is_cuda() && refusal(OptimizerImpl::Foreach, p).is_none() {
             true => OptimizerImpl::Foreach,
             false => OptimizerImpl::Single,

@@ -63,7 +63,7 @@ pub use implementation::{refusal, resolve, Placement};
 use implementation::{Batch, Implementation, Reserve};
 pub use quant::dynamic_map;
 pub use rule::Slot;
-use rule::{ParamUpdate, Rule, Step};
+use rule::{Rule, Step};
 pub use schedule::LrSchedule;
 use shard::steps_param;
 pub use shard::Shard;
@@ -160,6 +160,43 @@ pub struct Optimizer {
     host: Host,
     /// `memory.gradients = "host"`: the step's gradients, collected off the device.
     host_grads: Option<HostGrads>,
+    /// State on the host of a CUDA run with gradients on the device: where the update's
+    /// gradients are staged once backward is done.
+    staged: Option<HostGrads>,
+    /// State on the host of a CUDA run: the parameters' host copies the update writes and
+    /// uploads (see [`Masters`]).
+    masters: Masters,
+    /// Seconds the host updates took since they were last taken (None: no host update ran).
+    host_update_seconds: Option<f64>,
+}
+
+/// The host's copy of each parameter a host update writes, made when the first such update
+/// needs it: the master copy, so that a step uploads parameters and never downloads them. Only
+/// the optimizer writes parameters between steps; whatever else writes them (a checkpoint's
+/// state, a placement change, a move) drops the copies, and the next update makes them again.
+#[derive(Default)]
+struct Masters(Vec<Option<Tensor>>);
+
+impl Masters {
+    /// The tensors the host update writes: each parameter itself where it rests on the CPU (a
+    /// CPU run, streamed parameters), its master copy where it lives on a CUDA device.
+    fn targets(&mut self, host: &Host, params: &[(String, Tensor)], live: &[(usize, Tensor)]) -> Vec<(String, Tensor)> {
+        self.0.resize_with(params.len(), || None);
+        let mut out: Vec<(String, Tensor)> = params.iter().map(|(n, p)| (n.clone(), p.shallow_clone())).collect();
+        for (i, _) in live {
+            let p = &params[*i].1;
+            if p.device() == Device::Cpu {
+                continue;
+            }
+            let master = self.0[*i].get_or_insert_with(|| host.copy_of(p));
+            out[*i].1 = master.shallow_clone();
+        }
+        out
+    }
+
+    fn drop_all(&mut self) {
+        self.0.clear();
+    }
 }
 
 impl std::fmt::Debug for Optimizer {
@@ -178,6 +215,8 @@ pub struct Prepared {
     live: Vec<(usize, Tensor)>,
     workspace: Workspace,
     host_workspace: Workspace,
+    /// State on the host: what the update writes (see [`Masters::targets`]).
+    targets: Vec<(String, Tensor)>,
     /// fp16-mixed with a fused optimizer: the loss scale the gradients still carry, per device,
     /// which the kernel divides out (see [`Prepared::with_grad_scale`]).
     grad_scale: Vec<(Device, Tensor)>,
@@ -190,7 +229,7 @@ impl Prepared {
     /// it belongs to the step's first phase.
     pub fn with_grad_scale(mut self, opt: &Optimizer, scale: f64) -> Prepared {
         for (i, _) in &self.live {
-            let d = opt.params[*i].1.device();
+            let d = opt.update_device(*i);
             if !self.grad_scale.iter().any(|(sd, _)| *sd == d) {
                 self.grad_scale.push((d, Tensor::full([1], scale, (Kind::Float, d))));
             }
@@ -228,6 +267,9 @@ impl Optimizer {
         let mut opt = Optimizer {
             host,
             host_grads: None,
+            staged: None,
+            masters: Masters::default(),
+            host_update_seconds: None,
             hyper,
             rule,
             params,
@@ -313,36 +355,39 @@ impl Optimizer {
     /// [`Optimizer::apply`], which allocates nothing parameter-sized.
     pub fn prepare(&mut self) -> Prepared {
         tch::no_grad(|| {
-            let live: Vec<(usize, Tensor)> = self
-                .grads()
-                .into_iter()
-                .filter(|(i, _)| steps_param(self.shard.as_ref(), *i))
-                .collect();
             let mut workspace = Workspace::default();
             let mut host_workspace = Workspace::default();
-            let grads_on_host = self.host_grads.is_some();
-            match self.state.home() {
-                Home::Device => self.implementation.reserve(Reserve {
-                    rule: &*self.rule,
-                    params: &self.params,
-                    live: &live,
-                    multipliers: &mut self.multipliers,
-                    forms_of: self.forms_of,
-                    workspace: &mut workspace,
-                    grads_on_host,
-                }),
-                Home::Host => {
-                    for (i, _) in &live {
-                        let p = &self.params[*i].1;
-                        let forms = (self.forms_of)(Device::Cpu, p.kind());
-                        self.multipliers.prepare(Device::Cpu, p.kind(), forms);
-                        self.rule.prepare(Device::Cpu);
-                        // The parameter's host copy, and the gradient's unless it is there.
-                        let carried = 1 + usize::from(!grads_on_host);
-                        host_workspace.reserve_on(Device::Cpu, p, self.rule.temporaries(forms) + carried);
-                    }
+            let (live, targets) = match self.state.home() {
+                Home::Device => {
+                    let live = self.live_grads();
+                    self.implementation.reserve(Reserve {
+                        rule: &*self.rule,
+                        params: &self.params,
+                        live: &live,
+                        multipliers: &mut self.multipliers,
+                        forms_of: self.forms_of,
+                        workspace: &mut workspace,
+                        grads_on_host: self.host_grads.is_some(),
+                    });
+                    (live, Vec::new())
                 }
-            }
+                Home::Host => {
+                    let _host = HostScope::enter();
+                    let live = self.host_live();
+                    let targets = self.masters.targets(&self.host, &self.params, &live);
+                    // The update runs where its gradients, state and targets all are: on the host.
+                    self.implementation.reserve(Reserve {
+                        rule: &*self.rule,
+                        params: &targets,
+                        live: &live,
+                        multipliers: &mut self.multipliers,
+                        forms_of: self.forms_of,
+                        workspace: &mut host_workspace,
+                        grads_on_host: false,
+                    });
+                    (live, targets)
+                }
+            };
             workspace.allocate();
             {
                 let _host = HostScope::enter();
@@ -352,9 +397,43 @@ impl Optimizer {
                 live,
                 workspace,
                 host_workspace,
+                targets,
                 grad_scale: Vec::new(),
             }
         })
+    }
+
+    /// This step's gradients of the parameters this process steps.
+    fn live_grads(&self) -> Vec<(usize, Tensor)> {
+        self.grads()
+            .into_iter()
+            .filter(|(i, _)| steps_param(self.shard.as_ref(), *i))
+            .collect()
+    }
+
+    /// The live gradients on the host, for an update there: staged off a CUDA device when
+    /// they are not placed on the host already (the downloads are queued; `apply` waits).
+    fn host_live(&mut self) -> Vec<(usize, Tensor)> {
+        if self.host.device.is_cuda() && self.host_grads.is_none() {
+            let staged = self
+                .staged
+                .get_or_insert_with(|| HostGrads::allocate(&self.host, &self.params));
+            staged.reset();
+            staged.collect(&self.host, &self.params);
+            let stepped = (0..self.params.len()).filter(|i| steps_param(self.shard.as_ref(), *i));
+            return stepped
+                .filter_map(|i| staged.of(i).map(|g| (i, g.shallow_clone())))
+                .collect();
+        }
+        self.live_grads()
+    }
+
+    /// Where parameter `i`'s update runs.
+    fn update_device(&self, i: usize) -> Device {
+        match self.state.home() {
+            Home::Host => Device::Cpu,
+            Home::Device => self.params[i].1.device(),
+        }
     }
 
     /// The step's second phase, in place only: the rule updates every parameter that has a
@@ -370,6 +449,7 @@ impl Optimizer {
             live,
             workspace,
             host_workspace,
+            mut targets,
             grad_scale,
         } = prepared;
         let Optimizer {
@@ -381,13 +461,13 @@ impl Optimizer {
             host,
             host_grads,
             implementation,
+            host_update_seconds,
             ..
         } = self;
-        let home = state.home();
-        let grads_on_host = host_grads.is_some();
+        let on_host = state.home() == Home::Host;
         tch::no_grad(|| -> Result<()> {
             multipliers.refill(&values);
-            if home == Home::Device {
+            if !on_host {
                 return implementation.apply(Batch {
                     rule: &**rule,
                     step,
@@ -397,47 +477,47 @@ impl Optimizer {
                     workspace: &workspace,
                     multipliers,
                     forms_of: *forms_of,
-                    grads_on_host,
+                    grads_on_host: host_grads.is_some(),
                     grad_scale: &grad_scale,
                 });
             }
-            // State on the host: one parameter at a time, whatever was asked (see `resolve`).
-            for (i, grad) in &live {
-                let param = &mut params[*i].1;
-                let kind = param.kind();
-                let st = state.param_mut(*i);
-                // The update runs on the host, on a copy of the parameter, which then goes
-                // back: the same ATen calls on the same values as on the device.
-                let temps = host_workspace.views_on(Device::Cpu, param);
-                let forms = forms_of(Device::Cpu, kind);
-                let n = rule.temporaries(forms);
-                let grad = match grads_on_host {
-                    true => grad.shallow_clone(),
-                    false => carry(&temps[n + 1], grad),
-                };
-                let mut master = temps[n].shallow_clone();
-                master.copy_(param);
-                rule.update(
+            // Every download has landed and no upload still reads a target: the CPU may write.
+            host.before_cpu_writes();
+            let t0 = std::time::Instant::now();
+            let uploads = host.copies();
+            for chunk in upload_chunks(&live) {
+                implementation.apply(Batch {
+                    rule: &**rule,
                     step,
-                    ParamUpdate {
-                        param: &mut master,
-                        grad: &grad,
-                        state: &mut st.tensors,
-                        state_written: st.written,
-                        temps: &temps[..n],
-                        forms,
-                        coefs: multipliers.coefs(Device::Cpu, kind),
-                    },
-                );
-                host.copy_into_device(param, &master);
-                st.written = true;
+                    params: &mut targets,
+                    live: chunk,
+                    state,
+                    workspace: &host_workspace,
+                    multipliers,
+                    forms_of: *forms_of,
+                    grads_on_host: false,
+                    grad_scale: &grad_scale,
+                })?;
+                // This chunk goes up while the next one is updated.
+                for (i, _) in chunk {
+                    let p = &params[*i].1;
+                    if p.device() != Device::Cpu {
+                        uploads.up(p, &targets[*i].1);
+                    }
+                }
             }
-            // The host copies are written again next step; their uploads finish first.
-            host.settle();
+            // The next step's kernels read the parameters after their uploads; the host goes on.
+            uploads.fence().compute_waits();
+            *host_update_seconds.get_or_insert(0.0) += t0.elapsed().as_secs_f64();
             Ok(())
         })?;
         self.steps = step.number;
         Ok(())
+    }
+
+    /// The CPU seconds of the host updates since the last call (None: none ran).
+    pub fn take_host_update_seconds(&mut self) -> Option<f64> {
+        self.host_update_seconds.take()
     }
 
     /// Zeroes every defined grad in place (detached first, like PyTorch's
@@ -486,7 +566,14 @@ impl Optimizer {
     /// no-op otherwise). Called after each block's backward.
     pub fn collect_grads(&mut self) {
         if let Some(h) = &mut self.host_grads {
-            h.collect(&self.params);
+            h.collect(&self.host, &self.params);
+        }
+    }
+
+    /// Backward is over: gradients on the host are complete once this returns.
+    pub fn finish_backward(&mut self) {
+        if let Some(h) = &mut self.host_grads {
+            h.finish(&self.host);
         }
     }
 
@@ -506,11 +593,14 @@ impl Optimizer {
     /// parameters built on the CPU to stream to that device.
     pub fn host_for(&mut self, device: Device) {
         self.host = Host::new(device);
+        self.masters.drop_all();
     }
 
     /// Moves the state to `home` (`memory.optimizer_state`); the values are kept exactly.
     pub fn place_state(&mut self, home: Home) {
         self.state.place(home, &self.host, &self.params);
+        self.masters.drop_all();
+        self.staged = None;
         self.choose_implementation();
     }
 
@@ -571,6 +661,8 @@ impl Optimizer {
             );
         }
         self.steps = steps_taken;
+        // A checkpoint's parameters came with it.
+        self.masters.drop_all();
         Ok(())
     }
 
@@ -578,10 +670,28 @@ impl Optimizer {
     /// clones of VarStore variables and follow the VarStore's own move (`set_data`).
     pub fn to_device(&mut self, device: Device) {
         self.host = Host::new(device);
+        self.masters.drop_all();
+        self.staged = None;
         self.state.move_to(device);
         self.multipliers.retain_on(device);
         self.choose_implementation();
     }
+}
+
+/// The live parameters in runs of about 64 MiB of parameter bytes: a host update uploads each
+/// run while it updates the next.
+fn upload_chunks(live: &[(usize, Tensor)]) -> Vec<&[(usize, Tensor)]> {
+    const RUN_BYTES: usize = 64 << 20;
+    let mut out = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (j, (_, g)) in live.iter().enumerate() {
+        bytes += crate::memory::tensor_bytes(g) as usize;
+        if bytes >= RUN_BYTES || j + 1 == live.len() {
+            out.push(&live[start..=j]);
+            (start, bytes) = (j + 1, 0);
+        }
+    }
+    out
 }
 
 /// `grad` copied into the workspace temporary `to`, on the side the update runs.

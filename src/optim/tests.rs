@@ -276,16 +276,21 @@ fn groups_change_no_value() {
 }
 
 #[test]
-fn auto_is_single_on_the_cpu_and_explicit_choices_fall_back_where_they_cannot_run() {
+fn auto_is_single_on_the_cpu_fused_for_host_state_and_explicit_choices_fall_back_where_they_cannot_run() {
     let p = || vec![("w".to_string(), leaf(&PARAM, &[2, 3]))];
-    let opt = Optimizer::new(with_impl(adamw(), OptimizerImpl::Auto), p());
+    let mut opt = Optimizer::new(with_impl(adamw(), OptimizerImpl::Auto), p());
     assert_eq!(opt.implementation(), OptimizerImpl::Single);
-    let mut opt = Optimizer::new(with_impl(adamw(), OptimizerImpl::Fused), p());
-    assert_eq!(opt.implementation(), OptimizerImpl::Fused);
     opt.place_state(Home::Host);
-    assert_eq!(opt.implementation(), OptimizerImpl::Single);
-    opt.place_state(Home::Device);
     assert_eq!(opt.implementation(), OptimizerImpl::Fused);
+    let mut opt = Optimizer::new(with_impl(adamw(), OptimizerImpl::Foreach), p());
+    assert_eq!(opt.implementation(), OptimizerImpl::Foreach);
+    opt.place_state(Home::Host);
+    opt.place_grads(Home::Host);
+    assert_eq!(opt.implementation(), OptimizerImpl::Foreach, "the host update runs foreach too");
+    opt.place_state(Home::Device);
+    assert_eq!(opt.implementation(), OptimizerImpl::Single, "gradients on the host, state on the device");
+    opt.place_grads(Home::Device);
+    assert_eq!(opt.implementation(), OptimizerImpl::Foreach);
     let opt = Optimizer::new(with_impl(with_8bit_state(adamw()), OptimizerImpl::Foreach), p());
     assert_eq!(opt.implementation(), OptimizerImpl::Single);
     let cuda = Device::Cuda(0);

@@ -57,6 +57,7 @@ pub fn step(step: i64, loss: f64, allocated: u64, peak_allocated: u64) -> StepEv
         loss_scale: Some(65536.0),
         skipped: false,
         host_reads: 1,
+        host_update_seconds: None,
     }
 }
 
@@ -103,6 +104,7 @@ pub fn epoch(step: i64, val_acc: f64) -> EpochEvent {
         }),
         ranks: vec![rank_peak(0), rank_peak(1)],
         host_reads: 2,
+        host_update_seconds: None,
     }
 }
 
@@ -239,6 +241,7 @@ pub fn summary(status: Status, global_steps: i64) -> Summary {
             optimizer_impl: Some("fused".into()),
         },
         host_reads: 5,
+        host_update_seconds: None,
     }
 }
 

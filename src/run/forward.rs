@@ -27,7 +27,7 @@ use tch::{Device, Kind, Reduction, Tensor};
 use super::stream::{streamed_logits, Streamer};
 use crate::data::Dataset;
 use crate::fault::{self, Phase};
-use crate::host::{Home, Host};
+use crate::host::{Fence, Home, Host};
 use crate::model::{Chain, Net};
 use crate::oom;
 use crate::shim::{self, Autocast};
@@ -58,17 +58,9 @@ impl PrecisionStage {
     }
 }
 
-/// A host tensor's copy on `device`, issued without waiting: from pageable memory a CUDA copy
-/// blocks the host until it is done, from pinned memory it is queued on the stream like a
-/// kernel (the pinned buffer goes back to the host cache once the copy has run). Already there:
-/// the tensor itself.
+/// A host tensor's copy on `device`, issued without waiting (see [`Host::input`]).
 pub fn to_device_async(t: &Tensor, device: Device) -> Tensor {
-    match (t.device(), device) {
-        (from, to) if from == to => t.shallow_clone(),
-        (Device::Cpu, to) => t.pin_memory(to).to_device_(to, t.kind(), true, false),
-        // Resident data after a CPU fallback, say.
-        (_, to) => t.to_device(to),
-    }
+    Host::new(device).input(t)
 }
 
 /// A micro-batch placed on the device (its copies may still be in flight): inputs in the
@@ -231,18 +223,34 @@ struct Boundaries {
 }
 
 impl Boundaries {
+    /// Sends a block's inputs to the host once the kernels queued so far (the block that reads
+    /// them) have run; the device copies go when the block is done with them.
     fn keep(&self, ts: Vec<Tensor>) -> Vec<Tensor> {
         match &self.host {
-            Some(h) => ts.iter().map(|t| h.copy_of(t)).collect(),
+            Some(h) => {
+                let copies = h.copies();
+                ts.iter()
+                    .map(|t| {
+                        let kept = h.empty(&t.size(), t.kind());
+                        copies.down(&kept, t);
+                        kept
+                    })
+                    .collect()
+            }
             None => ts,
         }
     }
 
-    /// The inputs back on the device (issued ahead of the block that needs them).
-    fn fetch(&self, ts: Vec<Tensor>) -> Vec<Tensor> {
+    /// The inputs back on the device, issued ahead of the block that needs them: it waits for
+    /// the fence first.
+    fn fetch(&self, ts: Vec<Tensor>) -> (Vec<Tensor>, Option<Fence>) {
         match &self.host {
-            Some(h) => ts.iter().map(|t| h.to_device(t)).collect(),
-            None => ts,
+            Some(h) => {
+                let copies = h.copies();
+                let back = ts.iter().map(|t| copies.up_new(t)).collect();
+                (back, Some(copies.fence()))
+            }
+            None => (ts, None),
         }
     }
 }
@@ -293,6 +301,7 @@ fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, after_block: &m
     // its forward (and later its backward) is done; all go back if anything fails.
     let pass = m.stream.map(Streamer::pass);
     let bring = |i: usize| pass.iter().for_each(|s| s.bring(i));
+    let ready = |i: usize| pass.iter().for_each(|s| s.ready(i));
     let release = |i: usize| pass.iter().for_each(|s| s.release(i));
     bring(0);
     tch::no_grad(|| {
@@ -308,6 +317,7 @@ fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, after_block: &m
                 _autocast = None;
                 _autocast = p.precision.autocast(p.device);
             }
+            ready(i);
             let next = chain.block(i, &state, true);
             release(i);
             saved.push((bounds.keep(std::mem::replace(&mut state, next)), rng));
@@ -317,6 +327,7 @@ fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, after_block: &m
     let buffers: Vec<Tensor> = m.buffers.iter().map(|b| b.copy()).collect();
 
     let head_in = leaves(&state);
+    ready(k - 1);
     let (loss, correct) = {
         let logits = {
             let _autocast = p.precision.autocast(p.device);
@@ -340,7 +351,7 @@ fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, after_block: &m
     let mut grads: Vec<Tensor> = head_in.iter().map(Tensor::grad).collect();
     drop(head_in);
 
-    while let Some((inputs, rng)) = ahead.take() {
+    while let Some(((inputs, arrived), rng)) = ahead.take() {
         let i = saved.len();
         // One block ahead: the next boundary and block are on their way while this block runs
         // again.
@@ -348,6 +359,10 @@ fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, after_block: &m
         if i > 0 {
             bring(i - 1);
         }
+        if let Some(f) = arrived {
+            f.compute_waits();
+        }
+        ready(i);
         let ins = if i == 0 { inputs } else { leaves(&inputs) };
         let outs = rerun(p, chain, i, &ins, &rng);
         // Outputs that received no gradient (a weight no later block used) start nothing.

@@ -196,6 +196,7 @@ impl StepPipeline {
         if let Some(r) = reducer {
             r.settle(false).unwrap_or_else(|e| panic!("{e:#}"));
         }
+        opt.finish_backward();
         // From here on an OOM is the optimizer step's: it reads and rewrites the gradients.
         oom::entering(Phase::Optimizer);
         // unscale (the gradients are the optimizer's: on the device, or on the host; listed

@@ -10,11 +10,11 @@
 //! statistics) do change in a training forward, so theirs are copied back first. The values the
 //! math sees are the same either way, so a run that streams equals one that does not, byte for
 //! byte on the CPU.
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 
 use tch::{nn, Tensor};
 
-use crate::host::Host;
+use crate::host::{Fence, Host};
 use crate::model::{block_vars, Chain};
 use crate::shim::Autocast;
 
@@ -31,6 +31,10 @@ pub struct Streamer {
     blocks: Vec<Vec<Streamed>>,
     /// Which blocks are on the device now.
     brought: RefCell<Vec<bool>>,
+    /// Each block's uploads, until the compute stream is told to wait for them.
+    arriving: RefCell<Vec<Option<Fence>>>,
+    /// Buffers are on their way back to the host: the CPU must not read them yet.
+    returning: Cell<bool>,
 }
 
 impl std::fmt::Debug for Streamer {
@@ -57,16 +61,18 @@ impl Streamer {
                     .collect()
             })
             .collect();
-        host.settle();
         Ok(Streamer {
             host,
             brought: RefCell::new(vec![false; blocks.len()]),
+            arriving: RefCell::new((0..blocks.len()).map(|_| None).collect()),
+            returning: Cell::new(false),
             blocks,
         })
     }
 
     /// Block `i`'s variables onto the device (nothing if they are there or `i` is past the end).
-    /// The copies are issued now; on CUDA they run ahead of the kernels that read them.
+    /// The copies are issued now, on the copy stream; [`Streamer::ready`] orders the block's
+    /// kernels after them.
     pub fn bring(&self, i: usize) {
         let mut brought = self.brought.borrow_mut();
         if i >= self.blocks.len() || brought[i] {
@@ -76,9 +82,18 @@ impl Streamer {
         // device, and the release that follows the error must send them back.
         brought[i] = true;
         drop(brought);
+        let copies = self.host.copies();
         for s in &self.blocks[i] {
-            let on_device = self.host.to_device(&s.home);
+            let on_device = copies.up_new(&s.home);
             s.var.shallow_clone().set_data(&on_device);
+        }
+        self.arriving.borrow_mut()[i] = Some(copies.fence());
+    }
+
+    /// Kernels queued from now on see block `i`'s variables (brought earlier) on the device.
+    pub fn ready(&self, i: usize) {
+        if let Some(f) = self.arriving.borrow_mut().get_mut(i).and_then(Option::take) {
+            f.compute_waits();
         }
     }
 
@@ -88,14 +103,15 @@ impl Streamer {
         if i >= self.blocks.len() || !brought[i] {
             return;
         }
-        tch::no_grad(|| {
-            for s in &self.blocks[i] {
-                if s.buffer {
-                    s.home.shallow_clone().copy_(&s.var);
-                }
-                s.var.shallow_clone().set_data(&s.home);
+        let copies = self.host.copies();
+        for s in &self.blocks[i] {
+            if s.buffer {
+                copies.down(&s.home, &s.var);
+                self.returning.set(true);
             }
-        });
+            s.var.shallow_clone().set_data(&s.home);
+        }
+        self.arriving.borrow_mut()[i] = None;
         brought[i] = false;
     }
 
@@ -103,6 +119,10 @@ impl Streamer {
     pub fn release_all(&self) {
         for i in 0..self.blocks.len() {
             self.release(i);
+        }
+        // At rest the variables are their host copies, which the CPU may read (a checkpoint).
+        if self.returning.replace(false) {
+            self.host.before_cpu_writes();
         }
     }
 
@@ -123,6 +143,10 @@ impl Pass<'_> {
 
     pub fn release(&self, i: usize) {
         self.0.release(i);
+    }
+
+    pub fn ready(&self, i: usize) {
+        self.0.ready(i);
     }
 }
 
@@ -149,6 +173,7 @@ pub fn streamed_logits(
     pass.bring(0);
     for i in 0..chain.blocks() {
         pass.bring(i + 1);
+        pass.ready(i);
         let _autocast = autocast();
         state = chain.block(i, &state, train);
         pass.release(i);

@@ -951,6 +951,7 @@ impl Trainer {
                 loss_scale: self.state.scaler.map(|s| s.scale),
                 skipped,
                 host_reads: self.session.reads.take(),
+                host_update_seconds: self.model.opt.take_host_update_seconds(),
             };
             self.emit(Event::Step(e))?;
         }

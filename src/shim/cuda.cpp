@@ -5,15 +5,22 @@
 // through libtorch_cuda. Compiled with the CUDA runtime's headers (MEMTRAIN_HAVE_CUDA_RUNTIME);
 // without them every entry says so.
 #include <ATen/Context.h>
+#include <ATen/Functions.h>
+#include <ATen/core/CachingHostAllocator.h>
 #ifdef MEMTRAIN_HAVE_CUDA_RUNTIME
+#include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/cuda/memory_snapshot.h>
 #endif
 
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <array>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -88,6 +95,137 @@ char *mt_cuda_set_memory_fraction(double fraction, int64_t device) {
         "this memtrain was built without the CUDA runtime's headers, so it cannot cap the CUDA allocator; "
         "rebuild after scripts/bootstrap (it installs nvidia-cuda-crt and nvidia-cuda-cccl beside torch)");
 #endif
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Host <-> device copies beside the compute stream.
+//
+// One copy stream per device, taken from the pool the first time it is asked for, so a copy
+// can run while kernels run. Ordering is explicit: the copy stream waits for the compute
+// stream's work so far before a batch of copies (mt_cuda_copies_after_compute), and the compute
+// stream waits for an event on the copy stream before it reads what came up
+// (mt_cuda_event_block_compute). A device tensor a copy reads or writes is marked as used by the
+// copy stream, so the caching allocator does not hand its memory to a kernel before the copy
+// has run; a pinned host buffer is marked by the copy kernel itself (the host allocator records
+// an event on the stream the copy ran on).
+
+// Events and stream guards go through c10's device-generic interface (virtual calls into
+// libc10_cuda), never c10::cuda's inline ones, which would reference libcudart directly.
+struct MtEvent {
+#ifdef MEMTRAIN_HAVE_CUDA_RUNTIME
+  c10::Event event{c10::DeviceType::CUDA};
+#endif
+};
+
+#ifdef MEMTRAIN_HAVE_CUDA_RUNTIME
+namespace {
+std::mutex copy_streams_mutex;
+std::array<std::optional<c10::cuda::CUDAStream>, 64> copy_streams;
+
+c10::cuda::CUDAStream copy_stream(int64_t device) {
+  if (device < 0 || device >= static_cast<int64_t>(copy_streams.size())) {
+    throw std::invalid_argument("no copy stream for CUDA device " + std::to_string(device));
+  }
+  std::lock_guard<std::mutex> lock(copy_streams_mutex);
+  auto &s = copy_streams[device];
+  if (!s) s = c10::cuda::getStreamFromPool(false, static_cast<c10::DeviceIndex>(device));
+  return *s;
+}
+
+void used_by(const at::Tensor &t, c10::cuda::CUDAStream stream) {
+  if (t.is_cuda() && t.storage().data_ptr().get()) {
+    c10::cuda::CUDACachingAllocator::recordStream(t.storage().data_ptr(), stream);
+  }
+}
+}  // namespace
+#endif
+
+#ifdef MEMTRAIN_HAVE_CUDA_RUNTIME
+#define MT_CUDA_ONLY(body) body
+#else
+#define MT_CUDA_ONLY(body) throw std::runtime_error("this memtrain was built without the CUDA runtime's headers: no copy stream");
+#endif
+
+// An uninitialised CPU tensor in pinned (page-locked) memory from the CUDA host allocator: the
+// only memory a copy to or from the device can run from without blocking the host.
+char *mt_pinned_empty(const int64_t *sizes, int64_t n, int32_t dtype, at::Tensor **out) {
+  return guarded([&] {
+    auto options = at::TensorOptions()
+                       .dtype(static_cast<c10::ScalarType>(dtype))
+                       .device(at::kCPU)
+                       .pinned_memory(true);
+    *out = new at::Tensor(at::empty(c10::IntArrayRef(sizes, static_cast<size_t>(n)), options));
+  });
+}
+
+// The copy stream of `device` waits for everything the compute stream has queued so far.
+char *mt_cuda_copies_after_compute(int64_t device) {
+  return guarded([&] {
+    MT_CUDA_ONLY({
+      auto copies = copy_stream(device);
+      c10::Event e(c10::DeviceType::CUDA);
+      e.record(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).unwrap());
+      e.block(copies.unwrap());
+    })
+  });
+}
+
+// dst.copy_(src, non_blocking=true) on the copy stream. One side is pinned host memory, the
+// other on `device`.
+char *mt_cuda_copy(int64_t device, at::Tensor *dst, at::Tensor *src) {
+  return guarded([&] {
+    MT_CUDA_ONLY({
+      auto copies = copy_stream(device);
+      c10::StreamGuard guard(copies.unwrap());
+      dst->copy_(*src, true);
+      used_by(*dst, copies);
+      used_by(*src, copies);
+    })
+  });
+}
+
+// An event marking the copies queued so far on the copy stream of `device`.
+char *mt_cuda_copies_event(int64_t device, MtEvent **out) {
+  return guarded([&] {
+    MT_CUDA_ONLY({
+      auto e = std::make_unique<MtEvent>();
+      e->event.record(copy_stream(device).unwrap());
+      *out = e.release();
+    })
+  });
+}
+
+// The compute stream of `device` waits for `e` (the host does not).
+char *mt_cuda_event_block_compute(MtEvent *e, int64_t device) {
+  return guarded([&] {
+    MT_CUDA_ONLY(e->event.block(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).unwrap());)
+  });
+}
+
+// The host waits for `e`.
+char *mt_cuda_event_synchronize(MtEvent *e) {
+  return guarded([&] { MT_CUDA_ONLY(e->event.synchronize();) });
+}
+
+void mt_cuda_event_free(MtEvent *e) { delete e; }
+
+// Pinned host memory from the CUDA host allocator: bytes in use now and their peak since the
+// last reset. Zeros where CUDA is not available.
+char *mt_cuda_host_stats(uint64_t *active, uint64_t *peak_active) {
+  return guarded([&] {
+    *active = 0;
+    *peak_active = 0;
+    if (!at::hasCUDA()) return;
+    auto s = at::getHostAllocator(at::kCUDA)->get_stats();
+    *active = static_cast<uint64_t>(s.active_bytes.current);
+    *peak_active = static_cast<uint64_t>(s.active_bytes.peak);
+  });
+}
+
+char *mt_cuda_host_reset_peak() {
+  return guarded([&] {
+    if (at::hasCUDA()) at::getHostAllocator(at::kCUDA)->reset_peak_stats();
   });
 }
 

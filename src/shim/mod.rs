@@ -2,6 +2,7 @@
 //! device memory info, versions, the allocator snapshot, the counting CPU allocator, and the
 //! optimizer's in-place foreach ops and fused kernels.
 //! Everything C++ stays behind this module.
+pub mod copies;
 pub mod dist;
 
 use std::ffi::{c_char, CStr};

@@ -225,23 +225,14 @@ fn optimizer_state_bits(p: &mut Problems, t: &Train) {
     }
 }
 
-/// An explicit foreach or fused request the run could not honour, now or after an OOM decision.
+/// An explicit foreach or fused request the run could not honour. An OOM decision never makes
+/// one impossible: "offload" moves the state to the host before the gradients, and every
+/// implementation updates state on the host.
 fn optimizer_impl(p: &mut Problems, s: &Spec) {
     let asked = s.train.optimizer_impl;
     let key = "train.optimizer_impl";
     if let Some(why) = crate::optim::refusal(asked, crate::optim::Placement::of_spec(s)) {
         p.push((key.into(), why));
-        return;
-    }
-    let offload = s.memory.on_oom.contains(&OomAction::Offload);
-    if offload && matches!(asked, OptimizerImpl::Foreach | OptimizerImpl::Fused) {
-        p.push((
-            key.into(),
-            format!(
-                "\"{}\" updates the state on the device, and memory.on_oom's \"offload\" may move the optimizer state or the gradients to the host, where only \"single\" runs: set train.optimizer_impl = \"auto\" (it switches to \"single\" when they move) or take \"offload\" out of memory.on_oom",
-                asked.name()
-            ),
-        ));
     }
 }
 

@@ -1,7 +1,8 @@
 //! Model state off the device: optimizer state, gradients and activations in host memory, each
 //! a spec key and an "offload" answer to an OOM. Under the counting CPU allocator host tensors
 //! are counted apart from the capped device count, so every lever is measured here as on a GPU
-//! machine, and each must train byte-identically to the run without it.
+//! machine, and each must train byte-identically to the run without it with the same
+//! `train.optimizer_impl` (the jobs name one: "auto" picks "fused" for state on the host).
 use memtrain::records::Summary;
 use toml::Value;
 
@@ -15,7 +16,7 @@ fn job() -> Test {
          image_size = 16\npatch_size = 4\nlayers = 4\nheads = 2\nhidden_dim = 64\nmlp_dim = 128\n\
          dropout = 0.1\nnum_classes = 4\n[data]\nsource = \"synthetic\"\nsamples = 64\nval_fraction = 0.25\n\
          [train]\nepochs = 2\nbatch_size = 8\naccumulation_steps = 2\noptimizer = \"adamw\"\nlr = 0.001\n\
-         weight_decay = 0.01\ngrad_clip_norm = 1.0\n[log]\nevery_steps = 1\nprogress = \"off\"\n",
+         weight_decay = 0.01\ngrad_clip_norm = 1.0\noptimizer_impl = \"single\"\n[log]\nevery_steps = 1\nprogress = \"off\"\n",
     ))
 }
 
@@ -114,6 +115,31 @@ fn each_placement_alone_and_together_trains_byte_identically_and_saves_what_chec
         None,
         "a run without host placement records no host figures"
     );
+}
+
+/// The host update runs the implementation asked for over host tensors: foreach and fused
+/// with everything on the host train the bytes they train on the device, and "auto" is
+/// "fused" there.
+#[test]
+fn every_implementation_updates_on_the_host_byte_identically() {
+    let all = ["optimizer_state", "gradients", "activations"];
+    for which in ["foreach", "fused"] {
+        let t = job().set("train.optimizer_impl", which).set("train.epochs", 1);
+        let base = t.clone().name(&format!("{which}-device")).run();
+        let placed = host(t.clone().name(&format!("{which}-host")), &all).run();
+        let said = format!("Optimizer: adamw ({which} implementation");
+        assert!(
+            placed.stdout.contains(&said) || placed.stderr.contains(&said),
+            "{which}: {}",
+            placed.stdout
+        );
+        assert_eq!(placed.final_bytes(), base.final_bytes(), "{which}: final weights differ");
+        assert_eq!(step_losses(&placed), step_losses(&base), "{which}: step losses differ");
+        if which == "fused" {
+            let auto = host(t.set("train.optimizer_impl", "auto").name("auto-host"), &all[..1]).run();
+            assert_eq!(auto.final_bytes(), base.final_bytes(), "auto with host state runs fused");
+        }
+    }
 }
 
 #[test]
@@ -234,12 +260,12 @@ fn fit_climbs_the_placement_ladder_only_as_far_as_the_budget_needs() {
     fit_climbs_the_ladder(job());
 }
 
-/// An explicit `train.optimizer_impl = "fused"` cannot update state on the host: the probes and
-/// the tuned spec that move it there run "auto" instead.
+/// An explicit `train.optimizer_impl = "fused"` updates state on the host too: the probes and
+/// the tuned spec that move it there keep it.
 #[test]
-fn fit_moving_the_state_of_a_fused_spec_writes_auto() {
+fn fit_moving_the_state_of_a_fused_spec_keeps_it_fused() {
     let text = fit_climbs_the_ladder(job().set("train.optimizer_impl", "fused"));
-    assert!(text.contains("optimizer_impl = \"auto\""), "{text}");
+    assert!(text.contains("optimizer_impl = \"fused\""), "{text}");
 }
 
 /// The tuned spec's text.

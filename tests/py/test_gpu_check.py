@@ -257,6 +257,44 @@ SMALL_VIT = g.VIT.replace("image_size = 64", "image_size = 16").replace("patch_s
     .replace("mlp_dim = 1024", "mlp_dim = 64").replace("batch_size = 32", "batch_size = 16")
 
 
+class Offload(unittest.TestCase):
+    def steps(self, losses, times=None, host=None):
+        times = times or [float(i) for i in range(len(losses))]
+        return [{"type": "step", "loss": l, "time": t, "samples": 4, "host_update_seconds": host}
+                for l, t in zip(losses, times)]
+
+    def test_a_host_lever_passes_within_the_tolerance_under_the_cap_with_host_bytes(self):
+        base = self.steps([2.0, 1.5, 1.2])
+        summary = {"memory": {"peak_allocated_bytes": 100, "peak_host_bytes": 50}}
+        c = g.judge_host_lever("state", base, self.steps([2.0, 1.5, 1.2 * (1 + 1e-6)]), summary, 200, "")
+        self.assertTrue(c.ok, c)
+        far = g.judge_host_lever("state", base, self.steps([2.0, 1.5, 1.3]), summary, 200, "")
+        self.assertFalse(far.ok)
+        over = g.judge_host_lever("state", base, base, summary, 50, "")
+        self.assertFalse(over.ok)
+        nothing_on_host = g.judge_host_lever("state", base, base, {"memory": {"peak_allocated_bytes": 1}}, 50, "")
+        self.assertFalse(nothing_on_host.ok)
+        warned = g.judge_host_lever("state", base, base, summary, 200,
+                                    "ok\n[W1126 03:04:05.000 Memory.cpp:46] The argument 'device' is deprecated\n")
+        self.assertFalse(warned.ok)
+        self.assertIn("[W line", warned.seen)
+
+    def test_wall_rate_counts_the_time_between_records_after_the_warm_up(self):
+        records = self.steps([1, 1, 1, 1], times=[10.0, 11.0, 11.5, 12.0])
+        self.assertAlmostEqual(g.wall_rate(records, 1), 12 / 2.0)
+        self.assertIsNone(g.wall_rate(records, 4))
+
+    def test_speed_rows_print_the_ratio_and_the_host_bandwidth(self):
+        base = self.steps([1] * 4, times=[0.0, 1.0, 2.0, 3.0])
+        host = self.steps([1] * 4, times=[0.0, 2.0, 4.0, 6.0], host=0.5)
+        summary = {"memory": {"peak_allocated_bytes": 10}}
+        c = g.judge_offload_speed("x", base, host, summary, 20, 1, 0.4, 1_000_000_000)
+        self.assertTrue(c.ok, c)
+        self.assertIn("0.50x (target 0.40x)", c.seen)
+        self.assertIn("host update 56.0 GB/s", c.seen)
+        self.assertFalse(g.judge_offload_speed("x", base, host, summary, 5, 1, 0.4, 1).ok)
+
+
 @unittest.skipUnless(os.environ.get("MEMTRAIN_BIN"), "MEMTRAIN_BIN names no built memtrain")
 class Rehearsal(unittest.TestCase):
     """The runner and judges against this build, on the CPU: the checks whose meaning survives
@@ -302,6 +340,10 @@ class Rehearsal(unittest.TestCase):
             if c.name == "optimizer fused":
                 continue  # torch.optim's fused AdamW on the CPU is not what the GPU check compares
             self.assertTrue(c.ok or "binary has no train.optimizer_impl" in c.seen, c)
+
+    def test_host_levers_match_the_all_device_run(self):
+        for c in self.rows(g.check_host_levers):
+            self.assertTrue(c.ok, c)
 
     def test_the_budget_stops_what_it_no_longer_covers(self):
         self.r.deadline = 0
