@@ -157,17 +157,21 @@ impl Plan {
         })
     }
 
-    /// With `memory.parameters = "host"` the model is built in host memory, so weights larger
-    /// than the device can be: counted as host on the CPU, on the CPU itself for CUDA (whose
-    /// initialisation then draws from the CPU generator).
+    /// The model is built on the CPU and then moved to the run's device, so its initial weights
+    /// depend on the seed alone, whatever the device or the placement (the CPU generator draws
+    /// them, as it does for a PyTorch model built and then moved with `.to(device)`). With
+    /// `memory.parameters = "host"` it stays in host memory to stream (counted as host on the
+    /// CPU), so weights larger than the device can be. A TorchScript module is loaded on the
+    /// device: its weights come from its file, and its code may hold tensors of its own.
     fn build_model(&self, spec: &Spec) -> Result<(nn::VarStore, Built)> {
         let on_host = spec.memory.parameters.is_host();
         let _host = on_host.then(shim::HostScope::enter);
-        let device = match on_host {
-            true => Device::Cpu,
-            false => self.device.tch(),
+        let device = self.device.tch();
+        let built_on = match spec.model.preset == "torchscript" {
+            true => device,
+            false => Device::Cpu,
         };
-        let mut vs = nn::VarStore::new(device);
+        let mut vs = nn::VarStore::new(built_on);
         let needs =
             || after_setup_oom(spec).map(|e| format!("its parameters are {}", human_bytes(e.parameter_bytes())));
         let built = {
@@ -181,6 +185,10 @@ impl Plan {
         }
         if let Some(path) = &spec.model.init_from {
             init_from(&vs, path)?;
+        }
+        if !on_host && built_on != device {
+            let _squeeze = fault::squeeze_in(Phase::Model, self.start.global_step);
+            setup_step(Phase::Model.label(), &needs, CHANGE_MODEL, || vs.set_device(device))?;
         }
         Ok((vs, built))
     }
