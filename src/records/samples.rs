@@ -104,7 +104,6 @@ pub fn epoch(step: i64, val_acc: f64) -> EpochEvent {
         }),
         ranks: vec![rank_peak(0), rank_peak(1)],
         host_reads: 2,
-        host_update_seconds: None,
     }
 }
 
@@ -241,7 +240,6 @@ pub fn summary(status: Status, global_steps: i64) -> Summary {
             optimizer_impl: Some("fused".into()),
         },
         host_reads: 5,
-        host_update_seconds: None,
     }
 }
 

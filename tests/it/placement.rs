@@ -342,6 +342,8 @@ fn sharded_state_on_the_host_trains_the_same_weights_on_two_ranks() {
         .set("train.optimizer", "adamw")
         .set("train.grad_clip_norm", 1.0)
         .set("train.shard_optimizer_state", true)
+        // "auto" would be "fused" on the host and "single" on the device.
+        .set("train.optimizer_impl", "single")
         .arg("--nproc")
         .arg("2");
     let device = t.clone().name("device").run();

@@ -10,7 +10,7 @@ fn job(model: &str, optimizer: &str) -> Test {
     Test::new().spec(table(&format!(
         "[job]\nthreads = 1\ndevice = \"cpu\"\nseed = 3\n[model]\n{model}\n[data]\nsource = \"synthetic\"\n\
          samples = 24\nval_fraction = 0.25\n[train]\nepochs = 2\nbatch_size = 2\naccumulation_steps = 2\n\
-         {optimizer}\ngrad_clip_norm = 1.0\n[log]\nevery_steps = 1\nprogress = \"off\"\n"
+         {optimizer}\ngrad_clip_norm = 1.0\noptimizer_impl = \"single\"\n[log]\nevery_steps = 1\nprogress = \"off\"\n"
     )))
 }
 
