@@ -12,16 +12,30 @@ JOBS = {
         "train": {"batch_size": 128, "optimizer": "adamw", "lr": 1e-3, "momentum": 0.0, "weight_decay": 0.01},
         "steps": 40,
     },
+    # configs/darts_4gb.toml's operations at a CPU size (scripts/gpu_check.py compares it with
+    # PyTorch on CUDA).
     "darts": {
         "preset": "darts",
         "options": {"in_channels": 1, "input_length": 256, "num_classes": 5, "init_channels": 8, "num_cells": 3,
                     "num_nodes": 2, "ops": ["none", "skip_connect", "max_pool_3", "avg_pool_3", "sep_conv_3",
-                                            "dil_conv_3", "attention_light"],
+                                            "sep_conv_5", "dil_conv_3", "dil_conv_5", "attention_light"],
                     "arch_lr": 3e-4, "arch_weight_decay": 1e-3},
         "shape": [1, 256],
         "samples": 256,
         "train": {"batch_size": 16, "optimizer": "sgd", "lr": 0.025, "momentum": 0.9, "weight_decay": 3e-4},
         "steps": 12,
+    },
+    # The same operations at a size for tests/py/test_gpu_check.py's CPU rehearsal.
+    "darts_tiny": {
+        "preset": "darts",
+        "options": {"in_channels": 1, "input_length": 64, "num_classes": 3, "init_channels": 4, "num_cells": 3,
+                    "num_nodes": 2, "ops": ["none", "skip_connect", "max_pool_3", "avg_pool_3", "sep_conv_3",
+                                            "sep_conv_5", "dil_conv_3", "dil_conv_5", "attention_light"],
+                    "arch_lr": 3e-4, "arch_weight_decay": 1e-3},
+        "shape": [1, 64],
+        "samples": 64,
+        "train": {"batch_size": 8, "optimizer": "sgd", "lr": 0.025, "momentum": 0.9, "weight_decay": 3e-4},
+        "steps": 10,
     },
     "resnet18": {
         "preset": "resnet18",
