@@ -207,8 +207,11 @@ def batches(a, x_all, y_all, groups, device):
               (how PyTorch users feed a GPU)."""
     if a.data_mode == "resident":
         xd, yd = x_all.to(device), y_all.to(device)
+        pin = device.type == "cuda"
         for g in groups:
-            idx = torch.tensor(g, device=device)
+            # The indices go over from pinned memory without waiting, as memtrain sends them.
+            idx = torch.tensor(g)
+            idx = idx.pin_memory().to(device, non_blocking=True) if pin else idx
             yield xd[idx], yd[idx]
     elif a.data_mode == "loader":
         loader = torch.utils.data.DataLoader(Samples(x_all, y_all), batch_sampler=groups, num_workers=a.workers,

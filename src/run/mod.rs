@@ -222,7 +222,10 @@ fn deterministic_requested() -> Result<bool> {
     match std::env::var(DETERMINISTIC).ok().as_deref().map(str::trim) {
         None | Some("" | "0") => Ok(false),
         Some("1") => Ok(true),
-        Some(v) => Err(UsageError(format!("{DETERMINISTIC}={v:?}: set it to 1 (deterministic algorithms) or 0")).into()),
+        Some(v) => Err(UsageError(format!(
+            "{DETERMINISTIC}={v:?}: set it to 1 (deterministic algorithms) or 0"
+        ))
+        .into()),
     }
 }
 
