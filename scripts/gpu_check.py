@@ -47,6 +47,16 @@ LOSS_REL_HOST = 5e-5
 INFO_BYTES_TOL = GiB  # one CUDA context (~0.5 GiB) may be held by one side and not the other
 INFO_TOTAL_REL = 0.02  # NVML's total includes memory the driver reserves; cudaMemGetInfo's does not
 SMI_OVERHEAD = 3 * GiB // 2  # CUDA context, cuBLAS/cuDNN workspaces: outside the caching allocator
+# memtrain vs its PyTorch twin, 10 fp32 steps on CUDA, deterministic kernels on both sides. The
+# two build the same ops in the same order, so on the CPU they agree to ~1e-7. On CUDA both
+# convolve in TF32 (cuDNN's default, the same in libtorch and PyTorch), whose inputs keep 10
+# mantissa bits (2^-11, about 5e-4 relative): where the two reach a kernel through different but
+# equal op sequences (a layout copy, another algorithm for another workspace) the rounding can
+# fall differently by up to that much, and 10 optimizer steps carry it without growing it by
+# much. A defect (a wrong stride or padding, a term left out, another data order) moves the
+# loss by percent from the first step, far past this.
+LOSS_REL_TWIN = 1e-3
+STEP_TIME_REL = 0.05  # step seconds summed vs the epochs' wall time: both tile the same loop
 
 
 # --------------------------------------------------------------------------------------------
@@ -591,6 +601,54 @@ def judge_cache_clear_cost(summary):
     return Check("cache clear cost", "clears > 0 (a measurement)", seen, clears > 0)
 
 
+def judge_twin(model, ours, theirs, note=""):
+    """memtrain's per-step losses against its PyTorch twin's on the same device (fp32, 10 steps,
+    deterministic algorithms on both sides)."""
+    gap = max_rel_gap(ours, theirs)
+    seen = f"max rel gap {gap_text(gap)} over {len(ours)} steps"
+    if ours and theirs:
+        seen += f" (step 1: {ours[0]:.5f} vs {theirs[0]:.5f}; last: {ours[-1]:.5f} vs {theirs[-1]:.5f})"
+    return Check(f"{DEVICE.upper()} vs PyTorch {model}", f"{len(theirs)} step losses within {LOSS_REL_TWIN:g}",
+                 seen + note, len(ours) == len(theirs) == 10 and gap <= LOSS_REL_TWIN)
+
+
+def judge_step_time(records, summary):
+    """A run with a record every step: its step records' seconds add up to its epochs' wall time
+    (summary.json's train_seconds). A step timed before the loss read, where the host waits for
+    the GPU, leaves the GPU's time out and falls short."""
+    name = "step seconds vs wall time"
+    steps = of_type(records, "step")
+    if not summary or not steps:
+        return Check(name, f"within {STEP_TIME_REL:.0%}", "no step records or no summary", False)
+    summed = sum(s["seconds"] for s in steps)
+    wall = summary.get("train_seconds") or 0.0
+    gap = abs(summed - wall) / wall if wall > 0 else float("inf")
+    seen = f"{len(steps)} steps sum to {summed:.3f} s, the epochs to {wall:.3f} s ({gap:.1%} apart)"
+    complete = len(steps) == summary.get("global_steps")
+    if not complete:
+        seen += f"; {len(steps)} records for {summary.get('global_steps')} steps"
+    return Check(name, f"within {STEP_TIME_REL:.0%}", seen, complete and gap <= STEP_TIME_REL)
+
+
+def warning_lines(text):
+    """libtorch's warnings: c10's log lines that start `[W` (`[W1126 12:00:00.000 file.cpp:12] ...`)."""
+    return [l.strip() for l in (text or "").splitlines() if l.lstrip().startswith("[W")]
+
+
+def judge_no_warnings(stderrs):
+    """Every memtrain run's stderr: no libtorch warning line. `stderrs`: (run, text) pairs."""
+    name = "no libtorch [W lines"
+    if not stderrs:
+        return Check(name, "none in any run", "no memtrain run to look at", False)
+    hits = [(run, lines) for run, lines in ((r, warning_lines(t)) for r, t in stderrs) if lines]
+    if not hits:
+        return Check(name, "none in any run", f"none in {len(stderrs)} runs", True)
+    count = sum(len(l) for _, l in hits)
+    runs = ", ".join(r for r, _ in hits[:4]) + (" ..." if len(hits) > 4 else "")
+    return Check(name, "none in any run", f"{count} in {len(hits)} of {len(stderrs)} runs ({runs}); first: "
+                 f"{hits[0][1][0][:200]}", False)
+
+
 # --------------------------------------------------------------------------------------------
 # Running half.
 # --------------------------------------------------------------------------------------------
@@ -650,6 +708,13 @@ class Runner:
         self.bin, self.python, self.tmp = binary, python, tmp
         self.deadline = time.time() + budget
         self.cmd_timeout = cmd_timeout
+        # Every memtrain run's stderr, (run, text), for the check that no run printed a libtorch
+        # warning; runs under a test hook that warns by design (deterministic mode) are left out.
+        self.stderrs = []
+
+    def note_stderr(self, name, argv, env, text):
+        if argv and argv[0] == self.bin and not (env or {}).get("MEMTRAIN_TEST_DETERMINISTIC"):
+            self.stderrs.append((name, text))
 
     def left(self):
         return self.deadline - time.time()
@@ -677,6 +742,7 @@ class Runner:
             out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
             err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
             proc = Proc(argv, 124, out, err, timed_out=True, timeout=t)
+        self.note_stderr(log or " ".join(argv[1:3]), argv, env, proc.stderr)
         if log:
             with open(self.path(log + ".log"), "w") as f:
                 f.write(f"$ {' '.join(argv)}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}\n")
@@ -716,6 +782,7 @@ class Runner:
             rc = p.wait()
         with open(err_path) as f:
             stderr = f.read()
+        self.note_stderr(name, argv, env, stderr)
         return Proc(argv, rc, "", stderr, timeout=t), seen
 
 
@@ -1028,6 +1095,8 @@ def check_fit(r, probe):
         if child.poll() is None:
             child.kill()
         rc = child.wait()
+    with open(r.path("fit-run.log")) as log:
+        r.note_stderr("fit-run", argv, None, log.read())
     if rc != 0:
         return [Check(name, "the recommendation runs", f"exit {rc} (log {r.path('fit-run.log')})", False)]
     if per_pid is not None:
@@ -1186,6 +1255,67 @@ def check_cache_clear(r, probe):
     return [judge_cache_clear_cost(summary_of(out))]
 
 
+# The settings both sides of a twin comparison run under: libtorch's deterministic algorithms
+# (memtrain's test hook; PyTorch's --deterministic sets the same), and the cuBLAS workspace that
+# deterministic cuBLAS needs, read when its first handle is made.
+DETERMINISTIC_ENV = {"MEMTRAIN_TEST_DETERMINISTIC": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+TWINS = [("darts", "darts"), ("vit", "vit")]  # row name -> scripts/bench/jobs.py job
+
+
+def twin_row(r, model, job, driver, jobs):
+    """One twin comparison: memtrain and scripts/bench/pytorch_job.py from the same weights, data
+    and order, 10 fp32 steps each on DEVICE."""
+    name = f"{DEVICE.upper()} vs PyTorch {model}"
+    work = r.path(f"twin-{job}")
+    try:
+        driver.prepare_job(job, work)
+    except Exception as e:
+        return Check(name, "PyTorch twin comparison", f"preparing the job failed: {e}", False)
+    files = {k: os.path.join(work, f"{k}.safetensors" if k == "init" else f"{k}.npz") for k in ("init", "data", "val")}
+    spec = spec_file(r, f"twin-{job}", jobs.memtrain_spec(job, files["init"], files["data"], files["val"], "fp32",
+                                                          False, 1, DEVICE, saves=False))
+    p, out = r.run(f"twin-{job}", spec, [], extra=["--max-steps", "10"], env=DETERMINISTIC_ENV)
+    if p.rc != 0:
+        return failure(name, "memtrain trains", p)
+    result = r.path(f"twin-torch-{job}.json")
+    q = r.cmd([r.python, os.path.join(HERE, "bench", "pytorch_job.py"), "train", "--job", job, "--init", files["init"],
+               "--data", files["data"], "--val", files["val"], "--steps", "10", "--device", DEVICE, "--threads", "1",
+               "--deterministic", "--result", result], env=DETERMINISTIC_ENV, log=f"twin-torch-{job}")
+    if q.rc != 0:
+        return failure(name, "PyTorch trains", q)
+    return judge_twin(model, step_losses(records_of(out)), read_json(result)["losses"])
+
+
+def check_twins(r, probe):
+    sys.path.insert(0, os.path.join(HERE, "bench"))
+    try:
+        import numpy  # noqa: F401  (the jobs' data)
+
+        import driver
+        import jobs
+    except ImportError as e:
+        return [Check(f"{DEVICE.upper()} vs PyTorch {m}", "PyTorch twin comparison",
+                      f"cannot import the bench helpers: {e}", False) for m, _ in TWINS]
+    return [twin_row(r, model, job, driver, jobs) for model, job in TWINS]
+
+
+def check_step_time(r, probe):
+    # ResNet18 at 128 px, micro-batch 64: the GPU, not the host, sets the pace, so a step timed
+    # before its loss read would fall well short of the wall time.
+    spec = spec_file(r, "step-time", RESNET.format(device=DEVICE))
+    p, out = r.run("step-time", spec, ["train.epochs=2", "log.every_steps=1", "checkpoint.every_epochs=0"])
+    if p.rc != 0:
+        return [failure("step seconds vs wall time", "completes", p)]
+    return [judge_step_time(records_of(out), summary_of(out))]
+
+
+def check_no_warnings(r, probe):
+    # Judges every memtrain run the checks before it made; alone (--only), it makes one.
+    if not r.stderrs:
+        r.run("warnings", DIGITS, [dev(), "train.epochs=1"])
+    return [judge_no_warnings(r.stderrs)]
+
+
 # In order of what matters most when the budget runs short; (name, function, rows it yields).
 CHECKS = [
     ("info", check_info, ["info vs torch.cuda"]),
@@ -1207,6 +1337,10 @@ CHECKS = [
     ("host_levers", check_host_levers, [f"host levers: {c}" for c, _ in HOST_COMBOS]),
     ("vit_l16_config", check_vit_l16_config, ["configs/vit_l16_4gb.toml on CUDA"]),
     ("offload_speed", check_offload_speed, [f"offload speed: {n}" for n, *_ in SPEED_ROWS]),
+    ("twins", check_twins, [f"{DEVICE.upper()} vs PyTorch {m}" for m, _ in TWINS]),
+    ("step_time", check_step_time, ["step seconds vs wall time"]),
+    # Last: it reads the stderr of every run before it.
+    ("warnings", check_no_warnings, ["no libtorch [W lines"]),
 ]
 
 

@@ -1,13 +1,27 @@
-#!/usr/bin/env python3
 """memtrain beside plain PyTorch, for every preset with a PyTorch twin and every precision: a
 benchmark, not a test. Run it through scripts/bench/run, which builds memtrain and picks the
 bootstrap environment's Python.
 
-For each job (jobs.py) and setting, REPS pairs of fresh processes, the order alternating
-(memtrain first in even pairs, PyTorch first in odd ones), each training the same steps from the
-same initial weights on the same data in the same order. Per process:
+For each job (jobs.py) and setting, REPS rounds of fresh processes, one memtrain and one per
+PyTorch baseline, the order alternating (reversed in odd rounds), each training the same steps
+from the same initial weights on the same data in the same order. The jobs default to
+jobs.CPU_JOBS on the CPU and to jobs.GPU_JOBS (ImageNet-sized ResNet18, ResNet50, ViT-B/16 and a
+wide MLP, synthetic data) on CUDA. The PyTorch baselines (pytorch_job.py --data-mode):
 
-  samples/s      over the steps after the first (each side times its own steps)
+  host           each batch gathered on the host and copied over (the CPU default: on the CPU
+                 the copy is nothing)
+  resident       the data set copied to the GPU once, batches gathered there: what memtrain
+                 does with data that fits a sixteenth of the card (CUDA default)
+  loader         torch.utils.data.DataLoader, --workers processes, pin_memory=True, non-blocking
+                 copies: how PyTorch users feed a GPU (CUDA default)
+
+Per process:
+
+  samples/s      over the steps after the first, from the wall time between steps: on each side
+                 a step runs from the previous step's loss read to its own (memtrain: the time
+                 stamps of consecutive step records in an epoch; an epoch's first step from its
+                 record's `seconds`, which starts with the epoch's steps, so validation between
+                 epochs is left out). The loss read waits for the GPU, so the time covers its work
   median step    samples/s of the median step after the first: a step the scheduler preempted
                  (other work on a shared machine) moves the total above but not this
   peak alloc     tensor bytes at their peak over the training steps: on the CPU both sides count
@@ -18,8 +32,9 @@ same initial weights on the same data in the same order. Per process:
   start-up       from the process's launch to the start of its first step (imports, libtorch,
                  model, data)
 
-and prints medians, the memtrain/PyTorch ratios (median of the per-pair ratios, with their
-range over the pairs), and the machine.
+and prints medians, the memtrain/PyTorch ratios against each baseline (median of the per-round
+ratios, with their range over the rounds), and the machine. --dry-run prints the commands
+instead of running them (no GPU or torch needed).
 """
 import argparse
 import json
@@ -81,27 +96,45 @@ def prepare_job(job, work):
     write_data(job, os.path.join(work, "val.npz"), seed=1, samples=8)
 
 
-def run_memtrain(a, work, job, setting, rep):
+def memtrain_argv(a, work, job, setting, rep):
+    """Writes the setting's spec (once) and gives memtrain's command line and its run directory."""
     name, precision, ckpt = setting
     spec = os.path.join(work, f"{job}-{name}.toml")
-    with open(spec, "w") as f:
-        f.write(jobs.memtrain_spec(job, os.path.join(work, "init.safetensors"), os.path.join(work, "data.npz"),
-                                   os.path.join(work, "val.npz"), precision, ckpt, a.threads, a.device))
+    if not os.path.exists(spec):
+        os.makedirs(work, exist_ok=True)
+        with open(spec, "w") as f:
+            f.write(jobs.memtrain_spec(job, os.path.join(work, "init.safetensors"), os.path.join(work, "data.npz"),
+                                       os.path.join(work, "val.npz"), precision, ckpt, a.threads, a.device,
+                                       saves=False))
     out = os.path.join(work, f"mt-{job}-{name}-{rep}")
+    return [a.memtrain, "-q", "run", spec, "--out", out, "--max-steps", str(jobs.JOBS[job]["steps"])], out
+
+
+def wall_step_seconds(steps):
+    """Each step record's wall time: the time between its record and the previous one in the same
+    epoch; an epoch's first step, its `seconds` (from the start of the epoch's steps)."""
+    out = [steps[0]["seconds"]]
+    for prev, cur in zip(steps, steps[1:]):
+        out.append(cur["time"] - prev["time"] if cur["epoch"] == prev["epoch"] else cur["seconds"])
+    return out
+
+
+def run_memtrain(a, work, job, setting, rep):
+    argv, out = memtrain_argv(a, work, job, setting, rep)
     launched = time.time()
-    p = subprocess.run([a.memtrain, "-q", "run", spec, "--out", out, "--max-steps", str(jobs.JOBS[job]["steps"])],
-                       capture_output=True, text=True)
+    p = subprocess.run(argv, capture_output=True, text=True)
     if p.returncode != 0:
-        raise SystemExit(f"memtrain {job} {name} failed ({p.returncode}):\n{p.stderr}")
+        raise SystemExit(f"memtrain {job} {setting[0]} failed ({p.returncode}):\n{p.stderr}")
     lines = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
     steps = [l for l in lines if l["type"] == "step"]
     summary = json.load(open(os.path.join(out, "summary.json")))
     first_start = steps[0]["time"] - steps[0]["seconds"]
-    timed = steps[1:]
+    wall = wall_step_seconds(steps)[1:]
+    samples = [s["samples"] for s in steps[1:]]
     return {
         "startup_seconds": first_start - launched,
-        "samples_per_s": sum(s["samples"] for s in timed) / max(sum(s["seconds"] for s in timed), 1e-12),
-        "median_step_samples_per_s": statistics.median(s["samples"] / max(s["seconds"], 1e-12) for s in timed),
+        "samples_per_s": sum(samples) / max(sum(wall), 1e-12),
+        "median_step_samples_per_s": statistics.median(n / max(t, 1e-12) for n, t in zip(samples, wall)),
         "peak_allocated_bytes": max(s["memory"].get("peak_allocated_bytes", 0) for s in steps),
         "peak_rss_bytes": summary["memory"]["peak_rss_bytes"],
         "checkpointing": summary["precision"]["activation_checkpointing"],
@@ -109,22 +142,27 @@ def run_memtrain(a, work, job, setting, rep):
     }
 
 
-def run_pytorch(a, work, job, setting, rep, counting):
+def pytorch_argv(a, work, job, setting, rep, counting, mode):
     name, precision, ckpt = setting
-    result = os.path.join(work, f"pt-{job}-{name}-{rep}.json")
+    result = os.path.join(work, f"pt-{job}-{name}-{mode}-{rep}.json")
     cmd = [sys.executable, os.path.join(HERE, "pytorch_job.py"), "train", "--job", job,
            "--init", os.path.join(work, "init.safetensors"), "--data", os.path.join(work, "data.npz"),
            "--val", os.path.join(work, "val.npz"),
            "--precision", precision, "--steps", str(jobs.JOBS[job]["steps"]), "--threads", str(a.threads),
-           "--device", a.device, "--result", result]
+           "--device", a.device, "--data-mode", mode, "--workers", str(a.workers), "--result", result]
     if ckpt:
         cmd.append("--checkpointing")
     if counting:
         cmd += ["--counting", counting]
+    return cmd, result
+
+
+def run_pytorch(a, work, job, setting, rep, counting, mode):
+    cmd, result = pytorch_argv(a, work, job, setting, rep, counting, mode)
     launched = time.time()
     p = subprocess.run(cmd + ["--launched", str(launched)], capture_output=True, text=True)
     if p.returncode != 0:
-        raise SystemExit(f"PyTorch {job} {name} failed ({p.returncode}):\n{p.stderr}")
+        raise SystemExit(f"PyTorch ({mode}) {job} {setting[0]} failed ({p.returncode}):\n{p.stderr}")
     return json.load(open(result))
 
 
@@ -143,60 +181,144 @@ def spread(xs):
     return f"{min(xs):.2f}-{max(xs):.2f}"
 
 
-def main():
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--memtrain", required=True)
     p.add_argument("--device", default="cpu")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--jobs", default=",".join(jobs.JOBS))
-    p.add_argument("--settings", default=",".join(s[0] for s in jobs.SETTINGS))
-    a = p.parse_args()
+    p.add_argument("--jobs", default=None, help="default: jobs.CPU_JOBS on the CPU, jobs.GPU_JOBS on CUDA")
+    p.add_argument("--settings", default=None,
+                   help="default: every setting on the CPU; fp32,bf16-mixed,fp16-mixed on CUDA")
+    p.add_argument("--baselines", default=None,
+                   help="PyTorch's data modes, comma-separated: host, resident, loader (default: host on the "
+                        "CPU; resident,loader on CUDA); ratios and memory are against the first")
+    p.add_argument("--workers", type=int, default=8, help="the loader baseline's DataLoader workers")
+    p.add_argument("--budget", type=float, default=0,
+                   help="seconds: start no new round after this; rows print with the rounds they have")
+    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    a = p.parse_args(argv)
     cuda = a.device.startswith("cuda")
-    counting = None if cuda else build_counting_lib(cuda)
-    wanted = set(a.settings.split(","))
-    settings = [s for s in jobs.SETTINGS if s[0] in wanted]
+    a.jobs = (a.jobs or ",".join(jobs.GPU_JOBS if cuda else jobs.CPU_JOBS)).split(",")
+    unknown = [j for j in a.jobs if j not in jobs.JOBS]
+    if unknown:
+        p.error(f"no job {', '.join(unknown)}; the jobs: {', '.join(jobs.JOBS)}")
+    wanted = (a.settings or ("fp32,bf16-mixed,fp16-mixed" if cuda else ",".join(s[0] for s in jobs.SETTINGS)))
+    a.settings = [s for s in jobs.SETTINGS if s[0] in wanted.split(",")]
+    a.baselines = (a.baselines or ("resident,loader" if cuda else "host")).split(",")
+    bad = [b for b in a.baselines if b not in ("host", "resident", "loader")]
+    if bad:
+        p.error(f"no baseline {', '.join(bad)}: host, resident or loader")
+    return a
+
+
+def rows(a):
+    """(job, setting) in order; the MLP has no chain of blocks to checkpoint."""
+    for job in a.jobs:
+        for setting in a.settings:
+            if setting[2] and jobs.JOBS[job]["preset"] == "mlp":
+                continue  # memtrain skips checkpointing it, so would PyTorch
+            yield job, setting
+
+
+def round_order(a, rep):
+    sides = ["mt"] + a.baselines
+    return sides if rep % 2 == 0 else sides[::-1]
+
+
+def dry_run(a):
+    work = tempfile.mkdtemp(prefix="memtrain-bench-dry.")
+    print(f"# dry run: {a.device}, jobs {','.join(a.jobs)}, settings {','.join(s[0] for s in a.settings)}, "
+          f"baselines {','.join(a.baselines)}, {a.reps} rounds; specs written under {work}")
+    counting = None if a.device.startswith("cuda") else os.path.join(ROOT, "target", "bench", "libmemtrain_shim.so")
+    for job in a.jobs:
+        j = jobs.JOBS[job]
+        print(f"# {job}: {j['preset']} {j['options']}, {j['samples']} samples of {j['shape']}, "
+              f"batch {j['train']['batch_size']}, {j['steps']} steps")
+        print(" ".join([sys.executable, os.path.join(HERE, "pytorch_job.py"), "init", "--job", job, "--out",
+                        os.path.join(work, job, "init.safetensors")]))
+    for job, setting in rows(a):
+        for rep in range(a.reps):
+            for side in round_order(a, rep):
+                if side == "mt":
+                    argv, _ = memtrain_argv(a, os.path.join(work, job), job, setting, rep)
+                else:
+                    argv, _ = pytorch_argv(a, os.path.join(work, job), job, setting, rep, counting, side)
+                print(" ".join(argv))
+
+
+def header(a):
     import torch
 
     print(f"# memtrain vs plain PyTorch {torch.__version__} on {a.device}: {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} cores, {a.threads} threads, {a.reps} alternating pairs per row; {time.strftime('%Y-%m-%d')}")
-    if cuda:
+          f"{os.cpu_count()} cores, {a.threads} threads, {a.reps} alternating rounds per row, PyTorch baselines "
+          f"{', '.join(a.baselines)}; {time.strftime('%Y-%m-%d')}")
+    if a.device.startswith("cuda"):
         print(f"# GPU: {torch.cuda.get_device_name(0)}")
-    header = ("| job | setting | samples/s memtrain | PyTorch | ratio (range) | median-step ratio (range) "
-              "| peak alloc memtrain | PyTorch | ratio | peak RSS ratio | start-up memtrain | PyTorch | loss gap |")
-    print(header)
-    print("|---" * (header.count("|") - 1) + "|")
+    cols = ["job", "setting", "samples/s memtrain"]
+    for b in a.baselines:
+        cols += [f"PyTorch {b}", "ratio (range)"]
+    cols += ["median-step ratio (range)", "peak alloc memtrain", "PyTorch", "ratio", "peak RSS ratio",
+             "start-up memtrain", "PyTorch", "loss gap"]
+    print("| " + " | ".join(cols) + " |")
+    print("|---" * len(cols) + "|")
+
+
+def print_row(a, job, setting, mt, pt):
+    """One row: medians, and ratios against each baseline (memtrain / PyTorch, per round)."""
+    first = pt[a.baselines[0]]
+    n = len(mt)
+    mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
+    cells = [job, setting[0], f"{med([m['samples_per_s'] for m in mt]):.1f}"]
+    for b in a.baselines:
+        rate = [m["samples_per_s"] / q["samples_per_s"] for m, q in zip(mt, pt[b])]
+        cells += [f"{med([q['samples_per_s'] for q in pt[b]]):.1f}", f"{med(rate):.2f} ({spread(rate)})"]
+    step = [m["median_step_samples_per_s"] / q["median_step_samples_per_s"] for m, q in zip(mt, first)]
+    alloc = [m["peak_allocated_bytes"] / q["peak_allocated_bytes"] for m, q in zip(mt, first)]
+    rss = [m["peak_rss_bytes"] / q["peak_rss_bytes"] for m, q in zip(mt, first)]
+    gap = max(loss_gap(m, q) for b in a.baselines for m, q in zip(mt, pt[b]))
+    cells += [f"{med(step):.2f} ({spread(step)})", mib(med([m["peak_allocated_bytes"] for m in mt])),
+              mib(med([q["peak_allocated_bytes"] for q in first])), f"{med(alloc):.2f}", f"{med(rss):.2f}",
+              f"{med([m['startup_seconds'] for m in mt]):.2f} s", f"{med([q['startup_seconds'] for q in first]):.2f} s",
+              f"{gap:.0e}" + ("" if n == a.reps else f" ({n} of {a.reps} rounds)")]
+    print("| " + " | ".join(cells) + " |", flush=True)
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if a.dry_run:
+        return dry_run(a)
+    cuda = a.device.startswith("cuda")
+    counting = None if cuda else build_counting_lib(cuda)
+    header(a)
+    t0 = time.time()
+    spent = lambda: a.budget and time.time() - t0 > a.budget  # noqa: E731
+    left_out = []
     with tempfile.TemporaryDirectory() as tmp:
-        for job in a.jobs.split(","):
+        prepared = set()
+        for job, setting in rows(a):
+            if spent():
+                left_out.append(f"{job} {setting[0]}")
+                continue
             work = os.path.join(tmp, job)
-            prepare_job(job, work)
-            for setting in settings:
-                if setting[2] and jobs.JOBS[job]["preset"] == "mlp":
-                    continue  # not a chain of blocks: memtrain skips checkpointing, so would PyTorch
-                mt, pt = [], []
-                for rep in range(a.reps):
-                    order = ["mt", "pt"] if rep % 2 == 0 else ["pt", "mt"]
-                    for side in order:
-                        if side == "mt":
-                            mt.append(run_memtrain(a, work, job, setting, rep))
-                        else:
-                            pt.append(run_pytorch(a, work, job, setting, rep, counting))
-                rate = [m["samples_per_s"] / q["samples_per_s"] for m, q in zip(mt, pt)]
-                step = [m["median_step_samples_per_s"] / q["median_step_samples_per_s"] for m, q in zip(mt, pt)]
-                alloc = [m["peak_allocated_bytes"] / q["peak_allocated_bytes"] for m, q in zip(mt, pt)]
-                rss = [m["peak_rss_bytes"] / q["peak_rss_bytes"] for m, q in zip(mt, pt)]
-                mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
-                print(f"| {job} | {setting[0]} | {med([m['samples_per_s'] for m in mt]):.1f} "
-                      f"| {med([q['samples_per_s'] for q in pt]):.1f} | {med(rate):.2f} ({spread(rate)}) "
-                      f"| {med(step):.2f} ({spread(step)}) "
-                      f"| {mib(med([m['peak_allocated_bytes'] for m in mt]))} "
-                      f"| {mib(med([q['peak_allocated_bytes'] for q in pt]))} | {med(alloc):.2f} "
-                      f"| {med(rss):.2f} | {med([m['startup_seconds'] for m in mt]):.2f} s "
-                      f"| {med([q['startup_seconds'] for q in pt]):.2f} s "
-                      f"| {max(loss_gap(m, q) for m, q in zip(mt, pt)):.0e} |", flush=True)
-    print("# ratio = memtrain / PyTorch (samples/s: above 1 is faster; memory: below 1 is less), median of the pairs;"
-          " start-up: launch to the first step; loss gap: the largest relative difference between the two sides'"
-          " per-step losses")
+            if job not in prepared:
+                prepare_job(job, work)
+                prepared.add(job)
+            mt, pt = [], {b: [] for b in a.baselines}
+            for rep in range(a.reps):
+                if rep and spent():
+                    break
+                for side in round_order(a, rep):
+                    if side == "mt":
+                        mt.append(run_memtrain(a, work, job, setting, rep))
+                    else:
+                        pt[side].append(run_pytorch(a, work, job, setting, rep, counting, side))
+            print_row(a, job, setting, mt, pt)
+    print("# ratio = memtrain / PyTorch (samples/s: above 1 is faster; memory: below 1 is less), median of the rounds;"
+          f" median step, peak memory and start-up against the {a.baselines[0]} baseline; start-up: launch to the first"
+          " step; loss gap: the largest relative difference between the two sides' per-step losses")
+    if left_out:
+        print(f"# not measured (--budget {a.budget:.0f} s spent): {', '.join(left_out)}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """The benchmark's jobs, shared by driver.py (memtrain's spec) and pytorch_job.py (the same job in
-plain PyTorch). Sized for a 2-core CPU: a few seconds of steps each."""
+plain PyTorch). CPU_JOBS are sized for a 2-core CPU (a few seconds of steps each); GPU_JOBS for
+one H100/H200 (ImageNet-sized images and batches that keep the card busy, synthetic data small
+enough to stay resident: under a sixteenth of an 80 GB card, memtrain's rule)."""
 
 JOBS = {
     "mlp": {
@@ -10,16 +12,30 @@ JOBS = {
         "train": {"batch_size": 128, "optimizer": "adamw", "lr": 1e-3, "momentum": 0.0, "weight_decay": 0.01},
         "steps": 40,
     },
+    # configs/darts_4gb.toml's operations at a CPU size (scripts/gpu_check.py compares it with
+    # PyTorch on CUDA).
     "darts": {
         "preset": "darts",
         "options": {"in_channels": 1, "input_length": 256, "num_classes": 5, "init_channels": 8, "num_cells": 3,
                     "num_nodes": 2, "ops": ["none", "skip_connect", "max_pool_3", "avg_pool_3", "sep_conv_3",
-                                            "dil_conv_3", "attention_light"],
+                                            "sep_conv_5", "dil_conv_3", "dil_conv_5", "attention_light"],
                     "arch_lr": 3e-4, "arch_weight_decay": 1e-3},
         "shape": [1, 256],
         "samples": 256,
         "train": {"batch_size": 16, "optimizer": "sgd", "lr": 0.025, "momentum": 0.9, "weight_decay": 3e-4},
         "steps": 12,
+    },
+    # The same operations at a size for tests/py/test_gpu_check.py's CPU rehearsal.
+    "darts_tiny": {
+        "preset": "darts",
+        "options": {"in_channels": 1, "input_length": 64, "num_classes": 3, "init_channels": 4, "num_cells": 3,
+                    "num_nodes": 2, "ops": ["none", "skip_connect", "max_pool_3", "avg_pool_3", "sep_conv_3",
+                                            "sep_conv_5", "dil_conv_3", "dil_conv_5", "attention_light"],
+                    "arch_lr": 3e-4, "arch_weight_decay": 1e-3},
+        "shape": [1, 64],
+        "samples": 64,
+        "train": {"batch_size": 8, "optimizer": "sgd", "lr": 0.025, "momentum": 0.9, "weight_decay": 3e-4},
+        "steps": 10,
     },
     "resnet18": {
         "preset": "resnet18",
@@ -38,7 +54,44 @@ JOBS = {
         "train": {"batch_size": 32, "optimizer": "adamw", "lr": 1e-3, "momentum": 0.0, "weight_decay": 0.05},
         "steps": 12,
     },
+    # GPU sizes. 1024 images of 224 px are 588 MiB: resident on the device on both sides.
+    "mlp_wide": {
+        "preset": "mlp",
+        "options": {"inputs": 1024, "hidden": [8192, 8192, 8192], "num_classes": 1000},
+        "shape": [1024],
+        "samples": 65536,
+        "train": {"batch_size": 4096, "optimizer": "adamw", "lr": 1e-4, "momentum": 0.0, "weight_decay": 0.01},
+        "steps": 24,
+    },
+    "resnet18_224": {
+        "preset": "resnet18",
+        "options": {"num_classes": 1000, "image_size": 224},
+        "shape": [3, 224, 224],
+        "samples": 1024,
+        "train": {"batch_size": 256, "optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4},
+        "steps": 16,
+    },
+    "resnet50_224": {
+        "preset": "resnet50",
+        "options": {"num_classes": 1000, "image_size": 224},
+        "shape": [3, 224, 224],
+        "samples": 1024,
+        "train": {"batch_size": 128, "optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4},
+        "steps": 16,
+    },
+    "vit_b16_224": {
+        "preset": "vit",
+        "options": {"image_size": 224, "patch_size": 16, "layers": 12, "heads": 12, "hidden_dim": 768,
+                    "mlp_dim": 3072, "dropout": 0.0, "attention_dropout": 0.0, "num_classes": 1000},
+        "shape": [3, 224, 224],
+        "samples": 1024,
+        "train": {"batch_size": 128, "optimizer": "adamw", "lr": 1e-3, "momentum": 0.0, "weight_decay": 0.05},
+        "steps": 16,
+    },
 }
+
+CPU_JOBS = ["mlp", "darts", "resnet18", "vit"]
+GPU_JOBS = ["mlp_wide", "resnet18_224", "resnet50_224", "vit_b16_224"]
 
 # (name, precision, activation checkpointing): every precision, and recomputation on its own and
 # with bf16-mixed.
@@ -63,8 +116,9 @@ def toml_value(v):
 
 
 def memtrain_spec(job, init, data, val, precision, checkpointing, threads, device, seed=0,
-                  batch_size=None, accumulation=1, shard_optimizer_state=False):
-    """The job as a memtrain spec; `batch_size` (the micro-batch) defaults to the job's."""
+                  batch_size=None, accumulation=1, shard_optimizer_state=False, saves=True):
+    """The job as a memtrain spec; `batch_size` (the micro-batch) defaults to the job's. Without
+    `saves`, no checkpoint at epoch ends (the PyTorch side writes none either)."""
     j = JOBS[job]
     t = j["train"]
     lines = [
@@ -79,5 +133,7 @@ def memtrain_spec(job, init, data, val, precision, checkpointing, threads, devic
     ]
     if t["optimizer"] == "sgd":
         lines.append(f"momentum = {t['momentum']}")
+    if not saves:
+        lines += ["[checkpoint]", "every_epochs = 0"]
     lines += ["[log]", "every_steps = 1", 'progress = "off"']
     return "\n".join(lines) + "\n"

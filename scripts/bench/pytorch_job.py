@@ -50,8 +50,8 @@ def build(job):
     import torchvision
 
     o = spec["options"]
-    if spec["preset"] == "resnet18":
-        return torchvision.models.resnet18(num_classes=o["num_classes"])
+    if spec["preset"] in ("resnet18", "resnet50"):
+        return getattr(torchvision.models, spec["preset"])(num_classes=o["num_classes"])
     if spec["preset"] == "vit":
         return torchvision.models.VisionTransformer(
             image_size=o["image_size"], patch_size=o["patch_size"], num_layers=o["layers"],
@@ -63,7 +63,7 @@ def build(job):
 def blocks(model, job):
     """The model as a chain of blocks, the same chain memtrain checkpoints."""
     preset = jobs.JOBS[job]["preset"]
-    if preset == "resnet18":
+    if preset in ("resnet18", "resnet50"):
         m = model
         stem = torch.nn.Sequential(m.conv1, m.bn1, m.relu, m.maxpool)
         body = [b for layer in (m.layer1, m.layer2, m.layer3, m.layer4) for b in layer]
@@ -155,8 +155,119 @@ def median(xs):
     return (xs[(n - 1) // 2] + xs[n // 2]) / 2
 
 
+def set_deterministic():
+    """PyTorch's deterministic settings, as memtrain's MEMTRAIN_TEST_DETERMINISTIC hook makes them:
+    cuBLAS needs its workspace setting before its first handle, so it goes in the environment
+    here, before any CUDA work."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
+def make_optimizer(params, o, impl_name):
+    # torch.optim's implementations: the for-loop one, foreach (multi-tensor), fused (one kernel);
+    # "default" leaves the choice to torch (foreach on CUDA).
+    impl = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True},
+            "default": {}}[impl_name]
+    if o["optimizer"] == "sgd":
+        return torch.optim.SGD(params, lr=o["lr"], momentum=o["momentum"], weight_decay=o["weight_decay"], **impl)
+    return torch.optim.AdamW(params, lr=o["lr"], weight_decay=o["weight_decay"], **impl)
+
+
+def run_order(n, batch, seed, steps):
+    """The groups of indices the run trains on, in memtrain's epoch order, `steps` of them."""
+    out, epoch = [], 0
+    while len(out) < steps:
+        order = reference.epoch_order(n, seed, epoch)
+        out += [order[s:s + batch] for s in range(0, n, batch)][:steps - len(out)]
+        epoch += 1
+    return out
+
+
+class Samples(torch.utils.data.Dataset):
+    """One sample per item, as a user's Dataset serves them to a DataLoader."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def batches(a, x_all, y_all, groups, device):
+    """The run's (x, y) batches on the device, fetched as --data-mode says:
+    host      each batch gathered on the host and copied over (pageable memory);
+    resident  the whole set copied to the device once, each batch gathered there (memtrain's
+              rule for data that fits a sixteenth of the card);
+    loader    a torch.utils.data.DataLoader with workers and pinned memory, copied non-blocking
+              (how PyTorch users feed a GPU)."""
+    if a.data_mode == "resident":
+        xd, yd = x_all.to(device), y_all.to(device)
+        pin = device.type == "cuda"
+        for g in groups:
+            # The indices go over from pinned memory without waiting, as memtrain sends them.
+            idx = torch.tensor(g)
+            idx = idx.pin_memory().to(device, non_blocking=True) if pin else idx
+            yield xd[idx], yd[idx]
+    elif a.data_mode == "loader":
+        loader = torch.utils.data.DataLoader(Samples(x_all, y_all), batch_sampler=groups, num_workers=a.workers,
+                                             pin_memory=device.type == "cuda", persistent_workers=a.workers > 0)
+        for x, y in loader:
+            yield x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    else:
+        for g in groups:
+            idx = torch.tensor(g)
+            yield x_all[idx].to(device), y_all[idx].to(device)
+
+
+def arch_stepper(a, model, opt, loss_of, device):
+    """DARTS (first order): before each weight step, an Adam step of the architecture weights on
+    the next held-out micro-batch, as memtrain's extra step; its own scaler for fp16."""
+    import numpy as np
+
+    v = np.load(a.val)
+    xv_all, yv_all = torch.from_numpy(v["x"]).clone(), torch.from_numpy(v["y"]).clone()
+    opts = jobs.JOBS[a.job]["options"]
+    arch_opt = torch.optim.Adam(model.arch_parameters(), lr=opts["arch_lr"], betas=(0.5, 0.999),
+                                weight_decay=opts["arch_weight_decay"])
+    scaler = torch.amp.GradScaler(device.type) if a.precision == "fp16-mixed" else None
+    state = {"cursor": 0, "orders": {}}
+    batch = jobs.JOBS[a.job]["train"]["batch_size"]
+
+    def step():
+        nv = len(yv_all)
+        b = min(batch, nv)
+        ks = range(state["cursor"], state["cursor"] + b)
+        for k in ks:
+            state["orders"].setdefault(k // nv, reference.epoch_order(nv, a.seed + 7919, k // nv))
+        idx = torch.tensor([state["orders"][k // nv][k % nv] for k in ks])
+        state["cursor"] += b
+        x, y = xv_all[idx].to(device), yv_all[idx].to(device)
+        if a.precision == "bf16":
+            x = x.to(torch.bfloat16)
+        arch_opt.zero_grad()
+        opt.zero_grad()
+        loss = loss_of(x, y)
+        if scaler:
+            scaler.scale(loss).backward()
+            scaler.step(arch_opt)
+            scaler.update()
+        else:
+            loss.backward()
+            arch_opt.step()
+        arch_opt.zero_grad()
+
+    return step
+
+
 def cmd_train(a):
     torch.set_num_threads(a.threads)
+    if a.deterministic:
+        set_deterministic()
     device = torch.device(a.device)
     cuda = device.type == "cuda"
     counting = Counting(a.counting) if a.counting and not cuda else None
@@ -181,14 +292,7 @@ def cmd_train(a):
     x_all, y_all = torch.from_numpy(d["x"]).clone(), torch.from_numpy(d["y"]).clone()
     params = model.weight_parameters() if darts else [p for _, p in sorted(model.named_parameters())]
     o = jobs.JOBS[a.job]["train"]
-    # torch.optim's implementations: the for-loop one, foreach (multi-tensor), fused (one kernel);
-    # "default" leaves the choice to torch (foreach on CUDA).
-    impl = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True},
-            "default": {}}[a.optimizer_impl]
-    if o["optimizer"] == "sgd":
-        opt = torch.optim.SGD(params, lr=o["lr"], momentum=o["momentum"], weight_decay=o["weight_decay"], **impl)
-    else:
-        opt = torch.optim.AdamW(params, lr=o["lr"], weight_decay=o["weight_decay"], **impl)
+    opt = make_optimizer(params, o, a.optimizer_impl)
     autocast_dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16-mixed" else None
 
@@ -197,83 +301,37 @@ def cmd_train(a):
             logits = forward(model, chain, x, a.checkpointing)
         return torch.nn.functional.cross_entropy(logits.float(), y, reduction="sum") / len(y)
 
-    arch = None
-    if darts:
-        # DARTS (first order): before each weight step, an Adam step of the architecture weights
-        # on the next held-out micro-batch, as memtrain's extra step; its own scaler for fp16.
-        v = np.load(a.val)
-        xv_all, yv_all = torch.from_numpy(v["x"]).clone(), torch.from_numpy(v["y"]).clone()
-        opts = jobs.JOBS[a.job]["options"]
-        arch = {
-            "opt": torch.optim.Adam(model.arch_parameters(), lr=opts["arch_lr"], betas=(0.5, 0.999),
-                                    weight_decay=opts["arch_weight_decay"]),
-            "scaler": torch.amp.GradScaler(device.type) if precision == "fp16-mixed" else None,
-            "cursor": 0,
-            "orders": {},
-        }
-
-    def arch_step():
-        nv = len(yv_all)
-        b = min(o["batch_size"], nv)
-        ks = range(arch["cursor"], arch["cursor"] + b)
-        for k in ks:
-            arch["orders"].setdefault(k // nv, reference.epoch_order(nv, a.seed + 7919, k // nv))
-        idx = torch.tensor([arch["orders"][k // nv][k % nv] for k in ks])
-        arch["cursor"] += b
-        x, y = xv_all[idx].to(device), yv_all[idx].to(device)
-        if precision == "bf16":
-            x = x.to(torch.bfloat16)
-        arch["opt"].zero_grad()
-        opt.zero_grad()
-        loss = loss_of(x, y)
-        s = arch["scaler"]
-        if s:
-            s.scale(loss).backward()
-            s.step(arch["opt"])
-            s.update()
-        else:
-            loss.backward()
-            arch["opt"].step()
-    batch = o["batch_size"]
-    n = len(y_all)
-    step_times, step_samples, losses = [], [], []
-    started = None
+    arch_step = arch_stepper(a, model, opt, loss_of, device) if darts else None
+    groups = run_order(len(y_all), o["batch_size"], a.seed, a.steps)
     if counting:
         counting.reset()
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     rss_peak_reset()
-    steps = 0
-    epoch = 0
-    while steps < a.steps:
-        order = reference.epoch_order(n, a.seed, epoch)
-        for s in range(0, n, batch):
-            if steps >= a.steps:
-                break
-            t = time.time()
-            if started is None:
-                started = t
-            idx = torch.tensor(order[s:s + batch])
-            x, y = x_all[idx].to(device), y_all[idx].to(device)
-            if precision == "bf16":
-                x = x.to(torch.bfloat16)
-            if arch:
-                arch_step()
-                arch["opt"].zero_grad()
-            opt.zero_grad(set_to_none=not a.keep_grads)
-            loss = loss_of(x, y)
-            if scaler:
-                scaler.scale(loss).backward()
-                scaler.step(opt)
-                scaler.update()
-            else:
-                loss.backward()
-                opt.step()
-            losses.append(loss.item())
-            step_times.append(time.time() - t)
-            step_samples.append(len(idx))
-            steps += 1
-        epoch += 1
+    # Each step's time runs from the previous step's loss read to its own (the first from the
+    # loop's start): the read waits for the device, so the time covers its work, and a
+    # DataLoader's wait for the next batch falls into the step that waited. memtrain's step
+    # records are timed the same way.
+    started = time.time()
+    stamps, losses = [started], []
+    for x, y in batches(a, x_all, y_all, groups, device):
+        if precision == "bf16":
+            x = x.to(torch.bfloat16)
+        if arch_step:
+            arch_step()
+        opt.zero_grad(set_to_none=not a.keep_grads)
+        loss = loss_of(x, y)
+        if scaler:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        losses.append(loss.item())
+        stamps.append(time.time())
+    step_times = [b - t for t, b in zip(stamps, stamps[1:])]
+    step_samples = [len(g) for g in groups]
     timed = slice(1, None)
     result = {
         "startup_seconds": started - a.launched if a.launched else started - T_START,
@@ -283,7 +341,7 @@ def cmd_train(a):
         "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if cuda
         else (counting.peak() if counting else None),
         "peak_rss_bytes": rss_peak(),
-        "steps": steps,
+        "steps": len(losses),
         "losses": losses,
     }
     with open(a.result, "w") as f:
@@ -314,6 +372,11 @@ def main():
     s.add_argument("--optimizer-impl", default="default", choices=["single", "foreach", "fused", "default"],
                    help="torch.optim's implementation (scripts/gpu_check.py compares memtrain's with each)")
     s.add_argument("--launched", type=float, default=None, help="when the driver started this process")
+    s.add_argument("--data-mode", default="host", choices=["host", "resident", "loader"],
+                   help="how batches reach the device (see batches())")
+    s.add_argument("--workers", type=int, default=8, help="--data-mode loader: the DataLoader's workers")
+    s.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms and cuDNN's deterministic mode (scripts/gpu_check.py)")
     s.add_argument("--result", required=True)
     a = p.parse_args()
     {"init": cmd_init, "train": cmd_train}[a.cmd](a)

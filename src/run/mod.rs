@@ -42,6 +42,9 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
     crate::sysmem::warm_malloc_thresholds();
     // Before anything is loaded, so every CPU tensor byte of the run is counted.
     shim::cpu_alloc_install().context("installing the counting CPU allocator")?;
+    if deterministic_requested()? {
+        shim::set_deterministic().context("turning on deterministic algorithms")?;
+    }
     let world = World::from_env().map_err(|e| UsageError(format!("{e:#}")))?;
     // Ranks other than 0 print nothing unless something goes wrong.
     let quiet = quiet || world.as_ref().is_some_and(|w| w.rank != 0);
@@ -208,6 +211,21 @@ fn set_environment(plan: &Plan) {
     for (k, v) in &plan.env {
         // Edition 2021: safe. Called before libtorch starts threads that read the environment.
         std::env::set_var(k, v);
+    }
+}
+
+/// Test hook: `1` turns on libtorch's deterministic algorithms for the run, so gpu-check can
+/// compare a run's losses with PyTorch's under the same settings.
+pub const DETERMINISTIC: &str = "MEMTRAIN_TEST_DETERMINISTIC";
+
+fn deterministic_requested() -> Result<bool> {
+    match std::env::var(DETERMINISTIC).ok().as_deref().map(str::trim) {
+        None | Some("" | "0") => Ok(false),
+        Some("1") => Ok(true),
+        Some(v) => Err(UsageError(format!(
+            "{DETERMINISTIC}={v:?}: set it to 1 (deterministic algorithms) or 0"
+        ))
+        .into()),
     }
 }
 

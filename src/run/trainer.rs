@@ -103,6 +103,13 @@ struct Session {
     reads: readback::Mark,
     /// The last step loss read, for the progress line.
     last_loss: Option<f64>,
+    /// Where the next step record's time starts: the previous record's loss read, or the start
+    /// of the epoch's steps. On CUDA the CPU runs ahead of the device and only a read waits
+    /// for it, so the time between two reads is what covers the device's work (a clock read
+    /// at the end of the host's part of a step would leave that work out).
+    step_mark: Instant,
+    /// Optimizer steps since `step_mark`.
+    steps_since_mark: u32,
 }
 
 pub struct Trainer {
@@ -131,6 +138,8 @@ impl Trainer {
                 tally: Tally::new(c.pipeline.forward.device, c.state.epoch_loss_sum, c.state.epoch_correct),
                 reads: readback::Mark::now(),
                 last_loss: None,
+                step_mark: t_start,
+                steps_since_mark: 0,
             },
             settings: c.settings,
             model: c.model,
@@ -863,6 +872,10 @@ impl Trainer {
         // The line window carries over: a record's peaks cover every step since the last.
         self.session.windows.epoch = StepMemory::default();
         clock.t0 = Instant::now();
+        // The previous epoch ended with reads (its tally, validation, the save), so the device
+        // has no earlier work left that the first step's time would take in.
+        self.session.step_mark = clock.t0;
+        self.session.steps_since_mark = 0;
         let steps_per_epoch = (n + e - 1) / e;
         let done = self.state.groups_done as u64;
         self.out
@@ -881,7 +894,6 @@ impl Trainer {
     /// One optimizer step over `group` (after the architecture step, if any), with recovery,
     /// the preflight on the session's first, and its records.
     fn optimizer_step(&mut self, group: &[i64], clock: &mut EpochClock) -> Result<Stepped> {
-        let t_step = Instant::now();
         let measure = self.session.preflight_pending;
         if measure {
             memory::reset_peaks(self.place());
@@ -911,12 +923,12 @@ impl Trainer {
         self.state.global_step += 1;
         self.state.epoch_seen += group.len() as i64;
         clock.seen += group.len() as u64;
-        let step_seconds = t_step.elapsed().as_secs_f64();
+        self.session.steps_since_mark += 1;
         self.read_step_memory();
         let cleared = self.out.cache.after_step(self.place(), self.state.global_step as u64);
         self.record_clear(cleared)?;
         self.after_clean_step()?;
-        self.record_step(found_inf, group.len(), lr, step_seconds, clock)?;
+        self.record_step(found_inf, group.len(), lr, clock)?;
         Ok(Stepped { stop })
     }
 
@@ -931,12 +943,20 @@ impl Trainer {
         Ok(Some(r.step_loss_sum))
     }
 
-    /// The step's record, on a logged step: the one step that reads the loss.
-    fn record_step(&mut self, skipped: bool, samples: usize, lr: f64, seconds: f64, clock: &EpochClock) -> Result<()> {
-        let rate = clock.seen as f64 / clock.t0.elapsed().as_secs_f64().max(1e-9);
+    /// The step's record, on a logged step: the one step that reads the loss. Its time runs
+    /// from the previous record's read to this one's, so it takes in the device's work.
+    fn record_step(&mut self, skipped: bool, samples: usize, lr: f64, clock: &EpochClock) -> Result<()> {
+        let mut rate = clock.seen as f64 / clock.t0.elapsed().as_secs_f64().max(1e-9);
         let every = self.settings.log_every;
         if every > 0 && self.state.global_step % every == 0 {
             let loss = self.read_tally()?.unwrap_or(f64::NAN) / samples as f64;
+            let now = Instant::now();
+            let steps = self.session.steps_since_mark.max(1);
+            let seconds = (now - self.session.step_mark).as_secs_f64() / steps as f64;
+            self.session.step_mark = now;
+            self.session.steps_since_mark = 0;
+            // After the read the epoch's rate, too, covers the device's work.
+            rate = clock.seen as f64 / (now - clock.t0).as_secs_f64().max(1e-9);
             self.session.last_loss = Some(loss);
             let e = StepEvent {
                 epoch: self.state.epoch + 1,
@@ -1001,8 +1021,9 @@ impl Trainer {
     /// Validation, the epoch's record and line, and the epoch's checkpoint.
     fn end_epoch(&mut self, clock: &EpochClock) -> Result<()> {
         let (epoch, epochs) = (self.state.epoch, self.settings.epochs);
-        let seconds = clock.t0.elapsed().as_secs_f64();
+        // The tally's read waits for the device, so the epoch's time covers its work.
         self.read_tally()?;
+        let seconds = clock.t0.elapsed().as_secs_f64();
         let val = self.validate()?;
         let mut mem = memory::sample(self.place());
         mem.include(&self.session.windows.epoch);

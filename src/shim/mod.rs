@@ -57,6 +57,7 @@ extern "C" {
     fn mt_empty_cache() -> *mut c_char;
     fn mt_synchronize(device: i64) -> *mut c_char;
     fn mt_reset_peak_stats(device: i64) -> *mut c_char;
+    fn mt_set_deterministic() -> *mut c_char;
     fn mt_memory_info(device: i64, free: *mut u64, total: *mut u64) -> *mut c_char;
     fn mt_versions(major: *mut i64, minor: *mut i64, patch: *mut i64, cuda: *mut i64, cudnn: *mut i64);
     fn mt_has_cuda_snapshot() -> i32;
@@ -210,6 +211,13 @@ pub fn device_stats(device: usize) -> Result<Option<DeviceStats>> {
 }
 
 /// Releases cached, unused blocks back to the driver. Returns false when there is no accelerator.
+/// Deterministic kernels from here on, where libtorch has them (a warning names an op that has
+/// none), as PyTorch's `torch.use_deterministic_algorithms(True, warn_only=True)` with cuDNN's
+/// deterministic mode: for comparing a run with PyTorch's on a GPU.
+pub fn set_deterministic() -> Result<()> {
+    check(unsafe { mt_set_deterministic() })
+}
+
 pub fn empty_cache() -> Result<bool> {
     if !accelerator_available() {
         return Ok(false);

@@ -288,6 +288,18 @@ char *mt_synchronize(int64_t device) {
   return guarded([&] { at::accelerator::synchronizeDevice(static_cast<c10::DeviceIndex>(device)); });
 }
 
+// The settings torch.use_deterministic_algorithms(True, warn_only=True) and
+// torch.backends.cudnn.deterministic = True make in PyTorch, so a comparison with PyTorch on a
+// GPU compares the same kernels' results and not two draws of their atomics' order.
+char *mt_set_deterministic() {
+  return guarded([] {
+    auto &ctx = at::globalContext();
+    ctx.setDeterministicAlgorithms(true, /*warn_only=*/true);
+    ctx.setDeterministicCuDNN(true);
+    ctx.setBenchmarkCuDNN(false);
+  });
+}
+
 char *mt_reset_peak_stats(int64_t device) {
   return guarded([&] { at::accelerator::resetPeakStats(static_cast<c10::DeviceIndex>(device)); });
 }

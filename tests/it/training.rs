@@ -283,3 +283,40 @@ fn a_checkpoint_from_before_levers_had_names_resumes_with_its_flags_read_as_leve
     );
     assert_eq!(part.final_state()["levers"], serde_json::json!([]));
 }
+
+/// A step record's `seconds` runs from the previous record's loss read to its own, so the
+/// records tile the training loop: summed over a run they give its training time (the epochs'
+/// seconds, which leave out validation and saves). With a record every 5 steps each one holds
+/// the mean of its 5. Steps with the model state on the host are timed the same way. The job is
+/// wide enough (about 1 s of steps) that the microseconds between an epoch's last record and
+/// its end stay far under the 5% a noisy shared machine is allowed.
+#[test]
+fn step_seconds_add_up_to_the_training_time() {
+    for (name, every, host) in [("every-1", 1i64, false), ("every-5", 5, false), ("host", 1, true)] {
+        let mut t = Test::new()
+            .name(name)
+            .set("model.mlp.hidden", toml::Value::Array(vec![2048.into(), 2048.into()]))
+            .set("train.epochs", 2)
+            .set("log.every_steps", every);
+        if host {
+            t = t.set("memory.optimizer_state", "host").set("memory.gradients", "host");
+        }
+        let r = t.run();
+        let s = r.summary();
+        if host {
+            assert!(s.memory.peak_host_bytes.unwrap_or(0) > 0, "the state was on the host");
+        }
+        let steps = r.steps();
+        // 45 steps an epoch, a multiple of 5: every step is in some record.
+        assert_eq!(steps.len() as i64 * every, 2 * 45);
+        assert!(steps.iter().all(|st| st.seconds > 0.0), "every record takes time");
+        let summed: f64 = steps.iter().map(|st| st.seconds * every as f64).sum();
+        let train = s.train_seconds;
+        let gap = (summed - train).abs() / train;
+        assert!(
+            gap < 0.05,
+            "{name}: step seconds sum to {summed:.4} s, the epochs to {train:.4} s ({:.1}% apart)",
+            gap * 100.0
+        );
+    }
+}

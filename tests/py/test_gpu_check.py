@@ -251,10 +251,61 @@ class Judges(unittest.TestCase):
         self.assertFalse(g.judge_cache_clear_cost({"cache": {"clears": 0}}).ok)
 
 
+    def test_twin_losses_within_the_tolerance(self):
+        theirs = [2.3 - 0.1 * i for i in range(10)]
+        ok = g.judge_twin("darts", [x * (1 + 1e-5) for x in theirs], theirs)
+        self.assertTrue(ok.ok, ok)
+        self.assertIn("over 10 steps", ok.seen)
+        off = g.judge_twin("darts", [x * 1.01 for x in theirs], theirs)
+        self.assertFalse(off.ok, "a percent apart is a defect, not rounding")
+        self.assertFalse(g.judge_twin("vit", theirs[:9], theirs[:9]).ok, "10 steps each, or no verdict")
+        self.assertFalse(g.judge_twin("vit", theirs, theirs[:9]).ok)
+
+    def test_step_seconds_against_the_epochs(self):
+        recs = [step(i, 1.0, seconds=0.1) for i in range(1, 11)]
+        s = {"train_seconds": 1.02, "global_steps": 10}
+        self.assertTrue(g.judge_step_time(recs, s).ok)
+        # A step timed before its loss read, on a GPU: the records hold the host's share only.
+        short = [step(i, 1.0, seconds=0.03) for i in range(1, 11)]
+        c = g.judge_step_time(short, s)
+        self.assertFalse(c.ok, c)
+        self.assertIn("(70.6% apart)", c.seen)
+        self.assertFalse(g.judge_step_time(recs[:5], s).ok, "a record every step")
+        self.assertFalse(g.judge_step_time([], s).ok)
+        self.assertFalse(g.judge_step_time(recs, None).ok)
+
+    def test_libtorch_warning_lines_fail_the_runs_they_are_in(self):
+        w = "[W1126 10:00:00.123456789 Context.cpp:12] Warning: pin_memory's device argument is deprecated"
+        self.assertEqual(g.warning_lines(f"memtrain: started\n  {w}\nWhich [W is not at the start\n"), [w])
+        clean = [("a", "memtrain: done\n"), ("b", "")]
+        self.assertTrue(g.judge_no_warnings(clean).ok)
+        c = g.judge_no_warnings(clean + [("offload", f"{w}\n{w}\n")])
+        self.assertFalse(c.ok)
+        self.assertIn("2 in 1 of 3 runs (offload)", c.seen)
+        self.assertIn("pin_memory", c.seen)
+        self.assertFalse(g.judge_no_warnings([]).ok, "no run looked at is no verdict")
+
+    def test_the_runner_keeps_memtrain_stderr_but_not_a_deterministic_runs(self):
+        r = g.Runner("/bin/memtrain", sys.executable, tempfile.gettempdir(), budget=10, cmd_timeout=10)
+        r.note_stderr("plain", ["/bin/memtrain", "run"], None, "x")
+        r.note_stderr("torch", [sys.executable, "-c"], None, "y")
+        r.note_stderr("twin", ["/bin/memtrain", "run"], g.DETERMINISTIC_ENV, "z")
+        self.assertEqual(r.stderrs, [("plain", "x")])
+
+    def test_the_new_rows_are_registered_with_the_warnings_row_last(self):
+        keys = [c[0] for c in g.CHECKS]
+        self.assertIn("twins", keys)
+        self.assertIn("step_time", keys)
+        self.assertEqual(keys[-1], "warnings")
+
+
 # A ViT small enough for a 2-core CPU, with the fields the checks fill in.
 SMALL_VIT = g.VIT.replace("image_size = 64", "image_size = 16").replace("patch_size = 8", "patch_size = 4") \
     .replace("layers = 6", "layers = 2").replace("heads = 8", "heads = 2").replace("hidden_dim = 256", "hidden_dim = 32") \
     .replace("mlp_dim = 1024", "mlp_dim = 64").replace("batch_size = 32", "batch_size = 16")
+# And a ResNet18 likewise: 32 px, 64 samples, micro-batch 16 (4 steps an epoch).
+SMALL_RESNET = g.RESNET.replace("image_size = 128", "image_size = 32").replace("samples = 320", "samples = 64") \
+    .replace("batch_size = 64", "batch_size = 16")
 
 
 class Offload(unittest.TestCase):
@@ -303,11 +354,12 @@ class Rehearsal(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.TemporaryDirectory()
         self.r = g.Runner(os.environ["MEMTRAIN_BIN"], sys.executable, self.tmp.name, budget=300, cmd_timeout=240)
-        self.saved = (g.DEVICE, g.VIT)
-        g.DEVICE, g.VIT = "cpu", SMALL_VIT
+        self.saved = (g.DEVICE, g.VIT, g.RESNET, g.TWINS)
+        g.DEVICE, g.VIT, g.RESNET = "cpu", SMALL_VIT, SMALL_RESNET
+        g.TWINS = [("darts", "darts_tiny"), ("vit", "vit")]
 
     def tearDown(self):
-        g.DEVICE, g.VIT = self.saved
+        g.DEVICE, g.VIT, g.RESNET, g.TWINS = self.saved
         self.tmp.cleanup()
 
     def rows(self, fn):
@@ -344,6 +396,19 @@ class Rehearsal(unittest.TestCase):
     def test_host_levers_match_the_all_device_run(self):
         for c in self.rows(g.check_host_levers):
             self.assertTrue(c.ok, c)
+
+    def test_twins_agree_on_the_cpu(self):
+        rows = self.rows(g.check_twins)
+        self.assertEqual([c.name for c in rows], ["CPU vs PyTorch darts", "CPU vs PyTorch vit"])
+        for c in rows:
+            self.assertTrue(c.ok, c)
+
+    def test_step_seconds_add_up_and_no_run_warns(self):
+        (c,) = self.rows(g.check_step_time)
+        self.assertTrue(c.ok, c)
+        self.assertEqual([n for n, _ in self.r.stderrs], ["step-time"], "the run's stderr was kept")
+        (w,) = self.rows(g.check_no_warnings)
+        self.assertTrue(w.ok, w)
 
     def test_the_budget_stops_what_it_no_longer_covers(self):
         self.r.deadline = 0
