@@ -16,7 +16,9 @@ fn read(rel: &str) -> String {
 
 /// The Markdown files the project ships as documentation.
 fn doc_files() -> Vec<String> {
-    let mut files: Vec<String> = ["README.md", "CONTRIBUTING.md", "CHANGELOG.md"].map(String::from).to_vec();
+    let mut files: Vec<String> = ["README.md", "CONTRIBUTING.md", "CHANGELOG.md"]
+        .map(String::from)
+        .to_vec();
     let mut pages: Vec<String> = std::fs::read_dir(repo().join("docs"))
         .expect("docs/ exists")
         .map(|e| e.expect("a docs/ entry").file_name().to_string_lossy().into_owned())
@@ -76,16 +78,23 @@ fn anchors(text: &str) -> BTreeSet<String> {
 }
 
 /// The sections of a Markdown text: (heading, body) for every heading of `level` (`##`); a body
-/// holds its deeper headings' text too.
+/// holds its deeper headings and its code blocks too.
 fn sections(text: &str, level: usize) -> Vec<(String, String)> {
     let marker = format!("{} ", "#".repeat(level));
+    let mut fenced = false;
     let mut out: Vec<(String, String)> = vec![];
-    for (_, line) in prose(text) {
-        if let Some(h) = line.strip_prefix(&marker) {
-            out.push((h.to_owned(), String::new()));
-        } else if let Some((_, body)) = out.last_mut() {
-            body.push_str(line);
-            body.push('\n');
+    for line in text.lines() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+        }
+        match line.strip_prefix(&marker) {
+            Some(h) if !fenced => out.push((h.to_owned(), String::new())),
+            _ => {
+                if let Some((_, body)) = out.last_mut() {
+                    body.push_str(line);
+                    body.push('\n');
+                }
+            }
         }
     }
     out
@@ -97,8 +106,8 @@ fn backticked(text: &str) -> Vec<String> {
 }
 
 /// The keys documented in docs/spec.md: for each heading that names tables (`[train]`, or the
-/// three ResNets at once), the first cell of every row of each table whose header begins
-/// `| key |`, as full dotted keys.
+/// three ResNets at once), the names in the first cell of every row of each table whose header
+/// begins `| key |`, as full dotted keys.
 fn documented_keys() -> BTreeSet<String> {
     let text = read("docs/spec.md");
     let mut tables: Vec<String> = vec![];
@@ -125,12 +134,16 @@ fn documented_keys() -> BTreeSet<String> {
         if !in_key_table || first.starts_with("---") {
             continue;
         }
-        let Some(key) = backticked(first).into_iter().next() else {
-            panic!("docs/spec.md: a key row without a `key`: {line}");
-        };
-        assert!(!tables.is_empty(), "docs/spec.md: key {key} under a heading that names no [table]");
+        let names = backticked(first);
+        assert!(!names.is_empty(), "docs/spec.md: a key row without a `key`: {line}");
+        assert!(
+            !tables.is_empty(),
+            "docs/spec.md: keys {names:?} under a heading that names no [table]"
+        );
         for t in &tables {
-            keys.insert(format!("{t}.{key}"));
+            for key in &names {
+                keys.insert(format!("{t}.{key}"));
+            }
         }
     }
     keys
@@ -197,7 +210,11 @@ fn spec_reference_lists_every_key_and_only_keys_that_exist() {
     let schema = schema_keys(dir.path());
     let documented = documented_keys();
     // Sanity: the probe found the nested tables and the presets' options.
-    for k in ["memory.allocator.expandable_segments", "data.augment.horizontal_flip", "model.vit.patch_size"] {
+    for k in [
+        "memory.allocator.expandable_segments",
+        "data.augment.horizontal_flip",
+        "model.vit.patch_size",
+    ] {
         assert!(schema.contains(k), "the schema probe missed {k}: {schema:?}");
     }
     let undocumented: Vec<_> = schema.difference(&documented).collect();
@@ -206,7 +223,10 @@ fn spec_reference_lists_every_key_and_only_keys_that_exist() {
         undocumented.is_empty(),
         "spec keys memtrain accepts that docs/spec.md does not document: {undocumented:?}"
     );
-    assert!(unknown.is_empty(), "keys docs/spec.md documents that memtrain rejects: {unknown:?}");
+    assert!(
+        unknown.is_empty(),
+        "keys docs/spec.md documents that memtrain rejects: {unknown:?}"
+    );
 }
 
 #[test]
@@ -216,10 +236,16 @@ fn commands_page_lists_every_subcommand_and_flag() {
     let cli = memtrain::cli::Cli::command();
     for arg in cli.get_arguments() {
         if let Some(long) = arg.get_long() {
-            assert!(text.contains(&format!("`--{long}`")), "docs/commands.md lacks the global flag --{long}");
+            assert!(
+                text.contains(&format!("`--{long}`")),
+                "docs/commands.md lacks the global flag --{long}"
+            );
         }
         if let Some(short) = arg.get_short() {
-            assert!(text.contains(&format!("`-{short}`")), "docs/commands.md lacks the global flag -{short}");
+            assert!(
+                text.contains(&format!("`-{short}`")),
+                "docs/commands.md lacks the global flag -{short}"
+            );
         }
     }
     let mut names = vec![];
@@ -251,7 +277,10 @@ fn commands_page_lists_every_subcommand_and_flag() {
     // And no section for a command that does not exist.
     for (h, _) in &sections {
         if let Some(cmd) = h.strip_prefix("`memtrain ").and_then(|c| c.strip_suffix('`')) {
-            assert!(names.iter().any(|n| n == cmd), "docs/commands.md documents `memtrain {cmd}`, which clap does not know");
+            assert!(
+                names.iter().any(|n| n == cmd),
+                "docs/commands.md documents `memtrain {cmd}`, which clap does not know"
+            );
         }
     }
 }
@@ -262,7 +291,12 @@ fn exit_codes() -> BTreeSet<i32> {
         .lines()
         .filter_map(|l| l.strip_prefix("pub const "))
         .filter_map(|l| l.split_once(": i32 = "))
-        .map(|(_, n)| n.trim_end_matches(';').trim().parse().expect("an exit code is a number"))
+        .map(|(_, n)| {
+            n.trim_end_matches(';')
+                .trim()
+                .parse()
+                .expect("an exit code is a number")
+        })
         .collect()
 }
 
@@ -284,7 +318,11 @@ fn every_exit_code_is_documented() {
     let codes = exit_codes();
     assert!(codes.len() >= 5, "src/exit.rs read as {codes:?}");
     for rel in ["README.md", "docs/commands.md"] {
-        assert_eq!(documented_exit_codes(rel), codes, "{rel}'s exit-code table against src/exit.rs");
+        assert_eq!(
+            documented_exit_codes(rel),
+            codes,
+            "{rel}'s exit-code table against src/exit.rs"
+        );
     }
 }
 
@@ -301,7 +339,11 @@ fn every_relative_link_resolves() {
                     continue;
                 }
                 let (path, anchor) = target.split_once('#').unwrap_or((target, ""));
-                let resolved: PathBuf = if path.is_empty() { PathBuf::from(&file) } else { base.join(path) };
+                let resolved: PathBuf = if path.is_empty() {
+                    PathBuf::from(&file)
+                } else {
+                    base.join(path)
+                };
                 let full = repo().join(&resolved);
                 if !full.exists() {
                     bad.push(format!("{file}:{n}: {target}: no file {}", resolved.display()));
@@ -344,7 +386,10 @@ fn docs_pages_the_code_names_exist() {
             }
         }
     }
-    assert!(named.iter().any(|(_, r)| r.starts_with("spec.md")), "no source names docs/spec.md");
+    assert!(
+        named.iter().any(|(_, r)| r.starts_with("spec.md")),
+        "no source names docs/spec.md"
+    );
     for (src, r) in named {
         let (page, anchor) = r.split_once('#').unwrap_or((&r, ""));
         let text = std::fs::read_to_string(repo().join("docs").join(page))
@@ -367,8 +412,15 @@ fn help_and_spec_errors_name_the_docs_not_the_readme() {
     for h in &helps {
         assert!(!h.contains("README"), "--help points at the README:\n{h}");
     }
-    assert!(helps.iter().any(|h| h.contains("docs/outputs.md")), "no --help names docs/outputs.md");
-    let r = Test::new().command("check").args(&["--set", "train.nope=1"]).exit(2).run();
+    assert!(
+        helps.iter().any(|h| h.contains("docs/outputs.md")),
+        "no --help names docs/outputs.md"
+    );
+    let r = Test::new()
+        .command("check")
+        .args(&["--set", "train.nope=1"])
+        .exit(2)
+        .run();
     assert!(r.stderr.contains("docs/spec.md"), "{}", r.stderr);
     assert!(!r.stderr.contains("README"), "{}", r.stderr);
 }
@@ -376,7 +428,11 @@ fn help_and_spec_errors_name_the_docs_not_the_readme() {
 #[test]
 fn readme_is_short_and_gives_the_two_commands_first() {
     let readme = read("README.md");
-    assert!(readme.len() <= 15_000, "README.md is {} bytes; keep it at most 15,000", readme.len());
+    assert!(
+        readme.len() <= 15_000,
+        "README.md is {} bytes; keep it at most 15,000",
+        readme.len()
+    );
     let head: Vec<&str> = readme.lines().take(60).collect();
     assert!(
         head.contains(&"scripts/memtrain run configs/darts_4gb.toml"),
@@ -388,7 +444,10 @@ fn readme_is_short_and_gives_the_two_commands_first() {
         .lines()
         .find_map(|l| l.strip_prefix("exec "))
         .expect(".ci/run execs the test command");
-    assert!(head.contains(&test_command), "the README's first 60 lines lack the test command `{test_command}`");
+    assert!(
+        head.contains(&test_command),
+        "the README's first 60 lines lack the test command `{test_command}`"
+    );
     assert!(repo().join("LICENSE").exists(), "LICENSE is missing");
     assert!(read("LICENSE").starts_with("MIT License"), "Cargo.toml says MIT");
 }
@@ -398,7 +457,10 @@ fn product_text_says_nothing_of_how_the_project_was_made() {
     let mut files = doc_files();
     files.retain(|f| f != "CHANGELOG.md");
     for e in std::fs::read_dir(repo().join("configs")).expect("configs/ reads") {
-        files.push(format!("configs/{}", e.expect("an entry").file_name().to_string_lossy()));
+        files.push(format!(
+            "configs/{}",
+            e.expect("an entry").file_name().to_string_lossy()
+        ));
     }
     let words = ["worktree", "helper", "engineers'", "seed 00"];
     for f in files {
@@ -425,9 +487,15 @@ fn every_shipped_config_checks_and_is_in_the_readme() {
     assert!(configs.len() >= 5, "{configs:?}");
     for name in configs {
         let rel = format!("configs/{name}");
-        assert!(readme.contains(&format!("| `{rel}` |")), "the README's config table lacks {rel}");
+        assert!(
+            readme.contains(&format!("| `{rel}` |")),
+            "the README's config table lacks {rel}"
+        );
         let text = read(&rel);
-        assert!(text.starts_with("# "), "{rel} does not open with a comment saying what it shows");
+        assert!(
+            text.starts_with("# "),
+            "{rel} does not open with a comment saying what it shows"
+        );
         Test::new().command("check").no_spec().arg(&rel).run();
     }
 }
@@ -436,21 +504,38 @@ fn every_shipped_config_checks_and_is_in_the_readme() {
 #[test]
 fn the_documented_run_prints_what_the_docs_show() {
     let text = read("docs/commands.md");
-    let start = text.find("$ memtrain run configs/digits_mlp.toml").expect("the example run is in docs/commands.md");
+    let start = text
+        .find("$ memtrain run configs/digits_mlp.toml")
+        .expect("the example run is in docs/commands.md");
     let shown: Vec<&str> = text[start..].lines().take_while(|l| !l.starts_with("```")).collect();
     let t = Test::new().no_spec();
     let out = t.dir().join("run").display().to_string();
     let r = t
-        .args(&["configs/digits_mlp.toml", "--out", &out, "--max-steps", "2", "--set", "log.progress=off"])
+        .args(&[
+            "configs/digits_mlp.toml",
+            "--out",
+            &out,
+            "--max-steps",
+            "2",
+            "--set",
+            "log.progress=off",
+        ])
         .run();
     for prefix in ["Effective batch size:", "Memory cap:", "Optimizer:"] {
         let line = shown
             .iter()
             .find(|l| l.starts_with(prefix))
             .unwrap_or_else(|| panic!("the example run lacks its {prefix} line"));
-        assert!(r.stderr.lines().any(|l| l == *line), "the docs show {line:?}; the run printed:\n{}", r.stderr);
+        assert!(
+            r.stderr.lines().any(|l| l == *line),
+            "the docs show {line:?}; the run printed:\n{}",
+            r.stderr
+        );
     }
-    let pre = shown.iter().find(|l| l.starts_with("Preflight:")).expect("a Preflight line");
+    let pre = shown
+        .iter()
+        .find(|l| l.starts_with("Preflight:"))
+        .expect("a Preflight line");
     let cut = pre.find(" used ").expect("Preflight says what the step used");
     assert!(r.stderr.lines().any(|l| l.starts_with(&pre[..cut])), "{}", r.stderr);
 }
