@@ -20,7 +20,7 @@ pub struct Cli {
 pub enum Command {
     /// Show libtorch, CUDA, host memory, the GPUs and who uses their memory.
     Info {
-        /// One JSON object on stdout (schema in README).
+        /// One JSON object on stdout (fields in docs/outputs.md#info---json).
         #[arg(long)]
         json: bool,
     },
@@ -52,7 +52,7 @@ pub struct WatchArgs {
     /// Print one frame as plain text and exit.
     #[arg(long)]
     pub once: bool,
-    /// With --once: print the frame's model as one JSON object (schema in README).
+    /// With --once: print the frame's model as one JSON object (fields in docs/outputs.md#watch---once---json).
     #[arg(long, requires = "once")]
     pub json: bool,
 }
@@ -128,7 +128,7 @@ pub struct FitArgs {
     /// Write the spec with the recommendation (and a --limit/--fraction budget) to this file.
     #[arg(long, value_name = "OUT.toml")]
     pub write: Option<PathBuf>,
-    /// One JSON object on stdout (schema in README); the probe lines still go to stderr.
+    /// One JSON object on stdout (fields in docs/outputs.md#fit---json); the probe lines still go to stderr.
     #[arg(long)]
     pub json: bool,
 }

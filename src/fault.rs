@@ -1,7 +1,6 @@
 //! Fault injection for the tests that must produce a failure at one exact place: an OOM inside
 //! the optimizer step, a crash half-way through a save, a signal at a known step. Each is off
-//! unless its environment variable is set; documented in the README's environment section as
-//! test-only.
+//! unless its environment variable is set; documented in CONTRIBUTING.md's test hooks.
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
@@ -23,7 +22,7 @@ pub const OOM_IN_OPTIMIZER: &str = "MEMTRAIN_FAULT_OOM_IN_OPTIMIZER_AT_STEP";
 pub const OOM_IN: &str = "MEMTRAIN_FAULT_OOM_IN";
 
 /// The places of a run where an out-of-memory error can happen, each with its own answer
-/// (README, "Out of memory in every phase").
+/// (docs/guide.md, "Out of memory in every phase").
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Phase {
     Data,

@@ -5,7 +5,7 @@ use crate::human::human_bytes;
 use crate::procs::{Proc, Stale};
 use crate::{alloc_conf, registry, shim, sysmem};
 
-/// The `info --json` object. Its field names are a stable interface (documented in README).
+/// The `info --json` object. Its field names are a stable interface (documented in docs/outputs.md).
 #[derive(Debug, Serialize)]
 pub struct Info {
     pub memtrain: String,

@@ -159,7 +159,7 @@ pub struct Recommendation {
     pub min_batch_size: Option<i64>,
 }
 
-/// `fit --json`'s object (documented in the README).
+/// `fit --json`'s object (documented in docs/outputs.md).
 #[derive(Debug, Serialize)]
 pub struct Report {
     pub spec: PathBuf,

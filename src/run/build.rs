@@ -448,7 +448,7 @@ fn scalers(spec: &Spec, state: &mut TrainState, arch: Option<&mut ArchStep>) {
 
 const OPTIMIZER_STATE: &str = "creating the optimizer state";
 
-/// What to change when a set-up phase runs out of memory (README, "Out of memory in every
+/// What to change when a set-up phase runs out of memory (docs/guide.md, "Out of memory in every
 /// phase").
 const CHANGE_DATA: &str =
     "raise memory.limit (the CPU cap covers the data, which is loaded on the host), or train on less data";

@@ -111,7 +111,7 @@ fn join(world: Option<World>, plan: &mut Plan) -> Result<(Execution, Option<Remo
     };
     if plan.device != DevicePlan::Cpu && !shim::dist::backends().nccl && w.size == 1 {
         return Err(UsageError(format!(
-            "{}=1 asks for a one-rank NCCL group on {}, and this memtrain was built without NCCL's headers; unset it, set job.device = \"cpu\" for a one-rank Gloo group, or build with a CUDA toolkit (see README)",
+            "{}=1 asks for a one-rank NCCL group on {}, and this memtrain was built without NCCL's headers; unset it, set job.device = \"cpu\" for a one-rank Gloo group, or build with a CUDA toolkit (see docs/data-parallel.md#building-with-gloo-and-nccl)",
             crate::dist::SINGLE_RANK_GROUP,
             device_name(plan.device.tch())
         ))
@@ -119,7 +119,7 @@ fn join(world: Option<World>, plan: &mut Plan) -> Result<(Execution, Option<Remo
     }
     if plan.device != DevicePlan::Cpu && !shim::dist::backends().nccl {
         return Err(UsageError(format!(
-            "data-parallel training on {} needs NCCL, and this memtrain was built without NCCL's headers; set job.device = \"cpu\" to train on Gloo, or rebuild after scripts/bootstrap, which installs them (see README, Data-parallel training)",
+            "data-parallel training on {} needs NCCL, and this memtrain was built without NCCL's headers; set job.device = \"cpu\" to train on Gloo, or rebuild after scripts/bootstrap, which installs them (see docs/data-parallel.md#building-with-gloo-and-nccl)",
             device_name(plan.device.tch())
         ))
         .into());

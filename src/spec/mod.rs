@@ -215,10 +215,10 @@ fn clean_serde_message(msg: &str, key: &str) -> String {
             .rsplit_once('.')
             .map(|(t, _)| format!("[{t}]"))
             .unwrap_or_else(|| "the top level".into());
-        return format!("{msg} (in {table}); check the spelling against README's key reference");
+        return format!("{msg} (in {table}); check the spelling against docs/spec.md");
     }
     if msg.starts_with("missing field") {
-        return format!("{msg}; the spec must have it (see README's key reference)");
+        return format!("{msg}; the spec must have it (see docs/spec.md)");
     }
     if key.is_empty() {
         msg

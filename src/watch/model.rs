@@ -1,6 +1,6 @@
 //! What one frame of `watch` shows, gathered from NVML, /proc, the registry and run
 //! directories: plain data, serialized as-is by `--once --json`. The field names are a stable
-//! interface (documented in README).
+//! interface (documented in docs/outputs.md).
 use std::collections::BTreeMap;
 use std::fs::{self, File};
 use std::io::{Read, Seek, SeekFrom};

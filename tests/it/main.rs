@@ -4,6 +4,7 @@ mod common;
 
 mod cpu_allocator;
 mod distributed;
+mod docs;
 mod fit;
 mod foundation;
 mod gpu_check;

@@ -1,4 +1,4 @@
-//! Out of memory in every phase of a run (README, "Out of memory in every phase"): one row per
+//! Out of memory in every phase of a run (docs/guide.md, "Out of memory in every phase"): one row per
 //! phase, each a real allocation failure at that exact place (`MEMTRAIN_FAULT_OOM_IN` squeezes
 //! the CPU cap to what is allocated when the phase begins), and the answer the table promises:
 //! recovered, skipped with a warning, or exit 3 naming the phase, the sizes and what to change.
