@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""One command for a GPU (issue 24): every CUDA claim memtrain makes, checked against what the
+"""One command for a GPU: every CUDA claim memtrain makes, checked against what the
 machine itself says (PyTorch, nvidia-smi), in 8 minutes or less on one H100. Run it through
 scripts/gpu-check, which picks the Python and puts its torch/lib on LD_LIBRARY_PATH.
 

@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Benchmark (not a test): how far the levers that move model state off the device (issue 23:
+"""Benchmark (not a test): how far the levers that move model state off the device (
 memory.optimizer_state, memory.gradients, memory.activations, memory.parameters = "host") take
 fp32 AdamW training of torchvision's ViT-B/16, ViT-L/16 and ViT-H/14 under a memory cap.
 
 For each model, the same job (a few steps on tiny random 224x224 data, no checkpoint) runs
-uncapped with no lever (the baseline) and, for each lever combination, under the cap (default
-4 GiB). Every process is fresh; within a rep the baseline and the combinations run in one order,
+uncapped with no lever (the baseline), uncapped with activation checkpointing (the baseline of
+combinations that recompute: `act` and `params` bring recomputation along) and, for each lever
+combination, under the cap (default 4 GiB). Every process is fresh; within a rep the baseline and the combinations run in one order,
 the next rep in the reverse order (the alternation of scripts/bench/run), and each capped run's
 samples/s is divided by the baseline's of the same rep. Per run:
 
@@ -15,7 +16,12 @@ samples/s is divided by the baseline's of the same rep. Per run:
                the caching allocator's on CUDA)
   host peak    summary.json memory.peak_host_bytes (model state the levers keep in host memory;
                absent = 0; the largest step record's figure where the summary lacks it)
-  samples/s    over the step records after the warm-up steps (each step times itself)
+  samples/s    the samples of the steps after the warm-up over the wall time between their
+               step records (a record is written once the step's loss is read, so the GPU's
+               work is inside)
+  host update  the median step's host update (step records' host_update_seconds) as bandwidth:
+               28 bytes per parameter for AdamW (parameter, gradient and two moments read,
+               parameter and moments written), beside a memcpy of 1 GiB measured first
 
 and the table shows medians over the reps (samples/s and ratio only over reps that trained), then
 per combination the largest model that trained under the cap in every rep. The OOM policy is
@@ -59,6 +65,8 @@ LEVERS = {
     "params": ["memory.parameters=host"],
     "oom-offload": ['memory.on_oom=["offload","fail"]'],
 }
+# Combinations whose levers bring recomputation along: compared with the recompute baseline too.
+RECOMPUTES = ("act", "params")
 
 
 def combo_sets(combo):
@@ -104,9 +112,35 @@ def command(a, spec, out, combo, capped):
     cmd = [a.memtrain, "-q", "run", spec, "--out", out, "--max-steps", str(a.warmup + a.steps)]
     if capped:
         cmd += ["--set", f"memory.limit={a.limit}"]
+    if combo == "recompute":
+        cmd += ["--set", "train.activation_checkpointing=true"]
+        combo = "none"
     for s in combo_sets(combo):
         cmd += ["--set", s]
     return cmd
+
+
+def wall_rate(steps, warmup):
+    """Samples per second over the wall time between the step records after the warm-up."""
+    if warmup < 1 or len(steps) <= warmup:
+        return None
+    timed = steps[warmup:]
+    seconds = timed[-1]["time"] - steps[warmup - 1]["time"]
+    return sum(s["samples"] for s in timed) / seconds if seconds > 0 else None
+
+
+def memcpy_gbs(device):
+    """GB/s of a 1 GiB copy in host memory (read and write counted), the median of 5."""
+    import torch
+
+    src = torch.ones(1 << 28)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t)
+    return 2 * src.numel() * 4 / statistics.median(times) / 1e9
 
 
 def first_error(stderr):
@@ -150,7 +184,7 @@ def run_one(a, spec, out, combo, capped):
     if host_peak is None and (summary or steps):
         host_peak = max([s["memory"].get("peak_host_bytes") or 0 for s in steps], default=0)
     timed = steps[a.warmup:]
-    seconds = sum(s["seconds"] for s in timed)
+    updates = sorted(s["host_update_seconds"] for s in timed if s.get("host_update_seconds"))
     if rc == 0 and len(steps) >= a.warmup + a.steps:
         outcome = "trained"
     elif rc == 0:
@@ -166,7 +200,8 @@ def run_one(a, spec, out, combo, capped):
         "outcome": outcome,
         "device_peak": device_peak,
         "host_peak": host_peak,
-        "samples_per_s": sum(s["samples"] for s in timed) / seconds if outcome == "trained" and seconds > 0 else None,
+        "samples_per_s": wall_rate(steps, a.warmup) if outcome == "trained" else None,
+        "host_update_s": updates[len(updates) // 2] if updates else None,
         "error": None if outcome == "trained" else first_error(stderr) if outcome != "timeout" else f"over {a.timeout} s",
     }
 
@@ -195,7 +230,8 @@ def main():
                    help="comma-separated lever combinations (see above)")
     p.add_argument("--reps", type=int, default=3, help="runs of each row, alternating order (default 3)")
     p.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up (default 3)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (default 1)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps first (at least 1: the timed steps run "
+                   "from the last warm-up step's record; default 1)")
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--limit", default="4GiB", help="the cap of the capped runs (default 4GiB)")
     p.add_argument("--threads", type=int, default=2)
@@ -211,8 +247,8 @@ def main():
     combos = a.combos.split(",")
     for c in combos:
         combo_sets(c)
-    if a.reps < 1 or a.steps < 1 or a.warmup < 0:
-        raise SystemExit("--reps and --steps must be at least 1, --warmup at least 0")
+    if a.reps < 1 or a.steps < 1 or a.warmup < 1:
+        raise SystemExit("--reps, --steps and --warmup must be at least 1")
 
     work = tempfile.mkdtemp(prefix="memtrain-offload-")
     samples = (a.warmup + a.steps + 1) * a.batch_size
@@ -226,7 +262,10 @@ def main():
             f.write(spec_text(m, data, val, a))
     # Per rep: the baseline (uncapped, no lever) then each combination under the cap; reversed on
     # odd reps.
-    runs = [("baseline", False)] + [(c, True) for c in combos]
+    baselines = [("baseline", False)]
+    if any(t in RECOMPUTES for c in combos for t in c.split("+")):
+        baselines.append(("recompute", False))
+    runs = baselines + [(c, True) for c in combos]
 
     if a.dry_run:
         print(f"# work directory: {work} (specs and data written; nothing run)")
@@ -245,9 +284,12 @@ def main():
           f"warm-up, cap {a.limit}, on {a.device} ({cpu}, {os.cpu_count()} cores, {a.threads} threads"
           f"{', ' + torch.cuda.get_device_name(0) if a.device.startswith('cuda') else ''}), {a.reps} rep(s) "
           f"alternating; {time.strftime('%Y-%m-%d')}", flush=True)
+    copy_gbs = memcpy_gbs(a.device)
+    print(f"# host memcpy: {copy_gbs:.1f} GB/s (1 GiB, read + write)", flush=True)
     results = {}
     errors = []
-    header = "| model | combination | outcome | device peak | host peak | samples/s | ratio to uncapped (range) |"
+    header = ("| model | combination | outcome | device peak | host peak | samples/s | ratio to uncapped (range) "
+              "| ratio to uncapped with recompute | host update GB/s (of memcpy) |")
     print(header)
     print("|---" * (header.count("|") - 1) + "|", flush=True)
     for m in models:
@@ -261,17 +303,23 @@ def main():
                 per[combo].append(r)
                 if not a.keep:
                     shutil.rmtree(out, ignore_errors=True)
-        base = {r["rep"]: r["samples_per_s"] for r in per["baseline"]}
-        for combo, capped in runs:
-            rs = per[combo]
+        def ratio_to(rs, baseline):
+            base = {r["rep"]: r["samples_per_s"] for r in per.get(baseline, [])}
             ratios = [r["samples_per_s"] / base[r["rep"]] for r in rs
                       if r["samples_per_s"] is not None and base.get(r["rep"])]
+            return "-" if not ratios else f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+        for combo, capped in runs:
+            rs = per[combo]
             rate = med([r["samples_per_s"] for r in rs])
-            ratio = "-" if not ratios else f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
-            label = "none, uncapped" if combo == "baseline" else combo
+            label = {"baseline": "none, uncapped", "recompute": "recompute, uncapped"}.get(combo, combo)
+            recomputes = capped and any(t in RECOMPUTES for t in combo.split("+"))
+            upd = med([r["host_update_s"] for r in rs])
+            bw = "-" if upd is None else f"{MODELS[m]['parameters'] * 28 / upd / 1e9:.1f} ({MODELS[m]['parameters'] * 28 / upd / 1e9 / copy_gbs:.0%})"
             print(f"| {m} | {label} | {outcome_of(rs)} | {gib(med([r['device_peak'] for r in rs]))} "
                   f"| {gib(med([r['host_peak'] for r in rs]))} | {'-' if rate is None else f'{rate:.2f}'} "
-                  f"| {ratio} |", flush=True)
+                  f"| {ratio_to(rs, 'baseline')} | {ratio_to(rs, 'recompute') if recomputes else '-'} | {bw} |",
+                  flush=True)
             for r in rs:
                 if r["error"] and r["outcome"] != "trained":
                     errors.append(f"{m} {label} rep {r['rep']}: {r['outcome']}: {r['error']}")

@@ -70,6 +70,36 @@ impl HostGrads {
         }
     }
 
+    /// A new step's gradients `live` (parameter, device gradient), downloaded in the runs of
+    /// `runs` (ranges of `live`), each run with the fence that marks its arrival, so an update
+    /// can start on the first run while the others are on their way. The device gradients are
+    /// released.
+    pub fn stage(
+        &mut self,
+        host: &Host,
+        params: &[(String, Tensor)],
+        live: &[(usize, Tensor)],
+        runs: &[std::ops::Range<usize>],
+    ) -> Vec<Fence> {
+        self.reset();
+        let copies = host.copies();
+        let fences = runs
+            .iter()
+            .map(|run| {
+                for (i, g) in &live[run.clone()] {
+                    copies.down(&self.buffers[*i], g);
+                    self.written[*i] = true;
+                }
+                copies.fence()
+            })
+            .collect();
+        if let Err(e) = crate::shim::drop_grads(live.iter().map(|(i, _)| &params[*i].1)) {
+            // Inside the OOM guard like any libtorch error.
+            panic!("{e}");
+        }
+        fences
+    }
+
     /// Waits for the downloads issued so far and adds the pieces that were waiting for them.
     fn add_arrived(&mut self, host: &Host) {
         if self.pending.is_empty() {

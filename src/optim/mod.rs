@@ -52,7 +52,7 @@ mod workspace;
 use anyhow::{bail, Result};
 use tch::{Device, Kind, Tensor};
 
-use crate::host::{Home, Host};
+use crate::host::{Fence, Home, Host};
 use crate::shim::HostScope;
 use crate::spec::{OptimizerImpl, OptimizerKind, Train};
 pub use adam8::state_bytes_8bit;
@@ -217,6 +217,9 @@ pub struct Prepared {
     host_workspace: Workspace,
     /// State on the host: what the update writes (see [`Masters::targets`]).
     targets: Vec<(String, Tensor)>,
+    /// Gradients staged off the device for a host update: the arrival of each run of
+    /// [`update_runs`] (empty: they are on the host already).
+    arrivals: Vec<Fence>,
     /// fp16-mixed with a fused optimizer: the loss scale the gradients still carry, per device,
     /// which the kernel divides out (see [`Prepared::with_grad_scale`]).
     grad_scale: Vec<(Device, Tensor)>,
@@ -357,6 +360,7 @@ impl Optimizer {
         tch::no_grad(|| {
             let mut workspace = Workspace::default();
             let mut host_workspace = Workspace::default();
+            let mut arrivals = Vec::new();
             let (live, targets) = match self.state.home() {
                 Home::Device => {
                     let live = self.live_grads();
@@ -373,7 +377,8 @@ impl Optimizer {
                 }
                 Home::Host => {
                     let _host = HostScope::enter();
-                    let live = self.host_live();
+                    let (live, fences) = self.host_live();
+                    arrivals = fences;
                     let targets = self.masters.targets(&self.host, &self.params, &live);
                     // The update runs where its gradients, state and targets all are: on the host.
                     self.implementation.reserve(Reserve {
@@ -398,6 +403,7 @@ impl Optimizer {
                 workspace,
                 host_workspace,
                 targets,
+                arrivals,
                 grad_scale: Vec::new(),
             }
         })
@@ -412,20 +418,22 @@ impl Optimizer {
     }
 
     /// The live gradients on the host, for an update there: staged off a CUDA device when
-    /// they are not placed on the host already (the downloads are queued; `apply` waits).
-    fn host_live(&mut self) -> Vec<(usize, Tensor)> {
-        if self.host.device.is_cuda() && self.host_grads.is_none() {
-            let staged = self
-                .staged
-                .get_or_insert_with(|| HostGrads::allocate(&self.host, &self.params));
-            staged.reset();
-            staged.collect(&self.host, &self.params);
-            let stepped = (0..self.params.len()).filter(|i| steps_param(self.shard.as_ref(), *i));
-            return stepped
-                .filter_map(|i| staged.of(i).map(|g| (i, g.shallow_clone())))
-                .collect();
+    /// they are not placed on the host already, run by run (the downloads are queued; the
+    /// fences say when each run has landed).
+    fn host_live(&mut self) -> (Vec<(usize, Tensor)>, Vec<Fence>) {
+        let live = self.live_grads();
+        if !(self.host.device.is_cuda() && self.host_grads.is_none()) {
+            return (live, Vec::new());
         }
-        self.live_grads()
+        let staged = self
+            .staged
+            .get_or_insert_with(|| HostGrads::allocate(&self.host, &self.params));
+        let fences = staged.stage(&self.host, &self.params, &live, &update_runs(&live));
+        let on_host = live
+            .iter()
+            .map(|(i, _)| (*i, staged.of(*i).expect("staged").shallow_clone()))
+            .collect();
+        (on_host, fences)
     }
 
     /// Where parameter `i`'s update runs.
@@ -450,6 +458,7 @@ impl Optimizer {
             workspace,
             host_workspace,
             mut targets,
+            arrivals,
             grad_scale,
         } = prepared;
         let Optimizer {
@@ -481,11 +490,21 @@ impl Optimizer {
                     grad_scale: &grad_scale,
                 });
             }
-            // Every download has landed and no upload still reads a target: the CPU may write.
-            host.before_cpu_writes();
-            let t0 = std::time::Instant::now();
+            // The CPU writes a target only once no queued copy reads or writes it: with the
+            // gradients staged by runs, once the run's downloads have landed (the copy stream
+            // runs in order, so the last step's uploads are done too); otherwise once every copy
+            // has.
+            if arrivals.is_empty() {
+                host.before_cpu_writes();
+            }
             let uploads = host.copies();
-            for chunk in upload_chunks(&live) {
+            let mut busy = 0.0;
+            for (k, run) in update_runs(&live).into_iter().enumerate() {
+                if let Some(landed) = arrivals.get(k) {
+                    landed.host_waits();
+                }
+                let t0 = std::time::Instant::now();
+                let chunk = &live[run];
                 implementation.apply(Batch {
                     rule: &**rule,
                     step,
@@ -498,17 +517,18 @@ impl Optimizer {
                     grads_on_host: false,
                     grad_scale: &grad_scale,
                 })?;
-                // This chunk goes up while the next one is updated.
+                // This run goes up while the next one is updated.
                 for (i, _) in chunk {
                     let p = &params[*i].1;
                     if p.device() != Device::Cpu {
                         uploads.up(p, &targets[*i].1);
                     }
                 }
+                busy += t0.elapsed().as_secs_f64();
             }
             // The next step's kernels read the parameters after their uploads; the host goes on.
             uploads.fence().compute_waits();
-            *host_update_seconds.get_or_insert(0.0) += t0.elapsed().as_secs_f64();
+            *host_update_seconds.get_or_insert(0.0) += busy;
             Ok(())
         })?;
         self.steps = step.number;
@@ -678,16 +698,17 @@ impl Optimizer {
     }
 }
 
-/// The live parameters in runs of about 64 MiB of parameter bytes: a host update uploads each
-/// run while it updates the next.
-fn upload_chunks(live: &[(usize, Tensor)]) -> Vec<&[(usize, Tensor)]> {
-    const RUN_BYTES: usize = 64 << 20;
+/// The live parameters in runs of about 64 MiB of gradient bytes, as ranges of `live`: a host
+/// update waits for one run's gradients, updates it and sends it up while the next run's
+/// gradients land and the previous run's parameters travel.
+fn update_runs(live: &[(usize, Tensor)]) -> Vec<std::ops::Range<usize>> {
+    const RUN_BYTES: u64 = 64 << 20;
     let mut out = Vec::new();
     let (mut start, mut bytes) = (0, 0);
     for (j, (_, g)) in live.iter().enumerate() {
-        bytes += crate::memory::tensor_bytes(g) as usize;
+        bytes += crate::memory::tensor_bytes(g);
         if bytes >= RUN_BYTES || j + 1 == live.len() {
-            out.push(&live[start..=j]);
+            out.push(start..j + 1);
             (start, bytes) = (j + 1, 0);
         }
     }
