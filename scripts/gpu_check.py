@@ -427,15 +427,17 @@ def judge_async_cap(start, summary, micro):
     """The cap under cudaMallocAsync: the backend is in force, the fraction with it, and an OOM at
     the cap is recovered by backoff."""
     conf = (start or {}).get("allocator_conf") or get(summary, "memory.allocator_conf") or ""
+    # The fraction reaches cudaMallocAsync through the allocator call, not its string.
+    fraction = get(start or {}, "cap.fraction") or get(summary, "memory.cap.fraction")
     ok = (
         "backend:cudaMallocAsync" in conf
-        and "per_process_memory_fraction" in conf
+        and fraction is not None
         and (get(summary, "oom.backoffs") or 0) >= 1
         and summary.get("status") == "completed"
         and str(summary.get("device", "")).startswith("cuda")
     )
     seen = (
-        f"allocator {conf or 'none'}; {get(summary, 'oom.backoffs')} backoff(s), micro-batch {micro} -> "
+        f"allocator {conf or 'none'}, cap fraction {fraction}; {get(summary, 'oom.backoffs')} backoff(s), micro-batch {micro} -> "
         f"{get(summary, 'batch.final_micro_batch')}, {summary.get('status')} on {summary.get('device')}"
     )
     return Check(

@@ -190,9 +190,16 @@ impl Plan {
             });
         }
         let cap = resolve_cap(spec, device, facts)?;
+        // backend:cudaMallocAsync takes the fraction only through the allocator call (`run`
+        // makes it); in its configuration string the native allocator's key is ignored, and
+        // libtorch warns that it is.
+        let async_backend = facts
+            .alloc_env
+            .effective()
+            .is_some_and(|c| c.replace(' ', "").contains("backend:cudaMallocAsync"));
         let fraction = cap
             .as_ref()
-            .filter(|c| c.kind == "cuda_fraction")
+            .filter(|c| c.kind == "cuda_fraction" && !async_backend)
             .and_then(|c| c.fraction);
         let ours = alloc_conf::from_spec(&spec.memory.allocator, fraction);
         let mut env = vec![];
@@ -410,6 +417,18 @@ mod tests {
         );
         assert_eq!(p.alloc.conf.as_deref(), Some("per_process_memory_fraction:0.25"));
         assert!(p.env.iter().any(|(k, _)| k == "PYTORCH_CUDA_ALLOC_CONF"));
+        // cudaMallocAsync takes the fraction through the allocator call alone: its string keeps
+        // the user's backend and gains no key libtorch would warn it ignores.
+        let async_env = Facts {
+            alloc_env: EnvSettings {
+                cuda_alloc_conf: Some("backend:cudaMallocAsync".into()),
+                alloc_conf: None,
+            },
+            ..f.clone()
+        };
+        let p = Plan::resolve(&spec("[memory]\nlimit = \"2GiB\"\n"), &fresh(), &async_env).unwrap();
+        assert_eq!(p.cap.unwrap().fraction, Some(0.25));
+        assert_eq!(p.alloc.conf.as_deref(), Some("backend:cudaMallocAsync"));
         // Without the runtime's total, a limit cannot become a fraction: say so.
         let f = Facts {
             cuda_devices: 1,

@@ -262,9 +262,9 @@ fn apply(plan: &Plan) -> Result<()> {
     }
     match (plan.device, &plan.cap) {
         (DevicePlan::Cpu, Some(cap)) => shim::cpu_alloc_set_cap(Some(cap.bytes)),
-        // Also set in PYTORCH_CUDA_ALLOC_CONF, which the native allocator reads; this reaches
-        // cudaMallocAsync too. A binary built without the CUDA runtime's headers has only the
-        // configuration's fraction, which the native allocator still honours.
+        // Also set in PYTORCH_CUDA_ALLOC_CONF for the native allocator; this call is the only
+        // one cudaMallocAsync honours. A binary built without the CUDA runtime's headers has
+        // only the configuration's fraction, which the native allocator still honours.
         (DevicePlan::Cuda(i), Some(Cap { fraction: Some(f), .. })) => {
             if let Err(e) = shim::cuda_set_memory_fraction(*f, i) {
                 tracing::warn!(

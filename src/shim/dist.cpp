@@ -155,7 +155,17 @@ char *mt_dist_group_new(const char *host, int port, int rank, int size, int serv
   });
 }
 
-void mt_dist_group_free(MtGroup *g) { delete g; }
+// Shut down before the last reference goes: 2.11's NCCL backend warns (a [W line) when it is
+// destroyed without it, as Python's destroy_process_group() would have. Gloo's is a no-op.
+void mt_dist_group_free(MtGroup *g) {
+  if (!g) return;
+  try {
+    g->pg->shutdown();
+  } catch (...) {
+    // A group whose peers are gone cannot shut down cleanly; it is freed all the same.
+  }
+  delete g;
+}
 
 // Every tensor takes rank `root`'s values, in place (coalesced into few messages).
 char *mt_dist_broadcast(MtGroup *g, at::Tensor **tensors, int64_t n, int root) {

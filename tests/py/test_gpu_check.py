@@ -182,9 +182,11 @@ class Judges(unittest.TestCase):
 
     def test_async_cap(self):
         s = {"status": "completed", "device": "cuda:0", "oom": {"backoffs": 1}, "batch": {"final_micro_batch": 512}}
-        start = {"allocator_conf": "backend:cudaMallocAsync,per_process_memory_fraction:0.012500"}
+        cap = {"kind": "cuda_fraction", "bytes": 1 << 30, "fraction": 0.0125}
+        start = {"allocator_conf": "backend:cudaMallocAsync", "cap": cap}
         self.assertTrue(g.judge_async_cap(start, s, 1024).ok)
-        self.assertFalse(g.judge_async_cap({"allocator_conf": "per_process_memory_fraction:0.0125"}, s, 1024).ok)
+        self.assertFalse(g.judge_async_cap({"allocator_conf": "backend:cudaMallocAsync"}, s, 1024).ok, "no cap")
+        self.assertFalse(g.judge_async_cap({"allocator_conf": "per_process_memory_fraction:0.0125", "cap": cap}, s, 1024).ok)
         self.assertFalse(g.judge_async_cap(start, dict(s, oom={"backoffs": 0}), 1024).ok, "an unenforced cap")
 
     def test_fit_against_what_the_driver_sees(self):
