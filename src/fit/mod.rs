@@ -858,12 +858,7 @@ fn human(r: &Report) -> String {
 
 /// The spec file with the recommendation (and the budget, when it came from the command line)
 /// written into it, comments kept; checked by loading it back before it lands.
-fn write_spec(
-    args: &FitArgs,
-    rec: &Recommendation,
-    budget: &Budget,
-    out: &Path,
-) -> Result<PathBuf> {
+fn write_spec(args: &FitArgs, rec: &Recommendation, budget: &Budget, out: &Path) -> Result<PathBuf> {
     let v = |x: toml_edit::Value| Some(x);
     let mut edits: Vec<(&str, Option<toml_edit::Value>)> = vec![
         ("train.batch_size", v(rec.batch_size.into())),

@@ -286,9 +286,17 @@ fn auto_is_single_on_the_cpu_fused_for_host_state_and_explicit_choices_fall_back
     assert_eq!(opt.implementation(), OptimizerImpl::Foreach);
     opt.place_state(Home::Host);
     opt.place_grads(Home::Host);
-    assert_eq!(opt.implementation(), OptimizerImpl::Foreach, "the host update runs foreach too");
+    assert_eq!(
+        opt.implementation(),
+        OptimizerImpl::Foreach,
+        "the host update runs foreach too"
+    );
     opt.place_state(Home::Device);
-    assert_eq!(opt.implementation(), OptimizerImpl::Single, "gradients on the host, state on the device");
+    assert_eq!(
+        opt.implementation(),
+        OptimizerImpl::Single,
+        "gradients on the host, state on the device"
+    );
     opt.place_grads(Home::Device);
     assert_eq!(opt.implementation(), OptimizerImpl::Foreach);
     let opt = Optimizer::new(with_impl(with_8bit_state(adamw()), OptimizerImpl::Foreach), p());

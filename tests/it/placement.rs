@@ -133,11 +133,19 @@ fn every_implementation_updates_on_the_host_byte_identically() {
             "{which}: {}",
             placed.stdout
         );
-        assert_eq!(placed.final_bytes(), base.final_bytes(), "{which}: final weights differ");
+        assert_eq!(
+            placed.final_bytes(),
+            base.final_bytes(),
+            "{which}: final weights differ"
+        );
         assert_eq!(step_losses(&placed), step_losses(&base), "{which}: step losses differ");
         if which == "fused" {
             let auto = host(t.set("train.optimizer_impl", "auto").name("auto-host"), &all[..1]).run();
-            assert_eq!(auto.final_bytes(), base.final_bytes(), "auto with host state runs fused");
+            assert_eq!(
+                auto.final_bytes(),
+                base.final_bytes(),
+                "auto with host state runs fused"
+            );
         }
     }
 }

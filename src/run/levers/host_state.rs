@@ -1,7 +1,8 @@
 //! Optimizer state on the host (`memory.optimizer_state = "host"`, or an "offload" OOM
-//! decision): the moments leave the device, and each step copies the gradient to the host,
-//! updates a host copy of the parameter there and copies it back. Exact: the same update on the
-//! same values, wherever it runs.
+//! decision): the moments leave the device, the host keeps a master copy of each parameter, and
+//! each step brings the gradients down, updates the master copies there (any implementation;
+//! "auto" runs the fused kernel) and sends them up. On the CPU it is byte-identical to the
+//! update on the device with the same implementation; on CUDA it is PyTorch's CPU update.
 use super::lever::{Lever, Parts, Position, Search, Situation};
 use crate::estimate::Estimate;
 use crate::host::Home;
@@ -52,7 +53,7 @@ impl Lever for HostState {
 
     fn estimate(&self, e: &Estimate) -> String {
         format!(
-            "optimizer state: {} leaves the device for host memory; each step copies every gradient down and every parameter back",
+            "optimizer state: {} leaves the device for host memory; each step brings every gradient down and sends every updated parameter up",
             human_bytes(e.optimizer_bytes())
         )
     }
