@@ -48,33 +48,7 @@ impl Plan {
         }
         tch::manual_seed(spec.job.seed);
         let (vs, built) = self.build_model(spec)?;
-        // A data file that does not fit the model is bad input, like a bad spec: exit 2; one
-        // that does not fit in memory is an OOM: exit 3.
-        let mut data = {
-            let _squeeze = fault::squeeze_in(Phase::Data, self.start.global_step);
-            let needs = data_size(&spec.data, &built.input_shape);
-            setup_step(Phase::Data.label(), &|| needs.clone(), CHANGE_DATA, || {
-                crate::data::load(&spec.data, &built.input_shape, built.num_classes, spec.job.seed)
-            })?
-            .map_err(|e| -> anyhow::Error {
-                let text = format!("{e:#}");
-                match oom::classify(&text) {
-                    Some(_) => setup_oom(
-                        Phase::Data.label(),
-                        &|| needs.clone(),
-                        CHANGE_DATA,
-                        &oom::short_message(&text),
-                    )
-                    .into(),
-                    None => UsageError(text).into(),
-                }
-            })?
-        };
-        if data.stay_resident(device, self.device_budget) {
-            // Steps then copy indices, not samples.
-            data.train.keep_on(device);
-            data.val.keep_on(device);
-        }
+        let data = self.load_data(spec, &built, device)?;
         let (mut opt, arch) = {
             let _host = spec.memory.parameters.is_host().then(shim::HostScope::enter);
             self.build_optimizers(spec, &vs, &execution)?
@@ -155,6 +129,38 @@ impl Plan {
             out,
             state,
         })
+    }
+
+    /// The data sets, resident on the device where they fit its budget. A data file that does
+    /// not fit the model is bad input, like a bad spec: exit 2; one that does not fit in memory
+    /// is an OOM: exit 3.
+    fn load_data(&self, spec: &Spec, built: &Built, device: Device) -> Result<crate::data::Splits> {
+        let mut data = {
+            let _squeeze = fault::squeeze_in(Phase::Data, self.start.global_step);
+            let needs = data_size(&spec.data, &built.input_shape);
+            setup_step(Phase::Data.label(), &|| needs.clone(), CHANGE_DATA, || {
+                crate::data::load(&spec.data, &built.input_shape, built.num_classes, spec.job.seed)
+            })?
+            .map_err(|e| -> anyhow::Error {
+                let text = format!("{e:#}");
+                match oom::classify(&text) {
+                    Some(_) => setup_oom(
+                        Phase::Data.label(),
+                        &|| needs.clone(),
+                        CHANGE_DATA,
+                        &oom::short_message(&text),
+                    )
+                    .into(),
+                    None => UsageError(text).into(),
+                }
+            })?
+        };
+        if data.stay_resident(device, self.device_budget) {
+            // Steps then copy indices, not samples.
+            data.train.keep_on(device);
+            data.val.keep_on(device);
+        }
+        Ok(data)
     }
 
     /// The model is built on the CPU and then moved to the run's device, so its initial weights

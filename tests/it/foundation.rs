@@ -224,12 +224,6 @@ hiden = [8]
             "set train.optimizer_impl = \"auto\" or \"single\", or keep the gradients on the device",
         ),
         (
-            "fused_with_offload",
-            base("[train]\noptimizer_impl = \"fused\"\n[memory]\non_oom = [\"offload\", \"fail\"]\n"),
-            "4:1",
-            "take \"offload\" out of memory.on_oom",
-        ),
-        (
             "fail_not_last",
             base("[memory]\non_oom = [\"fail\", \"cpu\"]\n"),
             "4:1",
