@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context, Result};
 use rayon::prelude::*;
-use tch::{Kind, Tensor};
+use tch::Tensor;
 
 use crate::human::human_bytes;
 
@@ -30,16 +30,17 @@ pub struct Images {
 }
 
 impl Images {
-    /// float32 in [0, 1].
-    pub fn into_float(self) -> (Tensor, Tensor) {
-        ((self.x.to_kind(Kind::Float) / 255.0).contiguous(), self.y)
+    /// The pixels (uint8; a batch divides them by 255 once it is float32) and the labels.
+    pub fn into_parts(self) -> (Tensor, Tensor) {
+        (self.x, self.y)
     }
 }
 
-/// Refuses data that would not fit in host memory as float32 (plus its bytes while converting).
+/// Refuses data whose pixel bytes would not fit in host memory: they stay uint8 at rest, and
+/// only batches become float32.
 pub fn check_budget(n: i64, sample: &[i64], what: &str) -> Result<()> {
     let values: i64 = n * sample.iter().product::<i64>();
-    let need = values as u64 * 5; // float32 plus the uint8 pixels it is made from
+    let need = values as u64;
     let host = crate::sysmem::host_memory().ok();
     let available = host.map(|h| h.ram_available_bytes).filter(|&b| b > 0);
     let cpu = crate::shim::cpu_alloc_stats();
@@ -52,10 +53,8 @@ pub fn check_budget(n: i64, sample: &[i64], what: &str) -> Result<()> {
         if need > b {
             let shape = sample.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("×");
             bail!(
-                "{what}: {n} images of {shape} need {} in memory ({} as float32 and {} of pixel bytes), more than the host-memory budget of {} ({}{}); use a smaller image size (data.image_size and the model's), fewer images, or a machine with more memory",
+                "{what}: {n} images of {shape} need {} in memory (their pixel bytes, kept as uint8), more than the host-memory budget of {} ({}{}); use a smaller image size (data.image_size and the model's), fewer images, or a machine with more memory",
                 human_bytes(need),
-                human_bytes(values as u64 * 4),
-                human_bytes(values as u64),
                 human_bytes(b),
                 available
                     .map(|a| format!("{} of RAM available", human_bytes(a)))
@@ -305,6 +304,7 @@ mod tests {
     use super::super::load;
     use super::*;
     use crate::spec::{Data, DataSource};
+    use tch::Kind;
 
     fn record(label: u8, seed: u8) -> Vec<u8> {
         let mut r = vec![label];
@@ -329,14 +329,14 @@ mod tests {
             ..Default::default()
         };
         let s = load(&d, &[3, 32, 32], 10, 0).unwrap();
-        assert_eq!(s.train.x.size(), vec![10, 3, 32, 32]);
+        assert_eq!(s.train.samples().size(), vec![10, 3, 32, 32]);
         assert_eq!(
-            Vec::<i64>::try_from(&s.train.y).unwrap(),
+            Vec::<i64>::try_from(&s.train.labels()).unwrap(),
             vec![1, 9, 2, 9, 3, 9, 4, 9, 5, 9]
         );
         assert_eq!(s.val.len(), 1);
         // Planes are R, G, B of 1024 bytes each; pixel (c, r, k) is byte 1024c + 32r + k.
-        let px = s.train.x.double_value(&[2, 1, 0, 5]); // batch 2, record 0: seed 2
+        let px = s.train.samples().double_value(&[2, 1, 0, 5]); // batch 2, record 0: seed 2
         assert!((px - ((1024u32 + 5) as u8).wrapping_mul(2) as f64 / 255.0).abs() < 1e-6);
         // Normalised per channel.
         let n = load(
@@ -350,8 +350,8 @@ mod tests {
             0,
         )
         .unwrap();
-        assert!(n.train.x.min().double_value(&[]) >= -1.0 && n.train.x.max().double_value(&[]) <= 1.0);
-        assert!(n.train.x.min().double_value(&[]) < 0.0);
+        assert!(n.train.samples().min().double_value(&[]) >= -1.0 && n.train.samples().max().double_value(&[]) <= 1.0);
+        assert!(n.train.samples().min().double_value(&[]) < 0.0);
         // Missing and truncated files.
         fs::remove_file(sub.join("data_batch_4.bin")).unwrap();
         let e = format!("{:#}", load(&d, &[3, 32, 32], 10, 0).unwrap_err());
@@ -417,7 +417,7 @@ mod tests {
         };
         let s = load(&d, &[3, 6, 6], 2, 0).unwrap();
         assert_eq!((s.train.len(), s.val.len()), (3, 1));
-        assert!(s.train.x.max().double_value(&[]) <= 1.0);
+        assert!(s.train.samples().max().double_value(&[]) <= 1.0);
         let e = format!(
             "{:#}",
             load(

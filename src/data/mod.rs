@@ -39,18 +39,58 @@ mod rng;
 pub use augment::{Augmenter, Draw};
 use rng::{stream, SplitMix64};
 
-/// All samples in memory: `x` float32 `[N, ..sample_shape]` and `y` int64 `[N]` class indices,
-/// both on the CPU; training images may carry their augmentation.
+/// All samples in memory, as stored: images stay uint8 (a quarter of float32), other integer
+/// data in its own type, float data as float32. A batch is gathered from them and only then
+/// converted to float32, divided (images: by 255) and normalized, the same elementwise
+/// operations a whole-set conversion would make, so the values are the same. A held-out split
+/// is a list of rows into the file's samples, not a copy of them.
 #[derive(Debug)]
 pub struct Dataset {
-    pub x: Tensor,
-    pub y: Tensor,
+    x: Tensor,
+    y: Tensor,
+    /// This set's rows of `x` and `y` (int64 on the CPU); None: all of them, in order.
+    rows: Option<Tensor>,
+    /// Per batch, after the conversion to float32: x / divisor (uint8 pixels: 255).
+    divisor: Option<f64>,
+    /// Per batch, last: (x - mean) / std per channel.
+    norm: Option<(Tensor, Tensor)>,
     pub augment: Option<Augmenter>,
 }
 
 impl Dataset {
     pub fn new(x: Tensor, y: Tensor) -> Self {
-        Dataset { x, y, augment: None }
+        Dataset {
+            x,
+            y,
+            rows: None,
+            divisor: None,
+            norm: None,
+            augment: None,
+        }
+    }
+
+    /// Samples divided by `d` once they are float32 (uint8 pixels to [0, 1]).
+    fn divided_by(self, d: f64) -> Self {
+        Dataset {
+            divisor: Some(d),
+            ..self
+        }
+    }
+
+    /// The set of `rows` of this one, sharing its samples.
+    fn rows(&self, rows: &[i64]) -> Self {
+        let picked = Tensor::from_slice(rows);
+        Dataset {
+            x: self.x.shallow_clone(),
+            y: self.y.shallow_clone(),
+            rows: Some(match &self.rows {
+                Some(r) => r.index_select(0, &picked),
+                None => picked,
+            }),
+            divisor: self.divisor,
+            norm: self.norm.as_ref().map(|(m, d)| (m.shallow_clone(), d.shallow_clone())),
+            augment: None,
+        }
     }
 
     /// The samples `idx` of epoch `epoch` (0-based), augmented when the set is, as `(x, y)` on
@@ -63,7 +103,7 @@ impl Dataset {
         }
     }
 
-    /// Bytes its samples and labels take.
+    /// Bytes its samples and labels take as stored (a split counts the file's).
     pub fn bytes(&self) -> u64 {
         [&self.x, &self.y].iter().map(|t| crate::memory::tensor_bytes(t)).sum()
     }
@@ -74,22 +114,67 @@ impl Dataset {
         debug_assert!(self.augment.is_none());
         self.x = self.x.to_device(device);
         self.y = self.y.to_device(device);
+        if let Some((m, d)) = &mut self.norm {
+            *m = m.to_device(device);
+            *d = d.to_device(device);
+        }
     }
 
     /// Number of samples.
     pub fn len(&self) -> i64 {
-        self.y.size()[0]
+        match &self.rows {
+            Some(r) => r.size()[0],
+            None => self.y.size()[0],
+        }
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
-    /// The samples at `idx` (a CPU int64 tensor of indices), as `(x, y)` on the CPU.
+    /// The shape of one sample, `[C, H, W]` for images.
+    pub fn sample_shape(&self) -> Vec<i64> {
+        self.x.size()[1..].to_vec()
+    }
+
+    /// The samples at `idx` (a CPU int64 tensor of indices into this set), as float32 `(x, y)`
+    /// where the samples are.
     pub fn batch(&self, idx: &Tensor) -> (Tensor, Tensor) {
+        let rows = match &self.rows {
+            Some(r) => r.index_select(0, idx),
+            None => idx.shallow_clone(),
+        };
         // Resident samples: the indices go over from pinned memory, without waiting.
-        let idx = crate::host::Host::new(self.x.device()).input(idx);
-        (self.x.index_select(0, &idx), self.y.index_select(0, &idx))
+        let rows = crate::host::Host::new(self.x.device()).input(&rows);
+        (
+            self.as_float(self.x.index_select(0, &rows)),
+            self.y.index_select(0, &rows),
+        )
+    }
+
+    /// Every sample of the set, as a batch.
+    pub fn samples(&self) -> Tensor {
+        self.batch(&Tensor::arange(self.len(), (Kind::Int64, Device::Cpu))).0
+    }
+
+    /// Every label of the set, in order.
+    pub fn labels(&self) -> Tensor {
+        self.batch(&Tensor::arange(self.len(), (Kind::Int64, Device::Cpu))).1
+    }
+
+    fn as_float(&self, x: Tensor) -> Tensor {
+        let x = match x.kind() {
+            Kind::Float => x,
+            _ => x.to_kind(Kind::Float),
+        };
+        let x = match self.divisor {
+            Some(d) => x / d,
+            None => x,
+        };
+        match &self.norm {
+            Some((m, d)) => ((x - m) / d).contiguous(),
+            None => x,
+        }
     }
 }
 
@@ -119,17 +204,17 @@ pub fn load(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) -> Re
     let mut s = load_source(data, input_shape, num_classes, seed)?;
     if !data.mean.is_empty() {
         for part in [&mut s.train, &mut s.val] {
-            part.x = normalized(&part.x, &data.mean, &data.std)?;
+            part.norm = Some(normalization(&part.sample_shape(), &data.mean, &data.std)?);
         }
     }
     if data.augment.enabled() {
-        if s.train.x.dim() != 4 {
+        let sample = s.train.sample_shape();
+        if sample.len() != 3 {
             bail!(
-                "data.augment: random crops and flips need images [C, H, W], but the samples have shape {:?}; remove [data.augment]",
-                &s.train.x.size()[1..]
+                "data.augment: random crops and flips need images [C, H, W], but the samples have shape {sample:?}; remove [data.augment]"
             );
         }
-        let c = s.train.x.size()[1] as usize;
+        let c = sample[0] as usize;
         let fill = (0..c)
             .map(|i| match data.mean.len() {
                 0 => 0.0,
@@ -148,25 +233,24 @@ pub fn load(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) -> Re
     Ok(s)
 }
 
-/// (x - mean) / std per channel (dimension 1); one value applies to every channel.
-fn normalized(x: &Tensor, mean: &[f64], std: &[f64]) -> Result<Tensor> {
-    let size = x.size();
-    if size.len() < 2 {
+/// The mean and std that normalize a batch of samples shaped `sample` per channel (its first
+/// dimension), as `(x - mean) / std`; one value applies to every channel.
+fn normalization(sample: &[i64], mean: &[f64], std: &[f64]) -> Result<(Tensor, Tensor)> {
+    if sample.is_empty() {
         bail!("data.mean/data.std: normalise channels of samples [C, ..], but the samples are scalars");
     }
-    let c = size[1];
+    let c = sample[0];
     if mean.len() != 1 && mean.len() as i64 != c {
         bail!(
-            "data.mean/data.std: have {} values but the samples have {c} channels (shape {:?}); give one value per channel, or one for all",
+            "data.mean/data.std: have {} values but the samples have {c} channels (shape {sample:?}); give one value per channel, or one for all",
             mean.len(),
-            &size[1..]
         );
     }
     let mut shape = vec![1, mean.len() as i64];
-    shape.extend(std::iter::repeat_n(1, size.len() - 2));
+    shape.extend(std::iter::repeat_n(1, sample.len() - 1));
     let m = Tensor::from_slice(mean).to_kind(Kind::Float).view(shape.as_slice());
     let d = Tensor::from_slice(std).to_kind(Kind::Float).view(shape.as_slice());
-    Ok(((x - m) / d).contiguous())
+    Ok((m, d))
 }
 
 fn load_source(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) -> Result<Splits> {
@@ -223,10 +307,11 @@ fn load_source(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) ->
             };
             let train_files = images::cifar10_files(dir, true, "data.path")?;
             let val_files = images::cifar10_files(vdir, false, vkey)?;
-            let (x, y) = images::read_cifar10(&train_files, "data.path")?.into_float();
-            let train = checked(x, y, &format!("data.path {} (data_batch files)", dir.display()), &model)?;
-            let (x, y) = images::read_cifar10(&val_files, vkey)?.into_float();
-            let val = checked(x, y, &format!("{vkey} {} (test_batch.bin)", vdir.display()), &model)?;
+            let (x, y) = images::read_cifar10(&train_files, "data.path")?.into_parts();
+            let train =
+                checked(x, y, &format!("data.path {} (data_batch files)", dir.display()), &model)?.divided_by(255.0);
+            let (x, y) = images::read_cifar10(&val_files, vkey)?.into_parts();
+            let val = checked(x, y, &format!("{vkey} {} (test_batch.bin)", vdir.display()), &model)?.divided_by(255.0);
             Ok(Splits { train, val })
         }
         DataSource::Imagefolder => {
@@ -246,8 +331,8 @@ fn load_source(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) ->
             }
             let what = format!("data.path {}", root.display());
             let (imgs, classes) = images::read_imagefolder(root, size, channels, "data.path")?;
-            let (x, y) = imgs.into_float();
-            let all = checked(x, y, &what, &model)?;
+            let (x, y) = imgs.into_parts();
+            let all = checked(x, y, &what, &model)?.divided_by(255.0);
             match &data.val_path {
                 Some(v) => {
                     let (imgs, vclasses) = images::read_imagefolder(v, size, channels, "data.val_path")?;
@@ -257,8 +342,8 @@ fn load_source(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) ->
                             v.display()
                         );
                     }
-                    let (x, y) = imgs.into_float();
-                    let val = checked(x, y, &format!("data.val_path {}", v.display()), &model)?;
+                    let (x, y) = imgs.into_parts();
+                    let val = checked(x, y, &format!("data.val_path {}", v.display()), &model)?.divided_by(255.0);
                     Ok(Splits { train: all, val })
                 }
                 None => holdout(all, data.val_fraction, seed, &what),
@@ -615,8 +700,15 @@ fn checked(x: Tensor, y: Tensor, what: &str, model: &ModelKeys) -> Result<Datase
     }
     let sample = &xs[1..];
     let want = model.input_shape;
+    // Integer samples stay as stored (every integer is finite, and each batch converts exactly
+    // as the whole set would); float samples become float32 here, where the finite check must
+    // see what the model will.
+    let x = match is_integer(x.kind()) {
+        true => x,
+        false => x.to_kind(Kind::Float),
+    };
     let x = if sample == want {
-        x.to_kind(Kind::Float)
+        x
     } else {
         let numel: i64 = sample.iter().product();
         let want_numel: i64 = want.iter().product();
@@ -629,9 +721,9 @@ fn checked(x: Tensor, y: Tensor, what: &str, model: &ModelKeys) -> Result<Datase
         }
         let mut shape = vec![n];
         shape.extend_from_slice(want);
-        x.to_kind(Kind::Float).reshape(&shape)
+        x.reshape(&shape)
     };
-    let finite = x.isfinite().all().int64_value(&[]) != 0;
+    let finite = is_integer(x.kind()) || x.isfinite().all().int64_value(&[]) != 0;
     if !finite {
         bail!("{what}: x contains NaN or infinite values");
     }
@@ -691,13 +783,9 @@ fn holdout(all: Dataset, fraction: f64, seed: i64, what: &str) -> Result<Splits>
     let mut train_idx = perm[n_val as usize..].to_vec();
     val_idx.sort_unstable();
     train_idx.sort_unstable();
-    let pick = |idx: &[i64]| {
-        let (x, y) = all.batch(&Tensor::from_slice(idx));
-        Dataset::new(x, y)
-    };
     Ok(Splits {
-        train: pick(&train_idx),
-        val: pick(&val_idx),
+        train: all.rows(&train_idx),
+        val: all.rows(&val_idx),
     })
 }
 
@@ -992,15 +1080,15 @@ mod tests {
         let a = load(&d, &[2, 32], 4, 7).unwrap();
         let b = load(&d, &[2, 32], 4, 7).unwrap();
         let c = load(&d, &[2, 32], 4, 8).unwrap();
-        assert!(equal(&a.train.x, &b.train.x) && equal(&a.train.y, &b.train.y));
-        assert!(equal(&a.val.x, &b.val.x) && equal(&a.val.y, &b.val.y));
-        assert!(!equal(&a.train.x, &c.train.x));
+        assert!(equal(&a.train.samples(), &b.train.samples()) && equal(&a.train.labels(), &b.train.labels()));
+        assert!(equal(&a.val.samples(), &b.val.samples()) && equal(&a.val.labels(), &b.val.labels()));
+        assert!(!equal(&a.train.samples(), &c.train.samples()));
         // Torch's global RNG plays no part.
         tch::manual_seed(1);
         let e = load(&d, &[2, 32], 4, 7).unwrap();
         tch::manual_seed(2);
         let f = load(&d, &[2, 32], 4, 7).unwrap();
-        assert!(equal(&e.train.x, &f.train.x) && equal(&e.train.x, &a.train.x));
+        assert!(equal(&e.train.samples(), &f.train.samples()) && equal(&e.train.samples(), &a.train.samples()));
     }
 
     #[test]
@@ -1008,12 +1096,12 @@ mod tests {
         let s = load(&synth(100, 1.0), &[3, 20], 5, 0).unwrap();
         assert_eq!(s.val.len(), 20);
         assert_eq!(s.train.len(), 80);
-        assert_eq!(s.train.x.size(), vec![80, 3, 20]);
-        assert_eq!(s.train.x.kind(), Kind::Float);
-        assert_eq!(s.train.y.kind(), Kind::Int64);
-        let counts = Vec::<i64>::try_from(s.train.y.bincount::<Tensor>(None, 5)).unwrap();
+        assert_eq!(s.train.samples().size(), vec![80, 3, 20]);
+        assert_eq!(s.train.samples().kind(), Kind::Float);
+        assert_eq!(s.train.labels().kind(), Kind::Int64);
+        let counts = Vec::<i64>::try_from(s.train.labels().bincount::<Tensor>(None, 5)).unwrap();
         assert_eq!(counts, vec![16; 5]);
-        let counts = Vec::<i64>::try_from(s.val.y.bincount::<Tensor>(None, 5)).unwrap();
+        let counts = Vec::<i64>::try_from(s.val.labels().bincount::<Tensor>(None, 5)).unwrap();
         assert_eq!(counts, vec![4; 5]);
         // Tiny: val is still at least 1 and train keeps at least 1.
         let s = load(
@@ -1036,23 +1124,23 @@ mod tests {
         for shape in [vec![32i64], vec![1, 64]] {
             let k = 4;
             let s = load(&synth(400, 1.0), &shape, k, 3).unwrap();
-            let tx = s.train.x.flatten(1, -1);
+            let tx = s.train.samples().flatten(1, -1);
             let means = Tensor::stack(
                 &(0..k)
                     .map(|c| {
-                        tx.index_select(0, &s.train.y.eq(c).nonzero().squeeze_dim(1))
+                        tx.index_select(0, &s.train.labels().eq(c).nonzero().squeeze_dim(1))
                             .mean_dim(0, false, Kind::Float)
                     })
                     .collect::<Vec<_>>(),
                 0,
             );
-            let vx = s.val.x.flatten(1, -1);
+            let vx = s.val.samples().flatten(1, -1);
             let dist = (vx.unsqueeze(1) - means.unsqueeze(0))
                 .square()
                 .sum_dim_intlist(2, false, Kind::Float);
             let pred = dist.argmin(1, false);
             let acc = pred
-                .eq_tensor(&s.val.y)
+                .eq_tensor(&s.val.labels())
                 .to_kind(Kind::Float)
                 .mean(Kind::Float)
                 .double_value(&[]);
@@ -1063,8 +1151,8 @@ mod tests {
     #[test]
     fn synthetic_darts_size_has_the_right_shapes() {
         let s = load(&synth(512, 1.0), &[1, 3000], 5, 0).unwrap();
-        assert_eq!(s.train.x.size(), vec![410, 1, 3000]);
-        assert_eq!(s.val.x.size(), vec![102, 1, 3000]);
+        assert_eq!(s.train.samples().size(), vec![410, 1, 3000]);
+        assert_eq!(s.val.samples().size(), vec![102, 1, 3000]);
     }
 
     #[test]
@@ -1080,23 +1168,23 @@ mod tests {
         };
         let s = load(&d, &[2, 3], 3, 0).unwrap();
         assert_eq!((s.train.len(), s.val.len()), (7, 3));
-        assert_eq!(s.train.x.kind(), Kind::Float);
-        assert_eq!(s.train.x.size(), vec![7, 2, 3]);
+        assert_eq!(s.train.samples().kind(), Kind::Float);
+        assert_eq!(s.train.samples().size(), vec![7, 2, 3]);
         // Every sample lands in exactly one split, intact (x[i] starts at 6i, y[i] = i % 3).
         let mut seen: Vec<i64> = vec![];
         for part in [&s.train, &s.val] {
             for i in 0..part.len() {
-                let first = part.x.get(i).flatten(0, -1).get(0).double_value(&[]) as i64;
+                let first = part.samples().get(i).flatten(0, -1).get(0).double_value(&[]) as i64;
                 assert_eq!(first % 6, 0);
-                assert_eq!(part.y.get(i).int64_value(&[]), (first / 6) % 3);
+                assert_eq!(part.labels().get(i).int64_value(&[]), (first / 6) % 3);
                 seen.push(first / 6);
             }
         }
         seen.sort();
         assert_eq!(seen, (0..10).collect::<Vec<_>>());
         // Same seed, same split; other seeds, other splits.
-        assert!(equal(&s.val.x, &load(&d, &[2, 3], 3, 0).unwrap().val.x));
-        assert!((1..20).any(|seed| !equal(&load(&d, &[2, 3], 3, seed).unwrap().val.x, &s.val.x)));
+        assert!(equal(&s.val.samples(), &load(&d, &[2, 3], 3, 0).unwrap().val.samples()));
+        assert!((1..20).any(|seed| !equal(&load(&d, &[2, 3], 3, seed).unwrap().val.samples(), &s.val.samples())));
         // A separate validation file replaces the holdout.
         let v = dir.path().join("v.npz");
         Tensor::write_npz(&[("x", &x.narrow(0, 0, 4)), ("y", &y.narrow(0, 0, 4))], &v).unwrap();
@@ -1111,7 +1199,7 @@ mod tests {
         )
         .unwrap();
         assert_eq!((s.train.len(), s.val.len()), (10, 4));
-        assert_eq!(s.val.x.size(), vec![4, 6]);
+        assert_eq!(s.val.samples().size(), vec![4, 6]);
     }
 
     #[test]
@@ -1171,7 +1259,10 @@ mod tests {
         )
         .unwrap();
         assert_eq!((s.train.len(), s.val.len()), (3, 3));
-        assert_eq!((s.train.x.kind(), s.train.y.kind()), (Kind::Float, Kind::Int64));
+        assert_eq!(
+            (s.train.samples().kind(), s.train.labels().kind()),
+            (Kind::Float, Kind::Int64)
+        );
         let p = dir.path().join("nox.safetensors");
         Tensor::write_safetensors(&[("inputs", &x), ("y", &y)], &p).unwrap();
         let e = err_of(load(&spec(DataSource::Safetensors, Some(p)), &[1, 5], 3, 0));
@@ -1184,14 +1275,14 @@ mod tests {
         let s = load(&d, &[64], 10, 0).unwrap();
         assert_eq!(s.train.len() + s.val.len(), 1797);
         assert_eq!(s.val.len(), 359); // round(1797 * 0.2)
-        assert_eq!(s.train.x.size(), vec![1438, 64]);
+        assert_eq!(s.train.samples().size(), vec![1438, 64]);
         for part in [&s.train, &s.val] {
-            assert!(part.y.min().int64_value(&[]) >= 0 && part.y.max().int64_value(&[]) < 10);
-            assert!(part.x.min().double_value(&[]) >= 0.0 && part.x.max().double_value(&[]) <= 1.0);
+            assert!(part.labels().min().int64_value(&[]) >= 0 && part.labels().max().int64_value(&[]) < 10);
+            assert!(part.samples().min().double_value(&[]) >= 0.0 && part.samples().max().double_value(&[]) <= 1.0);
         }
         // Signals the other way round: 8×8 as 8 channels of length 8 works unchanged.
         let s = load(&d, &[8, 8], 10, 0).unwrap();
-        assert_eq!(s.val.x.size(), vec![359, 8, 8]);
+        assert_eq!(s.val.samples().size(), vec![359, 8, 8]);
         let e = err_of(load(&d, &[100], 10, 0));
         assert!(
             e.contains("samples of shape [8, 8] (64 values)")
@@ -1242,15 +1333,15 @@ mod tests {
         write_idx(&p.join("t10k-labels-idx1-ubyte"), &[2], &[1, 2]);
         let d = spec(DataSource::Mnist, Some(p.to_path_buf()));
         let s = load(&d, &[16], 10, 0).unwrap();
-        assert_eq!(s.train.x.size(), vec![3, 16]);
-        assert_eq!(Vec::<i64>::try_from(&s.train.y).unwrap(), vec![7, 0, 9]);
-        assert_eq!(Vec::<i64>::try_from(&s.val.y).unwrap(), vec![1, 2]);
-        let px = s.train.x.get(1).get(3).double_value(&[]);
+        assert_eq!(s.train.samples().size(), vec![3, 16]);
+        assert_eq!(Vec::<i64>::try_from(&s.train.labels()).unwrap(), vec![7, 0, 9]);
+        assert_eq!(Vec::<i64>::try_from(&s.val.labels()).unwrap(), vec![1, 2]);
+        let px = s.train.samples().get(1).get(3).double_value(&[]);
         assert!((px - (19.0 * 5.0) / 255.0).abs() < 1e-6, "{px}");
-        assert_eq!(s.val.x.min().double_value(&[]), 1.0);
+        assert_eq!(s.val.samples().min().double_value(&[]), 1.0);
         // As images with a channel: [1, 4, 4] has the same 16 values.
         let s = load(&d, &[1, 4, 4], 10, 0).unwrap();
-        assert_eq!(s.train.x.size(), vec![3, 1, 4, 4]);
+        assert_eq!(s.train.samples().size(), vec![3, 1, 4, 4]);
         // Truncated file.
         fs::write(p.join("t10k-labels-idx1-ubyte"), [0, 0, 8, 1, 0, 0, 0, 2, 1]).unwrap();
         let e = err_of(load(&d, &[16], 10, 0));

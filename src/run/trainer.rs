@@ -452,7 +452,7 @@ impl Trainer {
 
     fn input_shape(&self, b: i64) -> Vec<i64> {
         let mut s = vec![b];
-        s.extend(self.data.train.x.size().into_iter().skip(1));
+        s.extend(self.data.train.sample_shape());
         s
     }
 
