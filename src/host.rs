@@ -10,6 +10,7 @@
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
 
+use crate::oom::inside_guard as ok;
 use crate::shim::HostScope;
 
 /// Where one term of the memory bill lives.
@@ -63,7 +64,7 @@ impl Host {
     pub fn empty(&self, size: &[i64], kind: Kind) -> Tensor {
         match self.cuda() {
             // Inside the OOM guard like any libtorch error.
-            Some(_) => crate::shim::copies::pinned_empty(size, kind).unwrap_or_else(|e| panic!("{e:#}")),
+            Some(_) => ok(crate::shim::copies::pinned_empty(size, kind)),
             None => {
                 let _scope = HostScope::enter();
                 Tensor::empty(size, (kind, Device::Cpu))
@@ -131,11 +132,6 @@ impl Host {
             Copies { device: self.device }.fence().host_waits();
         }
     }
-}
-
-/// A libtorch error inside a step leaves it as a panic, which the OOM guard turns into an error.
-fn ok<T>(r: anyhow::Result<T>) -> T {
-    r.unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 /// Copies issued together (see [`Host::copies`]). On CUDA they run on the copy stream without

@@ -141,6 +141,12 @@ pub fn short_message(text: &str) -> String {
 
 /// Runs `f`, turning a libtorch panic into a `StepError`. Every tensor `f` created is dropped
 /// while unwinding, so an OOM leaves nothing of the failed step behind.
+/// The value of a libtorch call made inside the guard, whose error leaves the step as a panic
+/// (the guard turns it back into an error).
+pub fn inside_guard<T>(r: anyhow::Result<T>) -> T {
+    r.unwrap_or_else(|e| panic!("{e:#}"))
+}
+
 pub fn guarded<T>(f: impl FnOnce() -> T) -> Result<T, StepError> {
     guarded_counting(|| 0, f)
 }

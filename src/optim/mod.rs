@@ -217,8 +217,10 @@ pub struct Prepared {
     host_workspace: Workspace,
     /// State on the host: what the update writes (see [`Masters::targets`]).
     targets: Vec<(String, Tensor)>,
-    /// Gradients staged off the device for a host update: the arrival of each run of
-    /// [`update_runs`] (empty: they are on the host already).
+    /// State on the host: the runs of `live` the update takes one by one ([`update_runs`]),
+    /// and, for gradients staged off the device, when each run has landed (empty: they are on
+    /// the host already).
+    runs: Vec<std::ops::Range<usize>>,
     arrivals: Vec<Fence>,
     /// fp16-mixed with a fused optimizer: the loss scale the gradients still carry, per device,
     /// which the kernel divides out (see [`Prepared::with_grad_scale`]).
@@ -360,7 +362,7 @@ impl Optimizer {
         tch::no_grad(|| {
             let mut workspace = Workspace::default();
             let mut host_workspace = Workspace::default();
-            let mut arrivals = Vec::new();
+            let (mut runs, mut arrivals) = (Vec::new(), Vec::new());
             let (live, targets) = match self.state.home() {
                 Home::Device => {
                     let live = self.live_grads();
@@ -377,7 +379,9 @@ impl Optimizer {
                 }
                 Home::Host => {
                     let _host = HostScope::enter();
-                    let (live, fences) = self.host_live();
+                    let live = self.live_grads();
+                    runs = update_runs(&live);
+                    let (live, fences) = self.host_live(live, &runs);
                     arrivals = fences;
                     let targets = self.masters.targets(&self.host, &self.params, &live);
                     // The update runs where its gradients, state and targets all are: on the host.
@@ -403,6 +407,7 @@ impl Optimizer {
                 workspace,
                 host_workspace,
                 targets,
+                runs,
                 arrivals,
                 grad_scale: Vec::new(),
             }
@@ -420,15 +425,18 @@ impl Optimizer {
     /// The live gradients on the host, for an update there: staged off a CUDA device when
     /// they are not placed on the host already, run by run (the downloads are queued; the
     /// fences say when each run has landed).
-    fn host_live(&mut self) -> (Vec<(usize, Tensor)>, Vec<Fence>) {
-        let live = self.live_grads();
+    fn host_live(
+        &mut self,
+        live: Vec<(usize, Tensor)>,
+        runs: &[std::ops::Range<usize>],
+    ) -> (Vec<(usize, Tensor)>, Vec<Fence>) {
         if !(self.host.device.is_cuda() && self.host_grads.is_none()) {
             return (live, Vec::new());
         }
         let staged = self
             .staged
             .get_or_insert_with(|| HostGrads::allocate(&self.host, &self.params));
-        let fences = staged.stage(&self.host, &self.params, &live, &update_runs(&live));
+        let fences = staged.stage(&self.host, &self.params, &live, runs);
         let on_host = live
             .iter()
             .map(|(i, _)| (*i, staged.of(*i).expect("staged").shallow_clone()))
@@ -458,6 +466,7 @@ impl Optimizer {
             workspace,
             host_workspace,
             mut targets,
+            runs,
             arrivals,
             grad_scale,
         } = prepared;
@@ -499,7 +508,7 @@ impl Optimizer {
             }
             let uploads = host.copies();
             let mut busy = 0.0;
-            for (k, run) in update_runs(&live).into_iter().enumerate() {
+            for (k, run) in runs.into_iter().enumerate() {
                 if let Some(landed) = arrivals.get(k) {
                     landed.host_waits();
                 }

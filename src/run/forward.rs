@@ -29,7 +29,7 @@ use crate::data::Dataset;
 use crate::fault::{self, Phase};
 use crate::host::{Fence, Home, Host};
 use crate::model::{Chain, Net};
-use crate::oom;
+use crate::oom::{self, inside_guard as ok};
 use crate::shim::{self, Autocast};
 use crate::spec::Precision;
 
@@ -43,7 +43,7 @@ impl PrecisionStage {
     /// Places a batch on the device in the dtype the model's weights have (the mixed modes keep
     /// fp32 weights and let autocast cast).
     pub fn input(&self, x: &Tensor, device: Device) -> Tensor {
-        let x = to_device_async(x, device);
+        let x = Host::new(device).input(x);
         match self.precision {
             Precision::Bf16 => x.to_kind(Kind::BFloat16),
             _ => x,
@@ -56,11 +56,6 @@ impl PrecisionStage {
         // Entering only sets thread-local flags; it cannot fail short of a broken libtorch.
         Some(Autocast::enter(device, dtype).expect("autocast state can be set"))
     }
-}
-
-/// A host tensor's copy on `device`, issued without waiting (see [`Host::input`]).
-pub fn to_device_async(t: &Tensor, device: Device) -> Tensor {
-    Host::new(device).input(t)
 }
 
 /// A micro-batch placed on the device (its copies may still be in flight): inputs in the
@@ -110,7 +105,7 @@ impl Forward {
         let (x, y) = data.batch_at(idx, epoch);
         Batch {
             x: self.precision.input(&x, self.device),
-            y: to_device_async(&y, self.device),
+            y: Host::new(self.device).input(&y),
         }
     }
 
@@ -191,11 +186,6 @@ impl Drop for RngRestore {
             tracing::warn!("restoring the generator state: {e}");
         }
     }
-}
-
-fn ok<T>(r: anyhow::Result<T>) -> T {
-    // Inside the OOM guard: a panic is how a libtorch error leaves the step.
-    r.unwrap_or_else(|e| panic!("{e}"))
 }
 
 /// Generator whose stream dropout reads on this device. The CPU generator also drives CPU-side

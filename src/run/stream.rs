@@ -103,10 +103,11 @@ impl Streamer {
         if i >= self.blocks.len() || !brought[i] {
             return;
         }
-        let copies = self.host.copies();
+        // Only buffers (BatchNorm's running statistics) change on the device and go back.
+        let copies = self.blocks[i].iter().any(|s| s.buffer).then(|| self.host.copies());
         for s in &self.blocks[i] {
-            if s.buffer {
-                copies.down(&s.home, &s.var);
+            if let (true, Some(c)) = (s.buffer, &copies) {
+                c.down(&s.home, &s.var);
                 self.returning.set(true);
             }
             s.var.shallow_clone().set_data(&s.home);
