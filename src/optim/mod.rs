@@ -36,6 +36,7 @@
 mod adam;
 mod adam8;
 mod clip;
+mod deferred;
 mod forms;
 mod grads;
 mod implementation;
@@ -168,6 +169,11 @@ pub struct Optimizer {
     masters: Masters,
     /// Seconds the host updates took since they were last taken (None: no host update ran).
     host_update_seconds: Option<f64>,
+    /// The block of the model's chain that uses each parameter: a host update then finishes
+    /// block by block during the next forward (see [`deferred`]). None: it finishes at once.
+    blocks: Option<Vec<usize>>,
+    /// A host update applied and not yet finished.
+    pending: Option<deferred::Pending>,
 }
 
 /// The host's copy of each parameter a host update writes, made when the first such update
@@ -275,6 +281,8 @@ impl Optimizer {
             staged: None,
             masters: Masters::default(),
             host_update_seconds: None,
+            blocks: None,
+            pending: None,
             hyper,
             rule,
             params,
@@ -325,6 +333,7 @@ impl Optimizer {
 
     /// Parameter `i`'s state tensors, one per slot (empty for a parameter another rank owns).
     pub fn state_of(&self, i: usize) -> &[Tensor] {
+        self.assert_settled();
         self.state.of(i)
     }
 
@@ -359,6 +368,10 @@ impl Optimizer {
     /// Data-parallel ranks agree on whether any of them ran out of memory between this and
     /// [`Optimizer::apply`], which allocates nothing parameter-sized.
     pub fn prepare(&mut self) -> Prepared {
+        if let Err(e) = self.settle() {
+            // Inside the OOM guard like any libtorch error.
+            panic!("{e:#}");
+        }
         tch::no_grad(|| {
             let mut workspace = Workspace::default();
             let mut host_workspace = Workspace::default();
@@ -379,8 +392,11 @@ impl Optimizer {
                 }
                 Home::Host => {
                     let _host = HostScope::enter();
-                    let live = self.live_grads();
-                    runs = update_runs(&live);
+                    let mut live = self.live_grads();
+                    if let Some(blocks) = &self.blocks {
+                        deferred::block_order(blocks, &mut live);
+                    }
+                    runs = update_runs(&live, |i| self.block_of(i));
                     let (live, fences) = self.host_live(live, &runs);
                     arrivals = fences;
                     let targets = self.masters.targets(&self.host, &self.params, &live);
@@ -461,87 +477,77 @@ impl Optimizer {
             lr,
         };
         let values = self.rule.multipliers(step);
+        tch::no_grad(|| self.multipliers.refill(&values));
+        if self.state.home() == Home::Host {
+            self.apply_on_host(prepared, step)?;
+        } else {
+            let Prepared {
+                live,
+                workspace,
+                grad_scale,
+                ..
+            } = prepared;
+            tch::no_grad(|| {
+                self.implementation.apply(Batch {
+                    rule: &*self.rule,
+                    step,
+                    params: &mut self.params,
+                    live: &live,
+                    state: &mut self.state,
+                    workspace: &workspace,
+                    multipliers: &self.multipliers,
+                    forms_of: self.forms_of,
+                    grads_on_host: self.host_grads.is_some(),
+                    grad_scale: &grad_scale,
+                })
+            })?;
+        }
+        self.steps = step.number;
+        Ok(())
+    }
+
+    /// The update with the state on the host, run by run: each run goes up while the next is
+    /// updated. By block, it is left for the next forward to finish ([`deferred`]).
+    fn apply_on_host(&mut self, prepared: Prepared, step: Step) -> Result<()> {
         let Prepared {
             live,
-            workspace,
             host_workspace,
-            mut targets,
+            targets,
             runs,
             arrivals,
             grad_scale,
-        } = prepared;
-        let Optimizer {
-            rule,
-            params,
-            state,
-            multipliers,
-            forms_of,
-            host,
-            host_grads,
-            implementation,
-            host_update_seconds,
             ..
-        } = self;
-        let on_host = state.home() == Home::Host;
-        tch::no_grad(|| -> Result<()> {
-            multipliers.refill(&values);
-            if !on_host {
-                return implementation.apply(Batch {
-                    rule: &**rule,
-                    step,
-                    params,
-                    live: &live,
-                    state,
-                    workspace: &workspace,
-                    multipliers,
-                    forms_of: *forms_of,
-                    grads_on_host: host_grads.is_some(),
-                    grad_scale: &grad_scale,
-                });
-            }
-            // The CPU writes a target only once no queued copy reads or writes it: with the
-            // gradients staged by runs, once the run's downloads have landed (the copy stream
-            // runs in order, so the last step's uploads are done too); otherwise once every copy
-            // has.
-            if arrivals.is_empty() {
-                host.before_cpu_writes();
-            }
-            let uploads = host.copies();
-            let mut busy = 0.0;
-            for (k, run) in runs.into_iter().enumerate() {
-                if let Some(landed) = arrivals.get(k) {
-                    landed.host_waits();
-                }
-                let t0 = std::time::Instant::now();
-                let chunk = &live[run];
-                implementation.apply(Batch {
-                    rule: &**rule,
-                    step,
-                    params: &mut targets,
-                    live: chunk,
-                    state,
-                    workspace: &host_workspace,
-                    multipliers,
-                    forms_of: *forms_of,
-                    grads_on_host: false,
-                    grad_scale: &grad_scale,
-                })?;
-                // This run goes up while the next one is updated.
-                for (i, _) in chunk {
-                    let p = &params[*i].1;
-                    if p.device() != Device::Cpu {
-                        uploads.up(p, &targets[*i].1);
-                    }
-                }
-                busy += t0.elapsed().as_secs_f64();
-            }
-            // The next step's kernels read the parameters after their uploads; the host goes on.
-            uploads.fence().compute_waits();
-            *host_update_seconds.get_or_insert(0.0) += busy;
-            Ok(())
-        })?;
-        self.steps = step.number;
-        Ok(())
+        } = prepared;
+        // The CPU writes a target only once no queued copy reads or writes it: with the
+        // gradients staged by runs, once the run's downloads have landed (the copy stream runs
+        // in order, so the last step's uploads are done too); otherwise once every copy queued
+        // by now has (whatever is queued later touches neither targets, state nor gradients
+        // until the update is done).
+        if arrivals.is_empty() {
+            self.host.before_cpu_writes();
+        }
+        let mut arrivals = arrivals.into_iter();
+        let runs = runs
+            .into_iter()
+            .map(|range| deferred::Run {
+                block: self.block_of(live[range.start].0),
+                range,
+                arrival: arrivals.next(),
+            })
+            .collect();
+        self.pending = Some(deferred::Pending {
+            step,
+            live,
+            targets,
+            workspace: host_workspace,
+            grad_scale,
+            runs,
+            uploaded: Vec::new(),
+        });
+        if self.defers() {
+            return Ok(());
+        }
+        self.settle()
     }
 
     /// The CPU seconds of the host updates since the last call (None: none ran).
@@ -594,6 +600,7 @@ impl Optimizer {
     /// With gradients on the host: moves what backward has produced so far off the device (a
     /// no-op otherwise). Called after each block's backward.
     pub fn collect_grads(&mut self) {
+        self.settle_now();
         if let Some(h) = &mut self.host_grads {
             h.collect(&self.host, &self.params);
         }
@@ -621,12 +628,14 @@ impl Optimizer {
     /// Host tensors made from now on are for a run on `device` (pinned memory for CUDA): for
     /// parameters built on the CPU to stream to that device.
     pub fn host_for(&mut self, device: Device) {
+        self.settle_now();
         self.host = Host::new(device);
         self.masters.drop_all();
     }
 
     /// Moves the state to `home` (`memory.optimizer_state`); the values are kept exactly.
     pub fn place_state(&mut self, home: Home) {
+        self.settle_now();
         self.state.place(home, &self.host, &self.params);
         self.masters.drop_all();
         self.staged = None;
@@ -635,6 +644,7 @@ impl Optimizer {
 
     /// Keeps the gradients on `home` from the next backward on (`memory.gradients`).
     pub fn place_grads(&mut self, home: Home) {
+        self.settle_now();
         self.host_grads = match home {
             Home::Host => Some(
                 self.host_grads
@@ -652,6 +662,7 @@ impl Optimizer {
     /// `exp_avg_sq_absmax` for the parameters `adam8` quantizes. The tensors are the live state
     /// (shallow clones): copy them before the next `step` if a snapshot is needed. Sharded: this rank's parameters only.
     pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
+        self.assert_settled();
         self.state.named(&self.params)
     }
 
@@ -675,6 +686,7 @@ impl Optimizer {
     /// state is the whole optimizer's (gathered when it was written, whatever the rank count
     /// then); this rank copies its own parameters' part and checks the names of all.
     pub fn load_state(&mut self, tensors: &[(String, Tensor)], steps_taken: i64) -> Result<()> {
+        self.settle()?;
         if steps_taken < 0 {
             bail!("optimizer state: negative step count {steps_taken}");
         }
@@ -698,6 +710,7 @@ impl Optimizer {
     /// Moves all state tensors to `device`. The parameters are not touched: they are shallow
     /// clones of VarStore variables and follow the VarStore's own move (`set_data`).
     pub fn to_device(&mut self, device: Device) {
+        self.settle_now();
         self.host = Host::new(device);
         self.masters.drop_all();
         self.staged = None;
@@ -707,16 +720,18 @@ impl Optimizer {
     }
 }
 
-/// The live parameters in runs of about 64 MiB of gradient bytes, as ranges of `live`: a host
-/// update waits for one run's gradients, updates it and sends it up while the next run's
-/// gradients land and the previous run's parameters travel.
-fn update_runs(live: &[(usize, Tensor)]) -> Vec<std::ops::Range<usize>> {
+/// The live parameters in runs of about 64 MiB of gradient bytes, as ranges of `live`, each
+/// within one block (`block_of` a parameter): a host update waits for one run's gradients,
+/// updates it and sends it up while the next run's gradients land and the previous run's
+/// parameters travel.
+fn update_runs(live: &[(usize, Tensor)], block_of: impl Fn(usize) -> usize) -> Vec<std::ops::Range<usize>> {
     const RUN_BYTES: u64 = 64 << 20;
     let mut out = Vec::new();
     let (mut start, mut bytes) = (0, 0);
-    for (j, (_, g)) in live.iter().enumerate() {
+    for (j, (i, g)) in live.iter().enumerate() {
         bytes += crate::memory::tensor_bytes(g);
-        if bytes >= RUN_BYTES || j + 1 == live.len() {
+        let last_of_block = live.get(j + 1).is_none_or(|(next, _)| block_of(*next) != block_of(*i));
+        if bytes >= RUN_BYTES || last_of_block {
             out.push(start..j + 1);
             (start, bytes) = (j + 1, 0);
         }

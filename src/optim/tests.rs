@@ -801,3 +801,70 @@ fn fused_kernels_divide_the_loss_scale_out() {
         assert_eq!(run(true), run(false), "{:?}", h.kind);
     }
 }
+
+#[test]
+fn a_host_update_by_block_finishes_in_block_order_with_the_values_of_one_at_once() {
+    // Three parameters in two blocks, listed out of block order: block 1, block 0, block 1.
+    let blocks = vec![1, 0, 1];
+    let make = || -> Vec<Tensor> {
+        (0..3)
+            .map(|i| leaf(&PARAM, &[2, 3]) * (1.0 + i as f64))
+            .map(|t| t.detach().set_requires_grad(true))
+            .collect()
+    };
+    let run = |by_block: bool| {
+        let params = make();
+        let named = params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (format!("p{i}"), p.shallow_clone()))
+            .collect();
+        let mut opt = Optimizer::placed(with_impl(adamw(), OptimizerImpl::Fused), named, None, Home::Host);
+        if by_block {
+            opt.update_by_block(blocks.clone());
+        }
+        let mut seen = Vec::new();
+        for g in &GRADS {
+            opt.drop_grads();
+            for p in &params {
+                set_grad(p, g);
+            }
+            let before: Vec<Vec<f32>> = params.iter().map(values).collect();
+            opt.step(LR).unwrap();
+            assert_eq!(opt.is_pending(), by_block, "only an update by block is left pending");
+            if by_block {
+                assert_eq!(
+                    params.iter().map(values).collect::<Vec<_>>(),
+                    before,
+                    "nothing written before its block comes"
+                );
+                opt.finish_block(0).unwrap();
+                assert_ne!(
+                    values(&params[1]),
+                    before[1],
+                    "block 0's parameter is updated when block 0 comes"
+                );
+                assert_eq!(values(&params[0]), before[0], "block 1's are not yet");
+                assert_eq!(values(&params[2]), before[2], "block 1's are not yet");
+                opt.finish_block(1).unwrap();
+                opt.settle().unwrap();
+                assert!(!opt.is_pending());
+            }
+            seen.push(params.iter().flat_map(values).collect::<Vec<f32>>());
+        }
+        seen.push(opt.state_tensors().iter().flat_map(|(_, t)| values(t)).collect());
+        seen
+    };
+    assert_eq!(run(true), run(false), "the same values as an update done at once");
+}
+
+#[test]
+#[should_panic(expected = "settle first")]
+fn state_read_while_an_update_is_pending_panics() {
+    let p = leaf(&PARAM, &[2, 3]);
+    let mut opt = Optimizer::placed(adamw(), vec![("w".into(), p.shallow_clone())], None, Home::Host);
+    opt.update_by_block(vec![0]);
+    set_grad(&p, &GRADS[0]);
+    opt.step(LR).unwrap();
+    let _ = opt.state_tensors();
+}

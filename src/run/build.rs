@@ -20,7 +20,7 @@ use crate::fault::{self, Phase};
 use crate::host::Home;
 use crate::human::{device_name, human_bytes};
 use crate::memory::CachePolicy;
-use crate::model::{self, Built, ARCH_PREFIX};
+use crate::model::{self, Built, Net, ARCH_PREFIX};
 use crate::oom::{self, BatchShape, StepError};
 use crate::optim::{Hyper, LrSchedule, Optimizer, Shard};
 use crate::plan::{DevicePlan, Plan};
@@ -55,6 +55,9 @@ impl Plan {
         };
         // Parameters built on the host still stream to the run's device.
         opt.host_for(device);
+        if let Some(blocks) = param_blocks(built.net.as_ref(), &vs, &opt) {
+            opt.update_by_block(blocks);
+        }
         let mut model = Model {
             sched: self.schedule(spec, &data),
             vs,
@@ -639,6 +642,18 @@ pub fn init_from(vs: &nn::VarStore, path: &Path) -> Result<()> {
     setup_step(&what, &|| needs.clone(), CHANGE_INIT_FROM, || {
         copy_into(vs, &tensors, &label)
     })?
+}
+
+/// The block of the model's chain that uses each weight, when every weight belongs to one: a
+/// host update then finishes block by block during the next forward, beside the device's work.
+fn param_blocks(net: &dyn Net, vs: &nn::VarStore, opt: &Optimizer) -> Option<Vec<usize>> {
+    let by_block = model::block_vars(net.chain()?, vs).ok()?;
+    let of: std::collections::HashMap<&str, usize> = by_block
+        .iter()
+        .enumerate()
+        .flat_map(|(b, vars)| vars.iter().map(move |(n, _)| (n.as_str(), b)))
+        .collect();
+    opt.params().iter().map(|(n, _)| of.get(n.as_str()).copied()).collect()
 }
 
 #[cfg(test)]

@@ -24,7 +24,7 @@
 //! the last (about a third more per step for a model whose backward costs twice its forward).
 use tch::{Device, Kind, Reduction, Tensor};
 
-use super::stream::{streamed_logits, Streamer};
+use super::stream::{streamed_logits, Pass, Streamer};
 use crate::data::Dataset;
 use crate::fault::{self, Phase};
 use crate::host::{Fence, Home, Host};
@@ -91,6 +91,21 @@ pub struct Micro<'a> {
     pub step: i64,
 }
 
+/// What the step's optimizer does around one micro-batch's forward and backward: an update
+/// still pending from the last step finishes block by block as the forward reaches each block,
+/// and gradients placed on the host leave the device after each block's backward.
+pub trait Around {
+    /// Block `i`'s parameters are about to be read (brought in, or used by its kernels).
+    fn block_coming(&mut self, i: usize);
+    /// Block `i`'s kernels are about to be queued.
+    fn block_ready(&mut self, i: usize);
+    /// Nothing may stay pending from here on: before backward, and before a forward that does
+    /// not go by block.
+    fn settle(&mut self);
+    /// After each block's backward (once, after the whole backward, without recomputation).
+    fn after_block(&mut self);
+}
+
 /// Entering a stage of the step: marked for the OOM guard, so an OOM names it, and squeezed
 /// where a test's fault asks for this stage (the guard lifts the squeeze).
 pub fn stage(phase: Phase, step: i64) -> fault::Squeeze {
@@ -148,25 +163,19 @@ impl Forward {
     }
 
     /// Forward, loss and backward of one micro-batch, the loss divided by `n` (the group's size)
-    /// before backward; returns the sum-reduced loss and the correct count. `after_block` runs
-    /// after each block's backward (once, after the whole backward, without recomputation):
-    /// gradients placed on the host leave the device there.
-    pub fn forward_backward(
-        &self,
-        net: &dyn Net,
-        m: &Micro,
-        n: f64,
-        after_block: &mut dyn FnMut(),
-    ) -> (Tensor, Tensor) {
+    /// before backward; returns the sum-reduced loss and the correct count. `around` is told of
+    /// each block as the forward reaches it and after each block's backward.
+    pub fn forward_backward(&self, net: &dyn Net, m: &Micro, n: f64, around: &mut dyn Around) -> (Tensor, Tensor) {
         match net.chain().filter(|_| self.recompute || m.stream.is_some()) {
-            Some(chain) => recomputed(self, chain, m, n, after_block),
+            Some(chain) => recomputed(self, chain, m, n, around),
             None => {
+                around.settle();
                 let forward = stage(Phase::Forward, m.step);
                 let (loss, c) = self.forward_loss(net, None, &m.batch, true);
                 drop(forward);
                 let _backward = stage(Phase::Backward, m.step);
                 self.scaled(&loss, n, m.loss_scale).backward();
-                after_block();
+                around.after_block();
                 (loss, c)
             }
         }
@@ -276,9 +285,33 @@ fn rerun(p: &Forward, chain: &dyn Chain, i: usize, ins: &[Tensor], rng: &[(tch::
     chain.block(i, ins, true)
 }
 
+/// How blocks come and go in a recomputed pass: streamed parameters are brought in one block
+/// ahead and sent back after use, and a pending optimizer update finishes block `i` before the
+/// block comes in (its host copy is what streaming brings) and one block ahead of its kernels,
+/// which wait for its uploads only.
+struct Flow<'a> {
+    pass: Option<Pass<'a>>,
+}
+
+impl Flow<'_> {
+    fn bring(&self, a: &mut dyn Around, i: usize) {
+        a.block_coming(i);
+        self.pass.iter().for_each(|s| s.bring(i));
+    }
+
+    fn ready(&self, a: &mut dyn Around, i: usize) {
+        a.block_ready(i);
+        self.pass.iter().for_each(|s| s.ready(i));
+    }
+
+    fn release(&self, i: usize) {
+        self.pass.iter().for_each(|s| s.release(i));
+    }
+}
+
 /// Checkpointed forward, loss and backward of one micro-batch; returns the sum-reduced loss and
 /// the correct count, as `Forward::forward_loss` does.
-fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, after_block: &mut dyn FnMut()) -> (Tensor, Tensor) {
+fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, around: &mut dyn Around) -> (Tensor, Tensor) {
     let forward = stage(Phase::Forward, m.step);
     let (x, y) = (m.batch.x.shallow_clone(), &m.batch.y);
     let k = chain.blocks();
@@ -289,27 +322,26 @@ fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, after_block: &m
     let mut state = vec![x];
     // Streamed parameters: each block comes in one block ahead of its use and goes back once
     // its forward (and later its backward) is done; all go back if anything fails.
-    let pass = m.stream.map(Streamer::pass);
-    let bring = |i: usize| pass.iter().for_each(|s| s.bring(i));
-    let ready = |i: usize| pass.iter().for_each(|s| s.ready(i));
-    let release = |i: usize| pass.iter().for_each(|s| s.release(i));
-    bring(0);
+    let flow = Flow {
+        pass: m.stream.map(Streamer::pass),
+    };
+    flow.bring(around, 0);
     tch::no_grad(|| {
         // Streamed: one autocast region per block, so the cast cache (low-precision copies of
         // the weights) leaves with its block.
         let mut _autocast = p.precision.autocast(p.device);
         for i in 0..k - 1 {
-            bring(i + 1);
+            flow.bring(around, i + 1);
             let rng = save_rng(p.device);
-            if pass.is_some() {
+            if flow.pass.is_some() {
                 // The old region ends before the new one starts: its cache is dropped and the
                 // new one restores a state with autocast on.
                 _autocast = None;
                 _autocast = p.precision.autocast(p.device);
             }
-            ready(i);
+            flow.ready(around, i);
             let next = chain.block(i, &state, true);
-            release(i);
+            flow.release(i);
             saved.push((bounds.keep(std::mem::replace(&mut state, next)), rng));
         }
     });
@@ -317,7 +349,7 @@ fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, after_block: &m
     let buffers: Vec<Tensor> = m.buffers.iter().map(|b| b.copy()).collect();
 
     let head_in = leaves(&state);
-    ready(k - 1);
+    flow.ready(around, k - 1);
     let (loss, correct) = {
         let logits = {
             let _autocast = p.precision.autocast(p.device);
@@ -330,14 +362,15 @@ fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, after_block: &m
     drop(forward);
     // Recomputing each block's forward is backward's memory: it happens only for backward.
     let _backward = stage(Phase::Backward, m.step);
+    around.settle();
     if let Some(j) = k.checked_sub(2) {
-        bring(j);
+        flow.bring(around, j);
     }
     p.scaled(&loss, n, m.loss_scale).backward();
-    after_block();
+    around.after_block();
     // The head's gradients have left (with the parameters streamed, gradients live on the
     // host), so its parameters can.
-    release(k - 1);
+    flow.release(k - 1);
     let mut grads: Vec<Tensor> = head_in.iter().map(Tensor::grad).collect();
     drop(head_in);
 
@@ -347,12 +380,12 @@ fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, after_block: &m
         // again.
         ahead = saved.pop().map(|(ins, rng)| (bounds.fetch(ins), rng));
         if i > 0 {
-            bring(i - 1);
+            flow.bring(around, i - 1);
         }
         if let Some(f) = arrived {
             f.compute_waits();
         }
-        ready(i);
+        flow.ready(around, i);
         let ins = if i == 0 { inputs } else { leaves(&inputs) };
         let outs = rerun(p, chain, i, &ins, &rng);
         // Outputs that received no gradient (a weight no later block used) start nothing.
@@ -364,7 +397,7 @@ fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, after_block: &m
         if !roots.is_empty() {
             ok(shim::backward(&roots, &gs));
         }
-        after_block();
+        around.after_block();
         // After the backward: BatchNorm's backward holds the running statistics (and checks
         // their version), so they go back only once it has run.
         tch::no_grad(|| {
@@ -372,7 +405,7 @@ fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, after_block: &m
                 b.shallow_clone().copy_(s);
             }
         });
-        release(i);
+        flow.release(i);
         grads = ins.iter().map(Tensor::grad).collect();
     }
     (loss, correct)

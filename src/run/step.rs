@@ -24,7 +24,7 @@
 use tch::{Kind, Tensor};
 
 use super::execution::Execution;
-use super::forward::{Forward, Micro};
+use super::forward::{Around, Forward, Micro};
 use super::stream::Streamer;
 use super::tally::{Tally, Totals};
 use crate::data::Dataset;
@@ -160,6 +160,8 @@ impl StepPipeline {
         oom::entering(Phase::Forward);
         opt.drop_grads();
         for o in others.iter_mut() {
+            // Their parameters are read by this forward, not by block.
+            Around::settle(&mut **o);
             o.drop_grads();
         }
         // forward → loss → backward, per micro-batch
@@ -187,9 +189,7 @@ impl StepPipeline {
                 stream: work.stream,
                 step: work.step,
             };
-            let (loss, c) = self
-                .forward
-                .forward_backward(net, &micro, n, &mut || opt.collect_grads());
+            let (loss, c) = self.forward.forward_backward(net, &micro, n, opt);
             loss_sum += loss.detach();
             correct += c;
         }
@@ -316,6 +316,31 @@ impl StepPipeline {
                 stop: agreed.stop,
             },
         ))
+    }
+}
+
+/// The optimizer stepped by this pipeline finishes a pending update as the forward reaches each
+/// block. Errors here would be libtorch refusing the optimizer's own tensors: they surface
+/// through the OOM guard like any libtorch error.
+impl Around for Optimizer {
+    fn block_coming(&mut self, i: usize) {
+        if let Err(e) = self.finish_block(i) {
+            panic!("{e:#}");
+        }
+    }
+
+    fn block_ready(&mut self, i: usize) {
+        self.await_block(i);
+    }
+
+    fn settle(&mut self) {
+        if let Err(e) = Optimizer::settle(self) {
+            panic!("{e:#}");
+        }
+    }
+
+    fn after_block(&mut self) {
+        self.collect_grads();
     }
 }
 

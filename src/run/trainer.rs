@@ -306,6 +306,8 @@ impl Trainer {
                     self.device_name(),
                     lever.said(&outcome.before, &outcome.after, self.recovery.configured())
                 );
+                // A lever may move what a pending update writes.
+                self.model.opt.settle()?;
                 lever.engage(&mut self.parts());
                 Ok(())
             }
@@ -505,6 +507,7 @@ impl Trainer {
     /// shape, accumulation and levers stay as they are. At one sample the epoch's validation is
     /// skipped with a warning.
     fn validate(&mut self) -> Result<Option<(f64, f64)>> {
+        self.model.opt.settle()?;
         let n = self.data.val.len();
         if n == 0 {
             return Ok(None);
@@ -704,6 +707,7 @@ impl Trainer {
     /// Saves, records the memory spike of the save, and clears the cache if configured. None on
     /// a data-parallel rank other than 0, which only helps gather the state rank 0 writes.
     pub fn save_checkpoint(&mut self, why: &str) -> Result<Option<(PathBuf, u64)>> {
+        self.model.opt.settle()?;
         let t0 = Instant::now();
         let place = self.place();
         let before = memory::sample(place);
