@@ -10,8 +10,9 @@ wide MLP, synthetic data) on CUDA. The PyTorch baselines (pytorch_job.py --data-
 
   host           each batch gathered on the host and copied over (the CPU default: on the CPU
                  the copy is nothing)
-  resident       the data set copied to the GPU once, batches gathered there: what memtrain
-                 does with data that fits a sixteenth of the card (CUDA default)
+  resident       the data set (and the held-out set) copied to the GPU once, batches gathered
+                 there: what memtrain does with data that fits a sixteenth of the card (CUDA
+                 default)
   loader         torch.utils.data.DataLoader, --workers processes, pin_memory=True, non-blocking
                  copies: how PyTorch users feed a GPU (CUDA default)
 

@@ -302,6 +302,12 @@ def cmd_train(a):
         return torch.nn.functional.cross_entropy(logits.float(), y, reduction="sum") / len(y)
 
     arch_step = arch_stepper(a, model, opt, loss_of, device) if darts else None
+    # Data on the device: memtrain keeps the held-out set there too (it validates at epoch ends),
+    # so this side holds it as well and both peaks count the same data.
+    held_out = None
+    if a.data_mode == "resident" and a.val and not darts:
+        v = np.load(a.val)
+        held_out = (torch.from_numpy(v["x"]).to(device), torch.from_numpy(v["y"]).to(device))
     groups = run_order(len(y_all), o["batch_size"], a.seed, a.steps)
     if counting:
         counting.reset()

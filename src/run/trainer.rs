@@ -39,22 +39,57 @@ use crate::spec::Monitor;
 /// What a step attempt changes outside parameters and optimizer state: the model's buffers and
 /// the generators' states, as they were before the step.
 struct Rollback {
-    buffers: Vec<(Tensor, Tensor)>,
+    buffers: Packed,
     rng: Vec<(Device, Vec<u8>)>,
 }
 
 impl Rollback {
     fn restore(&self) {
-        tch::no_grad(|| {
-            for (live, saved) in &self.buffers {
-                live.shallow_clone().copy_(saved);
-            }
-        });
+        self.buffers.restore();
         for (d, s) in &self.rng {
             if let Err(e) = shim::set_rng_state(*d, s) {
                 tracing::warn!("restoring the generator state after a failed step: {e}");
             }
         }
+    }
+}
+
+/// Copies of many small tensors (BatchNorm's running statistics), packed into one flat tensor
+/// per device and kind: taken before every step, so a few kernels rather than one per buffer,
+/// which on a GPU would leave it idle while they launch.
+struct Packed(Vec<(Vec<Tensor>, Tensor)>);
+
+impl Packed {
+    fn of(live: Vec<Tensor>) -> Packed {
+        let mut groups: Vec<((Device, tch::Kind), Vec<Tensor>)> = Vec::new();
+        for t in live {
+            let key = (t.device(), t.kind());
+            match groups.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, g)) => g.push(t),
+                None => groups.push((key, vec![t])),
+            }
+        }
+        Packed(
+            groups
+                .into_iter()
+                .map(|(_, g)| {
+                    let flat: Vec<Tensor> = g.iter().map(|t| t.reshape([-1])).collect();
+                    let packed = tch::no_grad(|| Tensor::cat(&flat, 0));
+                    (g, packed)
+                })
+                .collect(),
+        )
+    }
+
+    fn restore(&self) {
+        tch::no_grad(|| {
+            for (live, packed) in &self.0 {
+                let sizes: Vec<i64> = live.iter().map(|t| t.numel() as i64).collect();
+                for (t, saved) in live.iter().zip(packed.split_with_sizes(&sizes, 0)) {
+                    t.shallow_clone().copy_(&saved.view(t.size().as_slice()));
+                }
+            }
+        });
     }
 }
 
@@ -436,7 +471,7 @@ impl Trainer {
         oom::guarded_counting(
             || memory::oom_count(place),
             || {
-                let copies: Vec<Tensor> = buffers.iter().map(|b| b.copy()).collect();
+                let packed = Packed::of(buffers);
                 let mut rng = vec![(
                     Device::Cpu,
                     shim::rng_state(Device::Cpu).unwrap_or_else(|e| panic!("{e}")),
@@ -444,10 +479,7 @@ impl Trainer {
                 if device != Device::Cpu {
                     rng.push((device, shim::rng_state(device).unwrap_or_else(|e| panic!("{e}"))));
                 }
-                Rollback {
-                    buffers: buffers.into_iter().zip(copies).collect(),
-                    rng,
-                }
+                Rollback { buffers: packed, rng }
             },
         )
     }
@@ -1319,4 +1351,28 @@ fn epoch_line(r: &EpochResult, m: &MemorySample, epochs: i64) -> String {
         human_duration(r.seconds),
         r.samples_per_s
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packed_buffers_come_back_exactly_whatever_their_kinds_and_shapes() {
+        let live = vec![
+            Tensor::from_slice(&[0.5f32, -1.25, 3.0]),
+            Tensor::from(7i64),
+            Tensor::from_slice(&[1e-30f32, 2.0, 4.0, 8.0]).reshape([2, 2]),
+        ];
+        let before: Vec<Tensor> = live.iter().map(Tensor::copy).collect();
+        let packed = Packed::of(live.iter().map(Tensor::shallow_clone).collect());
+        assert_eq!(packed.0.len(), 2, "one pack per kind");
+        for t in &live {
+            let _ = t.shallow_clone().fill_(42);
+        }
+        packed.restore();
+        for (t, b) in live.iter().zip(&before) {
+            assert!(t.equal(b), "{t:?} vs {b:?}");
+        }
+    }
 }
