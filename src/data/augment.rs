@@ -65,7 +65,11 @@ impl Augmenter {
                 for (k, o) in row.iter_mut().enumerate() {
                     let col = if d.flip { w - 1 - k } else { k };
                     let sx = col as i64 + d.dx - p;
-                    *o = if (0..w as i64).contains(&sx) { line[sx as usize] } else { fill };
+                    *o = if (0..w as i64).contains(&sx) {
+                        line[sx as usize]
+                    } else {
+                        fill
+                    };
                 }
             }
         }

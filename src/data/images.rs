@@ -263,7 +263,10 @@ pub fn read_imagefolder(root: &Path, size: i64, channels: i64, key: &str, data: 
     let t0 = std::time::Instant::now();
     let decoded = |d: std::time::Duration| {
         let per_s = n as f64 / d.as_secs_f64().max(1e-9);
-        tracing::info!("{key}: decoded {n} images in {:.1} s ({per_s:.0} images/s)", d.as_secs_f64());
+        tracing::info!(
+            "{key}: decoded {n} images in {:.1} s ({per_s:.0} images/s)",
+            d.as_secs_f64()
+        );
     };
     let job = Decode {
         files: &files,
@@ -293,7 +296,13 @@ pub fn read_imagefolder(root: &Path, size: i64, channels: i64, key: &str, data: 
             decoded(t0.elapsed());
             let x = Tensor::from_slice(&pixels).reshape([n, channels, size, size]);
             let y = Tensor::from_slice(&files.iter().map(|(_, l)| *l).collect::<Vec<i64>>());
-            Ok((Xy { x: Store::memory(x).expect("uint8"), y }, classes))
+            Ok((
+                Xy {
+                    x: Store::memory(x).expect("uint8"),
+                    y,
+                },
+                classes,
+            ))
         }
     }
 }
@@ -320,7 +329,9 @@ impl Decode<'_> {
     /// bytes to `sink`: at most a chunk is held, never the whole set.
     fn each_chunk(&self, mut sink: impl FnMut(&[u8]) -> Result<()>) -> Result<()> {
         let per = (self.channels * self.size * self.size) as usize;
-        let chunk = ((32usize << 20) / per.max(1)).clamp(1, 4096);
+        // Small enough that a chunk is a few MiB whatever the set, large enough to keep every
+        // thread busy.
+        let chunk = ((4usize << 20) / per.max(1)).clamp(64, 4096);
         let pool = match self.workers {
             0 => None,
             w => Some(rayon::ThreadPoolBuilder::new().num_threads(w as usize).build()?),
@@ -330,7 +341,8 @@ impl Decode<'_> {
                 files
                     .par_iter()
                     .map(|(p, _)| {
-                        decode(p, self.size as u32, self.channels).map_err(|e| anyhow!("{} {}: {e}", self.key, p.display()))
+                        decode(p, self.size as u32, self.channels)
+                            .map_err(|e| anyhow!("{} {}: {e}", self.key, p.display()))
                     })
                     .collect()
             };
@@ -493,7 +505,13 @@ mod tests {
     /// The images (read whole) and class names of a tree, as tensors.
     fn read(root: &Path, size: i64, channels: i64) -> Result<(Images, Vec<String>)> {
         let (xy, classes) = read_imagefolder(root, size, channels, "data.path", &Data::default())?;
-        Ok((Images { x: xy.x.tensor(), y: xy.y }, classes))
+        Ok((
+            Images {
+                x: xy.x.tensor(),
+                y: xy.y,
+            },
+            classes,
+        ))
     }
 
     #[test]

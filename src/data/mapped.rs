@@ -69,7 +69,11 @@ fn safetensors_entry(map: &Map, name: &str) -> Option<Entry> {
         "BOOL" => Kind::Bool,
         _ => return None,
     };
-    let shape = t["shape"].as_array()?.iter().map(|d| d.as_i64()).collect::<Option<Vec<_>>>()?;
+    let shape = t["shape"]
+        .as_array()?
+        .iter()
+        .map(|d| d.as_i64())
+        .collect::<Option<Vec<_>>>()?;
     let start = t["data_offsets"].get(0)?.as_u64()? as usize;
     let e = Entry {
         kind,
@@ -169,7 +173,9 @@ fn zip64_fields(extra: &[u8], [size, compressed, local]: [u64; 3]) -> Option<(u6
         let len = u16::from_le_bytes(extra[at + 2..at + 4].try_into().ok()?) as usize;
         let body = extra.get(at + 4..at + 4 + len)?;
         if id == 1 {
-            let mut vals = body.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")));
+            let mut vals = body
+                .chunks_exact(8)
+                .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")));
             let mut next = |v: u64| if v == MAX { vals.next() } else { Some(v) };
             let size = next(size)?;
             next(compressed)?;
@@ -217,7 +223,11 @@ pub fn npy_header(b: &[u8]) -> Option<NpyHeader> {
         "<f4" => Some(Kind::Float),
         _ => None,
     };
-    let fortran = header.split("'fortran_order':").nth(1)?.trim_start().starts_with("True");
+    let fortran = header
+        .split("'fortran_order':")
+        .nth(1)?
+        .trim_start()
+        .starts_with("True");
     Some(NpyHeader {
         kind,
         fortran,

@@ -79,7 +79,10 @@ struct Resident {
 impl Dataset {
     pub fn new(x: Tensor, y: Tensor) -> Self {
         let store = Store::memory(x).expect("samples of a stored element type");
-        Dataset::of(store, Vec::<i64>::try_from(&y.to_kind(Kind::Int64)).expect("int64 labels"))
+        Dataset::of(
+            store,
+            Vec::<i64>::try_from(&y.to_kind(Kind::Int64)).expect("int64 labels"),
+        )
     }
 
     fn of(store: Store, labels: Vec<i64>) -> Self {
@@ -1167,7 +1170,13 @@ mod tests {
         let (got, y) = d.batch_at(&idx, 2);
         let want = x.index_select(0, &Tensor::from_slice(&idx)).to_kind(Kind::Float) / 255.0;
         let want = aug.apply(&((want - &m) / &s).contiguous(), &idx, 2);
-        let bits = |t: &Tensor| Vec::<f32>::try_from(t.flatten(0, -1)).unwrap().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let bits = |t: &Tensor| {
+            Vec::<f32>::try_from(t.flatten(0, -1))
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect::<Vec<_>>()
+        };
         assert_eq!(bits(&got), bits(&want));
         assert_eq!(Vec::<i64>::try_from(&y).unwrap(), vec![2, 0, 1, 1, 1]);
         // Other stored types convert as to_kind does.
@@ -1175,7 +1184,10 @@ mod tests {
             let v = (Tensor::randn([6, 5], (Kind::Float, Device::Cpu)) * 1000.0).to_kind(kind);
             let d = Dataset::new(v.shallow_clone(), Tensor::zeros([6], (Kind::Int64, Device::Cpu)));
             let (got, _) = d.batch_at(&[4, 1], 0);
-            assert!(got.equal(&v.index_select(0, &Tensor::from_slice(&[4i64, 1])).to_kind(Kind::Float)), "{kind:?}");
+            assert!(
+                got.equal(&v.index_select(0, &Tensor::from_slice(&[4i64, 1])).to_kind(Kind::Float)),
+                "{kind:?}"
+            );
         }
     }
 

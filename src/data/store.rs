@@ -131,8 +131,16 @@ fn convert<const N: usize>(b: &[u8], out: &mut [f32], f: impl Fn([u8; N]) -> f32
 
 enum Bytes {
     /// A contiguous CPU tensor; kept so its storage outlives the pointer.
-    Memory { _t: Tensor, ptr: *const u8, len: usize },
-    Mapped { map: Arc<Map>, offset: usize, len: usize },
+    Memory {
+        _t: Tensor,
+        ptr: *const u8,
+        len: usize,
+    },
+    Mapped {
+        map: Arc<Map>,
+        offset: usize,
+        len: usize,
+    },
 }
 
 /// Samples `[N, ..]` of one element type, contiguous, row after row.

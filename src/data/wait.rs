@@ -65,7 +65,10 @@ mod tests {
         let mut w = DataWait::default();
         assert_eq!(w.note(0.5, 10.0), "");
         let first = w.note(2.0, 10.0);
-        assert!(first.contains("20%") && first.contains("data.workers") && first.contains("data.prefetch"), "{first}");
+        assert!(
+            first.contains("20%") && first.contains("data.workers") && first.contains("data.prefetch"),
+            "{first}"
+        );
         let second = w.note(3.0, 10.0);
         assert!(second.contains("30%") && !second.contains("data.workers"), "{second}");
         w.add(1.0);
