@@ -6,13 +6,14 @@
 //! - `imagefolder`: `root/<class>/<image>` with JPEG and PNG files; classes are the directory
 //!   names in sorted order (label 0 is the first), as torchvision's `ImageFolder` numbers them.
 //!   Images are decoded in parallel, resized to fill `image_size`² and centre-cropped
-//!   (torchvision's `Resize(s)` + `CenterCrop(s)`), and kept as bytes in a cache file,
+//!   (torchvision's `Resize(s)` + `CenterCrop(s)`), and written a chunk at a time to a cache file,
 //!   `root/.memtrain-cache/imagefolder-<size>px-<C>ch-<key>.safetensors`, where the key hashes
 //!   every file's path, size and modification time: a later run with the same files and size
 //!   starts from the cache; a changed file makes a new one.
 //!
-//! Pixels become float32 in [0, 1]. Both sources are checked against the host-memory budget
-//! (available RAM, and the CPU cap on CPU runs) before anything is decoded.
+//! A batch's pixels become float32 in [0, 1]. The cache is read in place through a memory map;
+//! what is read whole (CIFAR-10, or a cache with `data.memory_map = false`) is first checked
+//! against the host-memory budget (available RAM, and the CPU cap on CPU runs).
 use std::fs;
 use std::path::{Path, PathBuf};
 

@@ -1,5 +1,8 @@
-//! Data sets: synthetic, `.npz`, `.safetensors` and MNIST IDX files, all loaded into memory on the
-//! CPU and checked against the model's per-sample shape and class count before training starts.
+//! Data sets: synthetic, `.npz`, `.safetensors`, MNIST IDX files, CIFAR-10 and image folders,
+//! read in place through a memory map where the file allows (the imagefolder cache, an
+//! uncompressed npz, safetensors) or loaded into memory on the CPU, and checked against the
+//! model's per-sample shape and class count before training starts. Batches are made by
+//! [`gather`] (in the step, or ahead of it by the [`loader`]).
 //!
 //! Sources (`data.source`):
 //! - `synthetic`: `data.samples` samples of a learnable task, deterministic from the seed: every
@@ -33,6 +36,7 @@ use std::time::Instant;
 use anyhow::{anyhow, bail, Context, Result};
 use tch::{Device, Kind, Tensor};
 
+use crate::human::human_bytes;
 use crate::spec::{Data, DataSource};
 
 mod augment;
@@ -278,6 +282,28 @@ impl Dataset {
     }
 }
 
+/// `check`'s line on the host memory the loader takes: the staged micro-batches of float32
+/// samples, whatever the set's size, and how the set is read.
+pub fn check_line(data: &Data, input_shape: &[i64], micro_batch: i64) -> String {
+    let batch = micro_batch.max(1) as u64 * (input_shape.iter().product::<i64>() as u64 * 4 + 8);
+    let buffers = data.prefetch.max(0) as u64 + 1;
+    let shape = input_shape.iter().map(i64::to_string).collect::<Vec<_>>().join("×");
+    let read = match (data.source, data.memory_map) {
+        (DataSource::Synthetic, _) => "generated in memory",
+        (DataSource::Imagefolder, true) => "its cache read in place through a memory map",
+        (DataSource::Npz | DataSource::Safetensors, true) => {
+            "read in place through a memory map (uncompressed npz, safetensors), else whole"
+        }
+        (DataSource::Mnist | DataSource::Cifar10, _) | (_, false) => "read whole into memory",
+    };
+    format!(
+        "data loader      {buffers} staged micro-batch(es) of {micro_batch} × {shape} float32 (data.prefetch {} + 1) = {} of host memory whatever the set's size, plus 24 bytes a sample (labels, the epoch's order); {} thread(s) (data.workers); the set {read}",
+        data.prefetch,
+        human_bytes(buffers * batch),
+        workers(data).min(data.prefetch.max(1) as usize),
+    )
+}
+
 /// Threads `data.workers` asks for: 0 means one per core.
 pub fn workers(data: &Data) -> usize {
     match data.workers {
@@ -371,34 +397,7 @@ fn load_source(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) ->
     let model = ModelKeys::new(input_shape, num_classes);
     match data.source {
         DataSource::Synthetic => synthetic(data, input_shape, num_classes, seed),
-        DataSource::Npz | DataSource::Safetensors => {
-            let path = required_path(data)?;
-            let read = |key: &str, p: &Path| -> Result<Dataset> {
-                let what = format!("{key} {}", p.display());
-                let mapped = match (data.memory_map, data.source) {
-                    (false, _) => None,
-                    (true, DataSource::Npz) => mapped::npz(p),
-                    (true, _) => mapped::safetensors(p),
-                };
-                if let Some(m) = mapped {
-                    return checked_store(m.x, m.y, &what, &model);
-                }
-                check_whole_file(p, data, &what)?;
-                let (x, y) = match data.source {
-                    DataSource::Npz => read_npz(p, &what)?,
-                    _ => read_safetensors(p, &what)?,
-                };
-                checked(x, y, &what, &model)
-            };
-            let all = read("data.path", path)?;
-            match &data.val_path {
-                Some(v) => Ok(Splits {
-                    train: all,
-                    val: read("data.val_path", v)?,
-                }),
-                None => holdout(all, data.val_fraction, seed, &format!("data.path {}", path.display())),
-            }
-        }
+        DataSource::Npz | DataSource::Safetensors => array_files(data, &model, seed),
         DataSource::Mnist => {
             let dir = required_path(data)?;
             let (vkey, vdir) = match &data.val_path {
@@ -471,6 +470,37 @@ fn load_source(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) ->
                 None => holdout(all, data.val_fraction, seed, &what),
             }
         }
+    }
+}
+
+/// An npz or safetensors file (and its validation file): mapped where it can be, else read
+/// whole.
+fn array_files(data: &Data, model: &ModelKeys, seed: i64) -> Result<Splits> {
+    let path = required_path(data)?;
+    let read = |key: &str, p: &Path| -> Result<Dataset> {
+        let what = format!("{key} {}", p.display());
+        let mapped = match (data.memory_map, data.source) {
+            (false, _) => None,
+            (true, DataSource::Npz) => mapped::npz(p),
+            (true, _) => mapped::safetensors(p),
+        };
+        if let Some(m) = mapped {
+            return checked_store(m.x, m.y, &what, model);
+        }
+        check_whole_file(p, data, &what)?;
+        let (x, y) = match data.source {
+            DataSource::Npz => read_npz(p, &what)?,
+            _ => read_safetensors(p, &what)?,
+        };
+        checked(x, y, &what, model)
+    };
+    let all = read("data.path", path)?;
+    match &data.val_path {
+        Some(v) => Ok(Splits {
+            train: all,
+            val: read("data.val_path", v)?,
+        }),
+        None => holdout(all, data.val_fraction, seed, &format!("data.path {}", path.display())),
     }
 }
 
