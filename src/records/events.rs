@@ -27,6 +27,7 @@ pub enum Event {
     Oom(OomEvent),
     GrowBack(GrowBackEvent),
     CacheClear(CacheClearEvent),
+    Prefetch(PrefetchEvent),
     End(Summary),
 }
 
@@ -255,6 +256,17 @@ pub enum MicroBatchOf {
     #[default]
     Training,
     Validation,
+}
+
+/// The data loader gave up prefetch depth because available RAM ran low.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PrefetchEvent {
+    /// The global step after which it was recorded.
+    pub step: i64,
+    pub prefetch_before: i64,
+    pub prefetch: i64,
+    /// Available RAM (MemAvailable) when the depth was given up.
+    pub available_bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

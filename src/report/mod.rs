@@ -239,7 +239,7 @@ impl Run {
                     human_duration(c.seconds)
                 ),
             ),
-            Event::Preflight(_) | Event::End(_) => {}
+            Event::Preflight(_) | Event::Prefetch(_) | Event::End(_) => {}
         }
     }
 

@@ -895,6 +895,23 @@ impl Trainer {
         Ok(None)
     }
 
+    /// A record for each level of prefetch depth the loader gave up under host-memory pressure.
+    fn record_shed(&mut self) -> Result<()> {
+        for (from, to, available) in self.data.train.shed() {
+            tracing::warn!(
+                "host memory low ({} available): the data loader keeps {to} micro-batch(es) ahead instead of {from}",
+                human_bytes(available)
+            );
+            self.emit(Event::Prefetch(PrefetchEvent {
+                step: self.state.global_step,
+                prefetch_before: from as i64,
+                prefetch: to as i64,
+                available_bytes: available,
+            }))?;
+        }
+        Ok(())
+    }
+
     /// Hands the loader the micro-batches of the epoch's `rest` of groups, as the steps will
     /// ask for them, when the epoch or the micro-batch changed since its last plan.
     fn plan_batches(&mut self, epoch: i64, rest: &[&[i64]]) {
@@ -939,6 +956,7 @@ impl Trainer {
         }
         let StepOutput { found_inf, stop } = out;
         self.session.data_wait.add(self.data.train.take_wait());
+        self.record_shed()?;
         self.state.groups_done += 1;
         self.state.global_step += 1;
         self.state.epoch_seen += group.len() as i64;

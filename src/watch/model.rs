@@ -455,6 +455,15 @@ fn describe(e: &Event) -> Option<JobEvent> {
                     .unwrap_or_default()
             ),
         ),
+        Event::Prefetch(p) => (
+            "prefetch",
+            format!(
+                "host memory low ({} available): data.prefetch {} -> {}",
+                human_bytes(p.available_bytes),
+                p.prefetch_before,
+                p.prefetch
+            ),
+        ),
         Event::End(s) => ("end", format!("ended: {}", s.status.name())),
     };
     Some(JobEvent {

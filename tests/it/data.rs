@@ -66,6 +66,29 @@ fn training_is_the_same_whatever_the_loader_does() {
             .run();
         assert!(run.final_bytes() == want, "{name} trained otherwise");
     }
+    // Host memory low from the start: the loader gives up depth down to one micro-batch, says
+    // so in a record each time, and trains the same.
+    let pressed = base
+        .clone()
+        .name("pressed")
+        .set("data.prefetch", 4)
+        .set("data.workers", 2)
+        .env("MEMTRAIN_FAULT_LOW_MEMORY_BYTES", &u64::MAX.to_string())
+        .run();
+    assert!(
+        pressed.final_bytes() == want,
+        "the loader under pressure trained otherwise"
+    );
+    let shed: Vec<(i64, i64)> = pressed
+        .run_records()
+        .events
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Prefetch(p) => Some((p.prefetch_before, p.prefetch)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(shed, vec![(4, 3), (3, 2), (2, 1)]);
     let whole = base.clone().name("in-memory").set("data.memory_map", false).run();
     assert!(whole.final_bytes() == want, "the set read whole trained otherwise");
     // Stopped mid-epoch (step 5 of 9) and resumed, with another loader.
