@@ -160,14 +160,21 @@ impl Dataset {
             }
         };
         self.wait_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        let mut shape = vec![idx.len() as i64];
-        shape.extend(self.sample_shape());
-        let x = Tensor::from_slice(&staged.x).view(shape.as_slice());
-        let y = Tensor::from_slice(&staged.y);
+        let xy = self.tensors(&staged);
         if let Some(l) = &self.loader {
             l.give_back(staged);
         }
-        (x, y)
+        xy
+    }
+
+    /// A staged batch as CPU tensors `(x, y)`.
+    fn tensors(&self, s: &Staged) -> (Tensor, Tensor) {
+        let mut shape = vec![s.y.len() as i64];
+        shape.extend(self.sample_shape());
+        (
+            Tensor::from_slice(&s.x).view(shape.as_slice()),
+            Tensor::from_slice(&s.y),
+        )
     }
 
     /// Seconds the steps waited for their batches since the last call.
@@ -247,7 +254,13 @@ impl Dataset {
     /// where the samples are.
     pub fn batch(&self, idx: &Tensor) -> (Tensor, Tensor) {
         let Some(r) = &self.resident else {
-            return self.batch_at(&Vec::<i64>::try_from(idx).expect("int64 indices"), 0);
+            // As stored, converted and normalized: augmentation belongs to a training epoch.
+            let mut plain = self.source.clone();
+            Arc::make_mut(&mut plain.recipe).augment = None;
+            let mut s = Staged::default();
+            let idx = Vec::<i64>::try_from(idx).expect("int64 indices");
+            plain.gather_into(&idx, 0, &mut s);
+            return self.tensors(&s);
         };
         let rows = match &r.rows {
             Some(rows) => rows.index_select(0, idx),
