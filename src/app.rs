@@ -124,6 +124,10 @@ fn check(args: &SpecArgs) -> Result<()> {
     print!("{}", spec::to_toml(&loaded.spec));
     println!();
     print!("{est}");
+    println!(
+        "{}",
+        crate::data::check_line(&loaded.spec.data, &est.input_shape, est.micro_batch)
+    );
     print!("{}", crate::run::levers::check_lines(&loaded.spec, &est));
     Ok(())
 }

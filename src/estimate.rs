@@ -40,6 +40,8 @@ pub struct Estimate {
     pub cap: Option<u64>,
     /// The spec trains on a GPU (or may: `job.device = "auto"`).
     pub gpu: bool,
+    /// The shape of one input sample.
+    pub input_shape: Vec<i64>,
 }
 
 /// Where each term of the bill lives under a spec (`memory.*`).
@@ -213,6 +215,7 @@ pub fn estimate(spec: &Spec) -> Result<Estimate> {
         blockwise: c.blockwise,
         homes: Homes::of(&spec.memory),
         cap: spec.memory.limit.map(|l| l.0),
+        input_shape: c.input_shape.clone(),
         gpu: spec.job.device != crate::spec::Device::Cpu,
     })
 }

@@ -4,6 +4,7 @@
 //! Each sample's crop offset and flip are drawn from a generator keyed by (seed, epoch, sample
 //! index), never from torch's generator: a resumed run, and a run whose micro-batch an OOM
 //! backoff changed, see exactly the same images.
+#[cfg(test)]
 use tch::{Kind, Tensor};
 
 use super::rng::{stream, SplitMix64};
@@ -43,7 +44,39 @@ impl Augmenter {
         Draw { dy, dx, flip }
     }
 
+    /// One sample `src` (`[C, H, W]`, float32) cropped and flipped by `d` into `out`: padded
+    /// pixel (y, x) is `src[y - p][x - p]` inside the image and the channel's fill outside; the
+    /// crop starts at (dy, dx) and a flip reads its columns right to left.
+    pub fn crop_into(&self, src: &[f32], [c, h, w]: [i64; 3], d: Draw, out: &mut [f32]) {
+        let p = self.padding;
+        let (h, w) = (h as usize, w as usize);
+        for ch in 0..c as usize {
+            // As a tensor pipeline makes it: zeros + fill, in float32.
+            let fill = 0.0f32 + self.fill[ch.min(self.fill.len() - 1)] as f32;
+            let plane = &src[ch * h * w..(ch + 1) * h * w];
+            for r in 0..h {
+                let sy = r as i64 + d.dy - p;
+                let row = &mut out[(ch * h + r) * w..(ch * h + r + 1) * w];
+                if !(0..h as i64).contains(&sy) {
+                    row.fill(fill);
+                    continue;
+                }
+                let line = &plane[sy as usize * w..(sy as usize + 1) * w];
+                for (k, o) in row.iter_mut().enumerate() {
+                    let col = if d.flip { w - 1 - k } else { k };
+                    let sx = col as i64 + d.dx - p;
+                    *o = if (0..w as i64).contains(&sx) {
+                        line[sx as usize]
+                    } else {
+                        fill
+                    };
+                }
+            }
+        }
+    }
+
     /// `x` is `[B, C, H, W]` holding the samples `idx` of the training set, in order.
+    #[cfg(test)]
     pub fn apply(&self, x: &Tensor, idx: &[i64], epoch: i64) -> Tensor {
         let (b, c, h, w) = x.size4().expect("augmentation needs images [N, C, H, W]");
         let p = self.padding;

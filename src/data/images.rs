@@ -6,13 +6,14 @@
 //! - `imagefolder`: `root/<class>/<image>` with JPEG and PNG files; classes are the directory
 //!   names in sorted order (label 0 is the first), as torchvision's `ImageFolder` numbers them.
 //!   Images are decoded in parallel, resized to fill `image_size`² and centre-cropped
-//!   (torchvision's `Resize(s)` + `CenterCrop(s)`), and kept as bytes in a cache file,
+//!   (torchvision's `Resize(s)` + `CenterCrop(s)`), and written a chunk at a time to a cache file,
 //!   `root/.memtrain-cache/imagefolder-<size>px-<C>ch-<key>.safetensors`, where the key hashes
 //!   every file's path, size and modification time: a later run with the same files and size
 //!   starts from the cache; a changed file makes a new one.
 //!
-//! Pixels become float32 in [0, 1]. Both sources are checked against the host-memory budget
-//! (available RAM, and the CPU cap on CPU runs) before anything is decoded.
+//! A batch's pixels become float32 in [0, 1]. The cache is read in place through a memory map;
+//! what is read whole (CIFAR-10, or a cache with `data.memory_map = false`) is first checked
+//! against the host-memory budget (available RAM, and the CPU cap on CPU runs).
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -20,7 +21,10 @@ use anyhow::{anyhow, bail, Context, Result};
 use rayon::prelude::*;
 use tch::Tensor;
 
+use super::mapped::{self, Xy};
+use super::store::{Elem, Store};
 use crate::human::human_bytes;
+use crate::spec::Data;
 
 /// Pixel bytes `[N, C, H, W]` as uint8 and labels `[N]` as int64.
 #[derive(Debug)]
@@ -36,11 +40,22 @@ impl Images {
     }
 }
 
-/// Refuses data whose pixel bytes would not fit in host memory: they stay uint8 at rest, and
-/// only batches become float32.
+/// Refuses images whose pixel bytes would not fit in host memory, where they are read whole:
+/// they stay uint8 at rest, and only batches become float32.
 pub fn check_budget(n: i64, sample: &[i64], what: &str) -> Result<()> {
-    let values: i64 = n * sample.iter().product::<i64>();
-    let need = values as u64;
+    let need = (n * sample.iter().product::<i64>()) as u64;
+    let shape = sample.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("×");
+    check_memory(
+        need,
+        what,
+        &format!("{n} images of {shape} are kept whole in memory as uint8"),
+        "use a smaller image size (data.image_size and the model's), fewer images, or a machine with more memory",
+    )
+}
+
+/// Refuses `need` bytes of data that `why` must be in memory when they exceed the host-memory
+/// budget: available RAM and, on CPU runs, what is left under the CPU cap.
+pub fn check_memory(need: u64, what: &str, why: &str, fix: &str) -> Result<()> {
     let host = crate::sysmem::host_memory().ok();
     let available = host.map(|h| h.ram_available_bytes).filter(|&b| b > 0);
     let cpu = crate::shim::cpu_alloc_stats();
@@ -49,20 +64,17 @@ pub fn check_budget(n: i64, sample: &[i64], what: &str) -> Result<()> {
         (Some(a), Some(c)) => Some(a.min(c)),
         (a, c) => a.or(c),
     };
-    if let Some(b) = budget {
-        if need > b {
-            let shape = sample.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("×");
-            bail!(
-                "{what}: {n} images of {shape} need {} in memory (their pixel bytes, kept as uint8), more than the host-memory budget of {} ({}{}); use a smaller image size (data.image_size and the model's), fewer images, or a machine with more memory",
-                human_bytes(need),
-                human_bytes(b),
-                available
-                    .map(|a| format!("{} of RAM available", human_bytes(a)))
-                    .unwrap_or_else(|| "RAM unknown".into()),
-                cap.map(|c| format!(", {} left under the CPU cap memory.limit", human_bytes(c)))
-                    .unwrap_or_default(),
-            );
-        }
+    if let Some(b) = budget.filter(|&b| need > b) {
+        bail!(
+            "{what}: needs {} in memory ({why}), more than the host-memory budget of {} ({}{}); {fix}",
+            human_bytes(need),
+            human_bytes(b),
+            available
+                .map(|a| format!("{} of RAM available", human_bytes(a)))
+                .unwrap_or_else(|| "RAM unknown".into()),
+            cap.map(|c| format!(", {} left under the CPU cap memory.limit", human_bytes(c)))
+                .unwrap_or_default(),
+        );
     }
     Ok(())
 }
@@ -224,58 +236,180 @@ pub fn cache_path(root: &Path, files: &[(PathBuf, i64)], size: i64, channels: i6
     ))
 }
 
-/// Reads an ImageFolder tree at `size`×`size` with `channels` (1: grey, 3: RGB), from its cache
-/// when there is one; returns the images and the class names.
-pub fn read_imagefolder(root: &Path, size: i64, channels: i64, key: &str) -> Result<(Images, Vec<String>)> {
+/// Reads an ImageFolder tree at `size`×`size` with `channels` (1: grey, 3: RGB) from its cache,
+/// decoding it into the cache first when there is none; returns the images (the cache mapped,
+/// or read whole with `data.memory_map = false`) and the class names.
+pub fn read_imagefolder(root: &Path, size: i64, channels: i64, key: &str, data: &Data) -> Result<(Xy, Vec<String>)> {
     if channels != 1 && channels != 3 {
         bail!("{key} {}: imagefolder decodes to 1 (grey) or 3 (RGB) channels, but the model takes {channels}; set the model's in_channels to 1 or 3", root.display());
     }
     let (classes, files) = scan_folder(root, key)?;
     let n = files.len() as i64;
-    check_budget(n, &[channels, size, size], &format!("{key} {}", root.display()))?;
+    let what = format!("{key} {}", root.display());
+    if !data.memory_map {
+        check_budget(n, &[channels, size, size], &what)?;
+    }
     let cache = cache_path(root, &files, size, channels);
-    if let Ok(named) = Tensor::read_safetensors(&cache) {
-        let get = |name: &str| named.iter().find(|(k, _)| k == name).map(|(_, t)| t.shallow_clone());
-        if let (Some(x), Some(y)) = (get("x"), get("y")) {
-            if x.size() == [n, channels, size, size] && y.size() == [n] {
-                tracing::info!("{key}: {n} images from the cache {}", cache.display());
-                return Ok((Images { x, y }, classes));
-            }
-        }
+    let opened = |xy: Xy| match data.memory_map {
+        true => xy,
+        false => Xy {
+            x: Store::memory(xy.x.tensor()).expect("uint8 pixels"),
+            y: xy.y,
+        },
+    };
+    if let Some(xy) = open_cache(&cache, n, channels, size) {
+        tracing::info!("{key}: {n} images from the cache {}", cache.display());
+        return Ok((opened(xy), classes));
     }
     let t0 = std::time::Instant::now();
-    let per = (channels * size * size) as usize;
-    let decoded: Vec<Vec<u8>> = files
-        .par_iter()
-        .map(|(p, _)| decode(p, size as u32, channels).map_err(|e| anyhow!("{key} {}: {e}", p.display())))
-        .collect::<Result<_>>()?;
-    let mut pixels = Vec::with_capacity(files.len() * per);
-    for d in &decoded {
-        pixels.extend_from_slice(d);
-    }
-    drop(decoded);
-    let labels: Vec<i64> = files.iter().map(|(_, l)| *l).collect();
-    let images = Images {
-        x: Tensor::from_slice(&pixels).reshape([n, channels, size, size]),
-        y: Tensor::from_slice(&labels),
-    };
-    tracing::info!("{key}: decoded {n} images in {:.1} s", t0.elapsed().as_secs_f64());
-    if let Err(e) = write_cache(&cache, &images) {
-        tracing::warn!(
-            "{key}: could not write the image cache {} ({e:#}); the next run decodes again",
-            cache.display()
+    let decoded = |d: std::time::Duration| {
+        let per_s = n as f64 / d.as_secs_f64().max(1e-9);
+        tracing::info!(
+            "{key}: decoded {n} images in {:.1} s ({per_s:.0} images/s)",
+            d.as_secs_f64()
         );
+    };
+    let job = Decode {
+        files: &files,
+        size,
+        channels,
+        key,
+        workers: data.workers,
+    };
+    match write_cache(&cache, &job)? {
+        Ok(()) => {
+            decoded(t0.elapsed());
+            let xy = open_cache(&cache, n, channels, size)
+                .ok_or_else(|| anyhow!("{what}: cannot read back the image cache {}", cache.display()))?;
+            Ok((opened(xy), classes))
+        }
+        Err(e) => {
+            tracing::warn!(
+                "{key}: could not write the image cache {} ({e:#}); decoding into memory, and the next run decodes again",
+                cache.display()
+            );
+            check_budget(n, &[channels, size, size], &what)?;
+            let mut pixels = Vec::with_capacity(n as usize * (channels * size * size) as usize);
+            job.each_chunk(|chunk| {
+                pixels.extend_from_slice(chunk);
+                Ok(())
+            })?;
+            decoded(t0.elapsed());
+            let x = Tensor::from_slice(&pixels).reshape([n, channels, size, size]);
+            let y = Tensor::from_slice(&files.iter().map(|(_, l)| *l).collect::<Vec<i64>>());
+            Ok((
+                Xy {
+                    x: Store::memory(x).expect("uint8"),
+                    y,
+                },
+                classes,
+            ))
+        }
     }
-    Ok((images, classes))
 }
 
-fn write_cache(path: &Path, images: &Images) -> Result<()> {
+/// The cache at `path` when it holds `n` images of `channels`×`size`², mapped.
+fn open_cache(path: &Path, n: i64, channels: i64, size: i64) -> Option<Xy> {
+    let xy = mapped::safetensors(path)?;
+    let fits = xy.x.elem == Elem::U8 && xy.x.shape == [n, channels, size, size] && xy.y.size() == [n];
+    fits.then_some(xy)
+}
+
+/// The first pass: files to decode and how.
+struct Decode<'a> {
+    files: &'a [(PathBuf, i64)],
+    size: i64,
+    channels: i64,
+    key: &'a str,
+    /// Threads; 0: one per core.
+    workers: i64,
+}
+
+impl Decode<'_> {
+    /// Decodes the files in order, a chunk at a time in parallel, handing each chunk's pixel
+    /// bytes to `sink`: at most a chunk is held, never the whole set.
+    fn each_chunk(&self, mut sink: impl FnMut(&[u8]) -> Result<()>) -> Result<()> {
+        let per = (self.channels * self.size * self.size) as usize;
+        // Small enough that a chunk is a few MiB whatever the set, large enough to keep every
+        // thread busy.
+        let chunk = ((4usize << 20) / per.max(1)).clamp(64, 4096);
+        let pool = match self.workers {
+            0 => None,
+            w => Some(rayon::ThreadPoolBuilder::new().num_threads(w as usize).build()?),
+        };
+        for files in self.files.chunks(chunk) {
+            let decode_all = || -> Result<Vec<Vec<u8>>> {
+                files
+                    .par_iter()
+                    .map(|(p, _)| {
+                        decode(p, self.size as u32, self.channels)
+                            .map_err(|e| anyhow!("{} {}: {e}", self.key, p.display()))
+                    })
+                    .collect()
+            };
+            let decoded = match &pool {
+                Some(p) => p.install(decode_all)?,
+                None => decode_all()?,
+            };
+            for d in &decoded {
+                sink(d)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Decodes into the cache file, written in chunks as the images are decoded. The outer error is
+/// a file that does not decode; the inner one, a cache that could not be written.
+fn write_cache(path: &Path, job: &Decode) -> Result<Result<()>> {
+    use std::io::Write;
     let dir = path.parent().expect("cache files live in a directory");
-    fs::create_dir_all(dir)?;
     let tmp = dir.join(format!(".tmp-{}", std::process::id()));
-    Tensor::write_safetensors(&[("x", &images.x), ("y", &images.y)], &tmp)?;
-    fs::rename(&tmp, path)?;
-    Ok(())
+    let open = || -> Result<std::io::BufWriter<fs::File>> {
+        fs::create_dir_all(dir)?;
+        let mut w = std::io::BufWriter::with_capacity(1 << 20, fs::File::create(&tmp)?);
+        let n = job.files.len() as i64;
+        let (c, s) = (job.channels, job.size);
+        // Labels first: 8-byte aligned right after the header, as are the pixels after them.
+        let header = serde_json::json!({
+            "y": {"dtype": "I64", "shape": [n], "data_offsets": [0, 8 * n]},
+            "x": {"dtype": "U8", "shape": [n, c, s, s], "data_offsets": [8 * n, 8 * n + n * c * s * s]},
+        })
+        .to_string();
+        let padded = format!("{header:<width$}", width = header.len().div_ceil(8) * 8);
+        w.write_all(&(padded.len() as u64).to_le_bytes())?;
+        w.write_all(padded.as_bytes())?;
+        for (_, l) in job.files {
+            w.write_all(&l.to_le_bytes())?;
+        }
+        Ok(w)
+    };
+    let mut w = match open() {
+        Ok(w) => w,
+        Err(e) => return Ok(Err(e)),
+    };
+    let mut failed = None;
+    job.each_chunk(|px| {
+        if failed.is_none() {
+            failed = w.write_all(px).err();
+        }
+        Ok(())
+    })
+    .inspect_err(|_| {
+        let _ = fs::remove_file(&tmp);
+    })?;
+    let done = match failed {
+        Some(e) => Err(e.into()),
+        None => w.into_inner().map_err(|e| e.into_error().into()).and_then(|f| {
+            f.sync_all()?;
+            fs::rename(&tmp, path)?;
+            Ok(())
+        }),
+    };
+    if done.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    Ok(done)
 }
 
 /// One image as `channels` planes of `size`×`size` bytes.
@@ -369,6 +503,18 @@ mod tests {
         img.save(path).unwrap();
     }
 
+    /// The images (read whole) and class names of a tree, as tensors.
+    fn read(root: &Path, size: i64, channels: i64) -> Result<(Images, Vec<String>)> {
+        let (xy, classes) = read_imagefolder(root, size, channels, "data.path", &Data::default())?;
+        Ok((
+            Images {
+                x: xy.x.tensor(),
+                y: xy.y,
+            },
+            classes,
+        ))
+    }
+
     #[test]
     fn imagefolder_decodes_labels_by_class_and_caches() {
         let dir = tempfile::tempdir().unwrap();
@@ -379,7 +525,7 @@ mod tests {
             write_image(&root.join(c).join("2.JPG"), 8, 12, v);
             fs::write(root.join(c).join("notes.txt"), "ignored").unwrap();
         }
-        let (imgs, classes) = read_imagefolder(&root, 6, 3, "data.path").unwrap();
+        let (imgs, classes) = read(&root, 6, 3).unwrap();
         assert_eq!(classes, vec!["a_cat", "b_dog"]);
         assert_eq!(imgs.x.size(), vec![4, 3, 6, 6]);
         assert_eq!(Vec::<i64>::try_from(&imgs.y).unwrap(), vec![0, 0, 1, 1]);
@@ -399,14 +545,14 @@ mod tests {
         let marked = imgs.x.copy();
         let _ = marked.get(0).get(0).get(0).get(0).fill_(7);
         Tensor::write_safetensors(&[("x", &marked), ("y", &imgs.y)], &cache).unwrap();
-        let (again, _) = read_imagefolder(&root, 6, 3, "data.path").unwrap();
+        let (again, _) = read(&root, 6, 3).unwrap();
         assert_eq!(again.x.int64_value(&[0, 0, 0, 0]), 7);
         // Another size, or a changed file, decodes afresh.
-        let (gray, _) = read_imagefolder(&root, 4, 1, "data.path").unwrap();
+        let (gray, _) = read(&root, 4, 1).unwrap();
         assert_eq!(gray.x.size(), vec![4, 1, 4, 4]);
         std::thread::sleep(std::time::Duration::from_millis(20));
         write_image(&root.join("a_cat").join("1.png"), 12, 9, 20);
-        let (fresh, _) = read_imagefolder(&root, 6, 3, "data.path").unwrap();
+        let (fresh, _) = read(&root, 6, 3).unwrap();
         assert_ne!(fresh.x.int64_value(&[0, 0, 0, 0]), 7);
         // Through load: holdout split, floats in [0, 1], the model's size.
         let d = Data {
@@ -434,7 +580,7 @@ mod tests {
         assert!(e.contains("data.image_size = 8 but the model takes 6×6"), "{e}");
         // A broken image names its file.
         fs::write(root.join("a_cat").join("3.png"), b"not a png").unwrap();
-        let e = format!("{:#}", read_imagefolder(&root, 6, 3, "data.path").unwrap_err());
+        let e = format!("{:#}", read(&root, 6, 3).unwrap_err());
         assert!(e.contains("3.png") && e.contains("cannot decode"), "{e}");
     }
 
@@ -445,7 +591,7 @@ mod tests {
             check_budget(1 << 40, &[3, 224, 224], "data.path x").unwrap_err()
         );
         assert!(
-            e.contains("images of 3×224×224 need") && e.contains("host-memory budget"),
+            e.contains("images of 3×224×224 are kept whole in memory") && e.contains("host-memory budget"),
             "{e}"
         );
         check_budget(10, &[3, 8, 8], "data.path x").unwrap();

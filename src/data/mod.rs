@@ -1,5 +1,8 @@
-//! Data sets: synthetic, `.npz`, `.safetensors` and MNIST IDX files, all loaded into memory on the
-//! CPU and checked against the model's per-sample shape and class count before training starts.
+//! Data sets: synthetic, `.npz`, `.safetensors`, MNIST IDX files, CIFAR-10 and image folders,
+//! read in place through a memory map where the file allows (the imagefolder cache, an
+//! uncompressed npz, safetensors) or loaded into memory on the CPU, and checked against the
+//! model's per-sample shape and class count before training starts. Batches are made by
+//! [`gather`] (in the step, or ahead of it by the [`loader`]).
 //!
 //! Sources (`data.source`):
 //! - `synthetic`: `data.samples` samples of a learnable task, deterministic from the seed: every
@@ -26,106 +29,216 @@
 //! generator, so splits, synthetic data and epoch orders replay exactly on resume.
 use std::fs;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
 use tch::{Device, Kind, Tensor};
 
+use crate::human::human_bytes;
 use crate::spec::{Data, DataSource};
 
 mod augment;
+mod gather;
 mod images;
+mod loader;
+mod mapped;
 mod rng;
+mod store;
+mod wait;
 
 pub use augment::{Augmenter, Draw};
+use gather::{Recipe, Source, Staged};
+use loader::Loader;
 use rng::{stream, SplitMix64};
+use store::{Map, Store};
+pub use wait::DataWait;
 
-/// All samples in memory, as stored: images stay uint8 (a quarter of float32), other integer
-/// data in its own type, float data as float32. A batch is gathered from them and only then
-/// converted to float32, divided (images: by 255) and normalized, the same elementwise
-/// operations a whole-set conversion would make, so the values are the same. A held-out split
-/// is a list of rows into the file's samples, not a copy of them.
+/// A set's samples as stored, in memory or mapped from their file: images stay uint8 (a
+/// quarter of float32), other integer data in its own type, float data as float32. A batch is
+/// gathered from them and only then converted to float32, divided (images: by 255) and
+/// normalized, the same elementwise operations a whole-set conversion would make, so the values
+/// are the same. A held-out split is a list of rows into the file's samples, not a copy of them.
 #[derive(Debug)]
 pub struct Dataset {
+    source: Source,
+    /// Kept on a device (small, unaugmented data on CUDA): samples and labels there.
+    resident: Option<Resident>,
+    /// Training batches made ahead by background threads.
+    loader: Option<Loader>,
+    /// Nanoseconds the steps waited for batches since the last [`Dataset::take_wait`].
+    wait_ns: AtomicU64,
+}
+
+/// The samples kept on a device, where batches are gathered with its own kernels.
+#[derive(Debug)]
+struct Resident {
     x: Tensor,
     y: Tensor,
-    /// This set's rows of `x` and `y` (int64 on the CPU); None: all of them, in order.
     rows: Option<Tensor>,
-    /// Per batch, after the conversion to float32: x / divisor (uint8 pixels: 255).
-    divisor: Option<f64>,
-    /// Per batch, last: (x - mean) / std per channel.
     norm: Option<(Tensor, Tensor)>,
-    pub augment: Option<Augmenter>,
 }
 
 impl Dataset {
     pub fn new(x: Tensor, y: Tensor) -> Self {
-        Dataset {
-            x,
-            y,
+        let store = Store::memory(x).expect("samples of a stored element type");
+        Dataset::of(
+            store,
+            Vec::<i64>::try_from(&y.to_kind(Kind::Int64)).expect("int64 labels"),
+        )
+    }
+
+    fn of(store: Store, labels: Vec<i64>) -> Self {
+        Dataset::from_source(Source {
+            store: Arc::new(store),
+            labels: Arc::new(labels),
             rows: None,
-            divisor: None,
-            norm: None,
-            augment: None,
+            recipe: Arc::new(Recipe::default()),
+        })
+    }
+
+    fn from_source(source: Source) -> Self {
+        Dataset {
+            source,
+            resident: None,
+            loader: None,
+            wait_ns: AtomicU64::new(0),
         }
     }
 
+    fn recipe(&mut self) -> &mut Recipe {
+        Arc::make_mut(&mut self.source.recipe)
+    }
+
     /// Samples divided by `d` once they are float32 (uint8 pixels to [0, 1]).
-    fn divided_by(self, d: f64) -> Self {
-        Dataset {
-            divisor: Some(d),
-            ..self
-        }
+    fn divided_by(mut self, d: f64) -> Self {
+        self.recipe().divisor = Some(d as f32);
+        self
     }
 
     /// The set of `rows` of this one, sharing its samples.
     fn rows(&self, rows: &[i64]) -> Self {
-        let picked = Tensor::from_slice(rows);
-        Dataset {
-            x: self.x.shallow_clone(),
-            y: self.y.shallow_clone(),
-            rows: Some(match &self.rows {
-                Some(r) => r.index_select(0, &picked),
-                None => picked,
-            }),
-            divisor: self.divisor,
-            norm: self.norm.as_ref().map(|(m, d)| (m.shallow_clone(), d.shallow_clone())),
-            augment: None,
-        }
+        let rows = match &self.source.rows {
+            Some(r) => rows.iter().map(|&k| r[k as usize]).collect(),
+            None => rows.to_vec(),
+        };
+        let mut d = Dataset::from_source(Source {
+            rows: Some(Arc::new(rows)),
+            ..self.source.clone()
+        });
+        d.set_augment(None);
+        d
+    }
+
+    pub fn augment(&self) -> Option<&Augmenter> {
+        self.source.recipe.augment.as_ref()
+    }
+
+    pub fn set_augment(&mut self, a: Option<Augmenter>) {
+        self.recipe().augment = a;
+    }
+
+    /// Whether the samples are read through a memory map of their file.
+    pub fn is_mapped(&self) -> bool {
+        self.source.store.is_mapped()
     }
 
     /// The samples `idx` of epoch `epoch` (0-based), augmented when the set is, as `(x, y)` on
-    /// the CPU.
+    /// the CPU (or on the device the set is kept on).
     pub fn batch_at(&self, idx: &[i64], epoch: i64) -> (Tensor, Tensor) {
-        let (x, y) = self.batch(&Tensor::from_slice(idx));
-        match &self.augment {
-            Some(a) => (a.apply(&x, idx, epoch), y),
-            None => (x, y),
+        if self.resident.is_some() {
+            return self.batch(&Tensor::from_slice(idx));
         }
+        let t = Instant::now();
+        let staged = match &self.loader {
+            Some(l) => l.take(idx, epoch),
+            None => {
+                let mut s = Staged::default();
+                self.source.gather_into(idx, epoch, &mut s);
+                s
+            }
+        };
+        self.wait_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let xy = self.tensors(&staged);
+        if let Some(l) = &self.loader {
+            l.give_back(staged);
+        }
+        xy
+    }
+
+    /// A staged batch as CPU tensors `(x, y)`.
+    fn tensors(&self, s: &Staged) -> (Tensor, Tensor) {
+        let mut shape = vec![s.y.len() as i64];
+        shape.extend(self.sample_shape());
+        (
+            Tensor::from_slice(&s.x).view(shape.as_slice()),
+            Tensor::from_slice(&s.y),
+        )
+    }
+
+    /// Seconds the steps waited for their batches since the last call.
+    pub fn take_wait(&self) -> f64 {
+        self.wait_ns.swap(0, Ordering::Relaxed) as f64 * 1e-9
     }
 
     /// Bytes its samples and labels take as stored (a split counts the file's).
     pub fn bytes(&self) -> u64 {
-        [&self.x, &self.y].iter().map(|t| crate::memory::tensor_bytes(t)).sum()
+        self.source.store.len_bytes() + self.source.labels.len() as u64 * 8
+    }
+
+    /// Bytes of one micro-batch of `n` samples as the loader stages it (float32 and labels).
+    pub fn batch_bytes(&self, n: i64) -> u64 {
+        self.source.sample_bytes() * n.max(0) as u64
     }
 
     /// Keeps the samples on `device`, where batches are then drawn: a step copies only the
     /// indices, not the samples. Only without augmentation, which runs on the host.
     pub fn keep_on(&mut self, device: Device) {
-        debug_assert!(self.augment.is_none());
-        self.x = self.x.to_device(device);
-        self.y = self.y.to_device(device);
-        if let Some((m, d)) = &mut self.norm {
-            *m = m.to_device(device);
-            *d = d.to_device(device);
+        debug_assert!(self.augment().is_none());
+        let r = &self.source.recipe;
+        let norm = r.norm.as_ref().map(|(m, d)| {
+            let shape = norm_shape(&self.sample_shape(), m.len());
+            let t = |v: &[f32]| Tensor::from_slice(v).view(shape.as_slice()).to_device(device);
+            (t(m), t(d))
+        });
+        self.resident = Some(Resident {
+            x: self.source.store.tensor().to_device(device),
+            y: Tensor::from_slice(&self.source.labels).to_device(device),
+            rows: self.source.rows.as_ref().map(|r| Tensor::from_slice(r)),
+            norm,
+        });
+    }
+
+    /// Training batches are made ahead by `data.workers` threads, up to `data.prefetch` at a
+    /// time; none with `data.prefetch = 0`.
+    pub fn start_loader(&mut self, data: &Data) {
+        let depth = data.prefetch.max(0) as usize;
+        let threads = workers(data).min(depth);
+        self.loader = (depth > 0).then(|| Loader::start(self.source.clone(), depth, threads));
+    }
+
+    /// The micro-batches the steps will ask for next, in order, for the loader to make.
+    pub fn plan(&self, epoch: i64, batches: Vec<Vec<i64>>) {
+        if let Some(l) = &self.loader {
+            l.plan(epoch, batches);
         }
+    }
+
+    /// Whether a loader makes batches ahead.
+    pub fn prefetches(&self) -> bool {
+        self.loader.is_some()
+    }
+
+    /// Prefetch depth the loader gave up under host-memory pressure since the last call:
+    /// (from, to, available RAM bytes).
+    pub fn shed(&self) -> Vec<(usize, usize, u64)> {
+        self.loader.as_ref().map(Loader::shed).unwrap_or_default()
     }
 
     /// Number of samples.
     pub fn len(&self) -> i64 {
-        match &self.rows {
-            Some(r) => r.size()[0],
-            None => self.y.size()[0],
-        }
+        self.source.len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -134,22 +247,41 @@ impl Dataset {
 
     /// The shape of one sample, `[C, H, W]` for images.
     pub fn sample_shape(&self) -> Vec<i64> {
-        self.x.size()[1..].to_vec()
+        self.source.store.shape[1..].to_vec()
     }
 
     /// The samples at `idx` (a CPU int64 tensor of indices into this set), as float32 `(x, y)`
     /// where the samples are.
     pub fn batch(&self, idx: &Tensor) -> (Tensor, Tensor) {
-        let rows = match &self.rows {
-            Some(r) => r.index_select(0, idx),
+        let Some(r) = &self.resident else {
+            // As stored, converted and normalized: augmentation belongs to a training epoch.
+            let mut plain = self.source.clone();
+            Arc::make_mut(&mut plain.recipe).augment = None;
+            let mut s = Staged::default();
+            let idx = Vec::<i64>::try_from(idx).expect("int64 indices");
+            plain.gather_into(&idx, 0, &mut s);
+            return self.tensors(&s);
+        };
+        let rows = match &r.rows {
+            Some(rows) => rows.index_select(0, idx),
             None => idx.shallow_clone(),
         };
         // Resident samples: the indices go over from pinned memory, without waiting.
-        let rows = crate::host::Host::new(self.x.device()).input(&rows);
-        (
-            self.as_float(self.x.index_select(0, &rows)),
-            self.y.index_select(0, &rows),
-        )
+        let rows = crate::host::Host::new(r.x.device()).input(&rows);
+        let x = r.x.index_select(0, &rows);
+        let x = match x.kind() {
+            Kind::Float => x,
+            _ => x.to_kind(Kind::Float),
+        };
+        let x = match self.source.recipe.divisor {
+            Some(d) => x / d as f64,
+            None => x,
+        };
+        let x = match &r.norm {
+            Some((m, d)) => ((x - m) / d).contiguous(),
+            None => x,
+        };
+        (x, r.y.index_select(0, &rows))
     }
 
     /// Every sample of the set, as a batch.
@@ -161,21 +293,44 @@ impl Dataset {
     pub fn labels(&self) -> Tensor {
         self.batch(&Tensor::arange(self.len(), (Kind::Int64, Device::Cpu))).1
     }
+}
 
-    fn as_float(&self, x: Tensor) -> Tensor {
-        let x = match x.kind() {
-            Kind::Float => x,
-            _ => x.to_kind(Kind::Float),
-        };
-        let x = match self.divisor {
-            Some(d) => x / d,
-            None => x,
-        };
-        match &self.norm {
-            Some((m, d)) => ((x - m) / d).contiguous(),
-            None => x,
+/// `check`'s line on the host memory the loader takes: the staged micro-batches of float32
+/// samples, whatever the set's size, and how the set is read.
+pub fn check_line(data: &Data, input_shape: &[i64], micro_batch: i64) -> String {
+    let batch = micro_batch.max(1) as u64 * (input_shape.iter().product::<i64>() as u64 * 4 + 8);
+    let buffers = data.prefetch.max(0) as u64 + 1;
+    let shape = input_shape.iter().map(i64::to_string).collect::<Vec<_>>().join("×");
+    let read = match (data.source, data.memory_map) {
+        (DataSource::Synthetic, _) => "generated in memory",
+        (DataSource::Imagefolder, true) => "its cache read in place through a memory map",
+        (DataSource::Npz | DataSource::Safetensors, true) => {
+            "read in place through a memory map (uncompressed npz, safetensors), else whole"
         }
+        (DataSource::Mnist | DataSource::Cifar10, _) | (_, false) => "read whole into memory",
+    };
+    format!(
+        "data loader      {buffers} staged micro-batch(es) of {micro_batch} × {shape} float32 (data.prefetch {} + 1) = {} of host memory whatever the set's size, plus 24 bytes a sample (labels, the epoch's order); {} thread(s) (data.workers); the set {read}",
+        data.prefetch,
+        human_bytes(buffers * batch),
+        workers(data).min(data.prefetch.max(1) as usize),
+    )
+}
+
+/// Threads `data.workers` asks for: 0 means one per core.
+pub fn workers(data: &Data) -> usize {
+    match data.workers {
+        w if w > 0 => w as usize,
+        _ => std::thread::available_parallelism().map_or(1, |n| n.get()),
     }
+}
+
+/// The shape of per-channel normalization values (`channels` of them, or 1) against a batch of
+/// samples shaped `sample`: `[1, channels, 1, ..]`.
+fn norm_shape(sample: &[i64], channels: usize) -> Vec<i64> {
+    let mut shape = vec![1, channels as i64];
+    shape.extend(std::iter::repeat_n(1, sample.len().saturating_sub(1)));
+    shape
 }
 
 /// The training and validation sets.
@@ -193,7 +348,7 @@ impl Splits {
     /// sixteenth of what the run may use of it (`budget`: the cap, or the device's total).
     pub fn stay_resident(&self, device: Device, budget: Option<u64>) -> bool {
         let small = |b: u64| (self.train.bytes() + self.val.bytes()).saturating_mul(RESIDENT_SHARE) <= b;
-        device.is_cuda() && self.train.augment.is_none() && self.val.augment.is_none() && budget.is_some_and(small)
+        device.is_cuda() && self.train.augment().is_none() && self.val.augment().is_none() && budget.is_some_and(small)
     }
 }
 
@@ -204,7 +359,7 @@ pub fn load(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) -> Re
     let mut s = load_source(data, input_shape, num_classes, seed)?;
     if !data.mean.is_empty() {
         for part in [&mut s.train, &mut s.val] {
-            part.norm = Some(normalization(&part.sample_shape(), &data.mean, &data.std)?);
+            part.recipe().norm = Some(normalization(&part.sample_shape(), &data.mean, &data.std)?);
         }
     }
     if data.augment.enabled() {
@@ -222,20 +377,21 @@ pub fn load(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) -> Re
                 _ => -data.mean[i] / data.std[i],
             })
             .collect();
-        s.train.augment = Some(Augmenter {
+        let samples = s.train.len();
+        s.train.set_augment(Some(Augmenter {
             seed,
             padding: data.augment.crop_padding,
             flip: data.augment.horizontal_flip,
             fill,
-            samples: s.train.len(),
-        });
+            samples,
+        }));
     }
     Ok(s)
 }
 
-/// The mean and std that normalize a batch of samples shaped `sample` per channel (its first
+/// The mean and std, as float32, that normalize samples shaped `sample` per channel (its first
 /// dimension), as `(x - mean) / std`; one value applies to every channel.
-fn normalization(sample: &[i64], mean: &[f64], std: &[f64]) -> Result<(Tensor, Tensor)> {
+fn normalization(sample: &[i64], mean: &[f64], std: &[f64]) -> Result<(Vec<f32>, Vec<f32>)> {
     if sample.is_empty() {
         bail!("data.mean/data.std: normalise channels of samples [C, ..], but the samples are scalars");
     }
@@ -246,36 +402,15 @@ fn normalization(sample: &[i64], mean: &[f64], std: &[f64]) -> Result<(Tensor, T
             mean.len(),
         );
     }
-    let mut shape = vec![1, mean.len() as i64];
-    shape.extend(std::iter::repeat_n(1, sample.len() - 1));
-    let m = Tensor::from_slice(mean).to_kind(Kind::Float).view(shape.as_slice());
-    let d = Tensor::from_slice(std).to_kind(Kind::Float).view(shape.as_slice());
-    Ok((m, d))
+    let f32s = |v: &[f64]| v.iter().map(|&x| x as f32).collect();
+    Ok((f32s(mean), f32s(std)))
 }
 
 fn load_source(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) -> Result<Splits> {
     let model = ModelKeys::new(input_shape, num_classes);
     match data.source {
         DataSource::Synthetic => synthetic(data, input_shape, num_classes, seed),
-        DataSource::Npz | DataSource::Safetensors => {
-            let path = required_path(data)?;
-            let read = |key: &str, p: &Path| -> Result<Dataset> {
-                let what = format!("{key} {}", p.display());
-                let (x, y) = match data.source {
-                    DataSource::Npz => read_npz(p, &what)?,
-                    _ => read_safetensors(p, &what)?,
-                };
-                checked(x, y, &what, &model)
-            };
-            let all = read("data.path", path)?;
-            match &data.val_path {
-                Some(v) => Ok(Splits {
-                    train: all,
-                    val: read("data.val_path", v)?,
-                }),
-                None => holdout(all, data.val_fraction, seed, &format!("data.path {}", path.display())),
-            }
-        }
+        DataSource::Npz | DataSource::Safetensors => array_files(data, &model, seed),
         DataSource::Mnist => {
             let dir = required_path(data)?;
             let (vkey, vdir) = match &data.val_path {
@@ -330,25 +465,55 @@ fn load_source(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) ->
                 );
             }
             let what = format!("data.path {}", root.display());
-            let (imgs, classes) = images::read_imagefolder(root, size, channels, "data.path")?;
-            let (x, y) = imgs.into_parts();
-            let all = checked(x, y, &what, &model)?.divided_by(255.0);
+            let (imgs, classes) = images::read_imagefolder(root, size, channels, "data.path", data)?;
+            let all = checked_store(imgs.x, imgs.y, &what, &model)?.divided_by(255.0);
             match &data.val_path {
                 Some(v) => {
-                    let (imgs, vclasses) = images::read_imagefolder(v, size, channels, "data.val_path")?;
+                    let (imgs, vclasses) = images::read_imagefolder(v, size, channels, "data.val_path", data)?;
                     if vclasses != classes {
                         bail!(
                             "data.val_path {}: has classes {vclasses:?} but data.path has {classes:?}; both need the same class directories",
                             v.display()
                         );
                     }
-                    let (x, y) = imgs.into_parts();
-                    let val = checked(x, y, &format!("data.val_path {}", v.display()), &model)?.divided_by(255.0);
+                    let val = checked_store(imgs.x, imgs.y, &format!("data.val_path {}", v.display()), &model)?
+                        .divided_by(255.0);
                     Ok(Splits { train: all, val })
                 }
                 None => holdout(all, data.val_fraction, seed, &what),
             }
         }
+    }
+}
+
+/// An npz or safetensors file (and its validation file): mapped where it can be, else read
+/// whole.
+fn array_files(data: &Data, model: &ModelKeys, seed: i64) -> Result<Splits> {
+    let path = required_path(data)?;
+    let read = |key: &str, p: &Path| -> Result<Dataset> {
+        let what = format!("{key} {}", p.display());
+        let mapped = match (data.memory_map, data.source) {
+            (false, _) => None,
+            (true, DataSource::Npz) => mapped::npz(p),
+            (true, _) => mapped::safetensors(p),
+        };
+        if let Some(m) = mapped {
+            return checked_store(m.x, m.y, &what, model);
+        }
+        check_whole_file(p, data, &what)?;
+        let (x, y) = match data.source {
+            DataSource::Npz => read_npz(p, &what)?,
+            _ => read_safetensors(p, &what)?,
+        };
+        checked(x, y, &what, model)
+    };
+    let all = read("data.path", path)?;
+    match &data.val_path {
+        Some(v) => Ok(Splits {
+            train: all,
+            val: read("data.val_path", v)?,
+        }),
+        None => holdout(all, data.val_fraction, seed, &format!("data.path {}", path.display())),
     }
 }
 
@@ -408,73 +573,12 @@ fn npz_sample_shape(path: &Path) -> Result<Vec<i64>> {
 }
 
 fn npz_header_shape(path: &Path) -> Option<Vec<i64>> {
-    use std::io::{Read, Seek, SeekFrom};
-    let u16_at = |b: &[u8], i: usize| Some(u16::from_le_bytes(b.get(i..i + 2)?.try_into().ok()?) as usize);
-    let u32_at = |b: &[u8], i: usize| Some(u32::from_le_bytes(b.get(i..i + 4)?.try_into().ok()?) as u64);
-    let mut f = fs::File::open(path).ok()?;
-    let size = f.metadata().ok()?.len();
-    // The end of central directory record: 22 bytes and a comment of up to 64 KiB.
-    let tail_len = size.min(22 + 65_535);
-    f.seek(SeekFrom::Start(size - tail_len)).ok()?;
-    let mut tail = vec![0u8; tail_len as usize];
-    f.read_exact(&mut tail).ok()?;
-    let eocd = (0..tail.len().saturating_sub(21))
-        .rev()
-        .find(|&i| tail[i..i + 4] == [0x50, 0x4b, 0x05, 0x06])?;
-    let entries = u16_at(&tail, eocd + 10)?;
-    let (cd_size, cd_offset) = (u32_at(&tail, eocd + 12)?, u32_at(&tail, eocd + 16)?);
-    if cd_offset == 0xFFFF_FFFF || cd_size > 16 << 20 {
-        return None; // zip64: read whole
-    }
-    f.seek(SeekFrom::Start(cd_offset)).ok()?;
-    let mut cd = vec![0u8; cd_size as usize];
-    f.read_exact(&mut cd).ok()?;
-    let mut at = 0;
-    for _ in 0..entries {
-        if cd.get(at..at + 4)? != [0x50, 0x4b, 0x01, 0x02] {
-            return None;
-        }
-        let method = u16_at(&cd, at + 10)?;
-        let (n, e, c) = (u16_at(&cd, at + 28)?, u16_at(&cd, at + 30)?, u16_at(&cd, at + 32)?);
-        let local = u32_at(&cd, at + 42)?;
-        let name = cd.get(at + 46..at + 46 + n)?;
-        at += 46 + n + e + c;
-        if name != b"x.npy" {
-            continue;
-        }
-        if method != 0 || local == 0xFFFF_FFFF {
-            return None;
-        }
-        f.seek(SeekFrom::Start(local)).ok()?;
-        let mut lh = [0u8; 30];
-        f.read_exact(&mut lh).ok()?;
-        let skip = u16_at(&lh, 26)? + u16_at(&lh, 28)?;
-        f.seek(SeekFrom::Current(skip as i64)).ok()?;
-        let mut npy = vec![0u8; 4096];
-        let got = f.read(&mut npy).ok()?;
-        return npy_shape(&npy[..got]);
-    }
-    None
-}
-
-/// The `shape` of an .npy header: magic, version, header length, a Python dict literal.
-fn npy_shape(b: &[u8]) -> Option<Vec<i64>> {
-    if b.get(..6)? != b"\x93NUMPY" {
+    let map = Map::open(path).ok()?;
+    let m = mapped::zip_member(map.bytes(), "x.npy")?;
+    if m.method != 0 {
         return None;
     }
-    let (start, len) = match b.get(6)? {
-        1 => (10, u16::from_le_bytes(b.get(8..10)?.try_into().ok()?) as usize),
-        _ => (12, u32::from_le_bytes(b.get(8..12)?.try_into().ok()?) as usize),
-    };
-    let header = std::str::from_utf8(b.get(start..start + len)?).ok()?;
-    let rest = &header[header.find("'shape'")?..];
-    let inner = &rest[rest.find('(')? + 1..rest.find(')')?];
-    inner
-        .split(',')
-        .map(str::trim)
-        .filter(|d| !d.is_empty())
-        .map(|d| d.trim_end_matches('L').parse().ok())
-        .collect()
+    Some(mapped::npy_header(map.bytes().get(m.data..)?)?.shape)
 }
 
 /// Deterministic permutation of `0..n` for `(seed, epoch)`, independent of torch's RNG, so a
@@ -663,9 +767,7 @@ impl<'a> ModelKeys<'a> {
 
 /// Converts and checks `x` and `y` from a file described by `what` ("data.path foo.npz").
 fn checked(x: Tensor, y: Tensor, what: &str, model: &ModelKeys) -> Result<Dataset> {
-    let xs = x.size();
-    let ys = y.size();
-    if xs.is_empty() {
+    if x.size().is_empty() {
         bail!("{what}: x is a scalar; it must be an array of samples, shape [N, ..]");
     }
     if !is_real_number(x.kind()) {
@@ -674,6 +776,20 @@ fn checked(x: Tensor, y: Tensor, what: &str, model: &ModelKeys) -> Result<Datase
             dtype(x.kind())
         );
     }
+    // Integer samples stay as stored (every integer is finite, and each batch converts exactly
+    // as the whole set would); float samples become float32 here, where the finite check must
+    // see what the model will.
+    let x = match is_integer(x.kind()) {
+        true => x,
+        false => x.to_kind(Kind::Float),
+    };
+    checked_store(Store::memory(x).expect("a stored element type"), y, what, model)
+}
+
+/// Checks samples `x` (in memory or mapped) and labels `y` against the model.
+fn checked_store(x: Store, y: Tensor, what: &str, model: &ModelKeys) -> Result<Dataset> {
+    let xs = x.shape.clone();
+    let ys = y.size();
     if !is_integer(y.kind()) {
         bail!(
             "{what}: y has dtype {}; it must hold integer class indices (e.g. y.astype(numpy.int64))",
@@ -700,13 +816,6 @@ fn checked(x: Tensor, y: Tensor, what: &str, model: &ModelKeys) -> Result<Datase
     }
     let sample = &xs[1..];
     let want = model.input_shape;
-    // Integer samples stay as stored (every integer is finite, and each batch converts exactly
-    // as the whole set would); float samples become float32 here, where the finite check must
-    // see what the model will.
-    let x = match is_integer(x.kind()) {
-        true => x,
-        false => x.to_kind(Kind::Float),
-    };
     let x = if sample == want {
         x
     } else {
@@ -721,9 +830,12 @@ fn checked(x: Tensor, y: Tensor, what: &str, model: &ModelKeys) -> Result<Datase
         }
         let mut shape = vec![n];
         shape.extend_from_slice(want);
-        x.reshape(&shape)
+        x.reshaped(shape)
     };
-    let finite = is_integer(x.kind()) || x.isfinite().all().int64_value(&[]) != 0;
+    let finite = x.elem.is_integer()
+        || x.bytes()
+            .chunks_exact(4)
+            .all(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")).is_finite());
     if !finite {
         bail!("{what}: x contains NaN or infinite values");
     }
@@ -740,7 +852,34 @@ fn checked(x: Tensor, y: Tensor, what: &str, model: &ModelKeys) -> Result<Datase
             hi + 1
         );
     }
-    Ok(Dataset::new(x.contiguous(), y.contiguous()))
+    let labels = Vec::<i64>::try_from(&y.contiguous()).expect("int64 labels");
+    Ok(Dataset::of(x, labels))
+}
+
+/// Refuses a file read whole (not mapped) whose arrays would not fit in host memory: a
+/// compressed npz by its arrays' inflated sizes, other files by their size.
+fn check_whole_file(path: &Path, data: &Data, what: &str) -> Result<()> {
+    let Ok(map) = Map::open(path) else {
+        return Ok(()); // the reader says what is wrong with it
+    };
+    let b = map.bytes();
+    let members = ["x.npy", "y.npy"].map(|n| mapped::zip_member(b, n));
+    let compressed = members.iter().flatten().any(|m| m.method != 0);
+    let need = match members {
+        [Some(x), Some(y)] if data.source == DataSource::Npz => x.size + y.size,
+        _ => b.len() as u64,
+    };
+    let why = match (compressed, data.memory_map) {
+        (true, _) => "a compressed .npz (numpy.savez_compressed) is inflated whole into memory",
+        (false, false) => "data.memory_map = false reads it whole into memory",
+        (false, true) => "it cannot be read in place (its x is not uint8, int8-64 or float32 in C order), so it is read whole into memory",
+    };
+    let fix = match (compressed, data.memory_map) {
+        (true, _) => "save it uncompressed with numpy.savez(path, x=x, y=y), which is read in place through a memory map whatever its size, or use a machine with more memory",
+        (false, false) => "set data.memory_map = true to read it in place, or use a machine with more memory",
+        (false, true) => "store x as uint8, an integer type or float32, C-ordered, or use a machine with more memory",
+    };
+    images::check_memory(need, what, why, fix)
 }
 
 /// NumPy's name for a dtype, as users wrote it.
@@ -1004,7 +1143,7 @@ mod tests {
         let mut npy = b"\x93NUMPY\x01\x00".to_vec();
         npy.extend((header.len() as u16).to_le_bytes());
         npy.extend(header.as_bytes());
-        assert_eq!(npy_shape(&npy), Some(vec![10, 3, 32, 32]));
+        assert_eq!(mapped::npy_header(&npy).map(|h| h.shape), Some(vec![10, 3, 32, 32]));
     }
 
     #[test]
@@ -1033,17 +1172,95 @@ mod tests {
             "the CPU has nothing to copy"
         );
         let mut augmented = s;
-        augmented.train.augment = Some(Augmenter {
+        augmented.train.set_augment(Some(Augmenter {
             seed: 0,
             padding: 0,
             flip: true,
             fill: vec![0.0],
             samples: 80,
-        });
+        }));
         assert!(
             !augmented.stay_resident(cuda, Some(1 << 40)),
             "augmentation runs on the host"
         );
+    }
+
+    /// A set of 20 random images [3, 8, 8] as uint8, normalized and augmented as ImageNet
+    /// images would be, with the tensor pipeline that makes the same batches.
+    fn augmented_images() -> (Dataset, Tensor, Augmenter, (Tensor, Tensor)) {
+        tch::manual_seed(5);
+        let x = Tensor::randint(256, [20, 3, 8, 8], (Kind::Uint8, Device::Cpu));
+        let y = Tensor::arange(20, (Kind::Int64, Device::Cpu)).remainder(3);
+        let (mean, std) = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]);
+        let mut d = Dataset::new(x.shallow_clone(), y).divided_by(255.0);
+        d.recipe().norm = Some(normalization(&[3, 8, 8], &mean, &std).unwrap());
+        let aug = Augmenter {
+            seed: 3,
+            padding: 2,
+            flip: true,
+            fill: mean.iter().zip(std).map(|(m, s)| -m / s).collect(),
+            samples: 20,
+        };
+        d.set_augment(Some(aug.clone()));
+        let t = |v: &[f64]| Tensor::from_slice(v).to_kind(Kind::Float).view([1, 3, 1, 1]);
+        (d, x, aug, (t(&mean), t(&std)))
+    }
+
+    #[test]
+    fn batches_equal_a_tensor_pipeline_bit_for_bit() {
+        let (d, x, aug, (m, s)) = augmented_images();
+        let idx = [5i64, 0, 19, 7, 7];
+        let (got, y) = d.batch_at(&idx, 2);
+        let want = x.index_select(0, &Tensor::from_slice(&idx)).to_kind(Kind::Float) / 255.0;
+        let want = aug.apply(&((want - &m) / &s).contiguous(), &idx, 2);
+        let bits = |t: &Tensor| {
+            Vec::<f32>::try_from(t.flatten(0, -1))
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(bits(&got), bits(&want));
+        assert_eq!(Vec::<i64>::try_from(&y).unwrap(), vec![2, 0, 1, 1, 1]);
+        // Other stored types convert as to_kind does.
+        for kind in [Kind::Int8, Kind::Int16, Kind::Int, Kind::Int64, Kind::Float] {
+            let v = (Tensor::randn([6, 5], (Kind::Float, Device::Cpu)) * 1000.0).to_kind(kind);
+            let d = Dataset::new(v.shallow_clone(), Tensor::zeros([6], (Kind::Int64, Device::Cpu)));
+            let (got, _) = d.batch_at(&[4, 1], 0);
+            assert!(
+                got.equal(&v.index_select(0, &Tensor::from_slice(&[4i64, 1])).to_kind(Kind::Float)),
+                "{kind:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_loader_makes_the_same_batches_in_any_order_and_depth() {
+        let (full, _, aug, _) = augmented_images();
+        let mut d = full.rows(&(0..20).rev().step_by(2).collect::<Vec<i64>>());
+        d.set_augment(Some(aug));
+        let plan: Vec<Vec<i64>> = (0..5).map(|i| vec![2 * (i % 5), (2 * i + 1) % 10]).collect();
+        let want: Vec<Tensor> = plan.iter().map(|b| d.batch_at(b, 1).0).collect();
+        for (depth, threads) in [(1, 1), (4, 4), (3, 2)] {
+            let mut l = Dataset::from_source(d.source.clone());
+            l.set_augment(d.augment().cloned());
+            l.start_loader(&Data {
+                prefetch: depth,
+                workers: threads,
+                ..Data::default()
+            });
+            l.plan(1, plan.clone());
+            // Taken in plan order, then one out of order (made on the spot), then on.
+            for (b, w) in plan.iter().zip(&want).take(2) {
+                assert!(l.batch_at(b, 1).0.equal(w));
+            }
+            assert!(l.batch_at(&plan[4], 1).0.equal(&want[4]));
+            for (b, w) in plan.iter().zip(&want).skip(2) {
+                assert!(l.batch_at(b, 1).0.equal(w), "depth {depth}, {threads} threads");
+            }
+            // Another epoch augments otherwise, whatever was staged.
+            assert!(!l.batch_at(&plan[0], 2).0.equal(&want[0]));
+        }
     }
 
     fn spec(source: DataSource, path: Option<PathBuf>) -> Data {

@@ -32,6 +32,8 @@ pub struct Counts {
     pub has_blocks: bool,
     /// Each variable belongs to one block, so parameters can stream block by block.
     pub blockwise: bool,
+    /// The shape of one input sample.
+    pub input_shape: Vec<i64>,
 }
 
 /// The registry: one line per preset.
@@ -296,6 +298,7 @@ pub fn counts(model: &Model) -> Result<Counts> {
     let mut c = Counts {
         has_blocks: built.net.chain().is_some(),
         blockwise: blockwise(built.net.as_ref(), &vs),
+        input_shape: built.input_shape.clone(),
         ..Counts::default()
     };
     drop(built);

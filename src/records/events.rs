@@ -27,6 +27,7 @@ pub enum Event {
     Oom(OomEvent),
     GrowBack(GrowBackEvent),
     CacheClear(CacheClearEvent),
+    Prefetch(PrefetchEvent),
     End(Summary),
 }
 
@@ -110,6 +111,10 @@ pub struct StepEvent {
     /// since the previous step record), from the first write to the last upload issued.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_update_seconds: Option<f64>,
+    /// The time a step waited for its training batches (made ahead by the loader, or gathered
+    /// in the step), averaged like `seconds` over the steps since the previous step record.
+    #[serde(default)]
+    pub data_wait_seconds: f64,
 }
 
 /// Per-epoch results, also the summary's `final`.
@@ -160,6 +165,9 @@ pub struct EpochEvent {
     /// Values read off the device since the last step record: validation's and the epoch's sums.
     #[serde(default)]
     pub host_reads: u64,
+    /// The time the epoch's steps waited for their training batches, in all.
+    #[serde(default)]
+    pub data_wait_seconds: f64,
 }
 
 impl std::ops::Deref for EpochEvent {
@@ -248,6 +256,17 @@ pub enum MicroBatchOf {
     #[default]
     Training,
     Validation,
+}
+
+/// The data loader gave up prefetch depth because available RAM ran low.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PrefetchEvent {
+    /// The global step after which it was recorded.
+    pub step: i64,
+    pub prefetch_before: i64,
+    pub prefetch: i64,
+    /// Available RAM (MemAvailable) when the depth was given up.
+    pub available_bytes: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -112,6 +112,7 @@ impl Event {
             Event::Oom(e) => Some(e.step),
             Event::GrowBack(e) => Some(e.step),
             Event::CacheClear(e) => Some(e.step),
+            Event::Prefetch(e) => Some(e.step),
             Event::Preflight(_) | Event::End(_) => None,
         }
     }

@@ -58,6 +58,7 @@ pub fn step(step: i64, loss: f64, allocated: u64, peak_allocated: u64) -> StepEv
         skipped: false,
         host_reads: 1,
         host_update_seconds: None,
+        data_wait_seconds: 0.05,
     }
 }
 
@@ -104,6 +105,7 @@ pub fn epoch(step: i64, val_acc: f64) -> EpochEvent {
         }),
         ranks: vec![rank_peak(0), rank_peak(1)],
         host_reads: 2,
+        data_wait_seconds: 0.25,
     }
 }
 

@@ -233,6 +233,9 @@ fn facts_table(run: &Run) -> String {
         rows.push(("samples/s", format!("{:.1}", s.samples_per_s)));
         rows.push(("wall time", human_duration(s.wall_seconds)));
     }
+    if let Some(w) = run.data_wait() {
+        rows.push(("data wait", w));
+    }
     if let Some(c) = summary.and_then(|s| s.cache) {
         rows.push((
             "cache clears",

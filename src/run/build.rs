@@ -162,6 +162,8 @@ impl Plan {
             // Steps then copy indices, not samples.
             data.train.keep_on(device);
             data.val.keep_on(device);
+        } else {
+            data.train.start_loader(&spec.data);
         }
         Ok(data)
     }

@@ -145,6 +145,8 @@ struct Session {
     step_mark: Instant,
     /// Optimizer steps since `step_mark`.
     steps_since_mark: u32,
+    /// The steps' wait for their training batches.
+    data_wait: data::DataWait,
 }
 
 pub struct Trainer {
@@ -175,6 +177,7 @@ impl Trainer {
                 last_loss: None,
                 step_mark: t_start,
                 steps_since_mark: 0,
+                data_wait: Default::default(),
             },
             settings: c.settings,
             model: c.model,
@@ -917,7 +920,8 @@ impl Trainer {
         self.out
             .progress
             .start_epoch(epoch, epochs, steps_per_epoch as u64, done);
-        for group in &groups[self.state.groups_done as usize..] {
+        for (k, group) in groups.iter().enumerate().skip(self.state.groups_done as usize) {
+            self.plan_batches(epoch, &groups[k..]);
             let out = self.optimizer_step(group, clock)?;
             if let Some(status) = self.stop_point(&out, clock)? {
                 return Ok(Some(status));
@@ -925,6 +929,38 @@ impl Trainer {
         }
         self.out.progress.finish_epoch();
         Ok(None)
+    }
+
+    /// A record for each level of prefetch depth the loader gave up under host-memory pressure.
+    fn record_shed(&mut self) -> Result<()> {
+        for (from, to, available) in self.data.train.shed() {
+            tracing::warn!(
+                "host memory low ({} available): the data loader keeps {to} micro-batch(es) ahead instead of {from}",
+                human_bytes(available)
+            );
+            self.emit(Event::Prefetch(PrefetchEvent {
+                step: self.state.global_step,
+                prefetch_before: from as i64,
+                prefetch: to as i64,
+                available_bytes: available,
+            }))?;
+        }
+        Ok(())
+    }
+
+    /// Hands the loader the micro-batches of the epoch's `rest` of groups, as the steps will
+    /// ask for them, when the epoch or the micro-batch changed since its last plan.
+    fn plan_batches(&mut self, epoch: i64, rest: &[&[i64]]) {
+        let micro = self.shape().micro_batch;
+        if !self.data.train.prefetches() || !self.session.data_wait.needs_plan(epoch, micro) {
+            return;
+        }
+        let m = micro.max(1) as usize;
+        let batches = rest
+            .iter()
+            .flat_map(|g| self.execution.share(g, m).0.chunks(m).map(<[i64]>::to_vec))
+            .collect();
+        self.data.train.plan(epoch, batches);
     }
 
     /// One optimizer step over `group` (after the architecture step, if any), with recovery,
@@ -955,6 +991,8 @@ impl Trainer {
             self.report_preflight()?;
         }
         let StepOutput { found_inf, stop } = out;
+        self.session.data_wait.add(self.data.train.take_wait());
+        self.record_shed()?;
         self.state.groups_done += 1;
         self.state.global_step += 1;
         self.state.epoch_seen += group.len() as i64;
@@ -989,6 +1027,7 @@ impl Trainer {
             let now = Instant::now();
             let steps = self.session.steps_since_mark.max(1);
             let seconds = (now - self.session.step_mark).as_secs_f64() / steps as f64;
+            let data_wait_seconds = self.session.data_wait.take_line(steps);
             self.session.step_mark = now;
             self.session.steps_since_mark = 0;
             // After the read the epoch's rate, too, covers the device's work.
@@ -1008,6 +1047,7 @@ impl Trainer {
                 skipped,
                 host_reads: self.session.reads.take(),
                 host_update_seconds: self.model.opt.take_host_update_seconds(),
+                data_wait_seconds,
             };
             self.emit(Event::Step(e))?;
         }
@@ -1083,7 +1123,9 @@ impl Trainer {
             samples_per_s: clock.seen as f64 / seconds.max(1e-9),
         };
         let genotype = self.model.net.genotype();
-        self.out.progress.println(&epoch_line(&result, &mem, epochs));
+        let data_wait_seconds = self.session.data_wait.take_epoch();
+        let note = self.session.data_wait.note(data_wait_seconds, seconds);
+        self.out.progress.println(&(epoch_line(&result, &mem, epochs) + &note));
         if let Some(g) = &genotype {
             self.out
                 .progress
@@ -1103,6 +1145,7 @@ impl Trainer {
             genotype,
             ranks,
             host_reads: self.session.reads.take(),
+            data_wait_seconds,
         };
         self.emit(Event::Epoch(ev))?;
         self.state.monitored = match self.settings.monitor {

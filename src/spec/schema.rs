@@ -191,6 +191,13 @@ pub struct Data {
     pub std: Vec<f64>,
     /// Random crop and flip of training images, seeded so that resume replays them.
     pub augment: Augment,
+    /// Training batches gathered ahead of the step by the loader's threads; 0: in the step.
+    pub prefetch: i64,
+    /// Threads that decode images on the first pass and gather batches ahead; 0: one per core.
+    pub workers: i64,
+    /// Read the imagefolder cache and uncompressed npz/safetensors files through a memory map
+    /// (the page cache holds what fits); false loads them whole into memory.
+    pub memory_map: bool,
 }
 
 /// `[data.augment]`: torchvision's RandomCrop(size, padding) and RandomHorizontalFlip(0.5).
@@ -221,6 +228,9 @@ impl Default for Data {
             mean: vec![],
             std: vec![],
             augment: Augment::default(),
+            prefetch: 2,
+            workers: 0,
+            memory_map: true,
         }
     }
 }

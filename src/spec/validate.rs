@@ -148,6 +148,8 @@ fn data(p: &mut Problems, d: &Data) {
         }
     }
     at_least(p, "data.augment.crop_padding", d.augment.crop_padding, 0);
+    at_least(p, "data.prefetch", d.prefetch, 0);
+    at_least(p, "data.workers", d.workers, 0);
 }
 
 fn source_name(s: DataSource) -> &'static str {

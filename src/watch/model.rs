@@ -84,6 +84,8 @@ pub struct JobView {
     /// Seconds left at the pace of the session so far (its steps over its wall time);
     /// running jobs only.
     pub eta_seconds: Option<f64>,
+    /// The share of its latest step record's time its steps waited for their batches.
+    pub data_wait_share: Option<f64>,
     pub memory: Option<MemoryNow>,
     /// The latest step records' memory, oldest first.
     pub timeline: Vec<TimelinePoint>,
@@ -358,6 +360,9 @@ fn job_view(dir: &Path, f: &Follower, running: &[&Entry], now: f64) -> JobView {
         steps_per_epoch,
         samples_per_s,
         eta_seconds,
+        data_wait_share: last
+            .filter(|s| s.seconds.is_finite() && s.seconds > 0.0)
+            .map(|s| s.data_wait_seconds / s.seconds),
         memory: last.map(|s| MemoryNow {
             allocated_bytes: s.memory.allocated_bytes,
             reserved_bytes: s.memory.reserved_bytes,
@@ -448,6 +453,15 @@ fn describe(e: &Event) -> Option<JobEvent> {
                 e.val_acc
                     .map(|a| format!(", val acc {:.1}%", a * 100.0))
                     .unwrap_or_default()
+            ),
+        ),
+        Event::Prefetch(p) => (
+            "prefetch",
+            format!(
+                "host memory low ({} available): data.prefetch {} -> {}",
+                human_bytes(p.available_bytes),
+                p.prefetch_before,
+                p.prefetch
             ),
         ),
         Event::End(s) => ("end", format!("ended: {}", s.status.name())),

@@ -237,6 +237,13 @@ fn step_text(j: &JobView) -> String {
     format!("{step}{total}{epoch}")
 }
 
+/// "  data wait 3%": the share of the latest step the job waited for its batches.
+fn wait_text(j: &JobView) -> String {
+    j.data_wait_share
+        .map(|w| format!("  data wait {:.0}%", w * 100.0))
+        .unwrap_or_default()
+}
+
 fn draw_detail(f: &mut Frame, j: &JobView, area: Rect) {
     let [chart, events] = Layout::horizontal([Constraint::Percentage(60), Constraint::Percentage(40)]).areas(area);
     draw_timeline(f, j, chart);
@@ -254,7 +261,7 @@ fn draw_detail(f: &mut Frame, j: &JobView, area: Rect) {
         })
         .collect();
     f.render_widget(
-        List::new(items).block(Block::bordered().title(format!(" {} events ", j.job))),
+        List::new(items).block(Block::bordered().title(format!(" {} events{} ", j.job, wait_text(j)))),
         events,
     );
 }

@@ -3,6 +3,7 @@
 mod common;
 
 mod cpu_allocator;
+mod data;
 mod distributed;
 mod docs;
 mod fit;

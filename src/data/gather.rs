@@ -1,0 +1,97 @@
+//! A batch made from stored samples, in plain Rust off libtorch's allocator: each sample is read
+//! from its store (memory or a map), converted to float32, divided, normalized and augmented
+//! into a staging buffer. Every value is computed with the float32 operations, in the order, that
+//! `Tensor::to_kind`, `/` and `(x - mean) / std` use, so a batch is bit for bit the one a tensor
+//! pipeline would make. A batch depends only on its sample indices and epoch; the loader's
+//! threads call this in any order.
+use std::sync::Arc;
+
+use super::augment::Augmenter;
+use super::store::Store;
+
+/// How a batch is made from stored samples.
+#[derive(Debug, Clone, Default)]
+pub struct Recipe {
+    /// x / divisor once float32 (uint8 pixels: 255).
+    pub divisor: Option<f32>,
+    /// (x - mean) / std per channel (the sample's first dimension); one value for all.
+    pub norm: Option<(Vec<f32>, Vec<f32>)>,
+    pub augment: Option<Augmenter>,
+}
+
+/// A batch staged on the host: float32 samples and int64 labels.
+#[derive(Debug, Default)]
+pub struct Staged {
+    pub x: Vec<f32>,
+    pub y: Vec<i64>,
+}
+
+/// Everything a batch is made from, cheap to clone for the loader's threads.
+#[derive(Debug, Clone)]
+pub struct Source {
+    pub store: Arc<Store>,
+    pub labels: Arc<Vec<i64>>,
+    /// This set's rows of the store; None: all of them, in order.
+    pub rows: Option<Arc<Vec<i64>>>,
+    pub recipe: Arc<Recipe>,
+}
+
+impl Source {
+    pub fn len(&self) -> i64 {
+        match &self.rows {
+            Some(r) => r.len() as i64,
+            None => self.labels.len() as i64,
+        }
+    }
+
+    fn row(&self, k: i64) -> i64 {
+        match &self.rows {
+            Some(r) => r[k as usize],
+            None => k,
+        }
+    }
+
+    /// Bytes of one float32 sample and its label.
+    pub fn sample_bytes(&self) -> u64 {
+        self.store.sample_values() as u64 * 4 + 8
+    }
+
+    /// The samples `idx` (indices into this set) of `epoch` into `out`, whose buffers are
+    /// reused.
+    pub fn gather_into(&self, idx: &[i64], epoch: i64, out: &mut Staged) {
+        let per = self.store.sample_values();
+        out.x.clear();
+        out.x.resize(idx.len() * per, 0.0);
+        out.y.clear();
+        out.y.extend(idx.iter().map(|&k| self.labels[self.row(k) as usize]));
+        let mut scratch = vec![];
+        for (o, &k) in out.x.chunks_exact_mut(per.max(1)).zip(idx) {
+            match &self.recipe.augment {
+                Some(a) => {
+                    scratch.resize(per, 0.0);
+                    self.convert(self.row(k), &mut scratch);
+                    let [c, h, w] = self.store.shape[1..] else {
+                        unreachable!("augmentation is refused for samples other than [C, H, W]")
+                    };
+                    a.crop_into(&scratch, [c, h, w], a.draw(epoch, k), o);
+                }
+                None => self.convert(self.row(k), o),
+            }
+        }
+    }
+
+    /// Stored sample `r` as float32, divided and normalized, into `out`.
+    fn convert(&self, r: i64, out: &mut [f32]) {
+        self.store.elem.to_f32(self.store.row(r), out);
+        if let Some(d) = self.recipe.divisor {
+            out.iter_mut().for_each(|v| *v /= d);
+        }
+        if let Some((mean, std)) = &self.recipe.norm {
+            let plane = out.len() / self.store.shape.get(1).copied().unwrap_or(1).max(1) as usize;
+            for (i, v) in out.iter_mut().enumerate() {
+                let c = if mean.len() == 1 { 0 } else { i / plane.max(1) };
+                *v = (*v - mean[c]) / std[c];
+            }
+        }
+    }
+}

@@ -1,0 +1,209 @@
+//! Data read in place and made ahead: an imagefolder cache and an npz read through a memory
+//! map, the prefetching loader, and the host memory they cost. Whatever the loader's threads,
+//! depth or timing, and whether the samples are mapped or in memory, training is the same to
+//! the byte.
+use std::path::{Path, PathBuf};
+
+use crate::common::*;
+use toml::Value;
+
+/// `n` PNG images of `size`² in `classes` class directories under `dir/name`: each a class
+/// tint over noise, so that they compress poorly and a model can tell the classes apart.
+fn imagefolder(dir: &Path, name: &str, n: usize, size: u32, classes: usize) -> PathBuf {
+    let root = dir.join(name);
+    let mut state = 11u64;
+    for i in 0..n {
+        let class = i % classes;
+        let sub = root.join(format!("class{class}"));
+        std::fs::create_dir_all(&sub).unwrap();
+        let img = image::RgbImage::from_fn(size, size, |x, y| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let noise = (state >> 58) as u8;
+            let tint = (class * 60) as u8;
+            image::Rgb([tint.wrapping_add(noise), (x * 4) as u8 ^ noise, (y * 4) as u8])
+        });
+        img.save(sub.join(format!("{i:05}.png"))).unwrap();
+    }
+    root
+}
+
+/// A tiny ViT on `root`'s images at `size` px, batch 4 in two micro-batches, augmented and
+/// normalized, every step recorded.
+fn vit_job(t: &Test, root: &Path, size: u32, patch: u32) -> Test {
+    t.clone().spec(table(&format!(
+        "[job]\nthreads = 1\ndevice = \"cpu\"\nseed = 3\n\
+         [model]\npreset = \"vit\"\n[model.vit]\nimage_size = {size}\npatch_size = {patch}\nlayers = 1\nheads = 2\n\
+         hidden_dim = 16\nmlp_dim = 32\nnum_classes = 4\n\
+         [data]\nsource = \"imagefolder\"\npath = \"{}\"\nval_fraction = 0.25\nmean = [0.5, 0.4, 0.3]\nstd = [0.25, 0.2, 0.3]\n\
+         [data.augment]\ncrop_padding = 2\nhorizontal_flip = true\n\
+         [train]\nepochs = 2\nbatch_size = 4\naccumulation_steps = 2\noptimizer = \"sgd\"\nlr = 0.05\nmomentum = 0.9\n\
+         [log]\nevery_steps = 1\nprogress = \"off\"\n",
+        root.display()
+    )))
+}
+
+#[test]
+fn training_is_the_same_whatever_the_loader_does() {
+    let t = Test::new();
+    let root = imagefolder(t.dir(), "images", 48, 20, 4);
+    let base = vit_job(&t, &root, 16, 8);
+    // The first run decodes into the cache; every other reads it mapped (or whole).
+    let first = base.clone().name("first").run();
+    let cache: Vec<_> = std::fs::read_dir(root.join(".memtrain-cache")).unwrap().collect();
+    assert_eq!(cache.len(), 1, "one cache file: {cache:?}");
+    let want = first.final_bytes();
+    let variants: &[(&str, &[(&str, i64)])] = &[
+        ("one-worker", &[("data.workers", 1), ("data.prefetch", 1)]),
+        ("four-workers", &[("data.workers", 4), ("data.prefetch", 4)]),
+        ("in-the-step", &[("data.prefetch", 0)]),
+    ];
+    for (name, keys) in variants {
+        let run = keys
+            .iter()
+            .fold(base.clone().name(name), |r, (k, v)| r.set(k, *v))
+            .run();
+        assert!(run.final_bytes() == want, "{name} trained otherwise");
+    }
+    // Host memory low from the start: the loader gives up depth down to one micro-batch, says
+    // so in a record each time, and trains the same.
+    let pressed = base
+        .clone()
+        .name("pressed")
+        .set("data.prefetch", 4)
+        .set("data.workers", 2)
+        .env("MEMTRAIN_FAULT_LOW_MEMORY_BYTES", &u64::MAX.to_string())
+        .run();
+    assert!(
+        pressed.final_bytes() == want,
+        "the loader under pressure trained otherwise"
+    );
+    let shed: Vec<(i64, i64)> = pressed
+        .run_records()
+        .events
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Prefetch(p) => Some((p.prefetch_before, p.prefetch)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(shed, vec![(4, 3), (3, 2), (2, 1)]);
+    let whole = base.clone().name("in-memory").set("data.memory_map", false).run();
+    assert!(whole.final_bytes() == want, "the set read whole trained otherwise");
+    // Stopped mid-epoch (step 5 of 9) and resumed, with another loader.
+    let deep = base.clone().set("data.workers", 4).set("data.prefetch", 4);
+    let stopped = deep.name("stopped").interrupt_after_step(5).exit(130).run();
+    let resumed = stopped.resume().run();
+    assert!(resumed.final_bytes() == want, "the resumed run trained otherwise");
+    // The wait is in every step record and summed in the epoch's.
+    let steps = first.steps();
+    assert!(steps
+        .iter()
+        .all(|s| s.data_wait_seconds >= 0.0 && s.data_wait_seconds <= s.seconds));
+    for e in first.epochs() {
+        assert!(e.data_wait_seconds > 0.0 && e.data_wait_seconds < e.seconds, "{e:?}");
+    }
+    let plain = base.name("plain").remove("data.augment").run();
+    assert!(plain.final_bytes() != want, "augmentation changes what is trained on");
+}
+
+#[test]
+fn an_npz_read_in_place_trains_as_the_compressed_one() {
+    let t = Test::new();
+    // digits.npz is compressed (read whole); the same arrays stored plainly are mapped.
+    let arrays = tch::Tensor::read_npz(repo().join("data/digits.npz")).unwrap();
+    let plain = t.dir().join("digits-stored.npz");
+    let named: Vec<(&str, &tch::Tensor)> = arrays.iter().map(|(n, a)| (n.as_str(), a)).collect();
+    tch::Tensor::write_npz(&named, &plain).unwrap();
+    let compressed = t.clone().name("compressed").set("train.epochs", 1).run();
+    let mapped = t
+        .clone()
+        .name("mapped")
+        .set("train.epochs", 1)
+        .set("data.path", plain.display().to_string())
+        .run();
+    assert!(mapped.final_bytes() == compressed.final_bytes());
+    // A compressed file is inflated whole, and must fit; here it would not fit under a cap.
+    t.name("refused")
+        .set("memory.limit", "64KiB")
+        .exit_in(&[2, 3])
+        .stderr_has("a compressed .npz (numpy.savez_compressed) is inflated whole into memory")
+        .stderr_has("save it uncompressed with numpy.savez(path, x=x, y=y)")
+        .run();
+}
+
+/// The largest anonymous RSS (`RssAnon`) of `pid` while it runs, polled.
+fn peak_rss_anon(pid: i32) -> std::thread::JoinHandle<u64> {
+    std::thread::spawn(move || {
+        let mut peak = 0;
+        while let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) {
+            if status.lines().any(|l| l.starts_with("State:") && l.contains('Z')) {
+                break;
+            }
+            let kb = status
+                .lines()
+                .find_map(|l| l.strip_prefix("RssAnon:"))
+                .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok());
+            peak = peak.max(kb.unwrap_or(0) * 1024);
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        peak
+    })
+}
+
+#[test]
+fn a_set_many_times_a_memory_bound_trains_under_it() {
+    let t = Test::new();
+    const SIZE: u64 = 64;
+    let (small, big): (u64, u64) = (300, 3000);
+    let run = |n: u64, extra: &[(&str, Value)]| {
+        let root = t.dir().join(format!("set{n}"));
+        let root = match root.exists() {
+            true => root,
+            false => imagefolder(t.dir(), &format!("set{n}"), n as usize, SIZE as u32, 4),
+        };
+        let job = vit_job(&t, &root, SIZE as u32, 16)
+            .name(&format!("n{n}-{}", extra.len()))
+            .set("train.epochs", 1)
+            .set("train.batch_size", 16)
+            .set("train.accumulation_steps", 1)
+            .set("data.val_fraction", 0.1)
+            .set("log.every_steps", 0);
+        let job = extra.iter().fold(job, |j, (k, v)| j.set(k, v.clone()));
+        // The first pass writes the cache; the measured run trains from it.
+        if !root.join(".memtrain-cache").exists() {
+            job.clone().name(&format!("decode{n}")).run();
+        }
+        let running = job.spawn();
+        let peak = peak_rss_anon(running.pid());
+        let out = running.finish();
+        assert_eq!(out.summary().status, Status::Completed);
+        peak.join().unwrap()
+    };
+    let cache = |n: u64| n * 3 * SIZE * SIZE;
+    let bound = (cache(big) - cache(small)) / 4;
+    let base = run(small, &[]);
+    let mapped = run(big, &[]);
+    assert!(
+        mapped < base + bound,
+        "ten times the images ({} MiB more pixels) added {} MiB of anonymous memory, over the bound of {} MiB",
+        (cache(big) - cache(small)) >> 20,
+        mapped.saturating_sub(base) >> 20,
+        bound >> 20
+    );
+    // The same set read whole costs its pixels: the bound measures what it claims.
+    let whole = run(big, &[("data.memory_map", Value::from(false))]);
+    eprintln!(
+        "peak RssAnon: {} MiB small, {} MiB big mapped, {} MiB big read whole",
+        base >> 20,
+        mapped >> 20,
+        whole >> 20
+    );
+    assert!(
+        whole > base + bound,
+        "read whole: {} MiB over {} MiB",
+        whole >> 20,
+        base >> 20
+    );
+}
