@@ -632,6 +632,20 @@ def judge_step_time(records, summary):
     return Check(name, f"within {STEP_TIME_REL:.0%}", seen, complete and gap <= STEP_TIME_REL)
 
 
+def judge_loader(plain_records, loaded_records):
+    """Augmented images on the device through the prefetching loader (threads, staging, the
+    copies to the device) against the same run making each batch when the step asks: the same
+    batches, so the same losses (deterministic kernels on both sides), and the steps' data wait
+    recorded."""
+    name = "loader on the device"
+    a, b = step_losses(plain_records), step_losses(loaded_records)
+    gap = max_rel_gap(b, a)
+    waits = [s.get("data_wait_seconds") for s in of_type(loaded_records, "step")]
+    timed = bool(waits) and all(isinstance(w, (int, float)) and w >= 0 for w in waits)
+    seen = f"{len(b)} steps, loss gap {gap:.1e}; data wait {'in every step record' if timed else 'missing'}"
+    return Check(name, "losses equal to prefetch 0, data wait recorded", seen, gap == 0.0 and timed)
+
+
 def warning_lines(text):
     """libtorch's warnings: c10's log lines that start `[W` (`[W1126 12:00:00.000 file.cpp:12] ...`)."""
     return [l.strip() for l in (text or "").splitlines() if l.lstrip().startswith("[W")]
@@ -1320,6 +1334,20 @@ def check_step_time(r, probe):
     return [judge_step_time(records_of(out), summary_of(out))]
 
 
+def check_loader(r, probe):
+    # Augmented data is never kept on the device: every batch is made on the host and copied.
+    spec = spec_file(r, "loader", RESNET.format(device=DEVICE))
+    sets = ["data.augment.horizontal_flip=true", "data.augment.crop_padding=8", "log.every_steps=1",
+            "checkpoint.every_epochs=0"]
+    runs = {}
+    for name, extra in (("loader-plain", ["data.prefetch=0"]), ("loader-ahead", ["data.prefetch=3", "data.workers=4"])):
+        p, out = r.run(name, spec, sets + extra, env=DETERMINISTIC_ENV)
+        if p.rc != 0:
+            return [failure("loader on the device", f"{name} completes", p)]
+        runs[name] = records_of(out)
+    return [judge_loader(runs["loader-plain"], runs["loader-ahead"])]
+
+
 def check_no_warnings(r, probe):
     # Judges every memtrain run the checks before it made; alone (--only), it makes one.
     if not r.stderrs:
@@ -1350,6 +1378,7 @@ CHECKS = [
     ("offload_speed", check_offload_speed, [f"offload speed: {n}" for n, *_ in SPEED_ROWS]),
     ("twins", check_twins, [f"{DEVICE.upper()} vs PyTorch {m}" for m, _ in TWINS]),
     ("step_time", check_step_time, ["step seconds vs wall time"]),
+    ("loader", check_loader, ["loader on the device"]),
     # Last: it reads the stderr of every run before it.
     ("warnings", check_no_warnings, ["no libtorch [W lines"]),
 ]

@@ -276,6 +276,18 @@ class Judges(unittest.TestCase):
         self.assertFalse(g.judge_step_time([], s).ok)
         self.assertFalse(g.judge_step_time(recs, None).ok)
 
+    def test_the_loader_trains_on_the_same_batches_and_records_its_wait(self):
+        plain = [step(i, 2.0 - 0.1 * i) for i in range(1, 6)]
+        ahead = [step(i, 2.0 - 0.1 * i, data_wait_seconds=0.001) for i in range(1, 6)]
+        c = g.judge_loader(plain, ahead)
+        self.assertTrue(c.ok, c)
+        self.assertIn("5 steps, loss gap 0.0e+00", c.seen)
+        off = [dict(r, loss=r["loss"] * (1 + 1e-6)) for r in ahead]
+        self.assertFalse(g.judge_loader(plain, off).ok, "another batch is another loss")
+        self.assertFalse(g.judge_loader(plain, plain).ok, "no data wait in the records")
+        self.assertFalse(g.judge_loader(plain, ahead[:4]).ok)
+        self.assertFalse(g.judge_loader([], []).ok)
+
     def test_libtorch_warning_lines_fail_the_runs_they_are_in(self):
         w = "[W1126 10:00:00.123456789 Context.cpp:12] Warning: pin_memory's device argument is deprecated"
         self.assertEqual(g.warning_lines(f"memtrain: started\n  {w}\nWhich [W is not at the start\n"), [w])
