@@ -110,7 +110,7 @@ def run(a, work, name, text, steps, verbose=False):
 
 def first_pass(a, work, root):
     """memtrain's decode rate with one worker, from its log line; then PIL's."""
-    shutil.rmtree(os.path.join(root, ".memtrain-cache"), ignore_errors=True)
+    shutil.rmtree(root.rstrip("/") + ".memtrain-cache", ignore_errors=True)
     _, stderr, _ = run(a, work, "decode", spec(root, a, True, 2, workers=1), 1, verbose=True)
     m = re.search(r"decoded (\d+) images in ([\d.]+) s", stderr)
     if not m:
@@ -121,13 +121,7 @@ def first_pass(a, work, root):
     from torchvision import transforms as T
 
     torch.set_num_threads(1)
-    class Folder(torchvision.datasets.ImageFolder):
-        # torchvision takes every directory for a class, memtrain's hidden cache among them.
-        def find_classes(self, directory):
-            classes = sorted(e.name for e in os.scandir(directory) if e.is_dir() and not e.name.startswith("."))
-            return classes, {c: i for i, c in enumerate(classes)}
-
-    ds = Folder(root, transform=T.Compose([T.Resize(SIZE), T.CenterCrop(SIZE), T.PILToTensor()]))
+    ds = torchvision.datasets.ImageFolder(root, transform=T.Compose([T.Resize(SIZE), T.CenterCrop(SIZE), T.PILToTensor()]))
     t0 = time.perf_counter()
     for i in range(len(ds)):
         ds[i]

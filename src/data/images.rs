@@ -6,8 +6,9 @@
 //! - `imagefolder`: `root/<class>/<image>` with JPEG and PNG files; classes are the directory
 //!   names in sorted order (label 0 is the first), as torchvision's `ImageFolder` numbers them.
 //!   Images are decoded in parallel, resized to fill `image_size`² and centre-cropped
-//!   (torchvision's `Resize(s)` + `CenterCrop(s)`), and written a chunk at a time to a cache file,
-//!   `root/.memtrain-cache/imagefolder-<size>px-<C>ch-<key>.safetensors`, where the key hashes
+//!   (torchvision's `Resize(s)` + `CenterCrop(s)`), and written a chunk at a time to a cache file
+//!   beside the tree, `root.memtrain-cache/imagefolder-<size>px-<C>ch-<key>.safetensors` (see
+//!   [`cache_dir`]), where the key hashes
 //!   every file's path, size and modification time: a later run with the same files and size
 //!   starts from the cache; a changed file makes a new one.
 //!
@@ -230,10 +231,48 @@ fn cache_key(root: &Path, files: &[(PathBuf, i64)], size: i64, channels: i64) ->
 }
 
 pub fn cache_path(root: &Path, files: &[(PathBuf, i64)], size: i64, channels: i64) -> PathBuf {
-    root.join(".memtrain-cache").join(format!(
+    cache_dir(root).join(cache_name(root, files, size, channels))
+}
+
+fn cache_name(root: &Path, files: &[(PathBuf, i64)], size: i64, channels: i64) -> String {
+    format!(
         "imagefolder-{size}px-{channels}ch-{}.safetensors",
         cache_key(root, files, size, channels)
-    ))
+    )
+}
+
+/// Where the decoded images of the tree at `root` are kept: beside the tree, in
+/// `<root>.memtrain-cache`, so the tree holds nothing but its classes (torchvision's
+/// `ImageFolder` takes every directory in it, a hidden one too, for a class). A root with no
+/// parent (`/`) keeps it inside.
+pub fn cache_dir(root: &Path) -> PathBuf {
+    let abs = root.canonicalize().unwrap_or_else(|_| root.to_path_buf());
+    match (abs.parent(), abs.file_name()) {
+        (Some(parent), Some(name)) => parent.join(format!("{}.memtrain-cache", name.to_string_lossy())),
+        _ => abs.join(IN_TREE_CACHE),
+    }
+}
+
+/// A cache inside the tree, where a root with no parent keeps it; elsewhere it is still read, and
+/// the run says where to move it.
+const IN_TREE_CACHE: &str = ".memtrain-cache";
+
+/// A cache inside the tree that matches the files: read, with the advice to move it beside
+/// the tree.
+fn in_tree_cache(root: &Path, files: &[(PathBuf, i64)], size: i64, channels: i64, key: &str) -> Option<Xy> {
+    let inside = root.join(IN_TREE_CACHE);
+    let beside = cache_dir(root);
+    if inside == beside {
+        return None;
+    }
+    let n = files.len() as i64;
+    let xy = open_cache(&inside.join(cache_name(root, files, size, channels)), n, channels, size)?;
+    tracing::warn!(
+        "{key}: reading the image cache inside the tree, {}; torchvision's ImageFolder takes that directory for a class: move it to {} (where memtrain looks first)",
+        inside.display(),
+        beside.display()
+    );
+    Some(xy)
 }
 
 /// Reads an ImageFolder tree at `size`×`size` with `channels` (1: grey, 3: RGB) from its cache,
@@ -259,6 +298,9 @@ pub fn read_imagefolder(root: &Path, size: i64, channels: i64, key: &str, data: 
     };
     if let Some(xy) = open_cache(&cache, n, channels, size) {
         tracing::info!("{key}: {n} images from the cache {}", cache.display());
+        return Ok((opened(xy), classes));
+    }
+    if let Some(xy) = in_tree_cache(root, &files, size, channels, key) {
         return Ok((opened(xy), classes));
     }
     let t0 = std::time::Instant::now();
@@ -547,6 +589,19 @@ mod tests {
         Tensor::write_safetensors(&[("x", &marked), ("y", &imgs.y)], &cache).unwrap();
         let (again, _) = read(&root, 6, 3).unwrap();
         assert_eq!(again.x.int64_value(&[0, 0, 0, 0]), 7);
+        assert!(!root.join(IN_TREE_CACHE).exists(), "nothing but classes in the tree");
+        // A cache inside the tree is still read (with advice to move it), not decoded again.
+        fs::create_dir_all(root.join(IN_TREE_CACHE)).unwrap();
+        let inside = root.join(IN_TREE_CACHE).join(cache.file_name().unwrap());
+        fs::rename(&cache, &inside).unwrap();
+        let (moved, _) = read(&root, 6, 3).unwrap();
+        assert_eq!(
+            moved.x.int64_value(&[0, 0, 0, 0]),
+            7,
+            "the cache inside the tree answers"
+        );
+        assert!(!cache.exists(), "and no second cache is written");
+        fs::rename(&inside, &cache).unwrap();
         // Another size, or a changed file, decodes afresh.
         let (gray, _) = read(&root, 4, 1).unwrap();
         assert_eq!(gray.x.size(), vec![4, 1, 4, 4]);

@@ -44,6 +44,14 @@ fn vit_job(t: &Test, root: &Path, size: u32, patch: u32) -> Test {
     )))
 }
 
+/// Where memtrain keeps the decoded images of the tree at `root`: beside it.
+fn cache_beside(root: &Path) -> PathBuf {
+    root.with_file_name(format!(
+        "{}.memtrain-cache",
+        root.file_name().unwrap().to_string_lossy()
+    ))
+}
+
 #[test]
 fn training_is_the_same_whatever_the_loader_does() {
     let t = Test::new();
@@ -51,8 +59,13 @@ fn training_is_the_same_whatever_the_loader_does() {
     let base = vit_job(&t, &root, 16, 8);
     // The first run decodes into the cache; every other reads it mapped (or whole).
     let first = base.clone().name("first").run();
-    let cache: Vec<_> = std::fs::read_dir(root.join(".memtrain-cache")).unwrap().collect();
+    let cache: Vec<_> = std::fs::read_dir(cache_beside(&root)).unwrap().collect();
     assert_eq!(cache.len(), 1, "one cache file: {cache:?}");
+    // The tree stays torchvision's: the cache beside it is no class.
+    let seen: serde_json::Value =
+        serde_json::from_str(&reference(t.dir(), &["imagefolder", root.to_str().unwrap()])).unwrap();
+    assert_eq!(seen["images"], 48, "{seen}");
+    assert_eq!(seen["classes"].as_array().map(Vec::len), Some(4), "{seen}");
     let want = first.final_bytes();
     let variants: &[(&str, &[(&str, i64)])] = &[
         ("one-worker", &[("data.workers", 1), ("data.prefetch", 1)]),
@@ -172,7 +185,7 @@ fn a_set_many_times_a_memory_bound_trains_under_it() {
             .set("log.every_steps", 0);
         let job = extra.iter().fold(job, |j, (k, v)| j.set(k, v.clone()));
         // The first pass writes the cache; the measured run trains from it.
-        if !root.join(".memtrain-cache").exists() {
+        if !cache_beside(&root).exists() {
             job.clone().name(&format!("decode{n}")).run();
         }
         let running = job.spawn();

@@ -336,6 +336,14 @@ def cmd_tensorboard(a):
     print(json.dumps(out))
 
 
+def cmd_imagefolder(a):
+    """What torchvision's ImageFolder finds in a tree: its class names and image count."""
+    import torchvision
+
+    ds = torchvision.datasets.ImageFolder(a.root)
+    print(json.dumps({"classes": ds.classes, "images": len(ds)}))
+
+
 def cmd_snapshot(a):
     import pickle
 
@@ -422,10 +430,12 @@ def main():
     s.add_argument("dir")
     s = sub.add_parser("snapshot")
     s.add_argument("--out", required=True)
+    s = sub.add_parser("imagefolder")
+    s.add_argument("root")
     a = p.parse_args()
     cmds = {"script": cmd_script, "torchvision": cmd_torchvision, "data": cmd_data, "train": cmd_train,
             "tensorboard": cmd_tensorboard, "snapshot": cmd_snapshot, "mlp": cmd_mlp,
-            "vit": cmd_vit, "vit-names": cmd_vit_names}
+            "vit": cmd_vit, "vit-names": cmd_vit_names, "imagefolder": cmd_imagefolder}
     cmds[a.cmd](a)
 
 
