@@ -406,10 +406,16 @@ impl Decode<'_> {
 fn write_cache(path: &Path, job: &Decode) -> Result<Result<()>> {
     use std::io::Write;
     let dir = path.parent().expect("cache files live in a directory");
-    let tmp = dir.join(format!(".tmp-{}", std::process::id()));
+    // Unique to this writer: two runs decoding the same tree (in containers, their process ids
+    // may be the same) must not write one file, which the rename would install half-mixed.
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let tmp = dir.join(format!(".tmp-{}-{nanos:x}", std::process::id()));
     let open = || -> Result<std::io::BufWriter<fs::File>> {
         fs::create_dir_all(dir)?;
-        let mut w = std::io::BufWriter::with_capacity(1 << 20, fs::File::create(&tmp)?);
+        let file = fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+        let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
         let n = job.files.len() as i64;
         let (c, s) = (job.channels, job.size);
         // Labels first: 8-byte aligned right after the header, as are the pixels after them.

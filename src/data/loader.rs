@@ -46,7 +46,8 @@ struct Shared {
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
-        // A worker that panicked left the queue consistent: every change is one statement.
+        // Nothing panics while holding the lock (a batch is made outside it), so a poisoned
+        // lock still guards a consistent queue.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
@@ -62,7 +63,8 @@ impl std::fmt::Debug for Loader {
     }
 }
 
-/// Below this much available RAM a thread gives up one batch of depth before making another.
+/// Below this much available RAM a thread gives up one level of depth (down to 1) instead of
+/// making another batch; each level shows as a record.
 const LOW_MEMORY: u64 = 256 << 20;
 
 impl Loader {
@@ -112,6 +114,9 @@ impl Loader {
             }
             if let Some(mut head) = s.started.first_entry() {
                 if head.get().idx != idx {
+                    if s.skip_to(idx) {
+                        continue;
+                    }
                     break;
                 }
                 if let Some(staged) = head.get_mut().staged.take() {
@@ -124,8 +129,12 @@ impl Loader {
                 continue;
             }
             // Nothing started: the next planned batch, if this is it, is made here.
-            if s.todo.front().is_some_and(|(_, i)| i == idx) {
-                s.todo.pop_front();
+            match s.todo.front().is_some_and(|(_, i)| i == idx) {
+                true => {
+                    s.todo.pop_front();
+                }
+                false if s.skip_to(idx) => continue,
+                false => {}
             }
             break;
         }
@@ -147,6 +156,31 @@ impl Loader {
     /// RAM when it was given up).
     pub fn shed(&self) -> Vec<(usize, usize, u64)> {
         std::mem::take(&mut self.shared.lock().shed)
+    }
+}
+
+impl State {
+    /// A step asks for a planned batch further on: the planned ones before it were skipped (a
+    /// group that finished at another micro-batch), and would otherwise hold the plan's head
+    /// for the rest of the epoch. They are dropped; false if `idx` is nowhere in the plan.
+    fn skip_to(&mut self, idx: &[i64]) -> bool {
+        if let Some(at) = self.started.iter().find(|(_, slot)| slot.idx == idx).map(|(k, _)| *k) {
+            let ahead: Vec<u64> = self.started.range(..at).map(|(k, _)| *k).collect();
+            for k in ahead {
+                // One being made goes to `free` when its thread finds its slot gone.
+                if let Some(staged) = self.started.remove(&k).and_then(|slot| slot.staged) {
+                    self.free.push(staged);
+                }
+            }
+            return true;
+        }
+        let Some(p) = self.todo.iter().position(|(_, i)| i == idx) else {
+            return false;
+        };
+        let started = std::mem::take(&mut self.started);
+        self.free.extend(started.into_values().filter_map(|slot| slot.staged));
+        self.todo.drain(..p);
+        true
     }
 }
 
@@ -190,12 +224,20 @@ fn work(shared: &Shared) {
             },
         );
         drop(s);
-        shared.source.gather_into(&idx, epoch, &mut out);
+        // A batch that cannot be made (a defect, a file gone bad) is taken off the plan: the step
+        // then makes it itself and the error surfaces there, instead of the step waiting forever.
+        let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            shared.source.gather_into(&idx, epoch, &mut out);
+            out
+        }));
         s = shared.lock();
         let current = s.generation == generation;
-        match s.started.get_mut(&seq) {
-            Some(slot) if current => slot.staged = Some(out),
-            _ => s.free.push(out),
+        match (made, s.started.get_mut(&seq)) {
+            (Ok(out), Some(slot)) if current => slot.staged = Some(out),
+            (Ok(out), _) => s.free.push(out),
+            (Err(_), _) => {
+                s.started.remove(&seq);
+            }
         }
         shared.ready.notify_all();
     }
@@ -214,4 +256,45 @@ fn low_memory() -> u64 {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(LOW_MEMORY)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn planned(batches: &[&[i64]]) -> State {
+        State {
+            todo: (0..).zip(batches.iter().map(|b| b.to_vec())).collect(),
+            depth: 2,
+            ..State::default()
+        }
+    }
+
+    #[test]
+    fn a_step_further_on_in_the_plan_drops_the_skipped_batches() {
+        // Two started (one staged, one being made), two still to do.
+        let mut s = planned(&[&[3], &[4]]);
+        s.started.insert(
+            10,
+            Slot {
+                idx: vec![1],
+                staged: Some(Staged::default()),
+            },
+        );
+        s.started.insert(
+            11,
+            Slot {
+                idx: vec![2],
+                staged: None,
+            },
+        );
+        assert!(s.skip_to(&[2]), "a started batch");
+        assert_eq!(s.started.keys().copied().collect::<Vec<_>>(), [11]);
+        assert_eq!(s.free.len(), 1, "the skipped batch's buffer is reused");
+        assert!(s.skip_to(&[4]), "a planned batch");
+        assert!(s.started.is_empty());
+        assert_eq!(s.todo.iter().map(|(_, i)| i.clone()).collect::<Vec<_>>(), [vec![4]]);
+        assert!(!s.skip_to(&[9]), "not in the plan: made on the spot, the plan kept");
+        assert_eq!(s.todo.len(), 1);
+    }
 }

@@ -23,13 +23,26 @@ struct Entry {
     offset: usize,
 }
 
+/// Bytes of `shape` at `elt` bytes an element; None for a negative dimension or a size that
+/// does not fit (a header that lies).
+pub fn span(shape: &[i64], elt: usize) -> Option<usize> {
+    shape
+        .iter()
+        .try_fold(elt, |acc, &d| acc.checked_mul(usize::try_from(d).ok()?))
+}
+
 impl Entry {
-    fn bytes(&self) -> usize {
-        self.shape.iter().product::<i64>() as usize * self.kind.elt_size_in_bytes()
+    fn bytes(&self) -> Option<usize> {
+        span(&self.shape, self.kind.elt_size_in_bytes())
+    }
+
+    /// Where the data ends, when the header's numbers add up.
+    fn end(&self) -> Option<usize> {
+        self.offset.checked_add(self.bytes()?)
     }
 
     fn tensor(&self, map: &Map) -> Option<Tensor> {
-        let b = map.bytes().get(self.offset..self.offset + self.bytes())?;
+        let b = map.bytes().get(self.offset..self.end()?)?;
         Some(Tensor::from_data_size(b, &self.shape, self.kind))
     }
 }
@@ -74,13 +87,15 @@ fn safetensors_entry(map: &Map, name: &str) -> Option<Entry> {
         .iter()
         .map(|d| d.as_i64())
         .collect::<Option<Vec<_>>>()?;
-    let start = t["data_offsets"].get(0)?.as_u64()? as usize;
+    let start = usize::try_from(t["data_offsets"].get(0)?.as_u64()?).ok()?;
+    let stop = usize::try_from(t["data_offsets"].get(1)?.as_u64()?).ok()?;
     let e = Entry {
         kind,
         shape,
-        offset: 8 + len + start,
+        offset: 8usize.checked_add(len)?.checked_add(start)?,
     };
-    (e.offset + e.bytes() <= b.len()).then_some(e)
+    // The offsets must span exactly the shape's bytes, inside the file.
+    (stop.checked_sub(start)? == e.bytes()? && e.end()? <= b.len()).then_some(e)
 }
 
 /// `x` and `y` of an npz whose arrays are stored uncompressed, `x` mapped.
@@ -95,11 +110,14 @@ pub fn npz(path: &Path) -> Option<Xy> {
         if h.fortran {
             return None;
         }
-        Some(Entry {
+        let e = Entry {
             kind: h.kind?,
             shape: h.shape,
-            offset: m.data + h.len,
-        })
+            offset: m.data.checked_add(h.len)?,
+        };
+        // The array lies inside its member, not in the next one.
+        let inside = (h.len as u64).checked_add(e.bytes()? as u64)? <= m.size;
+        inside.then_some(e)
     })
 }
 
@@ -110,7 +128,7 @@ pub struct Member {
     pub size: u64,
 }
 
-/// Finds `name` through the zip's central directory (zip64 archives answer None).
+/// Finds `name` through the zip's central directory (zip64 archives, over 4 GiB, too).
 pub fn zip_member(b: &[u8], name: &str) -> Option<Member> {
     let u16_at = |i: usize| Some(u16::from_le_bytes(b.get(i..i + 2)?.try_into().ok()?) as usize);
     let u32_at = |i: usize| Some(u32::from_le_bytes(b.get(i..i + 4)?.try_into().ok()?) as u64);

@@ -429,9 +429,9 @@ fn load_source(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) ->
                 )
             };
             let (x, y) = read_mnist_pair(&train_files, "data.path")?;
-            let train = checked(x, y, &format!("data.path {} (train files)", dir.display()), &model)?;
+            let train = checked(x, y, &format!("data.path {} (train files)", dir.display()), &model)?.divided_by(255.0);
             let (x, y) = read_mnist_pair(&val_files, vkey)?;
-            let val = checked(x, y, &format!("{vkey} {} (t10k files)", vdir.display()), &model)?;
+            let val = checked(x, y, &format!("{vkey} {} (t10k files)", vdir.display()), &model)?.divided_by(255.0);
             Ok(Splits { train, val })
         }
         DataSource::Cifar10 => {
@@ -1040,7 +1040,7 @@ fn mnist_files(dir: &Path, splits: &[&str], key: &str) -> Result<Vec<PathBuf>> {
     bail!(msg)
 }
 
-/// Images `[N, rows, cols]` in [0, 1] and labels `[N]` (uint8) from `[images, labels]` files.
+/// Images `[N, rows, cols]` as uint8 and labels `[N]` (uint8) from `[images, labels]` files.
 fn read_mnist_pair(files: &[PathBuf], key: &str) -> Result<(Tensor, Tensor)> {
     let (idims, pixels) = read_idx(&files[0], 3, key)?;
     let (ldims, labels) = read_idx(&files[1], 1, key)?;
@@ -1053,7 +1053,8 @@ fn read_mnist_pair(files: &[PathBuf], key: &str) -> Result<(Tensor, Tensor)> {
             ldims[0]
         );
     }
-    let x = (Tensor::from_slice(&pixels).reshape(&idims).to_kind(Kind::Float) / 255.0).contiguous();
+    // Kept as the bytes they are; a batch becomes float32 in [0, 1].
+    let x = Tensor::from_slice(&pixels).reshape(&idims);
     let y = Tensor::from_slice(&labels);
     Ok((x, y))
 }

@@ -180,12 +180,14 @@ impl Store {
 
     /// `len` bytes at `offset` of a mapped file, holding samples of `shape`.
     pub fn mapped(map: Arc<Map>, offset: usize, elem: Elem, shape: Vec<i64>) -> Result<Store> {
-        let len = shape.iter().product::<i64>() as usize * elem.size();
-        if offset + len > map.bytes().len() {
+        let Some(len) = super::mapped::span(&shape, elem.size()) else {
+            bail!("the file's header gives an impossible shape {shape:?}");
+        };
+        let end = offset.saturating_add(len);
+        if end > map.bytes().len() {
             bail!(
-                "the file is shorter than its header says ({} bytes, the samples end at {})",
+                "the file is shorter than its header says ({} bytes, the samples end at {end})",
                 map.bytes().len(),
-                offset + len
             );
         }
         Ok(Store::from_bytes(Bytes::Mapped { map, offset, len }, elem, shape))
