@@ -299,7 +299,9 @@ impl Dataset {
 /// samples, whatever the set's size, and how the set is read.
 pub fn check_line(data: &Data, input_shape: &[i64], micro_batch: i64) -> String {
     let batch = micro_batch.max(1) as u64 * (input_shape.iter().product::<i64>() as u64 * 4 + 8);
-    let buffers = data.prefetch.max(0) as u64 + 1;
+    // The staged buffers, and the step's batch twice more: as a tensor, and (on a GPU) its
+    // pinned copy on the way over.
+    let buffers = data.prefetch.max(0) as u64 + 3;
     let shape = input_shape.iter().map(i64::to_string).collect::<Vec<_>>().join("×");
     let read = match (data.source, data.memory_map) {
         (DataSource::Synthetic, _) => "generated in memory",
@@ -310,7 +312,7 @@ pub fn check_line(data: &Data, input_shape: &[i64], micro_batch: i64) -> String 
         (DataSource::Mnist | DataSource::Cifar10, _) | (_, false) => "read whole into memory",
     };
     format!(
-        "data loader      {buffers} staged micro-batch(es) of {micro_batch} × {shape} float32 (data.prefetch {} + 1) = {} of host memory whatever the set's size, plus 24 bytes a sample (labels, the epoch's order); {} thread(s) (data.workers); the set {read}",
+        "data loader      {buffers} micro-batch(es) of {micro_batch} × {shape} float32 (data.prefetch {} + 1 staged, the step's batch as a tensor and its pinned copy) = {} of host memory whatever the set's size, plus 24 bytes a sample (labels, the epoch's order); {} thread(s) (data.workers); the set {read}",
         data.prefetch,
         human_bytes(buffers * batch),
         workers(data).min(data.prefetch.max(1) as usize),

@@ -220,3 +220,19 @@ fn a_set_many_times_a_memory_bound_trains_under_it() {
         base >> 20
     );
 }
+
+#[test]
+fn check_states_the_host_memory_the_loader_takes() {
+    let t = Test::new();
+    let root = imagefolder(t.dir(), "images", 8, 20, 4);
+    // 16×16 RGB float32 samples and an int64 label: 3080 bytes; micro-batch 4.
+    let r = vit_job(&t, &root, 16, 8).command("check").set("data.prefetch", 2).run();
+    let out = format!("{}{}", r.stdout, r.stderr);
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("data loader"))
+        .unwrap_or_else(|| panic!("no loader line:\n{out}"));
+    // prefetch 2 + 1 staged, the step's tensor and its pinned copy: 5 × 4 × 3080 bytes.
+    assert!(line.contains("5 micro-batch(es) of 4 × 3×16×16"), "{line}");
+    assert!(line.contains("= 60.16 KiB of host memory"), "{line}");
+}
