@@ -210,7 +210,12 @@ fn work(shared: &Shared) {
                 let from = s.depth;
                 s.depth -= 1;
                 s.shed.push((from, from - 1, avail));
-                continue;
+                let depth = s.depth;
+                s.free.truncate(depth);
+                // One level per batch made: the memory a level frees shows before the next look.
+                if s.started.len() >= depth {
+                    continue;
+                }
             }
         }
         let (seq, idx) = s.todo.pop_front().expect("not empty");
