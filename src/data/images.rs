@@ -330,7 +330,12 @@ pub fn read_imagefolder(root: &Path, size: i64, channels: i64, key: &str, data: 
                 "{key}: could not write the image cache {} ({e:#}); decoding into memory, and the next run decodes again",
                 cache.display()
             );
-            check_budget(n, &[channels, size, size], &what)?;
+            check_budget(n, &[channels, size, size], &what).map_err(|refused| {
+                anyhow!(
+                    "{refused:#}; the images go to memory only because their cache could not be written in {} ({e:#}): free space there or make it writable, and the next run writes it",
+                    cache_dir(root).display()
+                )
+            })?;
             let mut pixels = Vec::with_capacity(n as usize * (channels * size * size) as usize);
             job.each_chunk(|chunk| {
                 pixels.extend_from_slice(chunk);
@@ -436,24 +441,28 @@ fn write_cache(path: &Path, job: &Decode) -> Result<Result<()>> {
         Ok(w) => w,
         Err(e) => return Ok(Err(e)),
     };
+    // The first write that fails (a full disk) stops the decoding: the caller decodes again
+    // into memory, and need not wait for a pass whose result is thrown away.
     let mut failed = None;
-    job.each_chunk(|px| {
-        if failed.is_none() {
-            failed = w.write_all(px).err();
+    let decoded = job.each_chunk(|px| match w.write_all(px) {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            failed = Some(e);
+            Err(anyhow!("writing the cache stopped"))
         }
-        Ok(())
-    })
-    .inspect_err(|_| {
+    });
+    if let Some(e) = failed {
+        let _ = fs::remove_file(&tmp);
+        return Ok(Err(e.into()));
+    }
+    decoded.inspect_err(|_| {
         let _ = fs::remove_file(&tmp);
     })?;
-    let done = match failed {
-        Some(e) => Err(e.into()),
-        None => w.into_inner().map_err(|e| e.into_error().into()).and_then(|f| {
-            f.sync_all()?;
-            fs::rename(&tmp, path)?;
-            Ok(())
-        }),
-    };
+    let done = w.into_inner().map_err(|e| e.into_error().into()).and_then(|f| {
+        f.sync_all()?;
+        fs::rename(&tmp, path)?;
+        Ok(())
+    });
     if done.is_err() {
         let _ = fs::remove_file(&tmp);
     }

@@ -236,3 +236,26 @@ fn check_states_the_host_memory_the_loader_takes() {
     assert!(line.contains("5 micro-batch(es) of 4 × 3×16×16"), "{line}");
     assert!(line.contains("= 60.16 KiB of host memory"), "{line}");
 }
+
+#[test]
+fn images_whose_cache_cannot_be_written_train_from_memory_or_say_why_not() {
+    let t = Test::new();
+    // 64 images of 3×16×16 bytes: 48 KiB, more than the cap below leaves beside the model.
+    let root = imagefolder(t.dir(), "images", 64, 20, 4);
+    // A file where the cache directory would go: nothing can be written there.
+    std::fs::write(cache_beside(&root), b"not a directory").unwrap();
+    let job = vit_job(&t, &root, 16, 8).set("train.epochs", 1);
+    let held = job
+        .clone()
+        .name("held")
+        .stderr_has("could not write the image cache")
+        .run();
+    assert_eq!(held.summary().status, Status::Completed);
+    // Where memory cannot hold them either, the refusal names the cache and what to do.
+    job.name("refused")
+        .set("memory.limit", "40KiB")
+        .exit_in(&[2, 3])
+        .stderr_has("because their cache could not be written in")
+        .stderr_has("free space there or make it writable")
+        .run();
+}
