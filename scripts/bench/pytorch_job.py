@@ -224,6 +224,17 @@ def batches(a, x_all, y_all, groups, device):
             yield x_all[idx].to(device), y_all[idx].to(device)
 
 
+def backward_and_step(loss, opt, scaler):
+    """Backward and an optimizer step, through the GradScaler for fp16-mixed."""
+    if scaler:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    else:
+        loss.backward()
+        opt.step()
+
+
 def arch_stepper(a, model, opt, loss_of, device):
     """DARTS (first order): before each weight step, an Adam step of the architecture weights on
     the next held-out micro-batch, as memtrain's extra step; its own scaler for fp16."""
@@ -251,14 +262,7 @@ def arch_stepper(a, model, opt, loss_of, device):
             x = x.to(torch.bfloat16)
         arch_opt.zero_grad()
         opt.zero_grad()
-        loss = loss_of(x, y)
-        if scaler:
-            scaler.scale(loss).backward()
-            scaler.step(arch_opt)
-            scaler.update()
-        else:
-            loss.backward()
-            arch_opt.step()
+        backward_and_step(loss_of(x, y), arch_opt, scaler)
         arch_opt.zero_grad()
 
     return step
@@ -327,13 +331,7 @@ def cmd_train(a):
             arch_step()
         opt.zero_grad(set_to_none=not a.keep_grads)
         loss = loss_of(x, y)
-        if scaler:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
+        backward_and_step(loss, opt, scaler)
         losses.append(loss.item())
         stamps.append(time.time())
     step_times = [b - t for t, b in zip(stamps, stamps[1:])]

@@ -49,7 +49,8 @@ pub(super) struct Pending {
     pub uploaded: Vec<Option<Fence>>,
 }
 
-/// Which block uses each parameter, for a host update that finishes block by block.
+/// `live` in the order the forward reaches the blocks (`blocks[i]`: parameter i's block), so a
+/// host update's runs can finish block by block.
 pub(super) fn block_order(blocks: &[usize], live: &mut [(usize, Tensor)]) {
     // Stable: parameter order within a block, as without blocks.
     live.sort_by_key(|(i, _)| blocks[*i]);
@@ -76,7 +77,8 @@ impl Optimizer {
     }
 
     /// Whether an update is pending.
-    pub fn is_pending(&self) -> bool {
+    #[cfg(test)]
+    pub(super) fn is_pending(&self) -> bool {
         self.pending.is_some()
     }
 
