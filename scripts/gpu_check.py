@@ -19,6 +19,7 @@ processes, so no CUDA context of ours sits beside the runs nvidia-smi watches.
 """
 import argparse
 import json
+import math
 import os
 import pickle
 import re
@@ -629,7 +630,20 @@ def judge_step_time(records, summary):
     complete = len(steps) == summary.get("global_steps")
     if not complete:
         seen += f"; {len(steps)} records for {summary.get('global_steps')} steps"
-    return Check(name, f"within {STEP_TIME_REL:.0%}", seen, complete and gap <= STEP_TIME_REL)
+    # On CUDA a step record waits for its loss until the next step is queued: the records must
+    # still come in step order, each with its loss, and each epoch's after its last step's.
+    ordered = [s.get("step") for s in steps] == list(range(1, len(steps) + 1))
+    losses = all(isinstance(s.get("loss"), (int, float)) and math.isfinite(s["loss"]) for s in steps)
+    last_step, epochs_after = 0, True
+    for rec in records:
+        if rec.get("type") == "step":
+            last_step = rec.get("step")
+        elif rec.get("type") == "epoch":
+            epochs_after = epochs_after and rec.get("step") == last_step
+    if not (ordered and losses and epochs_after):
+        seen += "; records out of order or without a loss"
+    ok = complete and ordered and losses and epochs_after and gap <= STEP_TIME_REL
+    return Check(name, f"within {STEP_TIME_REL:.0%}, in order", seen, ok)
 
 
 def judge_loader(plain_records, loaded_records):

@@ -205,6 +205,17 @@ pub fn await_signal_at(step: i64, stop: impl Fn() -> bool) {
     }
 }
 
+/// `MEMTRAIN_FAULT_LATE_READS=1`: on the CPU too, a step record waits for the next step (or
+/// for whatever else writes a record, reads the sums or ends the run), as on a GPU, where the
+/// loss read is collected only once the next step is queued. On the CPU the read is in when it
+/// is staged, so the record is written at once otherwise.
+pub const LATE_READS: &str = "MEMTRAIN_FAULT_LATE_READS";
+
+pub fn late_reads() -> bool {
+    static SET: OnceLock<bool> = OnceLock::new();
+    *SET.get_or_init(|| std::env::var_os(LATE_READS).is_some_and(|v| v == "1"))
+}
+
 /// `MEMTRAIN_FAULT_INF_GRAD_AT_STEP=N`: at global step N, after backward, the first gradient of
 /// the weight optimizer becomes inf, as an fp16 overflow would make it; the loss scaler must
 /// skip that step and back off.

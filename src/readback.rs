@@ -40,6 +40,13 @@ pub fn all(t: &Tensor) -> Result<Vec<f64>> {
     Vec::<f64>::try_from(t.to_kind(Kind::Double).to_device(Device::Cpu)).context("reading values off the device")
 }
 
+/// A read staged to the host without waiting (the tally's, see `Tally::stage`): it takes the
+/// values the device has when its work so far is done, so it counts as a read, but the host
+/// collects them later instead of stalling the device now.
+pub fn staged() {
+    READS.fetch_add(1, Ordering::Relaxed);
+}
+
 /// Whether a one-value flag (the scaler's found-inf) is set, in one read.
 pub fn flag(t: &Tensor) -> bool {
     READS.fetch_add(1, Ordering::Relaxed);

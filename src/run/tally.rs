@@ -1,10 +1,13 @@
 //! The training loss and correct count, summed on the device and read only when something
 //! needs them: a logged step's record, the epoch's line, a checkpoint. Unlogged steps read
 //! nothing, so the host never waits on the GPU between them.
-use anyhow::Result;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
 use tch::{Device, Kind, Tensor};
 
 use crate::readback;
+use crate::shim::copies;
 
 /// One step's loss sum (fp32) and correct count (int64), where the step computed them.
 #[derive(Debug)]
@@ -40,28 +43,24 @@ pub struct Read {
     pub epoch_correct: i64,
 }
 
-/// The epoch's running sums and the last step's loss, on the device, in tensors made once: a
-/// step adds to them in place, before its optimizer step writes, so nothing of the step's
-/// attempt outlives it and adding allocates nothing. The loss is summed in f64 in step order,
-/// which is exactly what adding each step's value read as f64 on the host gave.
+/// The epoch's running sums and the last step's loss, on the device, in one f64 tensor made
+/// once (`[step loss, epoch loss sum, step correct count, epoch correct count]`): a step adds to
+/// it in place, before
+/// its optimizer step writes, so nothing of the step's attempt outlives it and adding allocates
+/// nothing. The loss is summed in f64 in step order, which is exactly what adding each step's
+/// value read as f64 on the host gave; counts below 2^53 stay exact in f64.
 #[derive(Debug)]
 pub struct Tally {
-    loss_sum: Tensor,
-    correct: Tensor,
-    step_loss: Tensor,
-    /// A step was added since the last read.
+    sums: Tensor,
+    /// A step was added since the last read (or staged read).
     pending: bool,
 }
 
 impl Tally {
     /// Sums that start from what is already known (a resumed epoch's).
     pub fn new(device: Device, loss_sum: f64, correct: i64) -> Tally {
-        Tally {
-            loss_sum: Tensor::from(loss_sum).to_device(device),
-            correct: Tensor::from(correct).to_device(device),
-            step_loss: Tensor::zeros([], (Kind::Double, device)),
-            pending: false,
-        }
+        let sums = Tensor::from_slice(&[0.0, loss_sum, 0.0, correct as f64]).to_device(device);
+        Tally { sums, pending: false }
     }
 
     /// Adds a step's totals where they are: nothing is read. (After a CPU fallback the step's
@@ -69,20 +68,27 @@ impl Tally {
     /// kernels as scalars.)
     pub fn add(&mut self, step: Totals) {
         tch::no_grad(|| {
-            // Widened into the f64 tensor first: adding the f32 value straight to an f64 sum
-            // would make a widened temporary, while the optimizer's workspace is allocated.
-            self.step_loss.copy_(&step.loss_sum);
-            let _ = self.loss_sum.g_add_(&self.step_loss);
-            let _ = self.correct.g_add_(&step.correct);
+            // Widened into the step's f64 slots first: adding the f32 loss or the int64 count
+            // straight to an f64 sum would make a widened temporary, while the optimizer's
+            // workspace is allocated.
+            let mut step_loss = self.sums.get(0);
+            step_loss.copy_(&step.loss_sum);
+            let _ = self.sums.get(1).g_add_(&step_loss);
+            let mut step_correct = self.sums.get(2);
+            step_correct.copy_(&step.correct);
+            let _ = self.sums.get(3).g_add_(&step_correct);
         });
         self.pending = true;
     }
 
     /// Adds values already on the host (a data-parallel step agreed on them).
     pub fn add_values(&mut self, loss_sum: f64, correct: i64) {
-        let _ = self.loss_sum.g_add_scalar_(loss_sum);
-        let _ = self.correct.g_add_scalar_(correct);
-        let _ = self.step_loss.fill_(loss_sum);
+        tch::no_grad(|| {
+            let _ = self.sums.get(0).fill_(loss_sum);
+            let _ = self.sums.get(1).g_add_scalar_(loss_sum);
+            let _ = self.sums.get(2).fill_(correct as f64);
+            let _ = self.sums.get(3).g_add_scalar_(correct as f64);
+        });
         self.pending = true;
     }
 
@@ -93,13 +99,72 @@ impl Tally {
 
     /// The last step's loss sum and the epoch's sums, in one read.
     pub fn read(&mut self) -> Result<Read> {
-        let v = readback::values(&[&self.step_loss, &self.loss_sum, &self.correct])?;
+        let v = readback::all(&self.sums)?;
         self.pending = false;
-        Ok(Read {
+        Ok(Read::of(&v))
+    }
+
+    /// The sums as they stand after the work queued so far, copied to the host behind that work
+    /// without waiting for it: the host goes on queueing the next step while the device
+    /// finishes this one, and collects the values when it next needs them.
+    pub fn stage(&mut self) -> Result<Staged> {
+        let at = Instant::now();
+        let (host, copied) = match self.sums.device() {
+            Device::Cuda(i) => {
+                // On the compute stream, so the next step's adds come after it; a non-blocking
+                // copy to the CPU lands in pinned memory and does not make the host wait. The
+                // event on the copy stream, ordered after the compute stream's work so far,
+                // says when the copy is done.
+                let host = self.sums.f_to_device_(Device::Cpu, Kind::Double, true, false)?;
+                copies::copies_after_compute(i)?;
+                (host, Some(copies::CopyEvent::record(i)?))
+            }
+            _ => (self.sums.copy(), None),
+        };
+        readback::staged();
+        self.pending = false;
+        Ok(Staged { host, copied, at })
+    }
+}
+
+/// A read of the tally on its way to the host (see [`Tally::stage`]).
+#[must_use = "a staged read holds values until it is collected"]
+pub struct Staged {
+    host: Tensor,
+    /// The copy's completion, on CUDA (on the CPU the copy was done when staged).
+    copied: Option<copies::CopyEvent>,
+    at: Instant,
+}
+
+impl Staged {
+    /// The values are on the host already: the CPU's reads are done when staged.
+    pub fn ready(&self) -> bool {
+        self.copied.is_none()
+    }
+
+    /// The values, and when the work before them was known to be done: on CUDA when the host's
+    /// wait for the copy returned, on the CPU (where the work was done before the stage) when
+    /// they were staged.
+    pub fn collect(self) -> Result<(Read, Instant)> {
+        let done = match &self.copied {
+            Some(e) => {
+                e.synchronize()?;
+                Instant::now()
+            }
+            None => self.at,
+        };
+        let v = Vec::<f64>::try_from(&self.host).context("reading the staged training loss")?;
+        Ok((Read::of(&v), done))
+    }
+}
+
+impl Read {
+    fn of(v: &[f64]) -> Read {
+        Read {
             step_loss_sum: v[0],
             epoch_loss_sum: v[1],
-            epoch_correct: v[2] as i64,
-        })
+            epoch_correct: v[3] as i64,
+        }
     }
 }
 

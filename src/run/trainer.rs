@@ -19,7 +19,7 @@ use super::levers;
 use super::parts::{ArchAt, ArchStep, Model, Parts};
 use super::recovery::Recovery;
 use super::step::{StepOutput, StepPipeline, Work};
-use super::tally::{Tally, Totals};
+use super::tally::{Staged, Tally, Totals};
 use crate::checkpoint::{self, NamedTensors, TrainState};
 use crate::data::{self, Splits};
 use crate::dist::{Local, Outcome};
@@ -118,6 +118,18 @@ struct Stepped {
     stop: bool,
 }
 
+/// A logged step's record, complete but for what its staged read brings: the loss, the time and
+/// the epoch's rate (see `Trainer::record_step`).
+struct StagedRecord {
+    read: Staged,
+    event: StepEvent,
+    /// Optimizer steps the record's time covers.
+    steps: u32,
+    /// The epoch's clock when the step was staged.
+    t0: Instant,
+    seen: u64,
+}
+
 /// An epoch's wall clock and the samples this session trained in it.
 struct EpochClock {
     t0: Instant,
@@ -138,11 +150,15 @@ struct Session {
     reads: readback::Mark,
     /// The last step loss read, for the progress line.
     last_loss: Option<f64>,
-    /// Where the next step record's time starts: the previous record's loss read, or the start
-    /// of the epoch's steps. On CUDA the CPU runs ahead of the device and only a read waits
-    /// for it, so the time between two reads is what covers the device's work (a clock read
-    /// at the end of the host's part of a step would leave that work out).
+    /// Where the next step record's time starts: when the previous record's step was known done
+    /// (its loss read collected), or the start of the epoch's steps. On CUDA the CPU runs ahead
+    /// of the device and only a read waits for it, so the time between two reads is what covers
+    /// the device's work (a clock read at the end of the host's part of a step would leave that
+    /// work out).
     step_mark: Instant,
+    /// The last logged step's record, waiting for its staged loss read.
+    staged: Option<StagedRecord>,
+
     /// Optimizer steps since `step_mark`.
     steps_since_mark: u32,
     /// The steps' wait for their training batches.
@@ -176,6 +192,7 @@ impl Trainer {
                 reads: readback::Mark::now(),
                 last_loss: None,
                 step_mark: t_start,
+                staged: None,
                 steps_since_mark: 0,
                 data_wait: Default::default(),
             },
@@ -287,6 +304,11 @@ impl Trainer {
     }
 
     fn emit(&mut self, e: Event) -> Result<()> {
+        // Records stay in the order of what they tell: a step record still waiting for its
+        // loss goes first.
+        if !matches!(e, Event::Step(_)) {
+            self.flush_record()?;
+        }
         self.out.recorder.emit(&e)
     }
 
@@ -742,6 +764,7 @@ impl Trainer {
     /// Saves, records the memory spike of the save, and clears the cache if configured. None on
     /// a data-parallel rank other than 0, which only helps gather the state rank 0 writes.
     pub fn save_checkpoint(&mut self, why: &str) -> Result<Option<(PathBuf, u64)>> {
+        self.flush_record()?;
         self.model.opt.settle()?;
         let t0 = Instant::now();
         let place = self.place();
@@ -886,6 +909,17 @@ impl Trainer {
     }
 
     pub fn train(&mut self) -> Result<Status> {
+        let r = self.epochs();
+        if r.is_err() {
+            // A step record still waiting for its loss is written, when the device can say it.
+            if let Err(e) = self.flush_record() {
+                tracing::debug!("the last step record is lost: {e:#}");
+            }
+        }
+        r
+    }
+
+    fn epochs(&mut self) -> Result<Status> {
         while self.state.epoch < self.settings.epochs {
             let mut clock = EpochClock {
                 t0: Instant::now(),
@@ -1008,6 +1042,7 @@ impl Trainer {
 
     /// Reads the tally into the position (one read), when a step was added since the last.
     fn read_tally(&mut self) -> Result<Option<f64>> {
+        self.flush_record()?;
         if !self.session.tally.pending() {
             return Ok(None);
         }
@@ -1017,48 +1052,71 @@ impl Trainer {
         Ok(Some(r.step_loss_sum))
     }
 
-    /// The step's record, on a logged step: the one step that reads the loss. Its time runs
-    /// from the previous record's read to this one's, so it takes in the device's work.
+    /// On a logged step, stages its loss read and, on a GPU, holds its record until the values
+    /// are in: the next step's `record_step` (or anything that writes a record, reads the sums
+    /// or ends the run) collects them. By then the next step is queued, so the device goes from
+    /// one step's work to the next without waiting for the host, and a record is written one
+    /// step late. On the CPU the values are in at once, and so is the record.
     fn record_step(&mut self, skipped: bool, samples: usize, lr: f64, clock: &EpochClock) -> Result<()> {
-        let mut rate = clock.seen as f64 / clock.t0.elapsed().as_secs_f64().max(1e-9);
+        self.flush_record()?;
         let every = self.settings.log_every;
         if every > 0 && self.state.global_step % every == 0 {
-            let loss = self.read_tally()?.unwrap_or(f64::NAN) / samples as f64;
-            let now = Instant::now();
-            let steps = self.session.steps_since_mark.max(1);
-            let seconds = (now - self.session.step_mark).as_secs_f64() / steps as f64;
-            let data_wait_seconds = self.session.data_wait.take_line(steps);
-            self.session.step_mark = now;
-            self.session.steps_since_mark = 0;
-            // After the read the epoch's rate, too, covers the device's work.
-            rate = clock.seen as f64 / (now - clock.t0).as_secs_f64().max(1e-9);
-            self.session.last_loss = Some(loss);
-            let e = StepEvent {
+            let read = self.session.tally.stage().context("reading the training loss")?;
+            let steps = std::mem::take(&mut self.session.steps_since_mark).max(1);
+            let event = StepEvent {
                 epoch: self.state.epoch + 1,
                 step: self.state.global_step,
-                loss,
+                loss: f64::NAN,
                 lr,
                 micro_batch: self.shape().micro_batch,
                 samples: samples as i64,
-                seconds,
-                samples_per_s: rate,
+                seconds: f64::NAN,
+                samples_per_s: f64::NAN,
                 memory: std::mem::take(&mut self.session.windows.line),
                 loss_scale: self.state.scaler.map(|s| s.scale),
                 skipped,
                 host_reads: self.session.reads.take(),
                 host_update_seconds: self.model.opt.take_host_update_seconds(),
-                data_wait_seconds,
+                data_wait_seconds: self.session.data_wait.take_line(steps),
             };
-            self.emit(Event::Step(e))?;
+            let (t0, seen) = (clock.t0, clock.seen);
+            let ready = read.ready() && !crate::fault::late_reads();
+            self.session.staged = Some(StagedRecord { read, event, steps, t0, seen });
+            if ready {
+                self.flush_record()?;
+            }
         }
         let w = &self.session.windows.epoch;
         let mem = w.allocated_bytes.unwrap_or(w.rss_bytes);
         let loss = self.session.last_loss;
+        // The host's rate: on a GPU it runs at most a step or two ahead of the device's.
+        let rate = clock.seen as f64 / clock.t0.elapsed().as_secs_f64().max(1e-9);
         self.out.progress.step(self.state.groups_done as u64, || {
             let loss = loss.map_or("-".into(), |l| format!("{l:.4}"));
             format!("loss {loss}  {rate:.1} samples/s  mem {}", human_bytes(mem))
         });
         Ok(())
+    }
+
+    /// Writes the step record whose loss read is staged, once the read is in. Its time runs
+    /// from the previous record's step being done to this one's, so it takes in the device's
+    /// work; the epoch's rate alike.
+    fn flush_record(&mut self) -> Result<()> {
+        let Some(StagedRecord { read, mut event, steps, t0, seen }) = self.session.staged.take() else {
+            return Ok(());
+        };
+        let (r, done) = read.collect().context("reading the training loss")?;
+        if !self.session.tally.pending() {
+            // No step was added since the stage: these are the sums as they stand.
+            self.state.epoch_loss_sum = r.epoch_loss_sum;
+            self.state.epoch_correct = r.epoch_correct;
+        }
+        event.loss = r.step_loss_sum / event.samples as f64;
+        event.seconds = done.saturating_duration_since(self.session.step_mark).as_secs_f64() / steps as f64;
+        event.samples_per_s = seen as f64 / done.saturating_duration_since(t0).as_secs_f64().max(1e-9);
+        self.session.step_mark = done;
+        self.session.last_loss = Some(event.loss);
+        self.emit(Event::Step(event))
     }
 
     /// After a step: an interrupt saves and ends the run; `--max-steps` ends it unsaved.
@@ -1247,6 +1305,7 @@ impl Trainer {
     /// ranks' peaks can be gathered here. `unfinished`: the samples and seconds of an epoch the
     /// session stopped in (`--max-steps`).
     pub fn write_summary(&mut self, status: Status, unfinished: Option<(u64, f64)>) -> Result<()> {
+        self.flush_record()?;
         let mut memory = memory::sample(self.place());
         memory.include(&self.session.windows.epoch);
         let (allocated, reserved, rss) = self.out.recorder.summary_so_far().peaks_with(&memory);

@@ -66,3 +66,60 @@ fn fp16_mixed_adds_one_read_per_step_for_the_scalers_check() {
         assert_eq!(s.host_reads, 1 + 4, "step {}", s.step);
     }
 }
+
+/// What a run's records tell, apart from their timing: each record's kind, in order, with its
+/// step and, for steps and epochs, the loss bit for bit.
+fn told(o: &Outcome) -> Vec<String> {
+    use memtrain::records::Event;
+    let r = memtrain::records::read(&o.out).expect("the run's records");
+    r.events
+        .iter()
+        .map(|e| match e {
+            Event::Step(s) => format!("step {} loss {:x}", s.step, s.loss.to_bits()),
+            Event::Epoch(e) => format!("epoch {} loss {:x}", e.step, e.result.train_loss.to_bits()),
+            Event::Checkpoint(c) => format!("checkpoint {} at {}", c.reason, c.step),
+            Event::Oom(o) => format!("oom in {} at {}", o.phase, o.step),
+            other => format!("{other:?}").split('(').next().unwrap_or_default().to_string(),
+        })
+        .collect()
+}
+
+/// On a GPU a step record waits for its loss until the next step is queued (so the device never
+/// idles between steps), and whatever else writes a record, reads the sums or ends the run
+/// writes it first. `MEMTRAIN_FAULT_LATE_READS` makes the CPU wait the same way: the records
+/// must come out as they do when each is written at once, in the same order, through an OOM the
+/// run recovers from, epoch ends with their checkpoints, an OOM that ends the run, and a
+/// `--max-steps` stop.
+#[test]
+fn records_that_wait_for_the_next_step_come_out_the_same_and_in_order() {
+    let job = || {
+        Test::new().spec(table(
+            "[job]\nthreads = 1\ndevice = \"cpu\"\n[model]\npreset = \"mlp\"\n[model.mlp]\ninputs = 256\nhidden = [512]\n\
+             num_classes = 4\n[data]\nsamples = 40\nval_fraction = 0.2\n[train]\nepochs = 2\nbatch_size = 8\n\
+             optimizer = \"adam\"\nlr = 0.01\n[log]\nprogress = \"lines\"\nevery_steps = 1\n[memory]\nlimit = \"1GiB\"\n",
+        ))
+    };
+    let fail = toml::Value::Array(vec![toml::Value::from("fail")]);
+    let cases: Vec<(&str, Test)> = vec![
+        ("recovered", job().env("MEMTRAIN_FAULT_OOM_IN", "backward:3")),
+        (
+            "ended",
+            job()
+                .env("MEMTRAIN_FAULT_OOM_IN", "backward:3")
+                .set("memory.on_oom", fail)
+                .exit(3),
+        ),
+        ("limited", job().args(&["--max-steps", "6"])),
+    ];
+    for (name, t) in cases {
+        let at_once = t.clone().name(&format!("{name}-at-once")).run();
+        let late = t.name(&format!("{name}-late")).env("MEMTRAIN_FAULT_LATE_READS", "1").run();
+        let told_late = told(&late);
+        assert_eq!(told_late, told(&at_once), "{name}");
+        assert!(
+            told_late.iter().filter(|l| l.starts_with("step ")).count() >= 2,
+            "{name}: {told_late:?}"
+        );
+        assert!(late.steps().iter().all(|s| s.seconds.is_finite() && s.seconds >= 0.0));
+    }
+}

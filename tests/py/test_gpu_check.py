@@ -273,6 +273,13 @@ class Judges(unittest.TestCase):
         self.assertFalse(c.ok, c)
         self.assertIn("(70.6% apart)", c.seen)
         self.assertFalse(g.judge_step_time(recs[:5], s).ok, "a record every step")
+        # Records written late (on CUDA, once the next step is queued) still come in order.
+        epoch = {"type": "epoch", "step": 10}
+        self.assertTrue(g.judge_step_time(recs + [epoch], s).ok)
+        swapped = recs[:4] + [recs[5], recs[4]] + recs[6:]
+        self.assertFalse(g.judge_step_time(swapped, s).ok, "step order")
+        self.assertFalse(g.judge_step_time(recs[:9] + [epoch, recs[9]], s).ok, "the epoch after its steps")
+        self.assertFalse(g.judge_step_time(recs[:9] + [step(10, float("nan"), seconds=0.1)], s).ok)
         self.assertFalse(g.judge_step_time([], s).ok)
         self.assertFalse(g.judge_step_time(recs, None).ok)
 
