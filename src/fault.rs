@@ -216,6 +216,20 @@ pub fn late_reads() -> bool {
     *SET.get_or_init(|| std::env::var_os(LATE_READS).is_some_and(|v| v == "1"))
 }
 
+/// `MEMTRAIN_FAULT_CUDA_SYNC_ERROR_AFTER_STEP=N`: after global step N's record is staged, every
+/// synchronizing CUDA call fails with where it came from (set `TORCH_SHOW_CPP_STACKTRACES=1`
+/// for libtorch's frames): finds a wait on the device that a step makes without meaning to.
+pub const SYNC_ERROR_AFTER: &str = "MEMTRAIN_FAULT_CUDA_SYNC_ERROR_AFTER_STEP";
+
+pub fn sync_errors_after(step: i64) {
+    static WANTED: OnceLock<Option<i64>> = OnceLock::new();
+    if step_from(SYNC_ERROR_AFTER, &WANTED) == Some(step) {
+        if let Err(e) = crate::shim::copies::cuda_sync_debug_error() {
+            eprintln!("fault: {SYNC_ERROR_AFTER}: {e:#}");
+        }
+    }
+}
+
 /// `MEMTRAIN_FAULT_INF_GRAD_AT_STEP=N`: at global step N, after backward, the first gradient of
 /// the weight optimizer becomes inf, as an fp16 overflow would make it; the loss scaler must
 /// skip that step and back off.

@@ -18,13 +18,14 @@ wide MLP, synthetic data) on CUDA. The PyTorch baselines (pytorch_job.py --data-
 
 Per process:
 
-  samples/s      over the steps after the first, from the wall time between steps: on each side
-                 a step runs from the previous step's loss read to its own (memtrain: the time
-                 stamps of consecutive step records in an epoch; an epoch's first step from its
-                 record's `seconds`, which starts with the epoch's steps, so validation between
-                 epochs is left out). The loss read waits for the GPU, so the time covers its work
-  median step    samples/s of the median step after the first: a step the scheduler preempted
-                 (other work on a shared machine) moves the total above but not this
+  samples/s      over the steps after the first epoch (after the first step where the run has
+                 one epoch), the same steps on both sides, from the wall time between steps:
+                 PyTorch's step runs from the previous step's loss read to its own; memtrain's
+                 from its step records' `seconds`, which add up over an epoch to the time from
+                 the start of its steps (validation between epochs left out) to its last loss
+                 read. The reads wait for the GPU, so the time covers its work
+  median step    samples/s of the median timed step: a step the scheduler preempted (other work
+                 on a shared machine) moves the total above but not this
   peak alloc     tensor bytes at their peak over the training steps: on the CPU both sides count
                  with memtrain's counting allocator (src/shim/shim.cpp, built into a shared
                  library for the Python side and installed with c10::SetCPUAllocator); on CUDA the
@@ -111,13 +112,14 @@ def memtrain_argv(a, work, job, setting, rep):
     return [a.memtrain, "-q", "run", spec, "--out", out, "--max-steps", str(jobs.JOBS[job]["steps"])], out
 
 
-def wall_step_seconds(steps):
-    """Each step record's wall time: the time between its record and the previous one in the same
-    epoch; an epoch's first step, its `seconds` (from the start of the epoch's steps)."""
-    out = [steps[0]["seconds"]]
-    for prev, cur in zip(steps, steps[1:]):
-        out.append(cur["time"] - prev["time"] if cur["epoch"] == prev["epoch"] else cur["seconds"])
-    return out
+def first_timed(epochs):
+    """The index of the first timed step, given each step's epoch: the second epoch's first step
+    where the run has a second epoch, else the second step. The first epoch warms up (libraries,
+    the allocator), and on CUDA memtrain's records collect a step's loss once the next step is
+    queued, so single records can shift by part of a step; an epoch's records add up to its
+    wall time exactly, from the start of its steps to its last loss read."""
+    later = [i for i, e in enumerate(epochs) if e != epochs[0]]
+    return later[0] if later else min(1, len(epochs) - 1)
 
 
 def run_memtrain(a, work, job, setting, rep):
@@ -130,8 +132,9 @@ def run_memtrain(a, work, job, setting, rep):
     steps = [l for l in lines if l["type"] == "step"]
     summary = json.load(open(os.path.join(out, "summary.json")))
     first_start = steps[0]["time"] - steps[0]["seconds"]
-    wall = wall_step_seconds(steps)[1:]
-    samples = [s["samples"] for s in steps[1:]]
+    k = first_timed([s["epoch"] for s in steps])
+    wall = [s["seconds"] for s in steps[k:]]
+    samples = [s["samples"] for s in steps[k:]]
     return {
         "startup_seconds": first_start - launched,
         "samples_per_s": sum(samples) / max(sum(wall), 1e-12),
@@ -140,6 +143,7 @@ def run_memtrain(a, work, job, setting, rep):
         "peak_rss_bytes": summary["memory"]["peak_rss_bytes"],
         "checkpointing": summary["precision"]["activation_checkpointing"],
         "losses": [s["loss"] for s in steps],
+        "step_seconds": [s["seconds"] for s in steps],
     }
 
 
@@ -198,6 +202,8 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=float, default=0,
                    help="seconds: start no new round after this; rows print with the rounds they have")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--trace", default=None,
+                   help="a file to write every process's per-step wall seconds to, one JSON line each")
     a = p.parse_args(argv)
     cuda = a.device.startswith("cuda")
     a.jobs = (a.jobs or ",".join(jobs.GPU_JOBS if cuda else jobs.CPU_JOBS)).split(",")
@@ -285,6 +291,15 @@ def print_row(a, job, setting, mt, pt):
     print("| " + " | ".join(cells) + " |", flush=True)
 
 
+def trace(a, job, setting, side, rep, result):
+    """With --trace: one process's per-step wall seconds, to see where two totals part."""
+    if not a.trace:
+        return
+    with open(a.trace, "a") as f:
+        f.write(json.dumps({"job": job, "setting": setting[0], "side": side, "round": rep,
+                            "step_seconds": result.get("step_seconds")}) + "\n")
+
+
 def main(argv=None):
     a = parse_args(argv)
     if a.dry_run:
@@ -311,9 +326,12 @@ def main(argv=None):
                     break
                 for side in round_order(a, rep):
                     if side == "mt":
-                        mt.append(run_memtrain(a, work, job, setting, rep))
+                        got = run_memtrain(a, work, job, setting, rep)
+                        mt.append(got)
                     else:
-                        pt[side].append(run_pytorch(a, work, job, setting, rep, counting, side))
+                        got = run_pytorch(a, work, job, setting, rep, counting, side)
+                        pt[side].append(got)
+                    trace(a, job, setting, side, rep, got)
             print_row(a, job, setting, mt, pt)
     print("# ratio = memtrain / PyTorch (samples/s: above 1 is faster; memory: below 1 is less), median of the rounds;"
           f" median step, peak memory and start-up against the {a.baselines[0]} baseline; start-up: launch to the first"

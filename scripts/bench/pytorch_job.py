@@ -336,7 +336,10 @@ def cmd_train(a):
         stamps.append(time.time())
     step_times = [b - t for t, b in zip(stamps, stamps[1:])]
     step_samples = [len(g) for g in groups]
-    timed = slice(1, None)
+    # The steps after the first epoch (after the first step with one epoch), as the driver times
+    # memtrain's.
+    per_epoch = -(-len(y_all) // o["batch_size"])
+    timed = slice(per_epoch if len(groups) > per_epoch else 1, None)
     result = {
         "startup_seconds": started - a.launched if a.launched else started - T_START,
         "samples_per_s": sum(step_samples[timed]) / max(sum(step_times[timed]), 1e-12),
@@ -346,6 +349,7 @@ def cmd_train(a):
         else (counting.peak() if counting else None),
         "peak_rss_bytes": rss_peak(),
         "steps": len(losses),
+        "step_seconds": step_times,
         "losses": losses,
     }
     with open(a.result, "w") as f:

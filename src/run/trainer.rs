@@ -1037,6 +1037,7 @@ impl Trainer {
         self.record_clear(cleared)?;
         self.after_clean_step()?;
         self.record_step(found_inf, group.len(), lr, clock)?;
+        crate::fault::sync_errors_after(self.state.global_step);
         Ok(Stepped { stop })
     }
 

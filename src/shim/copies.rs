@@ -15,6 +15,7 @@ struct MtEvent {
 extern "C" {
     fn mt_pinned_empty(sizes: *const i64, n: i64, dtype: i32, out: *mut *mut C_tensor) -> *mut c_char;
     fn mt_cuda_copies_after_compute(device: i64) -> *mut c_char;
+    fn mt_cuda_sync_debug_error() -> *mut c_char;
     fn mt_cuda_copy(device: i64, dst: *const C_tensor, src: *const C_tensor) -> *mut c_char;
     fn mt_cuda_copies_event(device: i64, out: *mut *mut MtEvent) -> *mut c_char;
     fn mt_cuda_event_block_compute(e: *mut MtEvent, device: i64) -> *mut c_char;
@@ -48,6 +49,11 @@ fn scalar_type(kind: tch::Kind) -> Result<i32> {
         BFloat16 => 15,
         other => anyhow::bail!("no pinned host tensors of kind {other:?}"),
     })
+}
+
+/// Every synchronizing CUDA call from now on fails, saying where it came from (a diagnostic).
+pub fn cuda_sync_debug_error() -> Result<()> {
+    check(unsafe { mt_cuda_sync_debug_error() })
 }
 
 /// The copy stream of CUDA device `device` waits for the work the compute stream has queued

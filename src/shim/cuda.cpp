@@ -11,6 +11,7 @@
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/cuda/memory_snapshot.h>
 #endif
@@ -156,6 +157,14 @@ char *mt_pinned_empty(const int64_t *sizes, int64_t n, int32_t dtype, at::Tensor
                        .device(at::kCPU)
                        .pinned_memory(true);
     *out = new at::Tensor(at::empty(c10::IntArrayRef(sizes, static_cast<size_t>(n)), options));
+  });
+}
+
+// From now on every synchronizing CUDA call (a blocking copy, a stream synchronize) throws, with
+// where it came from: a diagnostic for finding a wait the step does not mean to make.
+char *mt_cuda_sync_debug_error() {
+  return guarded([&] {
+    MT_CUDA_ONLY({ c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_ERROR); })
   });
 }
 
