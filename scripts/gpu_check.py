@@ -646,6 +646,23 @@ def judge_step_time(records, summary):
     return Check(name, f"within {STEP_TIME_REL:.0%}, in order", seen, ok)
 
 
+def judge_step_syncs(rc, stderr, records, steps):
+    """A run in which every synchronizing CUDA call after step 3 fails
+    (MEMTRAIN_FAULT_CUDA_SYNC_ERROR_AFTER_STEP): the steps after it must make none, so the
+    run completes with every step recorded. A blocking copy or a value read inside a step would
+    stop the host until the GPU is idle; on failure the row names libtorch's op."""
+    name = "no wait inside a step"
+    done = len(of_type(records, "step"))
+    if rc == 0 and done == steps:
+        return Check(name, f"steps 4-{steps} make no synchronizing call", f"{done} steps, none", True)
+    ops = [l.strip() for l in (stderr or "").splitlines() if "frame #" in l and ("at::" in l or "tch::" in l)]
+    where = next((o for o in ops if "warn_or_error_on_sync" not in o and "c10::" not in o.split(":", 1)[-1][:12]),
+                 ops[0] if ops else "")
+    said = "a synchronizing CUDA call" if "synchronizing CUDA operation" in (stderr or "") else f"exit {rc}"
+    seen = f"{said} after {done} step records" + (f"; from {where[:200]}" if where else "")
+    return Check(name, f"steps 4-{steps} make no synchronizing call", seen, False)
+
+
 def judge_loader(plain_records, loaded_records):
     """Augmented images on the device through the prefetching loader (threads, staging, the
     copies to the device) against the same run making each batch when the step asks: the same
@@ -1362,6 +1379,15 @@ def check_loader(r, probe):
     return [judge_loader(runs["loader-plain"], runs["loader-ahead"])]
 
 
+def check_step_syncs(r, probe):
+    # The 6-block ViT, 8 steps of an epoch of 16 (no epoch end, whose validation reads): after
+    # step 3 (the preflight and the first steps are done) libtorch fails every synchronizing call.
+    spec = spec_file(r, "syncs", VIT.format(device=DEVICE, dropout=0.0, samples=640, epochs=1))
+    env = {"MEMTRAIN_FAULT_CUDA_SYNC_ERROR_AFTER_STEP": "3", "TORCH_SHOW_CPP_STACKTRACES": "1"}
+    p, out = r.run("syncs", spec, ["log.every_steps=1"], extra=["--max-steps", "8"], env=env)
+    return [judge_step_syncs(p.rc, p.stderr, records_of(out), 8)]
+
+
 def check_no_warnings(r, probe):
     # Judges every memtrain run the checks before it made; alone (--only), it makes one.
     if not r.stderrs:
@@ -1393,6 +1419,7 @@ CHECKS = [
     ("twins", check_twins, [f"{DEVICE.upper()} vs PyTorch {m}" for m, _ in TWINS]),
     ("step_time", check_step_time, ["step seconds vs wall time"]),
     ("loader", check_loader, ["loader on the device"]),
+    ("step_syncs", check_step_syncs, ["no wait inside a step"]),
     # Last: it reads the stderr of every run before it.
     ("warnings", check_no_warnings, ["no libtorch [W lines"]),
 ]

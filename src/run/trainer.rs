@@ -1082,7 +1082,13 @@ impl Trainer {
             };
             let (t0, seen) = (clock.t0, clock.seen);
             let ready = read.ready() && !crate::fault::late_reads();
-            self.session.staged = Some(StagedRecord { read, event, steps, t0, seen });
+            self.session.staged = Some(StagedRecord {
+                read,
+                event,
+                steps,
+                t0,
+                seen,
+            });
             if ready {
                 self.flush_record()?;
             }
@@ -1103,7 +1109,14 @@ impl Trainer {
     /// from the previous record's step being done to this one's, so it takes in the device's
     /// work; the epoch's rate alike.
     fn flush_record(&mut self) -> Result<()> {
-        let Some(StagedRecord { read, mut event, steps, t0, seen }) = self.session.staged.take() else {
+        let Some(StagedRecord {
+            read,
+            mut event,
+            steps,
+            t0,
+            seen,
+        }) = self.session.staged.take()
+        else {
             return Ok(());
         };
         let (r, done) = read.collect().context("reading the training loss")?;

@@ -113,7 +113,10 @@ fn records_that_wait_for_the_next_step_come_out_the_same_and_in_order() {
     ];
     for (name, t) in cases {
         let at_once = t.clone().name(&format!("{name}-at-once")).run();
-        let late = t.name(&format!("{name}-late")).env("MEMTRAIN_FAULT_LATE_READS", "1").run();
+        let late = t
+            .name(&format!("{name}-late"))
+            .env("MEMTRAIN_FAULT_LATE_READS", "1")
+            .run();
         let told_late = told(&late);
         assert_eq!(told_late, told(&at_once), "{name}");
         assert!(

@@ -295,6 +295,20 @@ class Judges(unittest.TestCase):
         self.assertFalse(g.judge_loader(plain, ahead[:4]).ok)
         self.assertFalse(g.judge_loader([], []).ok)
 
+    def test_a_step_that_waits_on_the_device_fails_naming_the_op(self):
+        recs = [step(i, 1.0) for i in range(1, 9)]
+        c = g.judge_step_syncs(0, "", recs, 8)
+        self.assertTrue(c.ok, c)
+        err = ("called a synchronizing CUDA operation\nException raised from warn_or_error_on_sync at x.cpp:160\n"
+               "frame #0: c10::Error::Error(c10::SourceLocation) + 0x9d\n"
+               "frame #1: c10::cuda::warn_or_error_on_sync() + 0x10\n"
+               "frame #2: at::native::copy_impl(at::Tensor&, at::Tensor const&, bool) + 0x1f\n")
+        c = g.judge_step_syncs(101, err, recs[:3], 8)
+        self.assertFalse(c.ok)
+        self.assertIn("a synchronizing CUDA call after 3 step records", c.seen)
+        self.assertIn("at::native::copy_impl", c.seen)
+        self.assertFalse(g.judge_step_syncs(0, "", recs[:7], 8).ok, "every step recorded")
+
     def test_libtorch_warning_lines_fail_the_runs_they_are_in(self):
         w = "[W1126 10:00:00.123456789 Context.cpp:12] Warning: pin_memory's device argument is deprecated"
         self.assertEqual(g.warning_lines(f"memtrain: started\n  {w}\nWhich [W is not at the start\n"), [w])
