@@ -1,5 +1,6 @@
 //! `memtrain run`: plan → build → train → report.
 mod build;
+mod clock;
 mod components;
 mod execution;
 mod forward;

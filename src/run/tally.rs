@@ -1,13 +1,11 @@
 //! The training loss and correct count, summed on the device and read only when something
 //! needs them: a logged step's record, the epoch's line, a checkpoint. Unlogged steps read
 //! nothing, so the host never waits on the GPU between them.
-use std::time::Instant;
-
 use anyhow::{Context, Result};
 use tch::{Device, Kind, Tensor};
 
+use super::clock::Mark;
 use crate::readback;
-use crate::shim::copies;
 
 /// One step's loss sum (fp32) and correct count (int64), where the step computed them.
 #[derive(Debug)]
@@ -108,22 +106,18 @@ impl Tally {
     /// without waiting for it: the host goes on queueing the next step while the device
     /// finishes this one, and collects the values when it next needs them.
     pub fn stage(&mut self) -> Result<Staged> {
-        let at = Instant::now();
-        let (host, copied) = match self.sums.device() {
-            Device::Cuda(i) => {
-                // On the compute stream, so the next step's adds come after it; a non-blocking
-                // copy to the CPU lands in pinned memory and does not make the host wait. The
-                // event on the copy stream, ordered after the compute stream's work so far,
-                // says when the copy is done.
-                let host = self.sums.f_to_device_(Device::Cpu, Kind::Double, true, false)?;
-                copies::copies_after_compute(i)?;
-                (host, Some(copies::CopyEvent::record(i)?))
-            }
-            _ => (self.sums.copy(), None),
+        let device = self.sums.device();
+        let host = match device {
+            // On the compute stream, so the next step's adds come after it; a non-blocking copy
+            // to the CPU lands in pinned memory and does not make the host wait. The mark
+            // behind it says when the copy is done, on the device's clock.
+            Device::Cuda(_) => self.sums.f_to_device_(Device::Cpu, Kind::Double, true, false)?,
+            _ => self.sums.copy(),
         };
+        let done = Mark::now(device);
         readback::staged();
         self.pending = false;
-        Ok(Staged { host, copied, at })
+        Ok(Staged { host, done })
     }
 }
 
@@ -131,29 +125,21 @@ impl Tally {
 #[must_use = "a staged read holds values until it is collected"]
 pub struct Staged {
     host: Tensor,
-    /// The copy's completion, on CUDA (on the CPU the copy was done when staged).
-    copied: Option<copies::CopyEvent>,
-    at: Instant,
+    /// The device's work up to the copy, done: on the CPU when it was staged.
+    done: Mark,
 }
 
 impl Staged {
     /// The values are on the host already: the CPU's reads are done when staged.
     pub fn ready(&self) -> bool {
-        self.copied.is_none()
+        self.done.reached()
     }
 
-    /// The values, and when the work before them was known to be done: on CUDA when the host's
-    /// wait for the copy returned, on the CPU (where the work was done before the stage) when
-    /// they were staged.
-    pub fn collect(self) -> Result<(Read, Instant)> {
-        let done = match &self.copied {
-            Some(e) => {
-                e.synchronize()?;
-                Instant::now()
-            }
-            None => self.at,
-        };
-        let v = Vec::<f64>::try_from(&self.host).context("reading the staged training loss")?;
+    /// The values, and the mark of the work before them, reached.
+    pub fn collect(self) -> Result<(Read, Mark)> {
+        let Staged { host, mut done } = self;
+        done.wait()?;
+        let v = Vec::<f64>::try_from(&host).context("reading the staged training loss")?;
         Ok((Read::of(&v), done))
     }
 }

@@ -12,6 +12,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use tch::{Device, Tensor};
 
+use super::clock::Mark;
 use super::components::{Components, LoopSettings, Outputs};
 use super::execution::Execution;
 use super::forward::stage;
@@ -125,8 +126,7 @@ struct StagedRecord {
     event: StepEvent,
     /// Optimizer steps the record's time covers.
     steps: u32,
-    /// The epoch's clock when the step was staged.
-    t0: Instant,
+    /// The epoch's samples so far, this step's included.
     seen: u64,
 }
 
@@ -150,15 +150,16 @@ struct Session {
     reads: readback::Mark,
     /// The last step loss read, for the progress line.
     last_loss: Option<f64>,
-    /// Where the next step record's time starts: when the previous record's step was known done
-    /// (its loss read collected), or the start of the epoch's steps. On CUDA the CPU runs ahead
-    /// of the device and only a read waits for it, so the time between two reads is what covers
-    /// the device's work (a clock read at the end of the host's part of a step would leave that
-    /// work out).
-    step_mark: Instant,
+    /// Where the next step record's time starts: the end of the previous record's step, or the
+    /// start of the epoch's steps. On CUDA the CPU runs ahead of the device, so the marks are on
+    /// the device's clock, behind each step's work (a clock read at the end of the host's part
+    /// of a step would leave that work out, and one read when the host next waits would be late
+    /// by whatever the host did first).
+    step_mark: Mark,
+    /// The epoch's step time so far: the sum of its step records' time.
+    epoch_step_seconds: f64,
     /// The last logged step's record, waiting for its staged loss read.
     staged: Option<StagedRecord>,
-
     /// Optimizer steps since `step_mark`.
     steps_since_mark: u32,
     /// The steps' wait for their training batches.
@@ -191,7 +192,8 @@ impl Trainer {
                 tally: Tally::new(c.pipeline.forward.device, c.state.epoch_loss_sum, c.state.epoch_correct),
                 reads: readback::Mark::now(),
                 last_loss: None,
-                step_mark: t_start,
+                step_mark: Mark::host(t_start),
+                epoch_step_seconds: 0.0,
                 staged: None,
                 steps_since_mark: 0,
                 data_wait: Default::default(),
@@ -947,7 +949,8 @@ impl Trainer {
         clock.t0 = Instant::now();
         // The previous epoch ended with reads (its tally, validation, the save), so the device
         // has no earlier work left that the first step's time would take in.
-        self.session.step_mark = clock.t0;
+        self.session.step_mark = Mark::now(self.device());
+        self.session.epoch_step_seconds = 0.0;
         self.session.steps_since_mark = 0;
         let steps_per_epoch = (n + e - 1) / e;
         let done = self.state.groups_done as u64;
@@ -1080,13 +1083,12 @@ impl Trainer {
                 host_update_seconds: self.model.opt.take_host_update_seconds(),
                 data_wait_seconds: self.session.data_wait.take_line(steps),
             };
-            let (t0, seen) = (clock.t0, clock.seen);
+            let seen = clock.seen;
             let ready = read.ready() && !crate::fault::late_reads();
             self.session.staged = Some(StagedRecord {
                 read,
                 event,
                 steps,
-                t0,
                 seen,
             });
             if ready {
@@ -1106,14 +1108,13 @@ impl Trainer {
     }
 
     /// Writes the step record whose loss read is staged, once the read is in. Its time runs
-    /// from the previous record's step being done to this one's, so it takes in the device's
-    /// work; the epoch's rate alike.
+    /// from the end of the previous record's step to the end of this one's, so it takes in the
+    /// device's work; the epoch's rate alike.
     fn flush_record(&mut self) -> Result<()> {
         let Some(StagedRecord {
             read,
             mut event,
             steps,
-            t0,
             seen,
         }) = self.session.staged.take()
         else {
@@ -1126,8 +1127,10 @@ impl Trainer {
             self.state.epoch_correct = r.epoch_correct;
         }
         event.loss = r.step_loss_sum / event.samples as f64;
-        event.seconds = done.saturating_duration_since(self.session.step_mark).as_secs_f64() / steps as f64;
-        event.samples_per_s = seen as f64 / done.saturating_duration_since(t0).as_secs_f64().max(1e-9);
+        let elapsed = done.seconds_since(&self.session.step_mark);
+        self.session.epoch_step_seconds += elapsed;
+        event.seconds = elapsed / steps as f64;
+        event.samples_per_s = seen as f64 / self.session.epoch_step_seconds.max(1e-9);
         self.session.step_mark = done;
         self.session.last_loss = Some(event.loss);
         self.emit(Event::Step(event))

@@ -19,6 +19,8 @@ extern "C" {
     fn mt_cuda_copy(device: i64, dst: *const C_tensor, src: *const C_tensor) -> *mut c_char;
     fn mt_cuda_copies_event(device: i64, out: *mut *mut MtEvent) -> *mut c_char;
     fn mt_cuda_event_block_compute(e: *mut MtEvent, device: i64) -> *mut c_char;
+    fn mt_cuda_compute_mark(device: i64, out: *mut *mut MtEvent) -> *mut c_char;
+    fn mt_cuda_event_elapsed_ms(from: *mut MtEvent, to: *mut MtEvent, ms: *mut f64) -> *mut c_char;
     fn mt_cuda_event_synchronize(e: *mut MtEvent) -> *mut c_char;
     fn mt_cuda_event_free(e: *mut MtEvent);
     fn mt_cuda_host_stats(active: *mut u64, peak_active: *mut u64) -> *mut c_char;
@@ -96,6 +98,41 @@ impl CopyEvent {
 }
 
 impl Drop for CopyEvent {
+    fn drop(&mut self) {
+        unsafe { mt_cuda_event_free(self.ptr) }
+    }
+}
+
+/// Where a CUDA device's compute stream is, on the device's own clock: a timed event behind the
+/// work queued so far. The time between two marks is the device's, whenever the host looks.
+pub struct ComputeMark {
+    ptr: *mut MtEvent,
+}
+
+// SAFETY: a CUDA event may be waited on from any thread; the handle is owned.
+unsafe impl Send for ComputeMark {}
+
+impl ComputeMark {
+    pub fn record(device: usize) -> Result<Self> {
+        let mut ptr = std::ptr::null_mut();
+        check(unsafe { mt_cuda_compute_mark(device as i64, &mut ptr) })?;
+        Ok(ComputeMark { ptr })
+    }
+
+    /// The host waits until the device has reached the mark.
+    pub fn synchronize(&self) -> Result<()> {
+        check(unsafe { mt_cuda_event_synchronize(self.ptr) })
+    }
+
+    /// Seconds on the device's clock from `earlier` to this mark, both reached.
+    pub fn seconds_since(&self, earlier: &ComputeMark) -> Result<f64> {
+        let mut ms = 0.0;
+        check(unsafe { mt_cuda_event_elapsed_ms(earlier.ptr, self.ptr, &mut ms) })?;
+        Ok(ms / 1e3)
+    }
+}
+
+impl Drop for ComputeMark {
     fn drop(&mut self) {
         unsafe { mt_cuda_event_free(self.ptr) }
     }

@@ -115,7 +115,8 @@ char *mt_cuda_set_memory_fraction(double fraction, int64_t device) {
 // libc10_cuda), never c10::cuda's inline ones, which would reference libcudart directly.
 struct MtEvent {
 #ifdef MEMTRAIN_HAVE_CUDA_RUNTIME
-  c10::Event event{c10::DeviceType::CUDA};
+  c10::Event event;
+  explicit MtEvent(c10::EventFlag flag = c10::EventFlag::PYTORCH_DEFAULT) : event(c10::DeviceType::CUDA, flag) {}
 #endif
 };
 
@@ -203,6 +204,24 @@ char *mt_cuda_copies_event(int64_t device, MtEvent **out) {
       *out = e.release();
     })
   });
+}
+
+// A timed event on the compute stream of `device`: the device's own clock when it reaches the
+// work queued so far, so the time between two steps' ends is the device's, whenever the host
+// gets to look.
+char *mt_cuda_compute_mark(int64_t device, MtEvent **out) {
+  return guarded([&] {
+    MT_CUDA_ONLY({
+      auto e = std::make_unique<MtEvent>(c10::EventFlag::BACKEND_DEFAULT);
+      e->event.record(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).unwrap());
+      *out = e.release();
+    })
+  });
+}
+
+// Milliseconds from timed event `from` to timed event `to`, both reached.
+char *mt_cuda_event_elapsed_ms(MtEvent *from, MtEvent *to, double *ms) {
+  return guarded([&] { MT_CUDA_ONLY(*ms = from->event.elapsedTime(to->event);) });
 }
 
 // The compute stream of `device` waits for `e` (the host does not).
