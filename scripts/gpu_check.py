@@ -392,13 +392,15 @@ def judge_host_lever(combo, base_records, records, summary, cap, stderr):
 
 
 def wall_rate(records, warmup):
-    """Samples per second from the wall time between step records, after `warmup` steps: the
-    record of a step is written once its loss has been read, so the GPU's work is inside."""
+    """Samples per second over the step records after `warmup` steps, from their `seconds`: each
+    runs from the end of the step before to the end of its own (on CUDA on the device's clock),
+    so the GPU's work is inside. (A record's `time` is when it was written, on CUDA once the next
+    step is queued: the gaps between them are not the steps'.)"""
     steps = of_type(records, "step")
     if len(steps) <= warmup or warmup < 1:
         return None
     timed = steps[warmup:]
-    seconds = timed[-1]["time"] - steps[warmup - 1]["time"]
+    seconds = sum(r["seconds"] for r in timed)
     return sum(r["samples"] for r in timed) / seconds if seconds > 0 else None
 
 
@@ -644,7 +646,7 @@ def judge_step_time(records, summary):
     if not (ordered and losses and epochs_after):
         seen += "; records out of order or without a loss"
     # On CUDA each step is timed on the device's clock, from the end of the step before: none can
-    # come out at a fraction of the others, as steps timed by when the host looked did. (A CPU
+    # come out at a fraction of the others, as a step timed when the host next looks can. (A CPU
     # rehearsal on a shared machine has steps that vary that much for real.)
     later = [s["seconds"] for prev, s in zip(steps, steps[1:]) if s.get("epoch") == prev.get("epoch")]
     floor = statistics.median(later) / 2 if later else 0.0

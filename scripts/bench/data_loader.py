@@ -132,7 +132,7 @@ def first_pass(a, work, root):
 def timed(steps, a):
     """samples/s over the steps after the warm-up, and the data wait's share of their time."""
     after = steps[a.warmup:]
-    span = after[-1]["time"] - steps[a.warmup - 1]["time"]
+    span = sum(s["seconds"] for s in after)
     rate = sum(s["samples"] for s in after) / span
     share = sum(s["data_wait_seconds"] for s in after) / sum(s["seconds"] for s in after)
     return rate, share

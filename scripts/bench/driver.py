@@ -131,6 +131,8 @@ def run_memtrain(a, work, job, setting, rep):
     lines = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
     steps = [l for l in lines if l["type"] == "step"]
     summary = json.load(open(os.path.join(out, "summary.json")))
+    # The first record is written once the second step is queued (on CUDA), so its `time` is
+    # late by part of a step: start-up here is the first step's start give or take that.
     first_start = steps[0]["time"] - steps[0]["seconds"]
     k = first_timed([s["epoch"] for s in steps])
     wall = [s["seconds"] for s in steps[k:]]

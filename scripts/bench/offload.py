@@ -16,9 +16,9 @@ samples/s is divided by the baseline's of the same rep. Per run:
                the caching allocator's on CUDA)
   host peak    summary.json memory.peak_host_bytes (model state the levers keep in host memory;
                absent = 0; the largest step record's figure where the summary lacks it)
-  samples/s    the samples of the steps after the warm-up over the wall time between their
-               step records (a record is written once the step's loss is read, so the GPU's
-               work is inside)
+  samples/s    the samples of the steps after the warm-up over their step records' `seconds`
+               (each from the end of the step before to its own, on CUDA on the device's
+               clock, so the GPU's work is inside)
   host update  the median step's host update (step records' host_update_seconds) as bandwidth:
                28 bytes per parameter for AdamW (parameter, gradient and two moments read,
                parameter and moments written), beside a memcpy of 1 GiB measured first
@@ -121,11 +121,12 @@ def command(a, spec, out, combo, capped):
 
 
 def wall_rate(steps, warmup):
-    """Samples per second over the wall time between the step records after the warm-up."""
+    """Samples per second over the step records after the warm-up, from their `seconds` (each from
+    the end of the step before to its own; on CUDA on the device's clock)."""
     if warmup < 1 or len(steps) <= warmup:
         return None
     timed = steps[warmup:]
-    seconds = timed[-1]["time"] - steps[warmup - 1]["time"]
+    seconds = sum(s["seconds"] for s in timed)
     return sum(s["samples"] for s in timed) / seconds if seconds > 0 else None
 
 

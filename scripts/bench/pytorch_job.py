@@ -321,7 +321,8 @@ def cmd_train(a):
     # Each step's time runs from the previous step's loss read to its own (the first from the
     # loop's start): the read waits for the device, so the time covers its work, and a
     # DataLoader's wait for the next batch falls into the step that waited. memtrain's step
-    # records are timed the same way.
+    # records run likewise from the end of one step to the end of the next (on CUDA on the
+    # device's clock).
     started = time.time()
     stamps, losses = [started], []
     for x, y in batches(a, x_all, y_all, groups, device):

@@ -86,14 +86,15 @@ pub struct StepEvent {
     pub micro_batch: i64,
     /// The step's samples (its group).
     pub samples: i64,
-    /// The step's wall time, architecture step included: from the previous step record's loss
-    /// read (or the start of the epoch's steps) to this record's, divided by the optimizer steps
-    /// in between (1 when every step is logged). The loss read waits for the device, so on a
-    /// GPU this covers the device's work, not only the host's; summed over an epoch's records
-    /// with every step logged, it is the epoch's training time.
+    /// The step's wall time, architecture step included: from the end of the previous step
+    /// record's step (or the start of the epoch's steps) to the end of this one's, divided by
+    /// the optimizer steps in between (1 when every step is logged). On CUDA both ends are timed
+    /// events behind the steps' work, on the device's clock, so this covers the device's work,
+    /// not only the host's; summed over an epoch's records with every step logged, it is the
+    /// epoch's training time.
     #[serde(deserialize_with = "nan_if_null")]
     pub seconds: f64,
-    /// The epoch's samples so far over its wall time so far, read after this record's loss.
+    /// The epoch's samples so far over its step time so far (the sum of its records' `seconds`).
     #[serde(deserialize_with = "nan_if_null")]
     pub samples_per_s: f64,
     /// Current figures after this step; peaks since the previous step line.

@@ -43,9 +43,8 @@ pub struct Read {
 
 /// The epoch's running sums and the last step's loss, on the device, in one f64 tensor made
 /// once (`[step loss, epoch loss sum, step correct count, epoch correct count]`): a step adds to
-/// it in place, before
-/// its optimizer step writes, so nothing of the step's attempt outlives it and adding allocates
-/// nothing. The loss is summed in f64 in step order, which is exactly what adding each step's
+/// it in place, before its optimizer step writes, so nothing of the step's attempt outlives it
+/// and adding allocates nothing. The loss is summed in f64 in step order, which is exactly what adding each step's
 /// value read as f64 on the host gave; counts below 2^53 stay exact in f64.
 #[derive(Debug)]
 pub struct Tally {
@@ -115,6 +114,10 @@ impl Tally {
             _ => self.sums.copy(),
         };
         let done = Mark::now(device);
+        if let (Device::Cuda(i), true) = (device, done.reached()) {
+            // No event to wait on later (it could not be recorded): the copy is waited for now.
+            crate::shim::synchronize(i)?;
+        }
         readback::staged();
         self.pending = false;
         Ok(Staged { host, done })
@@ -130,7 +133,8 @@ pub struct Staged {
 }
 
 impl Staged {
-    /// The values are on the host already: the CPU's reads are done when staged.
+    /// The values are on the host already: on the CPU, or on CUDA without an event to wait on,
+    /// the copy was done when staged.
     pub fn ready(&self) -> bool {
         self.done.reached()
     }

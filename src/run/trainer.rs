@@ -766,7 +766,7 @@ impl Trainer {
     /// Saves, records the memory spike of the save, and clears the cache if configured. None on
     /// a data-parallel rank other than 0, which only helps gather the state rank 0 writes.
     pub fn save_checkpoint(&mut self, why: &str) -> Result<Option<(PathBuf, u64)>> {
-        self.flush_record()?;
+        self.flush_record_or_warn();
         self.model.opt.settle()?;
         let t0 = Instant::now();
         let place = self.place();
@@ -913,12 +913,17 @@ impl Trainer {
     pub fn train(&mut self) -> Result<Status> {
         let r = self.epochs();
         if r.is_err() {
-            // A step record still waiting for its loss is written, when the device can say it.
-            if let Err(e) = self.flush_record() {
-                tracing::debug!("the last step record is lost: {e:#}");
-            }
+            self.flush_record_or_warn();
         }
         r
+    }
+
+    /// `flush_record` where the run must go on to what matters more (a checkpoint, the summary):
+    /// a step record whose read failed is lost, with a warning, and nothing else.
+    fn flush_record_or_warn(&mut self) {
+        if let Err(e) = self.flush_record() {
+            tracing::warn!("a step record is lost: {e:#}");
+        }
     }
 
     fn epochs(&mut self) -> Result<Status> {
@@ -1162,6 +1167,8 @@ impl Trainer {
         self.session.steps += 1;
         if self.settings.max_steps.is_some_and(|m| self.session.steps >= m) {
             self.out.progress.finish_epoch();
+            // The last step's read waits for the device, so the epoch's time covers its work.
+            self.flush_record_or_warn();
             let unfinished = (clock.seen, clock.t0.elapsed().as_secs_f64());
             self.write_summary(Status::StepLimit, Some(unfinished))?;
             return Ok(Some(Status::StepLimit));
@@ -1322,7 +1329,7 @@ impl Trainer {
     /// ranks' peaks can be gathered here. `unfinished`: the samples and seconds of an epoch the
     /// session stopped in (`--max-steps`).
     pub fn write_summary(&mut self, status: Status, unfinished: Option<(u64, f64)>) -> Result<()> {
-        self.flush_record()?;
+        self.flush_record_or_warn();
         let mut memory = memory::sample(self.place());
         memory.include(&self.session.windows.epoch);
         let (allocated, reserved, rss) = self.out.recorder.summary_so_far().peaks_with(&memory);

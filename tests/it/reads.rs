@@ -88,8 +88,8 @@ fn told(o: &Outcome) -> Vec<String> {
 /// idles between steps), and whatever else writes a record, reads the sums or ends the run
 /// writes it first. `MEMTRAIN_FAULT_LATE_READS` makes the CPU wait the same way: the records
 /// must come out as they do when each is written at once, in the same order, through an OOM the
-/// run recovers from, epoch ends with their checkpoints, an OOM that ends the run, and a
-/// `--max-steps` stop.
+/// run recovers from, epoch ends with their checkpoints, an OOM that ends the run, a
+/// `--max-steps` stop, and an interrupt and its resume.
 #[test]
 fn records_that_wait_for_the_next_step_come_out_the_same_and_in_order() {
     let job = || {
@@ -110,6 +110,7 @@ fn records_that_wait_for_the_next_step_come_out_the_same_and_in_order() {
                 .exit(3),
         ),
         ("limited", job().args(&["--max-steps", "6"])),
+        ("interrupted", job().interrupt_after_step(3).exit(130)),
     ];
     for (name, t) in cases {
         let at_once = t.clone().name(&format!("{name}-at-once")).run();
@@ -124,5 +125,15 @@ fn records_that_wait_for_the_next_step_come_out_the_same_and_in_order() {
             "{name}: {told_late:?}"
         );
         assert!(late.steps().iter().all(|s| s.seconds.is_finite() && s.seconds >= 0.0));
+        if name == "interrupted" {
+            // The checkpoint the interrupt saved holds the epoch's sums as they stood: resumed,
+            // both runs end alike.
+            let (a, b) = (
+                at_once.resume().run(),
+                late.resume().env("MEMTRAIN_FAULT_LATE_READS", "1").run(),
+            );
+            assert_eq!(told(&b), told(&a), "{name}, resumed");
+            assert_eq!(b.final_bytes(), a.final_bytes());
+        }
     }
 }

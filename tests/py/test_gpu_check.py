@@ -352,8 +352,9 @@ SMALL_RESNET = g.RESNET.replace("image_size = 128", "image_size = 32").replace("
 class Offload(unittest.TestCase):
     def steps(self, losses, times=None, host=None):
         times = times or [float(i) for i in range(len(losses))]
-        return [{"type": "step", "loss": l, "time": t, "samples": 4, "host_update_seconds": host}
-                for l, t in zip(losses, times)]
+        seconds = [times[0] or 1.0] + [b - a for a, b in zip(times, times[1:])]
+        return [{"type": "step", "loss": l, "time": t, "seconds": d, "samples": 4, "host_update_seconds": host}
+                for l, t, d in zip(losses, times, seconds)]
 
     def test_a_host_lever_passes_within_the_tolerance_under_the_cap_with_host_bytes(self):
         base = self.steps([2.0, 1.5, 1.2])
@@ -371,10 +372,14 @@ class Offload(unittest.TestCase):
         self.assertFalse(warned.ok)
         self.assertIn("[W line", warned.seen)
 
-    def test_wall_rate_counts_the_time_between_records_after_the_warm_up(self):
+    def test_wall_rate_sums_the_step_seconds_after_the_warm_up(self):
         records = self.steps([1, 1, 1, 1], times=[10.0, 11.0, 11.5, 12.0])
         self.assertAlmostEqual(g.wall_rate(records, 1), 12 / 2.0)
         self.assertIsNone(g.wall_rate(records, 4))
+        # On CUDA a record is written once the next step is queued (the last at the run's end):
+        # the steps' own seconds count, not the gaps between the records' times.
+        late = [dict(r, seconds=1.0) for r in records]
+        self.assertAlmostEqual(g.wall_rate(late, 1), 12 / 3.0)
 
     def test_speed_rows_print_the_ratio_and_the_host_bandwidth(self):
         base = self.steps([1] * 4, times=[0.0, 1.0, 2.0, 3.0])
