@@ -667,9 +667,10 @@ def judge_step_syncs(rc, stderr, records, steps):
     done = len(of_type(records, "step"))
     if rc == 0 and done == steps:
         return Check(name, f"steps 4-{steps} make no synchronizing call", f"{done} steps, none", True)
-    ops = [l.strip() for l in (stderr or "").splitlines() if "frame #" in l and ("at::" in l or "tch::" in l)]
-    where = next((o for o in ops if "warn_or_error_on_sync" not in o and "c10::" not in o.split(":", 1)[-1][:12]),
-                 ops[0] if ops else "")
+    # libtorch's frames, innermost first: the first one outside c10 (its error and the sync
+    # check) is the op that waited.
+    frames = [l.strip().split(": ", 1)[-1] for l in (stderr or "").splitlines() if l.strip().startswith("frame #")]
+    where = next((f for f in frames if not f.startswith("c10::")), "")
     said = "a synchronizing CUDA call" if "synchronizing CUDA operation" in (stderr or "") else f"exit {rc}"
     seen = f"{said} after {done} step records" + (f"; from {where[:200]}" if where else "")
     return Check(name, f"steps 4-{steps} make no synchronizing call", seen, False)

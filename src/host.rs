@@ -170,7 +170,7 @@ impl Copies {
     /// Marks the copies issued so far on this device's copy stream.
     pub fn fence(&self) -> Fence {
         match self.device {
-            Device::Cuda(i) => Fence(Some(ok(crate::shim::copies::CopyEvent::record(i)))),
+            Device::Cuda(i) => Fence(Some(ok(crate::shim::copies::CudaEvent::after_copies(i)))),
             _ => Fence(None),
         }
     }
@@ -178,7 +178,7 @@ impl Copies {
 
 /// The copies queued before it was made (nothing to wait for on the CPU).
 #[must_use = "a fence orders nothing until something waits for it"]
-pub struct Fence(Option<crate::shim::copies::CopyEvent>);
+pub struct Fence(Option<crate::shim::copies::CudaEvent>);
 
 impl Fence {
     /// Kernels queued from now on run after the copies; the host does not wait.

@@ -8,8 +8,8 @@ of 80×80 in 10 classes, trained at 64 px).
 2. Training a small ResNet (resnet18 at 64 px, batch 32, crop and flip augmentation, normalized)
    from the cache, in fresh processes, alternating in each rep: the cache read through a memory
    map (data.memory_map = true), read whole into memory (false), and mapped with the batches made
-   in the step (data.prefetch = 0). Per run, after the warm-up steps: samples/s from the wall time
-   between step records, and the data wait (step records' data_wait_seconds) as a share of step
+   in the step (data.prefetch = 0). Per run, after the warm-up steps: samples/s from the step
+   records' `seconds`, and the data wait (step records' data_wait_seconds) as a share of step
    time. Medians over the reps, with the mapped / in-memory ratio.
 3. Peak anonymous memory (RssAnon, polled) of the mapped and the in-memory run on a tenth of the
    images and on all of them, and what the tenfold set added.
@@ -134,7 +134,7 @@ def timed(steps, a):
     after = steps[a.warmup:]
     span = sum(s["seconds"] for s in after)
     rate = sum(s["samples"] for s in after) / span
-    share = sum(s["data_wait_seconds"] for s in after) / sum(s["seconds"] for s in after)
+    share = sum(s["data_wait_seconds"] for s in after) / span
     return rate, share
 
 

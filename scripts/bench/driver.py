@@ -115,9 +115,8 @@ def memtrain_argv(a, work, job, setting, rep):
 def first_timed(epochs):
     """The index of the first timed step, given each step's epoch: the second epoch's first step
     where the run has a second epoch, else the second step. The first epoch warms up (libraries,
-    the allocator), and on CUDA memtrain's records collect a step's loss once the next step is
-    queued, so single records can shift by part of a step; an epoch's records add up to its
-    wall time exactly, from the start of its steps to its last loss read."""
+    the allocator); the later ones' records add up to their wall time, from the start of their
+    steps to their last loss read."""
     later = [i for i, e in enumerate(epochs) if e != epochs[0]]
     return later[0] if later else min(1, len(epochs) - 1)
 

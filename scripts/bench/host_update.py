@@ -41,9 +41,9 @@ def run(a, work, impl, rep):
     if p.returncode != 0:
         raise SystemExit(f"memtrain ({impl}) failed ({p.returncode}):\n{p.stderr}")
     steps = [r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if r.get("type") == "step"]
-    gaps = [s["seconds"] for s in steps[a.warmup:]]
+    seconds = [s["seconds"] for s in steps[a.warmup:]]
     updates = [s.get("host_update_seconds") for s in steps[a.warmup:] if s.get("host_update_seconds")]
-    return statistics.median(gaps), statistics.median(updates) if updates else float("nan")
+    return statistics.median(seconds), statistics.median(updates) if updates else float("nan")
 
 
 def main():

@@ -6,35 +6,30 @@ use std::time::Instant;
 
 use tch::Device;
 
-use crate::shim::copies::ComputeMark;
+use crate::shim::copies::CudaEvent;
 
-/// A point in a run: when the host marked it and, on CUDA, where the device's compute stream
-/// was (the work queued before the mark done).
-pub struct Mark {
+/// A point in a run: when the host stamped it and, on CUDA, where the device's compute stream
+/// was (the work queued before the stamp done).
+pub struct Stamp {
     at: Instant,
-    device: Option<ComputeMark>,
+    device: Option<CudaEvent>,
 }
 
-impl Mark {
+impl Stamp {
     /// Now on the host's clock and, on CUDA, behind the work queued so far.
-    pub fn now(device: Device) -> Mark {
+    pub fn now(device: Device) -> Stamp {
         let device = match device {
             // Without the event the host's clock stands in.
-            Device::Cuda(i) => ComputeMark::record(i).ok(),
+            Device::Cuda(i) => CudaEvent::timed_on_compute(i).ok(),
             _ => None,
         };
-        Mark {
+        Stamp {
             at: Instant::now(),
             device,
         }
     }
 
-    /// A mark on the host's clock alone.
-    pub fn host(at: Instant) -> Mark {
-        Mark { at, device: None }
-    }
-
-    /// The host waits until the device has reached the mark; the host's time becomes when it
+    /// The host waits until the device has reached the stamp; the host's time becomes when it
     /// was seen.
     pub fn wait(&mut self) -> anyhow::Result<()> {
         if let Some(d) = &self.device {
@@ -44,14 +39,14 @@ impl Mark {
         Ok(())
     }
 
-    /// Whether the work before the mark is done already (no device to wait for).
+    /// Whether the work before the stamp is done already (no device to wait for).
     pub fn reached(&self) -> bool {
         self.device.is_none()
     }
 
-    /// Seconds from `earlier` to this mark, both reached: on the device's clock where both have
+    /// Seconds from `earlier` to this stamp, both reached: on the device's clock where both have
     /// one, else on the host's.
-    pub fn seconds_since(&self, earlier: &Mark) -> f64 {
+    pub fn seconds_since(&self, earlier: &Stamp) -> f64 {
         if let (Some(now), Some(then)) = (&self.device, &earlier.device) {
             if let Ok(s) = now.seconds_since(then) {
                 return s.max(0.0);
@@ -66,10 +61,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn on_the_cpu_a_mark_is_reached_at_once_and_timed_by_the_host() {
-        let a = Mark::now(Device::Cpu);
+    fn on_the_cpu_a_stamp_is_reached_at_once_and_timed_by_the_host() {
+        let a = Stamp::now(Device::Cpu);
         std::thread::sleep(std::time::Duration::from_millis(20));
-        let mut b = Mark::now(Device::Cpu);
+        let mut b = Stamp::now(Device::Cpu);
         assert!(b.reached());
         b.wait().unwrap();
         let s = b.seconds_since(&a);

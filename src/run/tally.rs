@@ -4,7 +4,7 @@
 use anyhow::{Context, Result};
 use tch::{Device, Kind, Tensor};
 
-use super::clock::Mark;
+use super::clock::Stamp;
 use crate::readback;
 
 /// One step's loss sum (fp32) and correct count (int64), where the step computed them.
@@ -44,8 +44,8 @@ pub struct Read {
 /// The epoch's running sums and the last step's loss, on the device, in one f64 tensor made
 /// once (`[step loss, epoch loss sum, step correct count, epoch correct count]`): a step adds to
 /// it in place, before its optimizer step writes, so nothing of the step's attempt outlives it
-/// and adding allocates nothing. The loss is summed in f64 in step order, which is exactly what adding each step's
-/// value read as f64 on the host gave; counts below 2^53 stay exact in f64.
+/// and adding allocates nothing. The loss is summed in f64 in step order, which is exactly what
+/// adding each step's value read as f64 on the host gave; counts below 2^53 stay exact in f64.
 #[derive(Debug)]
 pub struct Tally {
     sums: Tensor,
@@ -108,12 +108,12 @@ impl Tally {
         let device = self.sums.device();
         let host = match device {
             // On the compute stream, so the next step's adds come after it; a non-blocking copy
-            // to the CPU lands in pinned memory and does not make the host wait. The mark
+            // to the CPU lands in pinned memory and does not make the host wait. The stamp
             // behind it says when the copy is done, on the device's clock.
             Device::Cuda(_) => self.sums.f_to_device_(Device::Cpu, Kind::Double, true, false)?,
             _ => self.sums.copy(),
         };
-        let done = Mark::now(device);
+        let done = Stamp::now(device);
         if let (Device::Cuda(i), true) = (device, done.reached()) {
             // No event to wait on later (it could not be recorded): the copy is waited for now.
             crate::shim::synchronize(i)?;
@@ -129,7 +129,7 @@ impl Tally {
 pub struct Staged {
     host: Tensor,
     /// The device's work up to the copy, done: on the CPU when it was staged.
-    done: Mark,
+    done: Stamp,
 }
 
 impl Staged {
@@ -139,8 +139,8 @@ impl Staged {
         self.done.reached()
     }
 
-    /// The values, and the mark of the work before them, reached.
-    pub fn collect(self) -> Result<(Read, Mark)> {
+    /// The values, and the stamp of the work before them, reached.
+    pub fn collect(self) -> Result<(Read, Stamp)> {
         let Staged { host, mut done } = self;
         done.wait()?;
         let v = Vec::<f64>::try_from(&host).context("reading the staged training loss")?;

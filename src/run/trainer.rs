@@ -12,7 +12,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use tch::{Device, Tensor};
 
-use super::clock::Mark;
+use super::clock::Stamp;
 use super::components::{Components, LoopSettings, Outputs};
 use super::execution::Execution;
 use super::forward::stage;
@@ -151,11 +151,11 @@ struct Session {
     /// The last step loss read, for the progress line.
     last_loss: Option<f64>,
     /// Where the next step record's time starts: the end of the previous record's step, or the
-    /// start of the epoch's steps. On CUDA the CPU runs ahead of the device, so the marks are on
+    /// start of the epoch's steps. On CUDA the CPU runs ahead of the device, so the stamps are on
     /// the device's clock, behind each step's work (a clock read at the end of the host's part
     /// of a step would leave that work out, and one read when the host next waits would be late
     /// by whatever the host did first).
-    step_mark: Mark,
+    step_mark: Stamp,
     /// The epoch's step time so far: the sum of its step records' time.
     epoch_step_seconds: f64,
     /// The last logged step's record, waiting for its staged loss read.
@@ -192,7 +192,7 @@ impl Trainer {
                 tally: Tally::new(c.pipeline.forward.device, c.state.epoch_loss_sum, c.state.epoch_correct),
                 reads: readback::Mark::now(),
                 last_loss: None,
-                step_mark: Mark::host(t_start),
+                step_mark: Stamp::now(Device::Cpu),
                 epoch_step_seconds: 0.0,
                 staged: None,
                 steps_since_mark: 0,
@@ -954,7 +954,7 @@ impl Trainer {
         clock.t0 = Instant::now();
         // The previous epoch ended with reads (its tally, validation, the save), so the device
         // has no earlier work left that the first step's time would take in.
-        self.session.step_mark = Mark::now(self.device());
+        self.session.step_mark = Stamp::now(self.device());
         self.session.epoch_step_seconds = 0.0;
         self.session.steps_since_mark = 0;
         let steps_per_epoch = (n + e - 1) / e;

@@ -70,69 +70,51 @@ pub fn copy_async(device: usize, dst: &tch::Tensor, src: &tch::Tensor) -> Result
     check(unsafe { mt_cuda_copy(device as i64, dst.as_ptr(), src.as_ptr()) })
 }
 
-/// The copies queued so far on a device's copy stream.
-pub struct CopyEvent {
+/// A CUDA event: the copies queued so far on a device's copy stream, or a timed point behind
+/// the work queued so far on its compute stream.
+pub struct CudaEvent {
     ptr: *mut MtEvent,
     device: usize,
 }
 
 // SAFETY: a CUDA event may be waited on from any thread; the handle is owned.
-unsafe impl Send for CopyEvent {}
+unsafe impl Send for CudaEvent {}
 
-impl CopyEvent {
-    pub fn record(device: usize) -> Result<Self> {
+impl CudaEvent {
+    /// Marks the copies queued so far on the copy stream.
+    pub fn after_copies(device: usize) -> Result<Self> {
         let mut ptr = std::ptr::null_mut();
         check(unsafe { mt_cuda_copies_event(device as i64, &mut ptr) })?;
-        Ok(CopyEvent { ptr, device })
+        Ok(CudaEvent { ptr, device })
     }
 
-    /// The compute stream waits for the copies (the host goes on).
+    /// A timed event behind the compute stream's work so far: the device's own clock when it
+    /// gets there, so the time between two is the device's, whenever the host looks.
+    pub fn timed_on_compute(device: usize) -> Result<Self> {
+        let mut ptr = std::ptr::null_mut();
+        check(unsafe { mt_cuda_compute_mark(device as i64, &mut ptr) })?;
+        Ok(CudaEvent { ptr, device })
+    }
+
+    /// The compute stream waits for the event (the host goes on).
     pub fn block_compute(&self) -> Result<()> {
         check(unsafe { mt_cuda_event_block_compute(self.ptr, self.device as i64) })
     }
 
-    /// The host waits for the copies.
-    pub fn synchronize(&self) -> Result<()> {
-        check(unsafe { mt_cuda_event_synchronize(self.ptr) })
-    }
-}
-
-impl Drop for CopyEvent {
-    fn drop(&mut self) {
-        unsafe { mt_cuda_event_free(self.ptr) }
-    }
-}
-
-/// Where a CUDA device's compute stream is, on the device's own clock: a timed event behind the
-/// work queued so far. The time between two marks is the device's, whenever the host looks.
-pub struct ComputeMark {
-    ptr: *mut MtEvent,
-}
-
-// SAFETY: a CUDA event may be waited on from any thread; the handle is owned.
-unsafe impl Send for ComputeMark {}
-
-impl ComputeMark {
-    pub fn record(device: usize) -> Result<Self> {
-        let mut ptr = std::ptr::null_mut();
-        check(unsafe { mt_cuda_compute_mark(device as i64, &mut ptr) })?;
-        Ok(ComputeMark { ptr })
-    }
-
-    /// The host waits until the device has reached the mark.
+    /// The host waits until the device has reached the event.
     pub fn synchronize(&self) -> Result<()> {
         check(unsafe { mt_cuda_event_synchronize(self.ptr) })
     }
 
-    /// Seconds on the device's clock from `earlier` to this mark, both reached.
-    pub fn seconds_since(&self, earlier: &ComputeMark) -> Result<f64> {
+    /// Seconds on the device's clock from `earlier` to this event, both timed and reached.
+    pub fn seconds_since(&self, earlier: &CudaEvent) -> Result<f64> {
         let mut ms = 0.0;
         check(unsafe { mt_cuda_event_elapsed_ms(earlier.ptr, self.ptr, &mut ms) })?;
         Ok(ms / 1e3)
     }
 }
 
-impl Drop for ComputeMark {
+impl Drop for CudaEvent {
     fn drop(&mut self) {
         unsafe { mt_cuda_event_free(self.ptr) }
     }
