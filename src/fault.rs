@@ -168,12 +168,17 @@ pub fn squeeze_before_optimizer(step: i64) -> Squeeze {
 fn step_from(var: &'static str, cell: &'static OnceLock<Option<i64>>) -> Option<i64> {
     *cell.get_or_init(|| {
         let v = std::env::var(var).ok()?;
-        match v.split_once('@') {
-            Some((step, rank)) => {
-                let here = std::env::var("RANK").ok()?;
-                (here.trim() == rank.trim()).then(|| step.parse().ok()).flatten()
-            }
-            None => v.parse().ok(),
+        let (step, rank) = match v.split_once('@') {
+            Some((step, rank)) => (step, Some(rank)),
+            None => (v.as_str(), None),
+        };
+        let Ok(step) = step.trim().parse() else {
+            eprintln!("fault: {var}={v:?} is not a global step (N, or N@RANK); ignored");
+            return None;
+        };
+        match rank {
+            Some(rank) => (std::env::var("RANK").ok()?.trim() == rank.trim()).then_some(step),
+            None => Some(step),
         }
     })
 }
