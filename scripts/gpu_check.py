@@ -329,6 +329,35 @@ def judge_snapshot(rc, report, snapshot):
     return Check(name, expected, seen, ok)
 
 
+def trace_peak(snapshot, device=0):
+    """The allocated peak over the snapshot's recorded trace, replayed back from the blocks live
+    at the snapshot (up at alloc, down at free_requested, as the allocator counts), and the
+    number of alloc events."""
+    live = sum(int(b.get("size", 0)) for s in snapshot.get("segments", []) if s.get("device") == device
+               for b in s.get("blocks", []) if b.get("state") == "active_allocated")
+    traces = snapshot.get("device_traces") or []
+    trace = traces[device] if device < len(traces) else []
+    total = best = live
+    for e in reversed(trace):
+        total += {"alloc": -1, "free_requested": 1}.get(e.get("action"), 0) * int(e.get("size", 0))
+        best = max(best, total)
+    return best, sum(1 for e in trace if e.get("action") == "alloc")
+
+
+def judge_end_snapshot(summary, snapshot):
+    """memory.record_history: snapshot.pickle at the run's end carries the recorded allocations,
+    and the peak they replay to is one the allocator could have held (> 0, <= its peak reserved)."""
+    name = "end snapshot"
+    expected = "snapshot.pickle at the end; alloc events; 0 < replayed peak <= summary's peak reserved"
+    if snapshot is None:
+        return Check(name, expected, "no readable snapshot.pickle in the run directory", False)
+    peak, allocs = trace_peak(snapshot)
+    reserved = get(summary or {}, "memory.peak_reserved_bytes")
+    ok = allocs > 0 and 0 < peak and isinstance(reserved, int) and peak <= reserved
+    seen = f"{allocs} alloc event(s); replayed peak {size(peak)} vs peak reserved {size(reserved)}"
+    return Check(name, expected, seen, ok)
+
+
 def judge_inf_step(records, summary, at):
     """fp16-mixed with an inf planted at step `at`: that step skipped, the scale halved, the others
     not skipped."""
@@ -1077,8 +1106,14 @@ def check_snapshot(r, probe):
     except Exception:
         pass
     if p.rc not in (0, 3):
-        return [failure("OOM snapshot vs reserved", "exit 3", p)]
-    return [judge_snapshot(p.rc, report, snapshot)]
+        return [failure("OOM snapshot vs reserved", "exit 3", p), failure("end snapshot", "exit 3", p)]
+    end = None
+    try:
+        with open(os.path.join(out, "snapshot.pickle"), "rb") as f:
+            end = pickle.load(f)
+    except Exception:
+        pass
+    return [judge_snapshot(p.rc, report, snapshot), judge_end_snapshot(summary_of(out), end)]
 
 
 def check_fp16_inf(r, probe):
@@ -1413,7 +1448,7 @@ CHECKS = [
     ("info", check_info, ["info vs torch.cuda"]),
     ("backoff", check_backoff, ["OOM backoff (1 GiB cap)"]),
     ("cpu_fallback", check_cpu_fallback, ["OOM CPU fallback"]),
-    ("snapshot", check_snapshot, ["OOM snapshot vs reserved"]),
+    ("snapshot", check_snapshot, ["OOM snapshot vs reserved", "end snapshot"]),
     ("fp16_inf", check_fp16_inf, ["fp16 inf: skip + halve"]),
     ("recompute", check_recompute, ["recompute resnet18", "recompute vit"]),
     ("async_cap", check_async_cap, ["cudaMallocAsync cap"]),

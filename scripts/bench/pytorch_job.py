@@ -316,6 +316,8 @@ def cmd_train(a):
     if counting:
         counting.reset()
     if cuda:
+        if a.memory_snapshot:
+            torch.cuda.memory._record_memory_history(max_entries=100_000)
         torch.cuda.reset_peak_memory_stats(device)
     rss_peak_reset()
     # Each step's time runs from the previous step's loss read to its own (the first from the
@@ -335,6 +337,8 @@ def cmd_train(a):
         backward_and_step(loss, opt, scaler)
         losses.append(loss.item())
         stamps.append(time.time())
+    if cuda and a.memory_snapshot:
+        torch.cuda.memory._dump_snapshot(a.memory_snapshot)
     step_times = [b - t for t, b in zip(stamps, stamps[1:])]
     step_samples = [len(g) for g in groups]
     # The steps after the first epoch (after the first step with one epoch), as the driver times
@@ -386,6 +390,9 @@ def main():
     s.add_argument("--workers", type=int, default=8, help="--data-mode loader: the DataLoader's workers")
     s.add_argument("--deterministic", action="store_true",
                    help="torch.use_deterministic_algorithms and cuDNN's deterministic mode (scripts/gpu_check.py)")
+    s.add_argument("--memory-snapshot", default=None,
+                   help="CUDA: record the allocator's history over the steps and write its snapshot here"
+                        " (as memtrain's memory.record_history writes snapshot.pickle; scripts/bench/peak_diff.py)")
     s.add_argument("--result", required=True)
     a = p.parse_args()
     {"init": cmd_init, "train": cmd_train}[a.cmd](a)

@@ -55,6 +55,12 @@ impl Recorder {
         })
     }
 
+    /// `snapshot.pickle`: the caching allocator's state at the session's end, with the history
+    /// recorded since `memory.record_history` started it (PyTorch's memory_viz page reads it).
+    pub fn write_end_snapshot(&self, bytes: &[u8]) -> Result<()> {
+        write_atomic(&self.run_dir.join("snapshot.pickle"), bytes)
+    }
+
     /// What the summary would say of the session so far (its peaks, for the ranks' gathering).
     pub fn summary_so_far(&self) -> &SummarySink {
         &self.summary

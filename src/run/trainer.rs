@@ -1328,8 +1328,21 @@ impl Trainer {
     /// Every status it is called with is reached by all data-parallel ranks together, so the
     /// ranks' peaks can be gathered here. `unfinished`: the samples and seconds of an epoch the
     /// session stopped in (`--max-steps`).
+    /// With `memory.record_history` on CUDA: the allocator's history up to here, for finding what
+    /// made the peak. A snapshot that cannot be taken or written costs the run nothing else.
+    fn write_end_snapshot(&self) {
+        if !self.settings.record_history || !matches!(self.device(), Device::Cuda(_)) {
+            return;
+        }
+        let written = shim::memory_snapshot().and_then(|bytes| self.out.recorder.write_end_snapshot(&bytes));
+        if let Err(e) = written {
+            tracing::warn!("no allocator snapshot at the run's end: {e:#}");
+        }
+    }
+
     pub fn write_summary(&mut self, status: Status, unfinished: Option<(u64, f64)>) -> Result<()> {
         self.flush_record_or_warn();
+        self.write_end_snapshot();
         let mut memory = memory::sample(self.place());
         memory.include(&self.session.windows.epoch);
         let (allocated, reserved, rss) = self.out.recorder.summary_so_far().peaks_with(&memory);

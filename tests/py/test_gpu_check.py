@@ -163,6 +163,21 @@ class Judges(unittest.TestCase):
         self.assertFalse(g.judge_snapshot(0, report, snap).ok, "the run must end with exit 3")
         self.assertIn("no oom/report.json", g.judge_snapshot(3, None, snap).seen)
 
+    def test_end_snapshot_replays_its_trace_to_the_peak(self):
+        block = {"address": 0, "size": 2 * MiB, "state": "active_allocated"}
+        snap = {"segments": [{"device": 0, "blocks": [block]}],
+                "device_traces": [[{"action": "alloc", "addr": 0, "size": 2 * MiB},
+                                   {"action": "alloc", "addr": 9, "size": 3 * MiB},
+                                   {"action": "free_requested", "addr": 9, "size": 3 * MiB},
+                                   {"action": "free_completed", "addr": 9, "size": 3 * MiB}]]}
+        self.assertEqual(g.trace_peak(snap), (5 * MiB, 2))
+        summary = {"memory": {"peak_reserved_bytes": 8 * MiB}}
+        self.assertTrue(g.judge_end_snapshot(summary, snap).ok)
+        self.assertFalse(g.judge_end_snapshot({"memory": {"peak_reserved_bytes": 4 * MiB}}, snap).ok,
+                         "more allocated than ever reserved")
+        self.assertFalse(g.judge_end_snapshot(summary, dict(snap, device_traces=[[]])).ok, "no history")
+        self.assertFalse(g.judge_end_snapshot(summary, None).ok)
+
     def test_inf_step(self):
         recs = [step(1, 2.0, skipped=False, loss_scale=65536.0), step(2, 1.9, skipped=False, loss_scale=65536.0),
                 step(3, 1.8, skipped=True, loss_scale=32768.0), step(4, 1.7, skipped=False, loss_scale=32768.0)]
