@@ -329,32 +329,38 @@ def judge_snapshot(rc, report, snapshot):
     return Check(name, expected, seen, ok)
 
 
-def trace_peak(snapshot, device=0):
-    """The allocated peak over the snapshot's recorded trace, replayed back from the blocks live
-    at the snapshot (up at alloc, down at free_requested, as the allocator counts), and the
-    number of alloc events."""
-    live = sum(int(b.get("size", 0)) for s in snapshot.get("segments", []) if s.get("device") == device
-               for b in s.get("blocks", []) if b.get("state") == "active_allocated")
+def requested_at_oom(snapshot, device=0):
+    """The bytes tensors had asked for when the snapshot's trace recorded its last OOM, replayed
+    back from the blocks live at the snapshot (a trace event's size is the request's, so the live
+    blocks count their requested_size): up at alloc, down at free_requested, as the allocator
+    counts. None without an OOM in the trace."""
+    live = sum(int(b.get("requested_size", b.get("size", 0))) for s in snapshot.get("segments", [])
+               if s.get("device") == device for b in s.get("blocks", []) if b.get("state") == "active_allocated")
     traces = snapshot.get("device_traces") or []
     trace = traces[device] if device < len(traces) else []
-    total = best = live
+    total = live
     for e in reversed(trace):
+        if e.get("action") == "oom":
+            return total
         total += {"alloc": -1, "free_requested": 1}.get(e.get("action"), 0) * int(e.get("size", 0))
-        best = max(best, total)
-    return best, sum(1 for e in trace if e.get("action") == "alloc")
+    return None
 
 
-def judge_end_snapshot(summary, snapshot):
-    """memory.record_history: snapshot.pickle at the run's end carries the recorded allocations,
-    and the peak they replay to is one the allocator could have held (> 0, <= its peak reserved)."""
+def judge_end_snapshot(oom_snapshot, end_snapshot):
+    """memory.record_history: snapshot.pickle, written at the run's end, carries the history: its
+    trace replayed back to the OOM gives the tensor bytes the OOM's own snapshot shows live."""
     name = "end snapshot"
-    expected = "snapshot.pickle at the end; alloc events; 0 < replayed peak <= summary's peak reserved"
-    if snapshot is None:
+    expected = "snapshot.pickle at the end; its trace replayed to the OOM == the OOM snapshot's live requested bytes"
+    if end_snapshot is None:
         return Check(name, expected, "no readable snapshot.pickle in the run directory", False)
-    peak, allocs = trace_peak(snapshot)
-    reserved = get(summary or {}, "memory.peak_reserved_bytes")
-    ok = allocs > 0 and 0 < peak and isinstance(reserved, int) and peak <= reserved
-    seen = f"{allocs} alloc event(s); replayed peak {size(peak)} vs peak reserved {size(reserved)}"
+    if oom_snapshot is None:
+        return Check(name, expected, "no OOM snapshot to compare with", False)
+    at_oom = requested_at_oom(end_snapshot)
+    live = sum(int(b.get("requested_size", b.get("size", 0))) for s in oom_snapshot.get("segments", [])
+               for b in s.get("blocks", []) if b.get("state") == "active_allocated")
+    events = sum(len(t) for t in end_snapshot.get("device_traces") or [])
+    ok = at_oom is not None and at_oom == live
+    seen = f"{events} trace event(s); replayed to the OOM {at_oom} B vs the OOM snapshot's {live} B"
     return Check(name, expected, seen, ok)
 
 
@@ -685,6 +691,23 @@ def judge_step_time(records, summary):
         seen += f"; {len(short)} step(s) under half the median step ({min(short):.4f} s)"
     ok = complete and ordered and losses and epochs_after and not short and gap <= STEP_TIME_REL
     return Check(name, f"within {STEP_TIME_REL:.0%}, in order, no step under half the median", seen, ok)
+
+
+def judge_requested(records, summary):
+    """CUDA: every step record reads the peak of the bytes tensors asked for, above zero and at
+    most the peak allocated (which counts whole blocks), and the summary keeps the largest."""
+    name = "peak requested bytes"
+    expected = "every step: 0 < peak_requested <= peak_allocated; summary's == the records' largest"
+    steps = of_type(records, "step")
+    pairs = [(get(s, "memory.peak_requested_bytes"), get(s, "memory.peak_allocated_bytes")) for s in steps]
+    bad = [i + 1 for i, (q, a) in enumerate(pairs) if not (isinstance(q, int) and isinstance(a, int) and 0 < q <= a)]
+    top = max((q for q, _ in pairs if isinstance(q, int)), default=None)
+    kept = get(summary or {}, "memory.peak_requested_bytes")
+    rounding = [a - q for q, a in pairs if isinstance(q, int) and isinstance(a, int)]
+    seen = (f"{len(steps)} steps, {len(bad)} without a sound reading; largest {size(top)}, summary {size(kept)}; "
+            f"allocated above requested by {size(min(rounding, default=0))}..{size(max(rounding, default=0))}")
+    ok = bool(steps) and not bad and isinstance(kept, int) and top is not None and kept >= top
+    return Check(name, expected, seen, ok)
 
 
 def judge_step_syncs(rc, stderr, records, steps):
@@ -1113,7 +1136,7 @@ def check_snapshot(r, probe):
             end = pickle.load(f)
     except Exception:
         pass
-    return [judge_snapshot(p.rc, report, snapshot), judge_end_snapshot(summary_of(out), end)]
+    return [judge_snapshot(p.rc, report, snapshot), judge_end_snapshot(snapshot, end)]
 
 
 def check_fp16_inf(r, probe):
@@ -1410,7 +1433,8 @@ def check_step_time(r, probe):
     p, out = r.run("step-time", spec, ["train.epochs=2", "log.every_steps=1", "checkpoint.every_epochs=0"])
     if p.rc != 0:
         return [failure("step seconds vs wall time", "completes", p)]
-    return [judge_step_time(records_of(out), summary_of(out))]
+    records, summary = records_of(out), summary_of(out)
+    return [judge_step_time(records, summary), judge_requested(records, summary)]
 
 
 def check_loader(r, probe):
@@ -1465,7 +1489,7 @@ CHECKS = [
     ("vit_l16_config", check_vit_l16_config, ["configs/vit_l16_4gb.toml on CUDA"]),
     ("offload_speed", check_offload_speed, [f"offload speed: {n}" for n, *_ in SPEED_ROWS]),
     ("twins", check_twins, [f"{DEVICE.upper()} vs PyTorch {m}" for m, _ in TWINS]),
-    ("step_time", check_step_time, ["step seconds vs wall time"]),
+    ("step_time", check_step_time, ["step seconds vs wall time", "peak requested bytes"]),
     ("loader", check_loader, ["loader on the device"]),
     ("step_syncs", check_step_syncs, ["no wait inside a step"]),
     # Last: it reads the stderr of every run before it.

@@ -21,6 +21,10 @@ pub struct MemorySample {
     pub peak_allocated_bytes: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_reserved_bytes: Option<u64>,
+    /// CUDA: the peak of the bytes tensors asked for, before the allocator rounds them to its
+    /// blocks (see `shim::DeviceStats::requested`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_requested_bytes: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub device_free_bytes: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -50,6 +54,9 @@ pub struct StepMemory {
     pub peak_allocated_bytes: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_reserved_bytes: Option<u64>,
+    /// CUDA (see `MemorySample::peak_requested_bytes`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_requested_bytes: Option<u64>,
     /// Host tensor bytes (see `MemorySample::host_bytes`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub host_bytes: Option<u64>,
@@ -66,6 +73,7 @@ impl StepMemory {
         self.rss_bytes = later.rss_bytes;
         self.peak_allocated_bytes = max_opt(self.peak_allocated_bytes, later.peak_allocated_bytes);
         self.peak_reserved_bytes = max_opt(self.peak_reserved_bytes, later.peak_reserved_bytes);
+        self.peak_requested_bytes = max_opt(self.peak_requested_bytes, later.peak_requested_bytes);
         self.host_bytes = later.host_bytes;
         self.peak_host_bytes = max_opt(self.peak_host_bytes, later.peak_host_bytes);
     }
@@ -76,6 +84,7 @@ impl MemorySample {
     pub fn include(&mut self, steps: &StepMemory) {
         self.peak_allocated_bytes = max_opt(self.peak_allocated_bytes, steps.peak_allocated_bytes);
         self.peak_reserved_bytes = max_opt(self.peak_reserved_bytes, steps.peak_reserved_bytes);
+        self.peak_requested_bytes = max_opt(self.peak_requested_bytes, steps.peak_requested_bytes);
         self.peak_host_bytes = max_opt(self.peak_host_bytes, steps.peak_host_bytes);
     }
 }
@@ -109,6 +118,7 @@ pub fn step_reading(place: Place) -> StepMemory {
                 m.reserved_bytes = Some(s.reserved);
                 m.peak_allocated_bytes = Some(s.peak_allocated);
                 m.peak_reserved_bytes = Some(s.peak_reserved);
+                m.peak_requested_bytes = Some(s.peak_requested);
                 let _ = shim::reset_peak_stats(i);
             }
             (m.host_bytes, m.peak_host_bytes) = pinned_figures();
@@ -184,6 +194,7 @@ pub fn sample(place: Place) -> MemorySample {
             m.reserved_bytes = Some(s.reserved);
             m.peak_allocated_bytes = Some(s.peak_allocated);
             m.peak_reserved_bytes = Some(s.peak_reserved);
+            m.peak_requested_bytes = Some(s.peak_requested);
             m.num_alloc_retries = Some(s.num_alloc_retries);
         }
         (m.host_bytes, m.peak_host_bytes) = pinned_figures();

@@ -29,7 +29,12 @@ Per process:
   peak alloc     tensor bytes at their peak over the training steps: on the CPU both sides count
                  with memtrain's counting allocator (src/shim/shim.cpp, built into a shared
                  library for the Python side and installed with c10::SetCPUAllocator); on CUDA the
-                 caching allocator's max_memory_allocated
+                 caching allocator's max_memory_allocated, which counts whole blocks
+  Δ peak         memtrain's peak minus PyTorch's, in MiB: allocated as above, and on CUDA
+                 requested (the bytes tensors asked for, before the allocator rounds each to a
+                 block: a request served from a cached block with under 1 MiB to spare takes the
+                 whole block, so the same tensors allocated in another order count differently
+                 in allocated but not in requested)
   peak RSS       the kernel's high-water mark (VmHWM), reset when training starts
   start-up       from the process's launch to the start of its first step (imports, libtorch,
                  model, data)
@@ -141,6 +146,7 @@ def run_memtrain(a, work, job, setting, rep):
         "samples_per_s": sum(samples) / max(sum(wall), 1e-12),
         "median_step_samples_per_s": statistics.median(n / max(t, 1e-12) for n, t in zip(samples, wall)),
         "peak_allocated_bytes": max(s["memory"].get("peak_allocated_bytes", 0) for s in steps),
+        "peak_requested_bytes": max((s["memory"].get("peak_requested_bytes") or 0 for s in steps), default=0) or None,
         "peak_rss_bytes": summary["memory"]["peak_rss_bytes"],
         "checkpointing": summary["precision"]["activation_checkpointing"],
         "losses": [s["loss"] for s in steps],
@@ -266,7 +272,8 @@ def header(a):
     cols = ["job", "setting", "samples/s memtrain"]
     for b in a.baselines:
         cols += [f"PyTorch {b}", "ratio (range)"]
-    cols += ["median-step ratio (range)", "peak alloc memtrain", "PyTorch", "ratio", "peak RSS ratio",
+    cols += ["median-step ratio (range)", "peak alloc memtrain", "PyTorch", "ratio", "Δ peak alloc",
+             "Δ peak requested", "peak RSS ratio",
              "start-up memtrain", "PyTorch", "loss gap"]
     print("| " + " | ".join(cols) + " |")
     print("|---" * len(cols) + "|")
@@ -286,10 +293,18 @@ def print_row(a, job, setting, mt, pt):
     rss = [m["peak_rss_bytes"] / q["peak_rss_bytes"] for m, q in zip(mt, first)]
     gap = max(loss_gap(m, q) for b in a.baselines for m, q in zip(mt, pt[b]))
     cells += [f"{med(step):.2f} ({spread(step)})", mib(med([m["peak_allocated_bytes"] for m in mt])),
-              mib(med([q["peak_allocated_bytes"] for q in first])), f"{med(alloc):.2f}", f"{med(rss):.2f}",
+              mib(med([q["peak_allocated_bytes"] for q in first])), f"{med(alloc):.2f}",
+              delta(mt, first, "peak_allocated_bytes"), delta(mt, first, "peak_requested_bytes"), f"{med(rss):.2f}",
               f"{med([m['startup_seconds'] for m in mt]):.2f} s", f"{med([q['startup_seconds'] for q in first]):.2f} s",
               f"{gap:.0e}" + ("" if n == a.reps else f" ({n} of {a.reps} rounds)")]
     print("| " + " | ".join(cells) + " |", flush=True)
+
+
+def delta(mt, pt, key):
+    """memtrain's figure minus PyTorch's in MiB, median over the rounds; "-" where a side has
+    none (requested bytes are CUDA's alone)."""
+    d = [m[key] - q[key] for m, q in zip(mt, pt) if m.get(key) is not None and q.get(key) is not None]
+    return f"{med(d) / 2**20:+.1f} MiB" if d else "-"
 
 
 def trace(a, job, setting, side, rep, result):

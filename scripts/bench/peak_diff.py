@@ -10,8 +10,9 @@ op that allocated them.
 
     peak_diff.py A.pickle B.pickle [--names memtrain,pytorch] [--top 20]
 
-Allocated bytes are counted as the caching allocator counts them: up at `alloc`, down at
-`free_requested`. Only the trace's window is seen (memtrain keeps the last 100,000 events).
+Bytes are the requests' (a trace event's size is what was asked for, before the allocator rounds
+it to a block), counted as the allocator counts them: up at `alloc`, down at `free_requested`.
+Only the trace's window is seen (memtrain keeps the last 100,000 events).
 """
 import argparse
 import collections
@@ -19,7 +20,7 @@ import pickle
 import sys
 
 # Frames that say nothing of which op asked: the allocator, the dispatcher, tensor factories.
-PLUMBING = ("c10::", "at::detail::empty", "at::empty", "at::native::empty", "at::TensorBase",
+PLUMBING = ("torch::unwind", "torch::CapturedTraceback", "??", "c10::", "at::detail::empty", "at::empty", "at::native::empty", "at::TensorBase",
             "torch::autograd::", "at::_ops::", "c10_cuda", "CUDACachingAllocator", "std::",
             "at::(anonymous", "torch::jit", "_PyEval", "PyObject", "at::Tensor::", "at::native::resize",
             "at::native::(anonymous namespace)::wrapper", "at::meta::", "at::impl::")
@@ -37,7 +38,8 @@ def live_blocks(snapshot, device):
             continue
         for b in seg.get("blocks", []):
             if b.get("state") == "active_allocated":
-                live[b["address"]] = (int(b["size"]), b.get("frames") or [])
+                # A trace event's size is the request's, so the live blocks count theirs too.
+                live[b["address"]] = (int(b.get("requested_size", b["size"])), b.get("frames") or [])
     return live
 
 

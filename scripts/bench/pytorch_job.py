@@ -352,6 +352,7 @@ def cmd_train(a):
             [n / max(t, 1e-12) for n, t in zip(step_samples[timed], step_times[timed])]),
         "peak_allocated_bytes": torch.cuda.max_memory_allocated(device) if cuda
         else (counting.peak() if counting else None),
+        "peak_requested_bytes": torch.cuda.memory_stats(device).get("requested_bytes.all.peak") if cuda else None,
         "peak_rss_bytes": rss_peak(),
         "steps": len(losses),
         "step_seconds": step_times,

@@ -324,6 +324,10 @@ pub struct MemorySummary {
     pub allocator_conf: Option<String>,
     pub peak_allocated_bytes: Option<u64>,
     pub peak_reserved_bytes: Option<u64>,
+    /// CUDA: the peak of the bytes tensors asked for, before the allocator rounded them to its
+    /// blocks; `peak_allocated_bytes` minus this is the rounding.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_requested_bytes: Option<u64>,
     pub peak_rss_bytes: u64,
     /// Peak host tensor bytes: what the memory levers moved off the device (CPU runs).
     #[serde(default, skip_serializing_if = "Option::is_none")]

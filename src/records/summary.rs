@@ -40,6 +40,7 @@ pub struct SummarySink {
     max_spike: Option<u64>,
     peak_allocated: Option<u64>,
     peak_reserved: Option<u64>,
+    peak_requested: Option<u64>,
     peak_rss: u64,
     peak_host: Option<u64>,
 }
@@ -69,6 +70,7 @@ impl SummarySink {
     fn peaks(&mut self, m: &MemorySample) {
         self.peak_allocated = max_opt(self.peak_allocated, m.peak_allocated_bytes);
         self.peak_reserved = max_opt(self.peak_reserved, m.peak_reserved_bytes);
+        self.peak_requested = max_opt(self.peak_requested, m.peak_requested_bytes);
         self.peak_rss = self.peak_rss.max(m.peak_rss_bytes);
         self.peak_host = max_opt(self.peak_host, m.peak_host_bytes);
     }
@@ -111,6 +113,7 @@ impl SummarySink {
                 allocator_conf: self.allocator_conf.clone(),
                 peak_allocated_bytes: peak_allocated,
                 peak_reserved_bytes: peak_reserved,
+                peak_requested_bytes: max_opt(self.peak_requested, c.memory.peak_requested_bytes),
                 peak_rss_bytes: peak_rss,
                 peak_host_bytes: max_opt(self.peak_host, c.memory.peak_host_bytes),
                 step_readings: c.step_readings,

@@ -27,6 +27,7 @@ struct MtDeviceStats {
     inactive_split: MtStat,
     num_alloc_retries: i64,
     num_ooms: i64,
+    requested: MtStat,
 }
 
 #[repr(C)]
@@ -171,6 +172,11 @@ pub struct DeviceStats {
     pub peak_inactive_split: u64,
     pub num_alloc_retries: u64,
     pub num_ooms: u64,
+    /// The bytes tensors asked for, before the allocator rounds each to its block (`allocated`
+    /// counts whole blocks: a request served from a cached block whose remainder is too small to
+    /// split holds the whole block).
+    pub requested: u64,
+    pub peak_requested: u64,
 }
 
 /// Whether libtorch sees an accelerator (CUDA here) with at least one device.
@@ -207,6 +213,8 @@ pub fn device_stats(device: usize) -> Result<Option<DeviceStats>> {
         peak_inactive_split: u(s.inactive_split.peak),
         num_alloc_retries: u(s.num_alloc_retries),
         num_ooms: u(s.num_ooms),
+        requested: u(s.requested.current),
+        peak_requested: u(s.requested.peak),
     }))
 }
 

@@ -200,6 +200,7 @@ struct MtDeviceStats {
   MtStat inactive_split;
   int64_t num_alloc_retries;
   int64_t num_ooms;
+  MtStat requested;
 };
 
 void mt_free_error(char *e) {
@@ -275,6 +276,7 @@ char *mt_device_stats(int64_t device, MtDeviceStats *out) {
     fill(out->reserved, s.reserved_bytes);
     fill(out->active, s.active_bytes);
     fill(out->inactive_split, s.inactive_split_bytes);
+    fill(out->requested, s.requested_bytes);
     out->num_alloc_retries = s.num_alloc_retries;
     out->num_ooms = s.num_ooms;
   });

@@ -163,20 +163,31 @@ class Judges(unittest.TestCase):
         self.assertFalse(g.judge_snapshot(0, report, snap).ok, "the run must end with exit 3")
         self.assertIn("no oom/report.json", g.judge_snapshot(3, None, snap).seen)
 
-    def test_end_snapshot_replays_its_trace_to_the_peak(self):
-        block = {"address": 0, "size": 2 * MiB, "state": "active_allocated"}
-        snap = {"segments": [{"device": 0, "blocks": [block]}],
-                "device_traces": [[{"action": "alloc", "addr": 0, "size": 2 * MiB},
-                                   {"action": "alloc", "addr": 9, "size": 3 * MiB},
-                                   {"action": "free_requested", "addr": 9, "size": 3 * MiB},
-                                   {"action": "free_completed", "addr": 9, "size": 3 * MiB}]]}
-        self.assertEqual(g.trace_peak(snap), (5 * MiB, 2))
-        summary = {"memory": {"peak_reserved_bytes": 8 * MiB}}
-        self.assertTrue(g.judge_end_snapshot(summary, snap).ok)
-        self.assertFalse(g.judge_end_snapshot({"memory": {"peak_reserved_bytes": 4 * MiB}}, snap).ok,
-                         "more allocated than ever reserved")
-        self.assertFalse(g.judge_end_snapshot(summary, dict(snap, device_traces=[[]])).ok, "no history")
-        self.assertFalse(g.judge_end_snapshot(summary, None).ok)
+    def test_end_snapshot_replays_its_trace_to_the_oom(self):
+        def snap(live, trace):
+            blocks = [{"address": a, "size": 2 * MiB, "requested_size": r, "state": "active_allocated"} for a, r in live]
+            return {"segments": [{"device": 0, "blocks": blocks}], "device_traces": [trace]}
+        at_oom = snap([(0, MiB + 8)], [{"action": "alloc", "addr": 0, "size": MiB + 8}, {"action": "oom", "size": 9 * MiB}])
+        # After the OOM: block 0 freed, block 5 asked for and still live.
+        end = snap([(5, 300)], at_oom["device_traces"][0] + [
+            {"action": "free_requested", "addr": 0, "size": MiB + 8},
+            {"action": "free_completed", "addr": 0, "size": MiB + 8},
+            {"action": "alloc", "addr": 5, "size": 300}])
+        self.assertEqual(g.requested_at_oom(end), MiB + 8)
+        self.assertTrue(g.judge_end_snapshot(at_oom, end).ok)
+        self.assertFalse(g.judge_end_snapshot(snap([(0, MiB + 9)], []), end).ok, "another live total")
+        self.assertFalse(g.judge_end_snapshot(at_oom, snap([(5, 300)], [])).ok, "no history")
+        self.assertFalse(g.judge_end_snapshot(at_oom, None).ok)
+
+    def test_requested_bytes_sit_under_allocated(self):
+        recs = [step(1, 2.0, memory={"peak_requested_bytes": 90, "peak_allocated_bytes": 100}),
+                step(2, 1.9, memory={"peak_requested_bytes": 95, "peak_allocated_bytes": 95})]
+        self.assertTrue(g.judge_requested(recs, {"memory": {"peak_requested_bytes": 95}}).ok)
+        self.assertFalse(g.judge_requested(recs, {"memory": {"peak_requested_bytes": 90}}).ok, "summary lost the top")
+        recs[1]["memory"]["peak_requested_bytes"] = 96
+        self.assertFalse(g.judge_requested(recs, {"memory": {"peak_requested_bytes": 96}}).ok, "above allocated")
+        self.assertFalse(g.judge_requested([step(1, 2.0, memory={"peak_allocated_bytes": 100})],
+                                           {"memory": {"peak_requested_bytes": 1}}).ok, "no reading (a CPU run)")
 
     def test_inf_step(self):
         recs = [step(1, 2.0, skipped=False, loss_scale=65536.0), step(2, 1.9, skipped=False, loss_scale=65536.0),
@@ -465,8 +476,10 @@ class Rehearsal(unittest.TestCase):
             self.assertTrue(c.ok, c)
 
     def test_step_seconds_add_up_and_no_run_warns(self):
-        (c,) = self.rows(g.check_step_time)
+        c, requested = self.rows(g.check_step_time)
         self.assertTrue(c.ok, c)
+        # The CPU's counting allocator keeps no requested figure: the CUDA-only row says so.
+        self.assertFalse(requested.ok, requested)
         self.assertEqual([n for n, _ in self.r.stderrs], ["step-time"], "the run's stderr was kept")
         (w,) = self.rows(g.check_no_warnings)
         self.assertTrue(w.ok, w)
