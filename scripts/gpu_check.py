@@ -58,6 +58,12 @@ SMI_OVERHEAD = 3 * GiB // 2  # CUDA context, cuBLAS/cuDNN workspaces: outside th
 # much. A defect (a wrong stride or padding, a term left out, another data order) moves the
 # loss by percent from the first step, far past this.
 LOSS_REL_TWIN = 1e-3
+# A step retried at half the micro-batch vs a run set to that micro-batch: the same kernels on
+# the same samples, deterministic, but under the cap cuDNN may find less room for a workspace and
+# take another algorithm, which rounds apart in TF32 as the twins do. Statistics left as the failed
+# attempt made them (one more BatchNorm update at momentum 0.1) are apart by percent, and their
+# update counts by one.
+LOSS_REL_RETRY = LOSS_REL_TWIN
 STEP_TIME_REL = 0.05  # step seconds summed vs the epochs' wall time: both tile the same loop
 
 
@@ -150,6 +156,22 @@ def safetensors_keys(path):
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
     return sorted(k for k in header if k != "__metadata__")
+
+
+def batchnorm_state(data):
+    """BatchNorm's buffers in a model.safetensors file's bytes: {name: [values]} for every
+    running_mean, running_var (f32) and num_batches_tracked (i64)."""
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    fmt = {"F32": "f", "I64": "q"}
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__" or not name.endswith(("running_mean", "running_var", "num_batches_tracked")):
+            continue
+        a, b = t["data_offsets"]
+        raw = data[8 + n + a:8 + n + b]
+        out[name] = list(struct.unpack(f"<{len(raw) // struct.calcsize(fmt[t['dtype']])}{fmt[t['dtype']]}", raw))
+    return out
 
 
 def parse_smi_apps(text):
@@ -273,6 +295,31 @@ def judge_backoff(summary, micro):
         f" {summary.get('status')} on {summary.get('device')}, peak reserved {size(get(summary, 'memory.peak_reserved_bytes'))}"
     )
     return Check("OOM backoff (1 GiB cap)", f">= 1 backoff, micro-batch < {micro}, effective {micro}, completed on cuda", seen, ok)
+
+
+BN_RETRY = "OOM retry restores BatchNorm"
+
+
+def judge_bn_retry(capped, capped_bn, small_bn, micro):
+    """ResNet18 capped so its first step runs out of memory at `micro` and is retried at half:
+    the retry must start from the BatchNorm statistics the failed attempt found, so the run ends
+    with those of a run set to the smaller micro-batch from the start: the same update counts
+    (num_batches_tracked; the failed attempt's forward counted one more in every layer it
+    reached) and running statistics within the tolerance."""
+    expected = (f">= 1 backoff from {micro}; the final BatchNorm buffers equal the run set to {micro // 2}'s"
+                f" (counts exactly, statistics within {LOSS_REL_RETRY:g} rel.)")
+    backed = (get(capped, "oom.backoffs") or 0) >= 1 and get(capped, "batch.final_micro_batch") == micro // 2
+    seen = f"{get(capped, 'oom.backoffs')} backoff(s), micro-batch {micro} -> {get(capped, 'batch.final_micro_batch')}"
+    if not backed or capped.get("status") != "completed":
+        return Check(BN_RETRY, expected, seen + f", {capped.get('status')}", False)
+    if not capped_bn or sorted(capped_bn) != sorted(small_bn or {}):
+        return Check(BN_RETRY, expected, seen + f"; BatchNorm buffers {len(capped_bn or {})} vs {len(small_bn or {})}", False)
+    counts = [k for k in capped_bn if k.endswith("num_batches_tracked") and capped_bn[k] != small_bn[k]]
+    stats = [k for k in capped_bn if not k.endswith("num_batches_tracked")]
+    scale = max((abs(v) for k in stats for v in small_bn[k]), default=1.0) or 1.0
+    gap = max((abs(a - b) for k in stats for a, b in zip(capped_bn[k], small_bn[k])), default=0.0) / scale
+    seen += f"; {len(stats)} statistics, largest gap {gap:.1e} of their largest; {len(counts)} update count(s) apart"
+    return Check(BN_RETRY, expected, seen, not counts and gap <= LOSS_REL_RETRY)
 
 
 def judge_cpu_fallback(summary):
@@ -1111,6 +1158,30 @@ def check_backoff(r, probe):
     return [judge_backoff(summary_of(out), 1024)]
 
 
+def check_bn_retry(r, probe):
+    # The cap lies between the preflight peaks (reserved on CUDA, tensor bytes on the CPU) of
+    # micro-batch 64 and of 32 x 2, so the first step fails at 64 and fits at 32.
+    spec = spec_file(r, "bn-retry", RESNET.format(device=DEVICE))
+    sets = ["train.epochs=1", "checkpoint.every_epochs=1", "train.batch_size=64"]
+    halved = ["train.batch_size=32", "train.accumulation_steps=2"]
+    p64, o64 = r.run("bn-64", spec, sets, env=DETERMINISTIC_ENV)
+    p32, o32 = r.run("bn-32", spec, sets + halved, env=DETERMINISTIC_ENV)
+    if p64.rc != 0 or p32.rc != 0:
+        return [failure(BN_RETRY, "completes", p64 if p64.rc else p32)]
+    peaks = [get((of_type(records_of(o), "preflight") or [{}])[0], "peak_bytes") for o in (o64, o32)]
+    if not all(isinstance(x, int) for x in peaks) or peaks[0] <= peaks[1]:
+        return [Check(BN_RETRY, "micro-batch 64 peaks above 32 x 2", f"preflight peaks {peaks}", False)]
+    cap = peaks[1] + (peaks[0] - peaks[1]) // 2
+    pc, oc = r.run("bn-capped", spec, sets + [f"memory.limit={cap}", 'memory.on_oom=["backoff","fail"]'],
+                   env=DETERMINISTIC_ENV)
+    if pc.rc != 0:
+        return [failure(BN_RETRY, "completes", pc)]
+    state = [final_model_bytes(o) for o in (oc, o32)]
+    if None in state:
+        return [Check(BN_RETRY, "a final checkpoint on both sides", f"checkpoints found: {[s is not None for s in state]}", False)]
+    return [judge_bn_retry(summary_of(oc), batchnorm_state(state[0]), batchnorm_state(state[1]), 64)]
+
+
 def check_cpu_fallback(r, probe):
     p, out = r.run("cpu", DIGITS, big() + ['memory.on_oom=["cpu"]'])
     if p.rc != 0:
@@ -1472,6 +1543,7 @@ CHECKS = [
     ("info", check_info, ["info vs torch.cuda"]),
     ("backoff", check_backoff, ["OOM backoff (1 GiB cap)"]),
     ("cpu_fallback", check_cpu_fallback, ["OOM CPU fallback"]),
+    ("bn_retry", check_bn_retry, [BN_RETRY]),
     ("snapshot", check_snapshot, ["OOM snapshot vs reserved", "end snapshot"]),
     ("fp16_inf", check_fp16_inf, ["fp16 inf: skip + halve"]),
     ("recompute", check_recompute, ["recompute resnet18", "recompute vit"]),

@@ -57,7 +57,8 @@ impl Rollback {
 
 /// Copies of many small tensors (BatchNorm's running statistics), packed into one flat tensor
 /// per device and kind: taken before every step, so a few kernels rather than one per buffer,
-/// which on a GPU would leave it idle while they launch.
+/// which on a GPU would leave it idle while they launch. A device's copy waits in pinned host
+/// memory, so the step's peak holds no device bytes for a retry that rarely comes.
 struct Packed(Vec<(Vec<Tensor>, Tensor)>);
 
 impl Packed {
@@ -76,12 +77,14 @@ impl Packed {
                 .map(|(_, g)| {
                     let flat: Vec<Tensor> = g.iter().map(|t| t.reshape([-1])).collect();
                     let packed = tch::no_grad(|| Tensor::cat(&flat, 0));
-                    (g, packed)
+                    (g, off_the_device(packed))
                 })
                 .collect(),
         )
     }
 
+    /// On CUDA the copy back is queued on the compute stream behind the copy out, so it reads
+    /// the values as they were when the step began.
     fn restore(&self) {
         tch::no_grad(|| {
             for (live, packed) in &self.0 {
@@ -91,6 +94,17 @@ impl Packed {
                 }
             }
         });
+    }
+}
+
+/// A CUDA tensor copied to pinned host memory on the compute stream, without waiting: the
+/// device block goes back to the allocator at once, and the stream's order keeps the step from
+/// changing the values before the copy has read them. Kept on the device when the host copy
+/// cannot be made.
+fn off_the_device(t: Tensor) -> Tensor {
+    match t.device() {
+        Device::Cuda(_) => t.f_to_device_(Device::Cpu, t.kind(), true, false).unwrap_or(t),
+        _ => t,
     }
 }
 

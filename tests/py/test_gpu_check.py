@@ -189,6 +189,28 @@ class Judges(unittest.TestCase):
         self.assertFalse(g.judge_requested([step(1, 2.0, memory={"peak_allocated_bytes": 100})],
                                            {"memory": {"peak_requested_bytes": 1}}).ok, "no reading (a CPU run)")
 
+    def test_bn_retry_needs_the_statistics_of_the_smaller_micro_batch(self):
+        def safetensors(tensors):
+            header, blob = {}, b""
+            for name, (dtype, values) in tensors.items():
+                raw = struct.pack(f"<{len(values)}{'f' if dtype == 'F32' else 'q'}", *values)
+                header[name] = {"dtype": dtype, "shape": [len(values)], "data_offsets": [len(blob), len(blob) + len(raw)]}
+                blob += raw
+            h = json.dumps(header).encode()
+            return struct.pack("<Q", len(h)) + h + blob
+
+        def bn(mean, count):
+            return g.batchnorm_state(safetensors({"bn.running_mean": ("F32", mean), "bn.running_var": ("F32", [1.0, 1.0]),
+                                                  "bn.num_batches_tracked": ("I64", [count]), "fc.weight": ("F32", [0.5])}))
+        small = bn([0.25, -0.5], 4)
+        self.assertEqual(sorted(small), ["bn.num_batches_tracked", "bn.running_mean", "bn.running_var"])
+        self.assertEqual(small["bn.num_batches_tracked"], [4])
+        capped = {"status": "completed", "oom": {"backoffs": 1}, "batch": {"final_micro_batch": 32}}
+        self.assertTrue(g.judge_bn_retry(capped, bn([0.25, -0.5], 4), small, 64).ok)
+        self.assertFalse(g.judge_bn_retry(capped, bn([0.25, -0.5], 5), small, 64).ok, "the failed attempt's update counted")
+        self.assertFalse(g.judge_bn_retry(capped, bn([0.3, -0.5], 4), small, 64).ok, "statistics it left")
+        self.assertFalse(g.judge_bn_retry(dict(capped, oom={"backoffs": 0}), small, small, 64).ok, "no OOM")
+
     def test_inf_step(self):
         recs = [step(1, 2.0, skipped=False, loss_scale=65536.0), step(2, 1.9, skipped=False, loss_scale=65536.0),
                 step(3, 1.8, skipped=True, loss_scale=32768.0), step(4, 1.7, skipped=False, loss_scale=32768.0)]
@@ -464,6 +486,14 @@ class Rehearsal(unittest.TestCase):
             if c.name == "optimizer fused":
                 continue  # torch.optim's fused AdamW on the CPU is not what the GPU check compares
             self.assertTrue(c.ok or "binary has no train.optimizer_impl" in c.seen, c)
+
+    def test_bn_retry_on_the_cpu(self):
+        # At 32 px the weights' state outweighs the activations unless the stem keeps them large;
+        # at 128 px on a GPU the activations dominate as they are.
+        g.RESNET = SMALL_RESNET.replace("image_size = 32", "image_size = 32\nsmall_stem = true")
+        (c,) = self.rows(g.check_bn_retry)
+        self.assertTrue(c.ok, c)
+        self.assertIn("1 backoff(s), micro-batch 64 -> 32", c.seen)
 
     def test_host_levers_match_the_all_device_run(self):
         for c in self.rows(g.check_host_levers):
