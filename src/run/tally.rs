@@ -56,7 +56,13 @@ pub struct Tally {
 impl Tally {
     /// Sums that start from what is already known (a resumed epoch's).
     pub fn new(device: Device, loss_sum: f64, correct: i64) -> Tally {
-        let sums = Tensor::from_slice(&[0.0, loss_sum, 0.0, correct as f64]).to_device(device);
+        // Filled where it lives: an upload from pageable memory would make the host wait for the
+        // device's queued work.
+        let sums = Tensor::zeros([4], (Kind::Double, device));
+        tch::no_grad(|| {
+            let _ = sums.narrow(0, 1, 1).fill_(loss_sum);
+            let _ = sums.narrow(0, 3, 1).fill_(correct as f64);
+        });
         Tally { sums, pending: false }
     }
 
