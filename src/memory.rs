@@ -21,8 +21,8 @@ pub struct MemorySample {
     pub peak_allocated_bytes: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_reserved_bytes: Option<u64>,
-    /// CUDA: the peak of the bytes tensors asked for, before the allocator rounds them to its
-    /// blocks (see `shim::DeviceStats::requested`).
+    /// CUDA's native allocator: the peak of the bytes tensors asked for, before the allocator
+    /// rounds them to its blocks (see `shim::DeviceStats::requested`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_requested_bytes: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -31,8 +31,8 @@ pub struct MemorySample {
     pub device_total_bytes: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub num_alloc_retries: Option<u64>,
-    /// Host tensor bytes: what the memory levers moved off the device (counted apart from
-    /// `allocated_bytes`, never against the cap). CPU runs only for now.
+    /// Host tensor bytes, counted apart from `allocated_bytes` and never against the cap: on the
+    /// CPU what the memory levers moved off the device, on CUDA the pinned host memory in use.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub host_bytes: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -118,7 +118,7 @@ pub fn step_reading(place: Place) -> StepMemory {
                 m.reserved_bytes = Some(s.reserved);
                 m.peak_allocated_bytes = Some(s.peak_allocated);
                 m.peak_reserved_bytes = Some(s.peak_reserved);
-                m.peak_requested_bytes = Some(s.peak_requested);
+                m.peak_requested_bytes = requested(&s);
                 let _ = shim::reset_peak_stats(i);
             }
             (m.host_bytes, m.peak_host_bytes) = pinned_figures();
@@ -128,8 +128,14 @@ pub fn step_reading(place: Place) -> StepMemory {
     m
 }
 
+/// The requested peak where the allocator counts it: cudaMallocAsync leaves it at zero.
+fn requested(s: &shim::DeviceStats) -> Option<u64> {
+    (s.peak_requested > 0 || s.peak_allocated == 0).then_some(s.peak_requested)
+}
+
 /// On CUDA, host memory is what the pinned host allocator holds for tensors (host levers'
-/// buffers and the inputs' staging), recorded once something has been pinned.
+/// buffers, the inputs' staging, the copy of the model's buffers a step keeps for a retry),
+/// recorded once something has been pinned.
 fn pinned_figures() -> (Option<u64>, Option<u64>) {
     match shim::copies::cuda_host_stats() {
         Ok((now, peak)) if now > 0 || peak > 0 => (Some(now), Some(peak)),
@@ -194,7 +200,7 @@ pub fn sample(place: Place) -> MemorySample {
             m.reserved_bytes = Some(s.reserved);
             m.peak_allocated_bytes = Some(s.peak_allocated);
             m.peak_reserved_bytes = Some(s.peak_reserved);
-            m.peak_requested_bytes = Some(s.peak_requested);
+            m.peak_requested_bytes = requested(&s);
             m.num_alloc_retries = Some(s.num_alloc_retries);
         }
         (m.host_bytes, m.peak_host_bytes) = pinned_figures();

@@ -4,15 +4,16 @@
 Reads two allocator snapshots with recorded history (memtrain's snapshot.pickle, written at a
 run's end with memory.record_history = true; PyTorch's torch.cuda.memory._dump_snapshot, as
 scripts/bench/pytorch_job.py --memory-snapshot writes it), replays each trace backwards from the
-blocks live at the snapshot to the moment allocated bytes were highest, and prints the blocks
-live then that one side has and the other has not, by size, with the first frames that name the
-op that allocated them.
+blocks live at the snapshot to the moment the live tensors' bytes were highest, and prints the
+blocks live then that one side has and the other has not, by size, with the first frames of
+the stack that allocated them.
 
     peak_diff.py A.pickle B.pickle [--names memtrain,pytorch] [--top 20]
 
 Bytes are the requests' (a trace event's size is what was asked for, before the allocator rounds
-it to a block), counted as the allocator counts them: up at `alloc`, down at `free_requested`.
-Only the trace's window is seen (memtrain keeps the last 100,000 events).
+it to a block): up at `alloc`, down at `free_requested`, when the tensor let go. Only the trace's
+window is seen (memtrain keeps the last 100,000 events); a block allocated before it shows the
+stack the snapshot's segments keep for it, or none.
 """
 import argparse
 import collections
@@ -62,13 +63,19 @@ def peak_moment(snapshot, device=0):
             total += int(e["size"])
         if total > best:
             best, best_at = total, i
-    # Walk back again to the peak, this time keeping the blocks.
+    # Walk back again to the peak, this time keeping the blocks. A block brought back at its
+    # free_requested takes the stack of the alloc that made it (the free's own stack says where
+    # it was let go).
+    allocated_by = {}
+    for e in trace[:best_at]:
+        if e["action"] == "alloc":
+            allocated_by[e["addr"]] = e.get("frames") or []
     for i in range(len(trace) - 1, best_at - 1, -1):
         e = trace[i]
         if e["action"] == "alloc":
             live.pop(e["addr"], None)
         elif e["action"] == "free_requested":
-            live[e["addr"]] = (int(e["size"]), e.get("frames") or [])
+            live[e["addr"]] = (int(e["size"]), allocated_by.get(e["addr"], []))
     return best, live, len(trace)
 
 

@@ -337,8 +337,6 @@ def cmd_train(a):
         backward_and_step(loss, opt, scaler)
         losses.append(loss.item())
         stamps.append(time.time())
-    if cuda and a.memory_snapshot:
-        torch.cuda.memory._dump_snapshot(a.memory_snapshot)
     step_times = [b - t for t, b in zip(stamps, stamps[1:])]
     step_samples = [len(g) for g in groups]
     # The steps after the first epoch (after the first step with one epoch), as the driver times
@@ -358,6 +356,9 @@ def cmd_train(a):
         "step_seconds": step_times,
         "losses": losses,
     }
+    if cuda and a.memory_snapshot:
+        # After the peaks are read: building the pickle raises the process's RSS.
+        torch.cuda.memory._dump_snapshot(a.memory_snapshot)
     with open(a.result, "w") as f:
         json.dump(result, f)
 

@@ -324,8 +324,9 @@ pub struct MemorySummary {
     pub allocator_conf: Option<String>,
     pub peak_allocated_bytes: Option<u64>,
     pub peak_reserved_bytes: Option<u64>,
-    /// CUDA: the peak of the bytes tensors asked for, before the allocator rounded them to its
-    /// blocks; `peak_allocated_bytes` minus this is the rounding.
+    /// CUDA's native allocator: the peak of the bytes tensors asked for, before the allocator
+    /// rounded them to its blocks (most of the gap to `peak_allocated_bytes`; a block freed
+    /// while another stream still uses it counts as requested until that use ends).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peak_requested_bytes: Option<u64>,
     pub peak_rss_bytes: u64,

@@ -1339,13 +1339,11 @@ impl Trainer {
         })
     }
 
-    /// Every status it is called with is reached by all data-parallel ranks together, so the
-    /// ranks' peaks can be gathered here. `unfinished`: the samples and seconds of an epoch the
-    /// session stopped in (`--max-steps`).
     /// With `memory.record_history` on CUDA: the allocator's history up to here, for finding what
-    /// made the peak. A snapshot that cannot be taken or written costs the run nothing else.
+    /// made the peak (the process that writes the records only). A snapshot that cannot be taken
+    /// or written costs the run nothing else.
     fn write_end_snapshot(&self) {
-        if !self.settings.record_history || !matches!(self.device(), Device::Cuda(_)) {
+        if !self.settings.record_history || !matches!(self.device(), Device::Cuda(_)) || !self.execution.leads() {
             return;
         }
         let written = shim::memory_snapshot().and_then(|bytes| self.out.recorder.write_end_snapshot(&bytes));
@@ -1354,9 +1352,11 @@ impl Trainer {
         }
     }
 
+    /// Every status it is called with is reached by all data-parallel ranks together, so the
+    /// ranks' peaks can be gathered here. `unfinished`: the samples and seconds of an epoch the
+    /// session stopped in (`--max-steps`).
     pub fn write_summary(&mut self, status: Status, unfinished: Option<(u64, f64)>) -> Result<()> {
         self.flush_record_or_warn();
-        self.write_end_snapshot();
         let mut memory = memory::sample(self.place());
         memory.include(&self.session.windows.epoch);
         let (allocated, reserved, rss) = self.out.recorder.summary_so_far().peaks_with(&memory);
@@ -1392,6 +1392,8 @@ impl Trainer {
             },
             host_reads: readback::count(),
         };
+        // After the peaks are read: building the pickle raises the process's RSS.
+        self.write_end_snapshot();
         self.out.recorder.close(closing)
     }
 }

@@ -174,7 +174,7 @@ pub struct DeviceStats {
     pub num_ooms: u64,
     /// The bytes tensors asked for, before the allocator rounds each to its block (`allocated`
     /// counts whole blocks: a request served from a cached block whose remainder is too small to
-    /// split holds the whole block).
+    /// split holds the whole block). Zero under cudaMallocAsync, which does not count it.
     pub requested: u64,
     pub peak_requested: u64,
 }

@@ -180,12 +180,12 @@ class Judges(unittest.TestCase):
         self.assertFalse(g.judge_end_snapshot(at_oom, None).ok)
 
     def test_requested_bytes_sit_under_allocated(self):
-        recs = [step(1, 2.0, memory={"peak_requested_bytes": 90, "peak_allocated_bytes": 100}),
-                step(2, 1.9, memory={"peak_requested_bytes": 95, "peak_allocated_bytes": 95})]
+        recs = [step(1, 2.0, memory={"peak_requested_bytes": 90, "peak_allocated_bytes": 100, "peak_reserved_bytes": 128}),
+                step(2, 1.9, memory={"peak_requested_bytes": 95, "peak_allocated_bytes": 95, "peak_reserved_bytes": 128})]
         self.assertTrue(g.judge_requested(recs, {"memory": {"peak_requested_bytes": 95}}).ok)
         self.assertFalse(g.judge_requested(recs, {"memory": {"peak_requested_bytes": 90}}).ok, "summary lost the top")
-        recs[1]["memory"]["peak_requested_bytes"] = 96
-        self.assertFalse(g.judge_requested(recs, {"memory": {"peak_requested_bytes": 96}}).ok, "above allocated")
+        recs[1]["memory"]["peak_requested_bytes"] = 129
+        self.assertFalse(g.judge_requested(recs, {"memory": {"peak_requested_bytes": 129}}).ok, "above reserved")
         self.assertFalse(g.judge_requested([step(1, 2.0, memory={"peak_allocated_bytes": 100})],
                                            {"memory": {"peak_requested_bytes": 1}}).ok, "no reading (a CPU run)")
 
