@@ -41,7 +41,9 @@ Per process:
 
 and prints medians, the memtrain/PyTorch ratios against each baseline (median of the per-round
 ratios, with their range over the rounds), and the machine. --dry-run prints the commands
-instead of running them (no GPU or torch needed).
+instead of running them (no GPU or torch needed). --peak-diff DIR (CUDA) adds, after each row,
+an untimed pair that records the allocator's history on both sides and writes which blocks were
+live at one side's peak and not at the other's (scripts/bench/peak_diff.py).
 """
 import argparse
 import json
@@ -211,8 +213,14 @@ def parse_args(argv=None):
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--trace", default=None,
                    help="a file to write every process's per-step wall seconds to, one JSON line each")
+    p.add_argument("--peak-diff", default=None, metavar="DIR",
+                   help="CUDA: after each row, one more run of each side recording the allocator's history (not "
+                        "timed), and scripts/bench/peak_diff.py's account of the blocks live at one side's peak and "
+                        "not the other's, written to DIR/JOB-SETTING.txt")
     a = p.parse_args(argv)
     cuda = a.device.startswith("cuda")
+    if a.peak_diff and not cuda:
+        p.error("--peak-diff needs --device cuda: it compares the CUDA caching allocator's snapshots")
     a.jobs = (a.jobs or ",".join(jobs.GPU_JOBS if cuda else jobs.CPU_JOBS)).split(",")
     unknown = [j for j in a.jobs if j not in jobs.JOBS]
     if unknown:
@@ -258,6 +266,9 @@ def dry_run(a):
                     argv, _ = memtrain_argv(a, os.path.join(work, job), job, setting, rep)
                 else:
                     argv, _ = pytorch_argv(a, os.path.join(work, job), job, setting, rep, counting, side)
+                print(" ".join(argv))
+        if a.peak_diff:
+            for argv in snapshot_argvs(a, os.path.join(work, job), job, setting):
                 print(" ".join(argv))
 
 
@@ -307,6 +318,30 @@ def delta(mt, pt, key):
     return f"{med(d) / 2**20:+.1f} MiB" if d else "-"
 
 
+def snapshot_argvs(a, work, job, setting):
+    """The untimed pair behind --peak-diff: each side's command writing its allocator snapshot,
+    and the peak_diff command that compares them."""
+    mt, out = memtrain_argv(a, work, job, setting, "snapshot")
+    pt, _ = pytorch_argv(a, work, job, setting, "snapshot", None, "resident")
+    mine, theirs = os.path.join(out, "snapshot.pickle"), os.path.join(work, f"pt-{job}-{setting[0]}-snapshot.pickle")
+    diff = [sys.executable, os.path.join(HERE, "peak_diff.py"), mine, theirs]
+    return mt + ["--set", "memory.record_history=true"], pt + ["--memory-snapshot", theirs], diff
+
+
+def peak_diff(a, work, job, setting):
+    """--peak-diff: the untimed pair and their comparison, into DIR/JOB-SETTING.txt."""
+    os.makedirs(a.peak_diff, exist_ok=True)
+    path = os.path.join(a.peak_diff, f"{job}-{setting[0]}.txt")
+    with open(path, "w") as f:
+        for argv in snapshot_argvs(a, work, job, setting):
+            p = subprocess.run(argv, capture_output=True, text=True)
+            f.write(p.stdout)
+            if p.returncode != 0:
+                f.write(f"# {' '.join(argv)} failed ({p.returncode}):\n{p.stderr}")
+                break
+    print(f"# peak diff of {job} {setting[0]}: {path}", flush=True)
+
+
 def trace(a, job, setting, side, rep, result):
     """With --trace: one process's per-step wall seconds, to see where two totals part."""
     if not a.trace:
@@ -349,6 +384,8 @@ def main(argv=None):
                         pt[side].append(got)
                     trace(a, job, setting, side, rep, got)
             print_row(a, job, setting, mt, pt)
+            if a.peak_diff:
+                peak_diff(a, work, job, setting)
     print("# ratio = memtrain / PyTorch (samples/s: above 1 is faster; memory: below 1 is less), median of the rounds;"
           f" median step, peak memory and start-up against the {a.baselines[0]} baseline; start-up: launch to the first"
           " step; loss gap: the largest relative difference between the two sides' per-step losses")
