@@ -377,6 +377,23 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_requested_peak_of_zero_beside_allocated_bytes_is_no_reading() {
+        let stats = |peak_allocated, peak_requested| shim::DeviceStats {
+            peak_allocated,
+            peak_requested,
+            ..Default::default()
+        };
+        assert_eq!(requested(&stats(4096, 4000)), Some(4000));
+        // cudaMallocAsync counts allocated bytes but leaves requested at zero.
+        assert_eq!(requested(&stats(4096, 0)), None);
+        assert_eq!(
+            requested(&stats(0, 0)),
+            Some(0),
+            "nothing allocated yet: zero is the reading"
+        );
+    }
+
+    #[test]
     fn every_n_fires_on_multiples_only() {
         let fired: Vec<u64> = (1..=25).filter(|&s| due(10, s)).collect();
         assert_eq!(fired, [10, 20]);
