@@ -150,26 +150,31 @@ def gap_text(g):
     return "lengths differ" if g == float("inf") else f"{g:.1e}"
 
 
+def safetensors_header(data):
+    """A safetensors file's JSON header and the offset its tensors' bytes start at (no library
+    needed)."""
+    (n,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8:8 + n]), 8 + n
+
+
 def safetensors_keys(path):
-    """The tensor names in a safetensors file (its JSON header; no library needed)."""
+    """The tensor names in a safetensors file."""
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        header, _ = safetensors_header(f.read())
     return sorted(k for k in header if k != "__metadata__")
 
 
 def batchnorm_state(data):
     """BatchNorm's buffers in a model.safetensors file's bytes: {name: [values]} for every
     running_mean, running_var (f32) and num_batches_tracked (i64)."""
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8:8 + n])
+    header, start = safetensors_header(data)
     fmt = {"F32": "f", "I64": "q"}
     out = {}
     for name, t in header.items():
         if name == "__metadata__" or not name.endswith(("running_mean", "running_var", "num_batches_tracked")):
             continue
         a, b = t["data_offsets"]
-        raw = data[8 + n + a:8 + n + b]
+        raw = data[start + a:start + b]
         out[name] = list(struct.unpack(f"<{len(raw) // struct.calcsize(fmt[t['dtype']])}{fmt[t['dtype']]}", raw))
     return out
 
@@ -337,14 +342,16 @@ def snapshot_reserved(snapshot, device=None):
     return sum(int(s.get("total_size", 0)) for s in segs), len(segs)
 
 
-def snapshot_allocated(snapshot, device=None):
+def snapshot_allocated(snapshot, device=None, field="size"):
+    """Bytes in the snapshot's live blocks: their block sizes, or (`field="requested_size"`) what
+    their tensors asked for."""
     total = 0
     for s in snapshot.get("segments", []):
         if device is not None and s.get("device") != device:
             continue
         for b in s.get("blocks", []):
             if b.get("state") == "active_allocated":
-                total += int(b.get("size", 0))
+                total += int(b.get(field, b.get("size", 0)))
     return total
 
 
@@ -382,11 +389,9 @@ def requested_at_oom(snapshot, device=0):
     the live blocks count their requested_size): up at alloc, down at free_requested, when the
     tensor let go (a block still in use on another stream is freed later, at free_completed).
     None without an OOM in the trace."""
-    live = sum(int(b.get("requested_size", b.get("size", 0))) for s in snapshot.get("segments", [])
-               if s.get("device") == device for b in s.get("blocks", []) if b.get("state") == "active_allocated")
     traces = snapshot.get("device_traces") or []
     trace = traces[device] if device < len(traces) else []
-    total = live
+    total = snapshot_allocated(snapshot, device, "requested_size")
     for e in reversed(trace):
         if e.get("action") == "oom":
             return total
@@ -404,8 +409,7 @@ def judge_end_snapshot(oom_snapshot, end_snapshot):
     if oom_snapshot is None:
         return Check(name, expected, "no OOM snapshot to compare with", False)
     at_oom = requested_at_oom(end_snapshot)
-    live = sum(int(b.get("requested_size", b.get("size", 0))) for s in oom_snapshot.get("segments", [])
-               for b in s.get("blocks", []) if b.get("state") == "active_allocated")
+    live = snapshot_allocated(oom_snapshot, field="requested_size")
     events = sum(len(t) for t in end_snapshot.get("device_traces") or [])
     ok = at_oom is not None and at_oom == live
     seen = f"{events} trace event(s); replayed to the OOM {at_oom} B vs the OOM snapshot's {live} B"
@@ -1194,24 +1198,24 @@ def check_cpu_fallback(r, probe):
     return [judge_cpu_fallback(summary_of(out))]
 
 
+def read_pickle(path):
+    """A pickled snapshot, or None where there is none to read."""
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except Exception:
+        return None
+
+
 def check_snapshot(r, probe):
     p, out = r.run("fail", DIGITS, big() + ['memory.on_oom=["fail"]', "memory.record_history=true"])
-    report = snapshot = None
+    report = None
     if os.path.exists(os.path.join(out, "oom", "report.json")):
         report = read_json(os.path.join(out, "oom", "report.json"))
-    try:
-        with open(os.path.join(out, "oom", "snapshot.pickle"), "rb") as f:
-            snapshot = pickle.load(f)
-    except Exception:
-        pass
     if p.rc not in (0, 3):
         return [failure("OOM snapshot vs reserved", "exit 3", p), failure("end snapshot", "exit 3", p)]
-    end = None
-    try:
-        with open(os.path.join(out, "snapshot.pickle"), "rb") as f:
-            end = pickle.load(f)
-    except Exception:
-        pass
+    snapshot = read_pickle(os.path.join(out, "oom", "snapshot.pickle"))
+    end = read_pickle(os.path.join(out, "snapshot.pickle"))
     return [judge_snapshot(p.rc, report, snapshot), judge_end_snapshot(snapshot, end)]
 
 

@@ -35,6 +35,14 @@ impl Home {
     }
 }
 
+/// `t`, on a CUDA device, copied to pinned host memory behind the work queued on the compute
+/// stream, without the host waiting: a non-blocking copy to the CPU gets a pinned destination,
+/// and the host allocator keeps it until the copy has run. Work queued after it cannot change
+/// what it copies; the host reads it once the stream has passed this point (an event after it).
+pub fn pinned_behind_compute(t: &Tensor) -> anyhow::Result<Tensor> {
+    Ok(t.f_to_device_(Device::Cpu, t.kind(), true, false)?)
+}
+
 /// The host side of a run on `device`: where its host tensors are made and how they travel.
 ///
 /// Every copy between host and device goes through here. On CUDA, host tensors are pinned and

@@ -113,10 +113,9 @@ impl Tally {
     pub fn stage(&mut self) -> Result<Staged> {
         let device = self.sums.device();
         let host = match device {
-            // On the compute stream, so the next step's adds come after it; a non-blocking copy
-            // to the CPU lands in pinned memory and does not make the host wait. The stamp
-            // behind it says when the copy is done, on the device's clock.
-            Device::Cuda(_) => self.sums.f_to_device_(Device::Cpu, Kind::Double, true, false)?,
+            // The next step's adds come after it; the stamp behind it says when the copy is done,
+            // on the device's clock.
+            Device::Cuda(_) => crate::host::pinned_behind_compute(&self.sums)?,
             _ => self.sums.copy(),
         };
         let done = Stamp::now(device);

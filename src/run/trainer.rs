@@ -97,13 +97,11 @@ impl Packed {
     }
 }
 
-/// A CUDA tensor copied to pinned host memory on the compute stream, without waiting: the
-/// device block goes back to the allocator at once, and the stream's order keeps the step from
-/// changing the values before the copy has read them. Kept on the device when the host copy
-/// cannot be made.
+/// A CUDA tensor moved to pinned host memory behind the compute stream's work: its device block
+/// goes back to the allocator at once. Kept on the device when the host copy cannot be made.
 fn off_the_device(t: Tensor) -> Tensor {
     match t.device() {
-        Device::Cuda(_) => t.f_to_device_(Device::Cpu, t.kind(), true, false).unwrap_or(t),
+        Device::Cuda(_) => crate::host::pinned_behind_compute(&t).unwrap_or(t),
         _ => t,
     }
 }
