@@ -28,8 +28,12 @@ PLUMBING = ("torch::unwind", "torch::CapturedTraceback", "??", "c10::", "at::det
 
 
 def load(path):
-    with open(path, "rb") as f:
-        return pickle.load(f)
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except (OSError, pickle.UnpicklingError, EOFError) as e:
+        sys.exit(f"peak_diff: cannot read the snapshot {path}: {e}. Write one with memory.record_history = true "
+                 "(memtrain's snapshot.pickle) or scripts/bench/pytorch_job.py --memory-snapshot FILE")
 
 
 def live_blocks(snapshot, device):
