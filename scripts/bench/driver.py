@@ -43,7 +43,10 @@ and prints medians, the memtrain/PyTorch ratios against each baseline (median of
 ratios, with their range over the rounds), and the machine. --dry-run prints the commands
 instead of running them (no GPU or torch needed). --peak-diff DIR (CUDA) adds, after each row,
 an untimed pair that records the allocator's history on both sides and writes which blocks were
-live at one side's peak and not at the other's (scripts/bench/peak_diff.py).
+live at one side's peak and not at the other's (scripts/bench/peak_diff.py). --alloc-conf CONF
+sets PYTORCH_CUDA_ALLOC_CONF for both sides; --memtrain-set KEY=VALUE overrides a spec key on
+memtrain's side alone, to measure what changing one of its defaults would do; the table's header
+names both.
 """
 import argparse
 import json
@@ -116,7 +119,25 @@ def memtrain_argv(a, work, job, setting, rep):
                                        os.path.join(work, "val.npz"), precision, ckpt, a.threads, a.device,
                                        saves=False))
     out = os.path.join(work, f"mt-{job}-{name}-{rep}")
-    return [a.memtrain, "-q", "run", spec, "--out", out, "--max-steps", str(jobs.JOBS[job]["steps"])], out
+    argv = [a.memtrain, "-q", "run", spec, "--out", out, "--max-steps", str(jobs.JOBS[job]["steps"])]
+    for kv in a.memtrain_set:
+        argv += ["--set", kv]
+    return argv, out
+
+
+def child_env(a):
+    """The environment of every timed process: --alloc-conf reaches both sides' allocator the
+    same way, through PYTORCH_CUDA_ALLOC_CONF (memtrain merges its spec's allocator keys over it)."""
+    env = dict(os.environ)
+    if a.alloc_conf is not None:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = a.alloc_conf
+    return env
+
+
+def shown(a, argv):
+    """A command as --dry-run prints it, with the environment it would add."""
+    prefix = f"PYTORCH_CUDA_ALLOC_CONF={a.alloc_conf} " if a.alloc_conf is not None else ""
+    return prefix + " ".join(argv)
 
 
 def first_timed(epochs):
@@ -131,7 +152,7 @@ def first_timed(epochs):
 def run_memtrain(a, work, job, setting, rep):
     argv, out = memtrain_argv(a, work, job, setting, rep)
     launched = time.time()
-    p = subprocess.run(argv, capture_output=True, text=True)
+    p = subprocess.run(argv, capture_output=True, text=True, env=child_env(a))
     if p.returncode != 0:
         raise SystemExit(f"memtrain {job} {setting[0]} failed ({p.returncode}):\n{p.stderr}")
     lines = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
@@ -174,7 +195,7 @@ def pytorch_argv(a, work, job, setting, rep, counting, mode):
 def run_pytorch(a, work, job, setting, rep, counting, mode):
     cmd, result = pytorch_argv(a, work, job, setting, rep, counting, mode)
     launched = time.time()
-    p = subprocess.run(cmd + ["--launched", str(launched)], capture_output=True, text=True)
+    p = subprocess.run(cmd + ["--launched", str(launched)], capture_output=True, text=True, env=child_env(a))
     if p.returncode != 0:
         raise SystemExit(f"PyTorch ({mode}) {job} {setting[0]} failed ({p.returncode}):\n{p.stderr}")
     return json.load(open(result))
@@ -217,10 +238,20 @@ def parse_args(argv=None):
                    help="CUDA: after each row, one more run of each side recording the allocator's history (not "
                         "timed), and scripts/bench/peak_diff.py's account of the blocks live at one side's peak and "
                         "not the other's, written to DIR/JOB-SETTING.txt")
+    p.add_argument("--alloc-conf", default=None, metavar="CONF",
+                   help="CUDA: PYTORCH_CUDA_ALLOC_CONF for both sides, e.g. expandable_segments:True")
+    p.add_argument("--memtrain-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a spec override for memtrain's side alone (memtrain run --set), repeatable: what a "
+                        "memtrain default would change, e.g. memory.allocator.expandable_segments=true")
     a = p.parse_args(argv)
     cuda = a.device.startswith("cuda")
     if a.peak_diff and not cuda:
         p.error("--peak-diff needs --device cuda: it compares the CUDA caching allocator's snapshots")
+    if a.alloc_conf is not None and not cuda:
+        p.error("--alloc-conf needs --device cuda: it configures the CUDA caching allocator")
+    bad = [kv for kv in a.memtrain_set if "=" not in kv]
+    if bad:
+        p.error(f"--memtrain-set takes KEY=VALUE (a spec key and a TOML value), not {', '.join(bad)}")
     a.jobs = (a.jobs or ",".join(jobs.GPU_JOBS if cuda else jobs.CPU_JOBS)).split(",")
     unknown = [j for j in a.jobs if j not in jobs.JOBS]
     if unknown:
@@ -266,10 +297,10 @@ def dry_run(a):
                     argv, _ = memtrain_argv(a, os.path.join(work, job), job, setting, rep)
                 else:
                     argv, _ = pytorch_argv(a, os.path.join(work, job), job, setting, rep, counting, side)
-                print(" ".join(argv))
+                print(shown(a, argv))
         if a.peak_diff:
             for argv in snapshot_argvs(a, os.path.join(work, job), job, setting):
-                print(" ".join(argv))
+                print(shown(a, argv))
 
 
 def header(a):
@@ -280,6 +311,10 @@ def header(a):
           f"{', '.join(a.baselines)}; {time.strftime('%Y-%m-%d')}")
     if a.device.startswith("cuda"):
         print(f"# GPU: {torch.cuda.get_device_name(0)}")
+    if a.alloc_conf is not None:
+        print(f"# both sides: PYTORCH_CUDA_ALLOC_CONF={a.alloc_conf}")
+    if a.memtrain_set:
+        print(f"# memtrain only: --set {' --set '.join(a.memtrain_set)}")
     cols = ["job", "setting", "samples/s memtrain"]
     for b in a.baselines:
         cols += [f"PyTorch {b}", "ratio (range)"]
@@ -334,7 +369,7 @@ def peak_diff(a, work, job, setting):
     path = os.path.join(a.peak_diff, f"{job}-{setting[0]}.txt")
     with open(path, "w") as f:
         for argv in snapshot_argvs(a, work, job, setting):
-            p = subprocess.run(argv, capture_output=True, text=True)
+            p = subprocess.run(argv, capture_output=True, text=True, env=child_env(a))
             f.write(p.stdout)
             if p.returncode != 0:
                 f.write(f"# {' '.join(argv)} failed ({p.returncode}):\n{p.stderr}")

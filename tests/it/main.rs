@@ -2,6 +2,7 @@
 //! module drives the built `memtrain` the way a user does, through the fixture in `common`.
 mod common;
 
+mod bench;
 mod cpu_allocator;
 mod data;
 mod distributed;

@@ -1,0 +1,110 @@
+//! scripts/bench/run without a GPU: its CUDA dry run shows the GPU-sized jobs against both
+//! PyTorch baselines, carries the allocator and spec overrides to the sides they are for, and
+//! options that only mean something on CUDA are refused on the CPU, saying why.
+use std::process::{Command, Output};
+
+use crate::common::*;
+
+fn bench(args: &[&str]) -> Output {
+    Command::new(repo().join("scripts/bench/run"))
+        .current_dir(repo())
+        .env("BENCH_PYTHON", python())
+        .env("MEMTRAIN_BIN", env!("CARGO_BIN_EXE_memtrain"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn lines_of<'a>(out: &'a str, program: &str) -> Vec<&'a str> {
+    out.lines()
+        .filter(|l| !l.starts_with('#') && l.contains(program))
+        .collect()
+}
+
+#[test]
+fn the_cuda_dry_run_shows_gpu_sized_jobs_against_both_baselines() {
+    let o = bench(&["--device", "cuda", "--dry-run", "--reps", "2"]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for job in ["resnet18_224", "resnet50_224", "vit_b16_224", "mlp_wide"] {
+        assert!(out.contains(&format!("# {job}: ")), "no {job}:\n{out}");
+    }
+    let train = lines_of(&out, "pytorch_job.py train");
+    let memtrain = lines_of(&out, env!("CARGO_BIN_EXE_memtrain"));
+    // 4 jobs x 3 settings x 2 rounds, one memtrain run and one per baseline in each.
+    assert_eq!(memtrain.len(), 24, "{out}");
+    for mode in ["resident", "loader"] {
+        let n = train
+            .iter()
+            .filter(|l| l.contains(&format!("--data-mode {mode} ")))
+            .count();
+        assert_eq!(n, 24, "{mode}:\n{out}");
+    }
+    assert!(train.iter().all(|l| l.contains("--device cuda")), "{out}");
+    let spec = memtrain[0].split_whitespace().nth(3).unwrap();
+    let text = std::fs::read_to_string(spec).unwrap();
+    assert!(text.contains("device = \"cuda\""), "{text}");
+    // A round's order is reversed in the next, so neither side always runs first.
+    let runs: Vec<&str> = out
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.contains(" init "))
+        .collect();
+    assert!(runs[0].contains(env!("CARGO_BIN_EXE_memtrain")), "{out}");
+    assert!(runs[5].contains(env!("CARGO_BIN_EXE_memtrain")), "{out}");
+}
+
+#[test]
+fn overrides_reach_the_sides_they_are_for() {
+    let o = bench(&[
+        "--device",
+        "cuda",
+        "--dry-run",
+        "--reps",
+        "1",
+        "--jobs",
+        "resnet18_224",
+        "--settings",
+        "fp32",
+        "--baselines",
+        "resident",
+        "--alloc-conf",
+        "expandable_segments:True",
+        "--memtrain-set",
+        "memory.allocator.expandable_segments=true",
+    ]);
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let memtrain = lines_of(&out, env!("CARGO_BIN_EXE_memtrain"));
+    let train = lines_of(&out, "pytorch_job.py train");
+    assert_eq!((memtrain.len(), train.len()), (1, 1), "{out}");
+    for l in memtrain.iter().chain(&train) {
+        assert!(
+            l.starts_with("PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True "),
+            "{l}"
+        );
+    }
+    assert!(
+        memtrain[0].ends_with("--set memory.allocator.expandable_segments=true"),
+        "{}",
+        memtrain[0]
+    );
+    assert!(!train[0].contains("--set"), "{}", train[0]);
+}
+
+#[test]
+fn cuda_only_options_are_refused_on_the_cpu() {
+    for (args, says) in [
+        (&["--peak-diff", "/tmp/x"][..], "--peak-diff needs --device cuda"),
+        (
+            &["--alloc-conf", "expandable_segments:True"][..],
+            "--alloc-conf needs --device cuda",
+        ),
+        (&["--memtrain-set", "nothing"][..], "--memtrain-set takes KEY=VALUE"),
+    ] {
+        let o = bench(&[&["--dry-run"][..], args].concat());
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+        assert!(o.stdout.is_empty(), "{args:?}");
+    }
+}
