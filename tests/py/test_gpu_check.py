@@ -11,6 +11,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import tomllib
 import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -419,6 +420,28 @@ class Offload(unittest.TestCase):
                                     "ok\n[W1126 03:04:05.000 Memory.cpp:46] The argument 'device' is deprecated\n")
         self.assertFalse(warned.ok)
         self.assertIn("[W line", warned.seen)
+        short = g.judge_host_lever("state", base, base, summary, 200, "", floor=51)
+        self.assertFalse(short.ok)
+        self.assertIn("at least 51 B", short.seen)
+
+    def test_vit_parameters_count_torchvisions_vit(self):
+        self.assertEqual(g.vit_parameters(dict(g.VIT_L16, num_classes=1000)), g.VIT_L16_PARAMETERS)
+        tiny = {"image_size": 16, "patch_size": 4, "layers": 2, "heads": 2, "hidden_dim": 32, "mlp_dim": 64,
+                "num_classes": 10}
+        self.assertEqual(g.vit_parameters(tiny), 19626)
+
+    def test_host_floor_holds_what_each_lever_must(self):
+        p, act = 100, 1000
+        self.assertEqual(g.host_floor({"optimizer_state"}, p, act), 800)
+        self.assertEqual(g.host_floor({"gradients"}, p, act), 400)
+        self.assertEqual(g.host_floor({"parameters"}, p, act), 400)
+        self.assertEqual(g.host_floor({"activations"}, p, act), 1000)
+        # The gradients and a block's input need not be on the host at once.
+        self.assertEqual(g.host_floor({"optimizer_state", "gradients", "activations", "parameters"}, p, act), 2200)
+        self.assertEqual(g.host_floor({"optimizer_state", "gradients", "activations", "parameters"}, p, 10), 1600)
+        self.assertEqual(g.host_lever_floor(g.VIT, ['memory.gradients="host"'], ["train.batch_size=16"]),
+                         4 * g.vit_parameters(tomllib.loads(g.VIT.format(device="cpu", dropout=0.0, samples=1,
+                                                                          epochs=1))["model"]["vit"]))
 
     def test_wall_rate_sums_the_step_seconds_after_the_warm_up(self):
         records = self.steps([1, 1, 1, 1], times=[10.0, 11.0, 11.5, 12.0])
