@@ -148,6 +148,9 @@ pub struct Plan {
     pub oom_reported: bool,
     /// Set when a resumed run has nothing left to train; `run` says so and stops.
     pub nothing_to_do: Option<String>,
+    /// Settings of the spec this run cannot honour where it runs, each with why; `run` prints
+    /// them and goes on.
+    pub ignored: Vec<String>,
 }
 
 impl Plan {
@@ -218,6 +221,13 @@ impl Plan {
             }
         };
         let record_history = spec.memory.record_history && matches!(device, DevicePlan::Cuda(_));
+        let mut ignored = vec![];
+        if spec.memory.record_history && !record_history {
+            ignored.push(
+                "memory.record_history is ignored: it records the CUDA caching allocator's history, and this run is on the CPU"
+                    .to_owned(),
+            );
+        }
         if record_history && facts.symbolize_mode.is_none() {
             // 2.11 symbolizes recorded stacks by forking addr2line; without binutils the forked
             // child carries on as a second memtrain holding a CUDA context. dladdr stays in-process.
@@ -241,6 +251,7 @@ impl Plan {
             resume,
             oom_reported: facts.run_dir_has_oom_report,
             nothing_to_do,
+            ignored,
         })
     }
 }
@@ -479,6 +490,11 @@ mod tests {
         // On the CPU there is no history to record.
         let p = Plan::resolve(&spec("[memory]\nrecord_history = true\n"), &fresh(), &facts()).unwrap();
         assert!(!p.record_history && p.env.is_empty());
+        assert!(
+            p.ignored[0].starts_with("memory.record_history is ignored"),
+            "{:?}",
+            p.ignored
+        );
     }
 
     #[test]

@@ -303,14 +303,12 @@ impl Prober<'_> {
                 }
             }
             code => {
-                let stderr = String::from_utf8_lossy(&out.stderr);
-                let tail: Vec<&str> = stderr.lines().rev().take(6).collect();
-                let tail: Vec<&str> = tail.into_iter().rev().collect();
-                return Err(ProbeError::Failed(anyhow::anyhow!(
-                    "the probe at micro-batch {micro_batch} ({setting}) failed (exit {}):\n{}",
-                    code.map_or("by a signal".into(), |c| c.to_string()),
-                    tail.join("\n")
-                )));
+                return Err(ProbeError::Failed(probe_failure(
+                    micro_batch,
+                    &setting,
+                    code,
+                    &out.stderr,
+                )))
             }
         };
         let _ = std::fs::remove_dir_all(&dir);
@@ -397,6 +395,30 @@ fn measure(records: &RunRecords, micro_batch: i64, cuda: bool) -> Measured {
         fits: true,
         peak_bytes: peak,
         samples_per_s,
+    }
+}
+
+/// A probe that stopped for another reason than memory. One that refused the spec (exit 2: data
+/// that does not fit the budget before any step, say) stops fit with exit 2 and the probe's
+/// words, which say what to change; anything else is unexpected.
+fn probe_failure(
+    micro_batch: i64,
+    setting: &impl std::fmt::Display,
+    code: Option<i32>,
+    stderr: &[u8],
+) -> anyhow::Error {
+    let stderr = String::from_utf8_lossy(stderr);
+    let tail: Vec<&str> = stderr.lines().rev().take(6).collect();
+    let tail: Vec<&str> = tail.into_iter().rev().collect();
+    let setting = setting.to_string().split_whitespace().collect::<Vec<_>>().join(" ");
+    let message = format!(
+        "the probe at micro-batch {micro_batch} ({setting}) failed (exit {}):\n{}",
+        code.map_or("by a signal".into(), |c| c.to_string()),
+        tail.join("\n")
+    );
+    match code {
+        Some(crate::exit::USAGE) => UsageError(message).into(),
+        _ => anyhow::anyhow!(message),
     }
 }
 

@@ -250,6 +250,9 @@ fn nccl_env(device: DevicePlan, user_set: bool) -> Option<(&'static str, &'stati
 }
 
 fn apply(plan: &Plan) -> Result<()> {
+    for why in &plan.ignored {
+        tracing::info!("{why}");
+    }
     for c in &plan.alloc.conflicts {
         tracing::warn!(
             "allocator setting {}: the environment says {}, the spec says {}; using the spec's",

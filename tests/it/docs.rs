@@ -472,6 +472,12 @@ fn product_text_says_nothing_of_how_the_project_was_made() {
             .match_indices("issue ")
             .any(|(i, m)| text[i + m.len()..].starts_with(|c: char| c.is_ascii_digit()));
         assert!(!issue, "{f} names an issue number");
+        // Another project's tracker, as in "transformers#32215".
+        let tracker = text
+            .as_bytes()
+            .windows(5)
+            .any(|w| w[0].is_ascii_alphabetic() && w[1] == b'#' && w[2..].iter().all(u8::is_ascii_digit));
+        assert!(!tracker, "{f} names an issue of another project");
     }
 }
 
@@ -538,4 +544,91 @@ fn the_documented_run_prints_what_the_docs_show() {
         .expect("a Preflight line");
     let cut = pre.find(" used ").expect("Preflight says what the step used");
     assert!(r.stderr.lines().any(|l| l.starts_with(&pre[..cut])), "{}", r.stderr);
+}
+
+/// Every line of the `check` example in docs/commands.md, but the `...` that mark cuts, is a line
+/// the binary prints for that spec today.
+#[test]
+fn the_documented_check_prints_what_the_docs_show() {
+    let text = read("docs/commands.md");
+    let start = text
+        .find("$ memtrain check configs/darts_4gb.toml\n")
+        .expect("the check example is in docs/commands.md");
+    let shown: Vec<&str> = text[start..]
+        .lines()
+        .skip(1)
+        .take_while(|l| !l.starts_with("```"))
+        .filter(|l| l.trim() != "...")
+        .collect();
+    assert!(shown.len() > 20, "{shown:?}");
+    let r = Test::new()
+        .command("check")
+        .no_spec()
+        .arg("configs/darts_4gb.toml")
+        .run();
+    let printed = format!("{}\n{}", r.stdout, r.stderr);
+    for line in shown {
+        assert!(
+            printed.lines().any(|l| l == line),
+            "docs/commands.md shows {line:?}; check printed:\n{printed}"
+        );
+    }
+}
+
+/// The `fit` example in docs/commands.md has the columns fit prints today: a probe line's
+/// setting columns and the recommendation's opening are what a run of fit prints for the same
+/// setting (on the digits MLP, which probes in seconds).
+#[test]
+fn the_documented_fit_prints_what_the_docs_show() {
+    let text = read("docs/commands.md");
+    let start = text
+        .find("$ memtrain fit configs/resnet18_accumulation.toml")
+        .expect("the fit example is in docs/commands.md");
+    let shown: Vec<&str> = text[start..].lines().take_while(|l| !l.starts_with("```")).collect();
+    let probe = shown
+        .iter()
+        .find(|l| l.starts_with("probe  fp32        checkpointing off"))
+        .expect("an fp32 probe line");
+    let columns = &probe[..probe.find("micro-batch").expect("a micro-batch column") + "micro-batch".len()];
+    let r = Test::new()
+        .command("fit")
+        .no_spec()
+        .args(&[
+            "configs/digits_mlp.toml",
+            "--limit",
+            "64MiB",
+            "--steps",
+            "2",
+            "--precision",
+            "fp32",
+            "--checkpointing",
+            "off",
+        ])
+        .run();
+    assert!(
+        r.stderr.lines().any(|l| l.starts_with(columns)),
+        "the docs show probe lines as {columns:?}; fit printed:\n{}",
+        r.stderr
+    );
+    for opening in [
+        "recommendation: precision ",
+        "  measured peak ",
+        "  run it with: memtrain run ",
+    ] {
+        let shown_line = shown
+            .iter()
+            .find(|l| l.starts_with(opening))
+            .unwrap_or_else(|| panic!("the example lacks {opening:?}"));
+        let cut = shown_line.find(": batch_size").unwrap_or(opening.len());
+        let printed = format!("{}{}", r.stdout, r.stderr);
+        let want = if opening.starts_with("recommendation") {
+            shown_line[..cut].replace("bf16-mixed", "fp32")
+        } else {
+            opening.to_string()
+        };
+        assert!(
+            printed.lines().any(|l| l.starts_with(&want)),
+            "the docs show {want:?}; fit printed:\n{printed}"
+        );
+    }
 }

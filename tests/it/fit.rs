@@ -246,6 +246,18 @@ fn fit_says_what_is_wrong_with_its_input_and_when_nothing_fits() {
         .stderr_has("use --checkpointing off or both")
         .run();
 
+    // The shipped digits are a compressed .npz, inflated whole: under 300 KiB the probe refuses
+    // them before any step, and fit passes on its words and its exit code.
+    Test::new()
+        .command("fit")
+        .no_spec()
+        .args(&["configs/digits_mlp.toml", "--limit", "300KiB", "--steps", "2"])
+        .exit(2)
+        .stderr_has("the probe at micro-batch 1 (fp32 checkpointing off on host none) failed (exit 2)")
+        .stderr_has("more than the host-memory budget")
+        .stderr_has("save it uncompressed with numpy.savez(path, x=x, y=y)")
+        .run();
+
     // 512 KiB holds not even the set-up: every setting fails at micro-batch 1; the JSON says so.
     let tuned = fit.dir().join("never.toml");
     let o = fit

@@ -75,6 +75,17 @@ fn info_reports_allocator_settings_from_the_environment() {
     assert_eq!(v["allocator"]["PYTORCH_CUDA_ALLOC_CONF"], "expandable_segments:True");
 }
 
+#[test]
+fn a_cuda_only_setting_on_the_cpu_is_named_and_the_run_goes_on() {
+    let o = Test::new()
+        .set("memory.record_history", true)
+        .arg("--max-steps")
+        .arg("1")
+        .stderr_has("memory.record_history is ignored: it records the CUDA caching allocator's history, and this run is on the CPU")
+        .run();
+    assert!(o.out.join("summary.json").exists() && !o.out.join("snapshot.pickle").exists());
+}
+
 /// (name, spec text, expected line:col, expected message fragment)
 fn bad_specs() -> Vec<(&'static str, String, &'static str, &'static str)> {
     let d = digits();
