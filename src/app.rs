@@ -51,6 +51,12 @@ fn launch_ranks(args: &crate::cli::RunArgs) -> Option<i32> {
         eprintln!("error: --nproc inside a launched group (WORLD_SIZE is set): leave --nproc out under torchrun");
         return Some(exit::USAGE);
     }
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    let available = crate::sysmem::host_memory().ok().map(|h| h.ram_available_bytes);
+    if let Err(e) = crate::dist::launch::check_rank_count(n, cores, available) {
+        eprintln!("error: {e}");
+        return Some(exit::USAGE);
+    }
     // A bad --rank-set is said once, here, rather than by every rank.
     if let Err(e) = crate::run::rank_sets(&args.rank_set, usize::MAX) {
         eprintln!("error: {e:#}");

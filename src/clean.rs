@@ -70,9 +70,9 @@ impl Target {
 }
 
 pub fn clean(args: &CleanArgs) -> Result<()> {
-    if !(args.grace.is_finite() && args.grace >= 0.0) {
+    if !(args.grace.is_finite() && (0.0..=3600.0).contains(&args.grace)) {
         return Err(UsageError(format!(
-            "--grace {}: expected seconds, 0 or more (e.g. --grace 10)",
+            "--grace {}: expected seconds, from 0 to an hour (3600), e.g. --grace 10",
             args.grace
         ))
         .into());

@@ -190,7 +190,20 @@ fn impl_words(spec: &Spec) -> String {
 }
 
 pub fn estimate(spec: &Spec) -> Result<Estimate> {
-    let c = model::counts(&spec.model)?;
+    // Counting builds the model on the host; one too large for it is said, not a panic.
+    let c = match crate::oom::guarded(|| model::counts(&spec.model)) {
+        Ok(counted) => counted?,
+        Err(crate::oom::StepError::Oom { message, .. }) => {
+            return Err(crate::exit::OomExit(format!(
+                "the model does not fit in host memory, where it is built to count its parameters ({message}); \
+                 memtrain run would stop there too: make the model smaller (its [model] table)"
+            ))
+            .into())
+        }
+        Err(crate::oom::StepError::Other(m) | crate::oom::StepError::PeerLost(m)) => {
+            anyhow::bail!("building the model to count its parameters failed: {m}")
+        }
+    };
     let (weights, arch, buffers) = (c.weights, c.arch_weights, c.buffers);
     let state_per_weight = match spec.train.optimizer_state_bits {
         8 => 2,

@@ -158,9 +158,10 @@ pub fn guarded_counting<T>(ooms: impl Fn() -> u64, f: impl FnOnce() -> T) -> Res
     let ooms_before = ooms();
     let grad_mode = grad_enabled();
     let outer_stage = STAGE.with(|s| s.take());
-    GUARDED.with(|g| *g.borrow_mut() = true);
+    // Guards nest (check's count inside a set-up OOM's message): the outer stays guarded.
+    let outer_guarded = GUARDED.with(|g| g.replace(true));
     let r = panic::catch_unwind(AssertUnwindSafe(f));
-    GUARDED.with(|g| *g.borrow_mut() = false);
+    GUARDED.with(|g| *g.borrow_mut() = outer_guarded);
     let phase = STAGE.with(|s| s.replace(outer_stage));
     if r.is_err() {
         // tch's `no_grad` restores the grad mode only when its closure returns; an error inside

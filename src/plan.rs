@@ -50,7 +50,11 @@ pub struct Facts {
     /// TORCH_SYMBOLIZE_MODE as the user set it.
     pub symbolize_mode: Option<String>,
     pub run_dir_exists: bool,
+    /// The run directory's path names a file that is not a directory.
+    pub run_dir_is_file: bool,
     pub run_dir_has_run: bool,
+    /// Files of `RUN_OUTPUTS` already in the run directory, which a new run would overwrite.
+    pub run_dir_outputs: Vec<&'static str>,
     pub run_dir_has_oom_report: bool,
     /// The newest checkpoint of the run directory and its state (read only when resuming).
     pub checkpoint: Option<(PathBuf, TrainState)>,
@@ -87,7 +91,13 @@ impl Facts {
             alloc_env: EnvSettings::from_env(),
             symbolize_mode: std::env::var("TORCH_SYMBOLIZE_MODE").ok().filter(|v| !v.is_empty()),
             run_dir_exists: run_dir.exists(),
+            run_dir_is_file: run_dir.exists() && !run_dir.is_dir(),
             run_dir_has_run: run_dir.join("metrics.jsonl").exists() || run_dir.join("checkpoints").exists(),
+            run_dir_outputs: RUN_OUTPUTS
+                .iter()
+                .copied()
+                .filter(|f| run_dir.join(f).exists())
+                .collect(),
             run_dir_has_oom_report: run_dir.join("oom").exists(),
             checkpoint,
         })
@@ -256,8 +266,26 @@ impl Plan {
     }
 }
 
-/// A run directory that already holds a run is never overwritten silently.
+/// What a run writes at the top of its directory besides `metrics.jsonl` and `checkpoints/`
+/// (and `config.resolved.toml`, which a run that stopped in its set-up may leave alone).
+const RUN_OUTPUTS: [&str; 5] = ["summary.json", "report.html", "oom", "snapshot.pickle", "tensorboard"];
+
+/// A run directory that already holds a run, or files a run would write, is never overwritten
+/// silently.
 fn check_run_dir(dir: &Path, resuming: bool, facts: &Facts) -> Result<(), UsageError> {
+    if facts.run_dir_is_file {
+        return Err(UsageError(format!(
+            "{} is a file, not a directory; give --out a directory (new or empty) for the run",
+            dir.display()
+        )));
+    }
+    if !facts.run_dir_has_run && !resuming && !facts.run_dir_outputs.is_empty() {
+        return Err(UsageError(format!(
+            "{} holds {}, which a run writes and would overwrite; move those files, or give --out another directory",
+            dir.display(),
+            facts.run_dir_outputs.join(", ")
+        )));
+    }
     if facts.run_dir_has_run && !resuming {
         return Err(UsageError(format!(
             "{} already holds a run; pass --resume to continue it, --out DIR to start a new run elsewhere, or remove the directory",
@@ -514,6 +542,24 @@ mod tests {
         assert!(e.0.contains("does not exist"), "{}", e.0);
         let e = Plan::resolve(&spec(""), &resume, &busy).unwrap_err();
         assert!(e.0.contains("no checkpoint"), "{}", e.0);
+        let others = Facts {
+            run_dir_exists: true,
+            run_dir_outputs: vec!["summary.json", "report.html"],
+            ..facts()
+        };
+        let e = Plan::resolve(&spec(""), &fresh(), &others).unwrap_err();
+        assert!(
+            e.0.contains("holds summary.json, report.html, which a run writes"),
+            "{}",
+            e.0
+        );
+        let file = Facts {
+            run_dir_exists: true,
+            run_dir_is_file: true,
+            ..facts()
+        };
+        let e = Plan::resolve(&spec(""), &fresh(), &file).unwrap_err();
+        assert!(e.0.contains("is a file, not a directory"), "{}", e.0);
     }
 
     fn resumable(state: TrainState) -> Facts {

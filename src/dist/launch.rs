@@ -46,6 +46,33 @@ fn free_port() -> Result<u16> {
     Ok(l.local_addr()?.port())
 }
 
+/// Host memory one rank takes before it trains: a process with its own libtorch.
+const RANK_BYTES: u64 = 256 << 20;
+
+/// Refuses a rank count this machine cannot start: more than four ranks a core (each rank is a
+/// process that needs a core to make progress; a few to a core still rehearse a larger group) or
+/// than its available memory holds at `RANK_BYTES` each.
+pub fn check_rank_count(n: usize, cores: usize, available_bytes: Option<u64>) -> Result<(), String> {
+    let most = (4 * cores).max(2);
+    if n > most {
+        return Err(format!(
+            "--nproc {n}: more ranks than this machine can run ({cores} core(s): at most {most}); \
+             use one rank per GPU on CUDA, or a few per core on the CPU"
+        ));
+    }
+    if let Some(avail) = available_bytes.filter(|&b| b > 0) {
+        let fit = (avail / RANK_BYTES).max(1) as usize;
+        if n > fit {
+            return Err(format!(
+                "--nproc {n}: each rank is a process of its own with libtorch (about {} of host memory), and {} is available: at most {fit} ranks fit",
+                crate::human::human_bytes(RANK_BYTES),
+                crate::human::human_bytes(avail)
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Runs `args` (this command line without `--nproc`) as `n` ranks; returns the exit code.
 pub fn launch(n: usize, args: &[String], timeout: Duration) -> Result<i32> {
     use std::os::unix::process::CommandExt;
@@ -67,7 +94,17 @@ pub fn launch(n: usize, args: &[String], timeout: Duration) -> Result<i32> {
             // Own process group: a terminal's Ctrl-C reaches the launcher only, which passes it on
             // once (a second SIGINT would end a rank at once, without its checkpoint).
             .process_group(0);
-        children.push(c.spawn().with_context(|| format!("starting rank {rank}"))?);
+        match c.spawn() {
+            Ok(child) => children.push(child),
+            Err(e) => {
+                // The ranks already started would wait for the missing one until the timeout.
+                for child in &mut children {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                }
+                return Err(e).with_context(|| format!("starting rank {rank} of {n}"));
+            }
+        }
     }
     let mut statuses: Vec<Option<ExitStatus>> = vec![None; n];
     let mut forwarded = false;
@@ -119,6 +156,20 @@ pub fn launch(n: usize, args: &[String], timeout: Duration) -> Result<i32> {
 mod tests {
     use super::*;
     use std::os::unix::process::ExitStatusExt;
+
+    #[test]
+    fn a_rank_count_the_machine_cannot_start_is_refused() {
+        assert!(check_rank_count(2, 2, Some(8 << 30)).is_ok());
+        assert!(check_rank_count(8, 2, Some(8 << 30)).is_ok());
+        assert!(check_rank_count(2, 1, None).is_ok());
+        let e = check_rank_count(100_000, 2, Some(8 << 30)).unwrap_err();
+        assert!(
+            e.contains("--nproc 100000: more ranks than this machine can run (2 core(s): at most 8)"),
+            "{e}"
+        );
+        let e = check_rank_count(8, 16, Some(1 << 30)).unwrap_err();
+        assert!(e.contains("at most 4 ranks fit"), "{e}");
+    }
 
     #[test]
     fn exit_codes_fold_to_the_most_telling() {

@@ -64,8 +64,8 @@ impl World {
                 v.trim()
                     .parse::<f64>()
                     .ok()
-                    .filter(|s| *s > 0.0)
-                    .with_context(|| format!("MEMTRAIN_DIST_TIMEOUT={v:?}: give seconds, e.g. 120"))?,
+                    .filter(|s| *s > 0.0 && *s <= 86_400.0)
+                    .with_context(|| format!("MEMTRAIN_DIST_TIMEOUT={v:?}: give seconds, more than 0 and at most a day (86400), e.g. 120"))?,
             ),
             None => DEFAULT_TIMEOUT,
         };
@@ -516,5 +516,15 @@ mod tests {
         assert_eq!(w.size, 2);
         let e = World::from_lookup(env(&[("MEMTRAIN_TEST_SINGLE_RANK_GROUP", "yes")])).unwrap_err();
         assert!(e.to_string().contains("set it to 1"), "{e}");
+        let timeouts: [&'static [(&'static str, &'static str)]; 4] = [
+            &[("MEMTRAIN_DIST_TIMEOUT", "inf"), ("RANK", "0"), ("WORLD_SIZE", "1")],
+            &[("MEMTRAIN_DIST_TIMEOUT", "1e30"), ("RANK", "0"), ("WORLD_SIZE", "1")],
+            &[("MEMTRAIN_DIST_TIMEOUT", "0"), ("RANK", "0"), ("WORLD_SIZE", "1")],
+            &[("MEMTRAIN_DIST_TIMEOUT", "soon"), ("RANK", "0"), ("WORLD_SIZE", "1")],
+        ];
+        for pairs in timeouts {
+            let e = World::from_lookup(env(pairs)).unwrap_err();
+            assert!(e.to_string().contains("at most a day (86400)"), "{pairs:?}: {e}");
+        }
     }
 }

@@ -32,16 +32,34 @@ pub struct Recorder {
     summary: SummarySink,
 }
 
+/// A run killed in the middle of a write leaves metrics.jsonl without its last newline: the
+/// next session's first record starts on a line of its own, so only the cut line is lost.
+fn end_the_cut_line(f: &mut File) -> std::io::Result<()> {
+    use std::io::{Read, Seek, SeekFrom, Write};
+    if f.metadata()?.len() == 0 {
+        return Ok(());
+    }
+    f.seek(SeekFrom::End(-1))?;
+    let mut last = [0u8];
+    f.read_exact(&mut last)?;
+    if last[0] != b'\n' {
+        f.write_all(b"\n")?;
+    }
+    Ok(())
+}
+
 impl Recorder {
     /// Appends to the run directory's metrics.jsonl (a resumed run continues the same file);
     /// with `tensorboard`, also writes a new event file under `tensorboard/`.
     pub fn open(run_dir: &Path, spec_toml: &str, tensorboard: bool) -> Result<Self> {
         let path = run_dir.join("metrics.jsonl");
-        let f = OpenOptions::new()
+        let mut f = OpenOptions::new()
             .create(true)
             .append(true)
+            .read(true)
             .open(&path)
             .with_context(|| format!("opening {}", path.display()))?;
+        end_the_cut_line(&mut f).with_context(|| format!("appending to {}", path.display()))?;
         let tensorboard = match tensorboard {
             true => Some(EventWriter::create(&run_dir.join("tensorboard"))?),
             false => None,
@@ -208,5 +226,25 @@ mod tests {
         let summary: Value = serde_json::from_slice(&fs::read(dir.path().join("summary.json")).unwrap()).unwrap();
         assert_eq!(summary["status"], "completed");
         assert!(!dir.path().join("summary.json.tmp").exists());
+    }
+
+    #[test]
+    fn a_killed_runs_cut_line_costs_only_itself() {
+        let dir = tempfile::tempdir().unwrap();
+        let cut = "{\"type\":\"step\",\"job\":\"\u{e9}".as_bytes();
+        fs::write(dir.path().join("metrics.jsonl"), &cut[..cut.len() - 1]).unwrap();
+        let mut r = Recorder::open(dir.path(), "[job]\n", false).unwrap();
+        r.emit(&Event::GrowBack(GrowBackEvent {
+            step: 7,
+            micro_batch_before: 4,
+            micro_batch: 8,
+            micro_batch_of: MicroBatchOf::Training,
+        }))
+        .unwrap();
+        r.emit(&Event::End(Summary::default())).unwrap();
+        let records = read::read(dir.path()).unwrap();
+        assert_eq!(records.unreadable_lines, 1);
+        assert!(matches!(records.events[0], Event::GrowBack(_)), "{:?}", records.events);
+        assert_eq!(records.events.len(), 2);
     }
 }

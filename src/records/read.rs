@@ -25,13 +25,14 @@ pub struct RunRecords {
 /// is an error (the directory is not a run's); a line that does not parse is counted.
 pub fn read(run_dir: &Path) -> Result<RunRecords> {
     let metrics = run_dir.join("metrics.jsonl");
-    let text = fs::read_to_string(&metrics).map_err(|e| {
+    // Bytes, not a string: a cut line may end inside a character, and only that line is lost.
+    let bytes = fs::read(&metrics).map_err(|e| {
         UsageError(format!(
             "{} has no readable metrics.jsonl ({e}); pass a run directory that `memtrain run` wrote (runs/<job> by default)",
             run_dir.display()
         ))
     })?;
-    let mut records = RunRecords::parse(&text);
+    let mut records = RunRecords::parse(&String::from_utf8_lossy(&bytes));
     // summary.json is rewritten at every session's end, so it is the last word when present.
     let summary = fs::read(run_dir.join("summary.json"))
         .ok()

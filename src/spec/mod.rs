@@ -325,8 +325,29 @@ fn remove_path(doc: &mut toml_edit::DocumentMut, key: &str) {
     table.remove(last);
 }
 
+fn is_table(doc: &toml_edit::DocumentMut, parts: &[&str]) -> bool {
+    let mut table: &dyn toml_edit::TableLike = doc.as_table();
+    for part in parts {
+        match table.get(part).and_then(|i| i.as_table_like()) {
+            Some(t) => table = t,
+            None => return false,
+        }
+    }
+    true
+}
+
 fn set_path(doc: &mut toml_edit::DocumentMut, key: &str, value: toml_edit::Value) -> Result<(), String> {
     let parts: Vec<&str> = key.split('.').map(str::trim).collect();
+    if let toml_edit::Value::InlineTable(t) = &value {
+        if is_table(doc, &parts) {
+            // `--set train={epochs=1}` sets train.epochs and keeps train's other keys: an
+            // override adds and changes keys, never removes them.
+            for (k, v) in t.iter() {
+                set_path(doc, &format!("{key}.{k}"), v.clone())?;
+            }
+            return Ok(());
+        }
+    }
     let (last, tables) = parts.split_last().expect("keys are non-empty");
     let mut table: &mut dyn toml_edit::TableLike = doc.as_table_mut();
     for (i, part) in tables.iter().enumerate() {
@@ -408,6 +429,20 @@ mod tests {
             err,
             "--set train.batch_size=0: train.batch_size must be at least 1, got 0"
         );
+    }
+
+    #[test]
+    fn an_inline_table_override_changes_keys_and_removes_none() {
+        let text = "[model]\npreset = \"mlp\"\n[model.mlp]\nhidden = [64]\n[train]\nlr = 0.01\nepochs = 3\n";
+        let spec = load_str(text, &["train={epochs=1}", "model.mlp={}"]).unwrap();
+        assert_eq!((spec.train.epochs, spec.train.lr), (1, 0.01));
+        assert_eq!(
+            spec.model.options["mlp"]["hidden"],
+            toml::Value::Array(vec![toml::Value::Integer(64)])
+        );
+        // Where there is no table yet, the inline table is the table.
+        let spec = load_str("[model]\npreset = \"mlp\"\n", &["train={epochs=2, lr=0.5}"]).unwrap();
+        assert_eq!((spec.train.epochs, spec.train.lr), (2, 0.5));
     }
 
     #[test]

@@ -56,7 +56,22 @@ fn job(p: &mut Problems, j: &Job) {
         ));
     }
     at_least(p, "job.threads", j.threads, 0);
+    if j.threads > MAX_THREADS {
+        p.push((
+            "job.threads".into(),
+            format!(
+                "must be at most {MAX_THREADS}, got {}: libtorch starts that many threads; use the machine's cores, or 0 for libtorch's default",
+                j.threads
+            ),
+        ));
+    }
 }
+
+/// More than any machine memtrain runs on has cores; libtorch would start them all.
+const MAX_THREADS: i64 = 1024;
+/// An effective batch past this holds more samples than any data set a step could take, and
+/// the products of batch sizes downstream would overflow.
+const MAX_EFFECTIVE_BATCH: i64 = i32::MAX as i64;
 
 fn model(p: &mut Problems, m: &Model) {
     if let Some(f) = &m.init_from {
@@ -167,6 +182,16 @@ fn train(p: &mut Problems, t: &Train) {
     at_least(p, "train.epochs", t.epochs, 1);
     at_least(p, "train.batch_size", t.batch_size, 1);
     at_least(p, "train.accumulation_steps", t.accumulation_steps, 1);
+    let effective = t.batch_size.checked_mul(t.accumulation_steps);
+    if t.batch_size >= 1 && t.accumulation_steps >= 1 && effective.is_none_or(|e| e > MAX_EFFECTIVE_BATCH) {
+        p.push((
+            "train.accumulation_steps".into(),
+            format!(
+                "train.batch_size × train.accumulation_steps (the effective batch) must be at most {MAX_EFFECTIVE_BATCH}, got {} × {}",
+                t.batch_size, t.accumulation_steps
+            ),
+        ));
+    }
     if let Some(b) = t.eval_batch_size {
         at_least(p, "train.eval_batch_size", b, 1);
     }

@@ -86,6 +86,21 @@ fn a_cuda_only_setting_on_the_cpu_is_named_and_the_run_goes_on() {
     assert!(o.out.join("summary.json").exists() && !o.out.join("snapshot.pickle").exists());
 }
 
+#[test]
+fn check_of_a_model_too_large_for_host_memory_says_so() {
+    // 64 inputs x 10^9 hidden units: 256 GB of weights, which no test machine allocates.
+    Test::new()
+        .command("check")
+        .set(
+            "model.mlp.hidden",
+            toml::Value::Array(vec![toml::Value::Integer(1_000_000_000)]),
+        )
+        .exit(3)
+        .stderr_has("the model does not fit in host memory, where it is built to count its parameters")
+        .stderr_has("make the model smaller")
+        .run();
+}
+
 /// (name, spec text, expected line:col, expected message fragment)
 fn bad_specs() -> Vec<(&'static str, String, &'static str, &'static str)> {
     let d = digits();
@@ -102,6 +117,18 @@ fn bad_specs() -> Vec<(&'static str, String, &'static str, &'static str)> {
             base("[trian]\nepochs = 1\n"),
             "3:2",
             "unknown field `trian`",
+        ),
+        (
+            "effective_batch_overflows",
+            base("[train]\naccumulation_steps = 576460752303423488\n"),
+            "4:1",
+            "train.batch_size × train.accumulation_steps (the effective batch) must be at most 2147483647",
+        ),
+        (
+            "threads_past_any_machine",
+            base("[job]\nthreads = 100000\n"),
+            "4:1",
+            "job.threads must be at most 1024, got 100000",
         ),
         (
             "wrong_type",

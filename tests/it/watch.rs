@@ -350,6 +350,20 @@ fn clean_ends_an_orphaned_run_spares_the_rest_and_refuses_others_processes() {
     );
 }
 
+#[test]
+fn clean_refuses_a_grace_it_cannot_wait_and_signals_nothing() {
+    let t = Test::new();
+    for grace in ["-1", "nan", "1e20"] {
+        command(&t, &["clean", "--yes", &format!("--grace={grace}")])
+            .exit(2)
+            .stderr_has(&format!(
+                "--grace {}: expected seconds, from 0 to an hour (3600)",
+                grace.parse::<f64>().unwrap()
+            ))
+            .run();
+    }
+}
+
 fn clean_orphans() {
     // Alone in its process, this test may adopt what is orphaned below it, to reap it and read
     // its exit status: the orphaned run becomes its child instead of init's.
