@@ -54,6 +54,29 @@ pub struct TrainState {
     pub finished: bool,
 }
 
+impl TrainState {
+    /// The first field that no run could have written, as "micro_batch is 0 (at least 1)".
+    fn out_of_range(&self) -> Option<String> {
+        let at_least = [
+            ("micro_batch", self.micro_batch, 1),
+            ("accumulation_steps", self.accumulation_steps, 1),
+            ("effective_batch", self.effective_batch, 1),
+            ("eval_micro_batch", self.eval_micro_batch.unwrap_or(1), 1),
+            ("epoch", self.epoch, 0),
+            ("groups_done", self.groups_done, 0),
+            ("global_step", self.global_step, 0),
+            ("weight_steps", self.weight_steps, 0),
+            ("clean_steps", self.clean_steps, 0),
+            ("epoch_correct", self.epoch_correct, 0),
+            ("epoch_seen", self.epoch_seen, 0),
+        ];
+        at_least
+            .iter()
+            .find(|(_, v, min)| v < min)
+            .map(|(name, v, min)| format!("{name} is {v} (at least {min})"))
+    }
+}
+
 /// Where the architecture step (DARTS) stands: its steps, its place in the held-out stream and
 /// its loss scaler.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -230,7 +253,8 @@ impl Store {
     }
 
     fn update_best(&self, name: &str, value: f64) -> Result<()> {
-        if !self.keep_best {
+        // A NaN compares false both ways: it would keep a first place it never earned.
+        if !self.keep_best || value.is_nan() {
             return Ok(());
         }
         let better = match self.best() {
@@ -309,6 +333,14 @@ impl Store {
             if on && !state.levers.iter().any(|l| l == name) {
                 state.levers.push(name.to_owned());
             }
+        }
+        if let Some(bad) = state.out_of_range() {
+            return Err(crate::exit::UsageError(format!(
+                "{}/state.json: {bad}, which no run writes: the file was edited or damaged; \
+                 remove this checkpoint directory to resume from the one before it",
+                dir.display()
+            ))
+            .into());
         }
         Ok(state)
     }
@@ -412,5 +444,22 @@ mod tests {
         old.insert("activation_checkpointing".into(), true.into());
         fs::write(dir.path().join("state.json"), serde_json::to_vec(&old).unwrap()).unwrap();
         assert_eq!(Store::load_state(dir.path()).unwrap().levers, ["cpu", "recompute"]);
+    }
+
+    #[test]
+    fn a_state_no_run_writes_is_refused_saying_which_field() {
+        let dir = tempfile::tempdir().unwrap();
+        for (field, value, says) in [
+            ("micro_batch", 0, "micro_batch is 0 (at least 1)"),
+            ("accumulation_steps", -5, "accumulation_steps is -5 (at least 1)"),
+            ("epoch", -1, "epoch is -1 (at least 0)"),
+        ] {
+            let mut json = serde_json::to_value(state(1, None)).unwrap();
+            json[field] = value.into();
+            fs::write(dir.path().join("state.json"), serde_json::to_vec(&json).unwrap()).unwrap();
+            let e = Store::load_state(dir.path()).unwrap_err();
+            assert!(e.to_string().contains(says), "{e}");
+            assert!(e.downcast_ref::<crate::exit::UsageError>().is_some(), "exit 2: {e}");
+        }
     }
 }

@@ -565,6 +565,9 @@ pub fn fit(args: &FitArgs, quiet: bool) -> Result<()> {
     let cuda = matches!(plan.device, DevicePlan::Cuda(_));
     let budget = resolve_budget(args, &plan, &facts)?;
     let settings = settings(args, &spec, cuda)?;
+    if let Some(out) = &args.write {
+        writable_file(out)?;
+    }
     let effective = plan.configured.effective();
     let device = crate::human::device_name(plan.device.tch());
     let say = |s: String| {
@@ -880,6 +883,30 @@ fn human(r: &Report) -> String {
 
 /// The spec file with the recommendation (and the budget, when it came from the command line)
 /// written into it, comments kept; checked by loading it back before it lands.
+/// `--write OUT` must name a file whose directory exists, said before any probe runs rather
+/// than after all of them.
+fn writable_file(out: &Path) -> Result<(), UsageError> {
+    if out.is_dir() {
+        return Err(UsageError(format!(
+            "--write {}: a directory; name the file the tuned spec goes to, e.g. {}/tuned.toml",
+            out.display(),
+            out.display()
+        )));
+    }
+    let parent = out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    if !parent.is_dir() {
+        return Err(UsageError(format!(
+            "--write {}: the directory {} does not exist; create it or write elsewhere",
+            out.display(),
+            parent.display()
+        )));
+    }
+    Ok(())
+}
+
 fn write_spec(args: &FitArgs, rec: &Recommendation, budget: &Budget, out: &Path) -> Result<PathBuf> {
     let v = |x: toml_edit::Value| Some(x);
     let mut edits: Vec<(&str, Option<toml_edit::Value>)> = vec![

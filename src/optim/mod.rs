@@ -695,11 +695,15 @@ impl Optimizer {
             .state
             .load(&self.params, tensors, steps_taken > 0, |i| steps_param(shard, i))
         {
-            bail!(
-                "optimizer state does not fit this {:?} optimizer: {}",
-                self.hyper.kind,
+            // Another optimizer, state width or parameter set than the checkpoint's run had: the
+            // spec changed, which the user decides.
+            return Err(crate::exit::UsageError(format!(
+                "the checkpoint's optimizer state does not fit this run's {} optimizer ({}): resume with the \
+                 train.optimizer and train.optimizer_state_bits the checkpoint was written with (its spec.toml)",
+                format!("{:?}", self.hyper.kind).to_lowercase(),
                 problems.join("; ")
-            );
+            ))
+            .into());
         }
         self.steps = steps_taken;
         // A checkpoint's parameters came with it.

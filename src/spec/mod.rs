@@ -446,6 +446,12 @@ mod tests {
     }
 
     #[test]
+    fn an_invalid_lr_is_one_error_not_two() {
+        let err = load_str("[model]\npreset = \"mlp\"\n[train]\nlr = -0.1\n", &[]).unwrap_err();
+        assert_eq!(err, "x.toml:4:1: train.lr must be a positive number, got -0.1");
+    }
+
+    #[test]
     fn line_col_counts_from_one() {
         assert_eq!(line_col("ab\ncd", 4), (2, 2));
         assert_eq!(line_col("ab", 0), (1, 1));

@@ -98,6 +98,9 @@ pub struct ByteSize(pub u64);
 
 impl ByteSize {
     pub fn parse(s: &str) -> Result<Self, String> {
+        if s.trim().starts_with('-') {
+            return Err(format!("a size cannot be negative, got \"{s}\""));
+        }
         parse_size::Config::new()
             .with_binary()
             .parse_size(s.trim())

@@ -225,7 +225,10 @@ fn train(p: &mut Problems, t: &Train) {
     at_least(p, "train.warmup_steps", t.warmup_steps, 0);
     at_least(p, "train.lr_step_epochs", t.lr_step_epochs, 1);
     in_range(p, "train.lr_gamma", t.lr_gamma, f64::MIN_POSITIVE, 1.0, "(0, 1]");
-    in_range(p, "train.min_lr", t.min_lr, 0.0, t.lr, "[0, train.lr]");
+    // Against an invalid lr the bound means nothing; lr's own error says what to fix.
+    if t.lr.is_finite() && t.lr > 0.0 {
+        in_range(p, "train.min_lr", t.min_lr, 0.0, t.lr, "[0, train.lr]");
+    }
 }
 
 fn optimizer_name(o: OptimizerKind) -> String {

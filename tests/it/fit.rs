@@ -227,6 +227,16 @@ fn fit_says_what_is_wrong_with_its_input_and_when_nothing_fits() {
         .exit(2)
         .stderr_has("--precision fp8: not a precision; one of fp32, fp16-mixed, bf16-mixed, bf16")
         .run();
+    for (write, says) in [
+        ("/", "--write /: a directory; name the file the tuned spec goes to"),
+        ("/no/such/dir/tuned.toml", "the directory /no/such/dir does not exist"),
+    ] {
+        fit.clone()
+            .args(&["--limit", "8MiB", "--write", write])
+            .exit(2)
+            .stderr_has(says)
+            .run();
+    }
     fit.clone()
         .args(&["--limit", "8MiB", "--margin", "9MiB"])
         .exit(2)

@@ -101,6 +101,48 @@ fn check_of_a_model_too_large_for_host_memory_says_so() {
         .run();
 }
 
+#[test]
+fn resuming_with_another_optimizer_or_a_damaged_state_says_what_to_keep() {
+    let o = Test::new().set("train.epochs", 1).run();
+    let checkpoint = std::fs::read_dir(o.out.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.is_dir())
+        .expect("a checkpoint");
+    let saved = file_bytes(&checkpoint.join("optimizer.safetensors"));
+    o.resume()
+        .set("train.epochs", 2)
+        .set("train.optimizer", "sgd")
+        .exit(2)
+        .stderr_has("the checkpoint's optimizer state does not fit this run's sgd optimizer")
+        .stderr_has("resume with the train.optimizer and train.optimizer_state_bits the checkpoint was written with")
+        .run();
+    assert_eq!(
+        file_bytes(&checkpoint.join("optimizer.safetensors")),
+        saved,
+        "resuming only reads"
+    );
+    let state = checkpoint.join("state.json");
+    let mut json: serde_json::Value = serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
+    json["micro_batch"] = 0.into();
+    std::fs::write(&state, serde_json::to_vec(&json).unwrap()).unwrap();
+    o.resume()
+        .set("train.epochs", 2)
+        .exit(2)
+        .stderr_has("state.json: micro_batch is 0 (at least 1), which no run writes")
+        .stderr_has("remove this checkpoint directory to resume from the one before it")
+        .run();
+}
+
+#[test]
+fn a_loss_gone_to_nan_is_said_with_what_to_change() {
+    Test::new()
+        .set("train.epochs", 1)
+        .set("train.lr", 1e30)
+        .stderr_has("epoch 1: the training loss is NaN, so the weights no longer learn; lower train.lr")
+        .run();
+}
+
 /// (name, spec text, expected line:col, expected message fragment)
 fn bad_specs() -> Vec<(&'static str, String, &'static str, &'static str)> {
     let d = digits();
@@ -171,6 +213,12 @@ fn bad_specs() -> Vec<(&'static str, String, &'static str, &'static str)> {
             base("[memory]\nlimit = -5\n"),
             "4:1",
             "a size cannot be negative",
+        ),
+        (
+            "negative_limit_with_a_unit",
+            base("[memory]\nlimit = \"-1GiB\"\n"),
+            "4:1",
+            "a size cannot be negative, got \"-1GiB\"",
         ),
         (
             "fraction_zero",
