@@ -53,11 +53,15 @@ pub struct Facts {
     /// The run directory's path names a file that is not a directory.
     pub run_dir_is_file: bool,
     pub run_dir_has_run: bool,
+    /// Some checkpoint of the run directory exists (read or not).
+    pub run_dir_has_checkpoint: bool,
     /// Files of `RUN_OUTPUTS` already in the run directory, which a new run would overwrite.
     pub run_dir_outputs: Vec<&'static str>,
     pub run_dir_has_oom_report: bool,
     /// The newest checkpoint of the run directory and its state (read only when resuming).
     pub checkpoint: Option<(PathBuf, TrainState)>,
+    /// That checkpoint's resolved spec, where it reads.
+    pub checkpoint_spec: Option<toml::Table>,
 }
 
 impl Facts {
@@ -84,7 +88,12 @@ impl Facts {
             },
             false => None,
         };
+        let checkpoint_spec = checkpoint
+            .as_ref()
+            .and_then(|(dir, _)| std::fs::read_to_string(dir.join("spec.toml")).ok())
+            .and_then(|text| text.parse::<toml::Table>().ok());
         Ok(Facts {
+            checkpoint_spec,
             cuda_devices,
             cuda_total_bytes,
             host_ram_bytes: sysmem::host_memory()?.ram_total_bytes,
@@ -93,6 +102,7 @@ impl Facts {
             run_dir_exists: run_dir.exists(),
             run_dir_is_file: run_dir.exists() && !run_dir.is_dir(),
             run_dir_has_run: run_dir.join("metrics.jsonl").exists() || run_dir.join("checkpoints").exists(),
+            run_dir_has_checkpoint: Store::latest_in(&run_dir).is_some(),
             run_dir_outputs: RUN_OUTPUTS
                 .iter()
                 .copied()
@@ -158,9 +168,9 @@ pub struct Plan {
     pub oom_reported: bool,
     /// Set when a resumed run has nothing left to train; `run` says so and stops.
     pub nothing_to_do: Option<String>,
-    /// Settings of the spec this run cannot honour where it runs, each with why; `run` prints
-    /// them and goes on.
-    pub ignored: Vec<String>,
+    /// What `run` says before it starts and goes on: settings of the spec this run cannot honour
+    /// where it runs, a resume whose data differs from its run's, each with why.
+    pub notices: Vec<String>,
 }
 
 impl Plan {
@@ -173,14 +183,16 @@ impl Plan {
         };
         let mut device = resolve_device(spec.job.device, facts.cuda_devices)?;
         let mut start = fresh_state(configured);
+        let mut notices = vec![];
         let mut resume = None;
         let mut nothing_to_do = None;
         if request.resuming() {
             let Some((checkpoint, state)) = &facts.checkpoint else {
                 return Err(UsageError(format!(
-                    "--resume: {} has no checkpoint to resume from (looked in {}/checkpoints)",
+                    "--resume: {} has no checkpoint to resume from (looked in {}/checkpoints){}",
                     run_dir.display(),
-                    run_dir.display()
+                    run_dir.display(),
+                    resume_hint(&run_dir)
                 )));
             };
             start = reconcile(state.clone(), configured, spec.train.batch_size)?;
@@ -201,6 +213,9 @@ impl Plan {
                 checkpoint: checkpoint.clone(),
                 state: start.clone(),
             });
+            if let Some(was) = &facts.checkpoint_spec {
+                notices.extend(data_changes(was, spec));
+            }
         }
         let cap = resolve_cap(spec, device, facts)?;
         // backend:cudaMallocAsync takes the fraction only through the allocator call (`run`
@@ -231,9 +246,8 @@ impl Plan {
             }
         };
         let record_history = spec.memory.record_history && matches!(device, DevicePlan::Cuda(_));
-        let mut ignored = vec![];
         if spec.memory.record_history && !record_history {
-            ignored.push(
+            notices.push(
                 "memory.record_history is ignored: it records the CUDA caching allocator's history, and this run is on the CPU"
                     .to_owned(),
             );
@@ -261,8 +275,60 @@ impl Plan {
             resume,
             oom_reported: facts.run_dir_has_oom_report,
             nothing_to_do,
-            ignored,
+            notices,
         })
+    }
+}
+
+/// The notice for a resume whose seed or data keys differ from its checkpoint's run: either
+/// moves samples between training and validation or reorders them.
+fn data_changes(was: &toml::Table, spec: &Spec) -> Option<String> {
+    let now: toml::Table = spec::to_toml(spec).parse().ok()?;
+    let table = |t: &toml::Table, name: &str| t.get(name).and_then(toml::Value::as_table).cloned().unwrap_or_default();
+    // Keys that change how fast batches come, not which.
+    const SPEED: [&str; 3] = ["prefetch", "workers", "memory_map"];
+    let (data_was, data_now) = (table(was, "data"), table(&now, "data"));
+    let mut keys: Vec<(String, Option<&toml::Value>, Option<&toml::Value>)> = vec![(
+        "job.seed".into(),
+        was.get("job").and_then(|j| j.get("seed")),
+        now.get("job").and_then(|j| j.get("seed")),
+    )];
+    for k in data_was
+        .keys()
+        .chain(data_now.keys().filter(|k| !data_was.contains_key(*k)))
+    {
+        if !SPEED.contains(&k.as_str()) {
+            keys.push((format!("data.{k}"), data_was.get(k), data_now.get(k)));
+        }
+    }
+    let changed: Vec<String> = keys
+        .into_iter()
+        .filter(|(_, a, b)| a != b)
+        .map(|(k, a, _)| format!("{k} (the run had {})", a.map_or("it unset".into(), ToString::to_string)))
+        .collect();
+    (!changed.is_empty()).then(|| {
+        format!(
+            "resuming with {} changed: the data's split into training and validation, or its order, is not the run's \
+             (the validation set may hold samples the run trained on); resume with the checkpoint's values (its spec.toml) to continue the same run",
+            changed.join(", ")
+        )
+    })
+}
+
+/// Where `--resume` named a checkpoint or the checkpoints folder rather than the run directory.
+fn resume_hint(dir: &Path) -> String {
+    let named = |p: &Path, n: &str| p.file_name().is_some_and(|f| f == n);
+    let run = match dir.parent() {
+        Some(p) if named(dir, "checkpoints") => Some(p),
+        Some(p) if named(p, "checkpoints") => p.parent(),
+        _ => None,
+    };
+    match run {
+        Some(run) => format!(
+            "; --resume takes the run directory, {}, and resumes its newest checkpoint",
+            run.display()
+        ),
+        None => String::new(),
     }
 }
 
@@ -287,10 +353,16 @@ fn check_run_dir(dir: &Path, resuming: bool, facts: &Facts) -> Result<(), UsageE
         )));
     }
     if facts.run_dir_has_run && !resuming {
-        return Err(UsageError(format!(
-            "{} already holds a run; pass --resume to continue it, --out DIR to start a new run elsewhere, or remove the directory",
-            dir.display()
-        )));
+        return Err(UsageError(match facts.run_dir_has_checkpoint {
+            true => format!(
+                "{} already holds a run; pass --resume to continue it, --out DIR to start a new run elsewhere, or remove the directory",
+                dir.display()
+            ),
+            false => format!(
+                "{} already holds a run that stopped before its first checkpoint, so there is nothing to resume; remove the directory to start again, or give --out DIR",
+                dir.display()
+            ),
+        }));
     }
     if resuming && !facts.run_dir_exists {
         return Err(UsageError(format!(
@@ -519,9 +591,9 @@ mod tests {
         let p = Plan::resolve(&spec("[memory]\nrecord_history = true\n"), &fresh(), &facts()).unwrap();
         assert!(!p.record_history && p.env.is_empty());
         assert!(
-            p.ignored[0].starts_with("memory.record_history is ignored"),
+            p.notices[0].starts_with("memory.record_history is ignored"),
             "{:?}",
-            p.ignored
+            p.notices
         );
     }
 
@@ -560,6 +632,27 @@ mod tests {
         };
         let e = Plan::resolve(&spec(""), &fresh(), &file).unwrap_err();
         assert!(e.0.contains("is a file, not a directory"), "{}", e.0);
+        let saved = Facts {
+            run_dir_has_checkpoint: true,
+            ..busy.clone()
+        };
+        let e = Plan::resolve(&spec(""), &fresh(), &saved).unwrap_err();
+        assert!(e.0.contains("pass --resume to continue it"), "{}", e.0);
+        let e = Plan::resolve(&spec(""), &fresh(), &busy).unwrap_err();
+        assert!(
+            e.0.contains("stopped before its first checkpoint, so there is nothing to resume"),
+            "{}",
+            e.0
+        );
+        assert_eq!(
+            resume_hint(Path::new("runs/x/checkpoints/step-000000004")),
+            "; --resume takes the run directory, runs/x, and resumes its newest checkpoint"
+        );
+        assert_eq!(
+            resume_hint(Path::new("runs/x/checkpoints")),
+            "; --resume takes the run directory, runs/x, and resumes its newest checkpoint"
+        );
+        assert_eq!(resume_hint(Path::new("runs/x")), "");
     }
 
     fn resumable(state: TrainState) -> Facts {
@@ -569,6 +662,42 @@ mod tests {
             checkpoint: Some(("runs/x/checkpoints/step-000000004".into(), state)),
             ..facts()
         }
+    }
+
+    #[test]
+    fn a_resume_with_other_data_or_seed_is_said_and_speed_keys_are_not() {
+        let resume = Request {
+            resume: Some(None),
+            ..Default::default()
+        };
+        let s = spec("[train]\nepochs = 2\n[data]\nsource = \"synthetic\"\nsamples = 64\n");
+        let was = |text: &str| Facts {
+            checkpoint_spec: Some(spec::to_toml(&spec(text)).parse().unwrap()),
+            ..resumable(fresh_state(BatchShape {
+                micro_batch: 32,
+                accumulation_steps: 1,
+            }))
+        };
+        let same = Plan::resolve(
+            &s,
+            &resume,
+            &was("[train]\nepochs = 2\n[data]\nsource = \"synthetic\"\nsamples = 64\nworkers = 3\n"),
+        )
+        .unwrap();
+        assert!(same.notices.is_empty(), "{:?}", same.notices);
+        let other = Plan::resolve(
+            &s,
+            &resume,
+            &was("[job]\nseed = 5\n[train]\nepochs = 2\n[data]\nsource = \"synthetic\"\nsamples = 80\n"),
+        )
+        .unwrap();
+        assert_eq!(other.notices.len(), 1, "{:?}", other.notices);
+        assert!(
+            other.notices[0]
+                .starts_with("resuming with job.seed (the run had 5), data.samples (the run had 80) changed"),
+            "{}",
+            other.notices[0]
+        );
     }
 
     #[test]

@@ -48,6 +48,17 @@ impl Plan {
         }
         tch::manual_seed(spec.job.seed);
         let (vs, built) = self.build_model(spec)?;
+        if !vs.variables().values().any(Tensor::requires_grad) {
+            return Err(UsageError(format!(
+                "the model has no trainable parameters (none requires a gradient), so there is nothing to train; \
+                 {}",
+                match spec.model.preset.as_str() {
+                    "torchscript" => "script a module whose parameters have requires_grad = True",
+                    _ => "check model.init_from and the [model] table",
+                }
+            ))
+            .into());
+        }
         let data = self.load_data(spec, &built, device)?;
         let (mut opt, arch) = {
             let _host = spec.memory.parameters.is_host().then(shim::HostScope::enter);

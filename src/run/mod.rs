@@ -250,8 +250,8 @@ fn nccl_env(device: DevicePlan, user_set: bool) -> Option<(&'static str, &'stati
 }
 
 fn apply(plan: &Plan) -> Result<()> {
-    for why in &plan.ignored {
-        tracing::info!("{why}");
+    for why in &plan.notices {
+        tracing::warn!("{why}");
     }
     for c in &plan.alloc.conflicts {
         tracing::warn!(
