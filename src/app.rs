@@ -58,7 +58,7 @@ fn launch_ranks(args: &crate::cli::RunArgs) -> Option<i32> {
         return Some(exit::USAGE);
     }
     // A bad --rank-set is said once, here, rather than by every rank.
-    if let Err(e) = crate::run::rank_sets(&args.rank_set, usize::MAX) {
+    if let Err(e) = crate::run::rank_sets(&args.rank_set, usize::MAX, n) {
         eprintln!("error: {e:#}");
         return Some(exit::USAGE);
     }
@@ -101,8 +101,14 @@ fn init_logging(quiet: bool, verbose: u8) {
         (false, 1) => "debug",
         _ => "trace",
     };
-    let filter = tracing_subscriber::EnvFilter::try_from_env("MEMTRAIN_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("memtrain={level}")));
+    let filter = tracing_subscriber::EnvFilter::try_from_env("MEMTRAIN_LOG").unwrap_or_else(|e| {
+        if let Ok(v) = std::env::var("MEMTRAIN_LOG") {
+            eprintln!(
+                "warning: MEMTRAIN_LOG={v:?} is not a log filter ({e}); using the default. Write it like memtrain=debug"
+            );
+        }
+        tracing_subscriber::EnvFilter::new(format!("memtrain={level}"))
+    });
     use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(filter)

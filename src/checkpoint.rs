@@ -166,7 +166,27 @@ pub fn write_safetensors(path: &Path, tensors: &[(String, Tensor)]) -> Result<()
 }
 
 pub fn read_safetensors(path: &Path) -> Result<Vec<(String, Tensor)>> {
-    Tensor::read_safetensors(path).with_context(|| format!("reading {}", path.display()))
+    Tensor::read_safetensors(path).map_err(|e| {
+        let text = e.to_string();
+        anyhow::anyhow!("reading {}: {text}{}", path.display(), safetensors_hint(&text))
+    })
+}
+
+/// The safetensors reader names its failures by their Rust variants (`HeaderTooLarge`,
+/// `MetadataIncompleteBuffer`, `IoError(Os { code: 21, .. })`); this says what they mean.
+pub fn safetensors_hint(error: &str) -> &'static str {
+    let says = |names: &[&str]| names.iter().any(|n| error.contains(n));
+    if says(&["HeaderTooLarge", "HeaderTooSmall", "InvalidHeader"]) {
+        " (not a safetensors file: its header does not read)"
+    } else if says(&["MetadataIncompleteBuffer", "TensorInvalidInfo", "InvalidOffset"]) {
+        " (the file is cut short or damaged: its tensors do not fit the bytes it holds)"
+    } else if says(&["code: 21", "Is a directory"]) {
+        " (a directory, not a file)"
+    } else if says(&["code: 2,", "NotFound"]) {
+        " (no such file)"
+    } else {
+        ""
+    }
 }
 
 fn sync_dir(dir: &Path) {
@@ -347,10 +367,18 @@ impl Store {
 
     pub fn load(dir: &Path) -> Result<Loaded> {
         let state = Store::load_state(dir)?;
+        // Saves are atomic, so a file that does not read was damaged after: the one before is whole.
+        let damaged = |e: anyhow::Error| -> anyhow::Error {
+            crate::exit::UsageError(format!(
+                "{e:#}; this checkpoint is damaged: remove {} to resume from the one before it",
+                dir.display()
+            ))
+            .into()
+        };
         Ok(Loaded {
             dir: dir.to_owned(),
-            model: read_safetensors(&dir.join("model.safetensors"))?,
-            optimizer: read_safetensors(&dir.join("optimizer.safetensors"))?,
+            model: read_safetensors(&dir.join("model.safetensors")).map_err(damaged)?,
+            optimizer: read_safetensors(&dir.join("optimizer.safetensors")).map_err(damaged)?,
             state,
         })
     }

@@ -970,8 +970,14 @@ fn read_npz(path: &Path, what: &str) -> Result<(Tensor, Tensor)> {
     const HOW: &str = "as written by numpy.savez(path, x=x, y=y)";
     let named = Tensor::read_npz(path).map_err(|e| {
         let e = e.to_string();
+        // tch's reader takes little-endian numeric arrays only, and calls a big-endian one's
+        // descriptor ">f4" not little-endian.
         let hint = if e.contains("fortran") {
             " (save C-ordered arrays: numpy.ascontiguousarray)"
+        } else if e.contains("little-endian descr >") {
+            " (the array is big-endian: save it as x.astype(x.dtype.newbyteorder('<')))"
+        } else if e.contains("unrecognized descr") {
+            " (an object or string array: save numeric arrays)"
         } else {
             ""
         };
@@ -983,8 +989,10 @@ fn read_npz(path: &Path, what: &str) -> Result<(Tensor, Tensor)> {
 fn read_safetensors(path: &Path, what: &str) -> Result<(Tensor, Tensor)> {
     const HOW: &str = "as written by safetensors.torch.save_file({\"x\": x, \"y\": y}, path)";
     let named = Tensor::read_safetensors(path).map_err(|e| {
+        let e = e.to_string();
         anyhow!(
-            "{what}: cannot read it as .safetensors: {e}; it must be a safetensors file with tensors x and y, {HOW}"
+            "{what}: cannot read it as .safetensors: {e}{}; it must be a safetensors file with tensors x and y, {HOW}",
+            crate::checkpoint::safetensors_hint(&e)
         )
     })?;
     take_xy(named, what, HOW)

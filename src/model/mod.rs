@@ -109,7 +109,7 @@ fn options<T: DeserializeOwned + Default>(model: &Model, name: &str) -> Result<T
             let known = msg.split_once(", expected").map(|(_, k)| k).unwrap_or_default();
             return (key, format!("is not an option of the {name} preset (expected{known})"));
         }
-        (key, format!("is invalid: {msg}"))
+        (key, format!("is invalid: {}", crate::spec::plain_types(&msg)))
     })
 }
 

@@ -128,6 +128,17 @@ pub struct Run {
 impl Run {
     pub fn load(dir: &Path) -> Result<Self> {
         let records = crate::records::read(dir)?;
+        if records.events.is_empty() && records.summary.is_none() {
+            return Err(crate::exit::UsageError(format!(
+                "{}/metrics.jsonl holds no records{}: the run stopped before it wrote any, so there is nothing to report",
+                dir.display(),
+                match records.unreadable_lines {
+                    0 => String::new(),
+                    n => format!(" ({n} unreadable line(s))"),
+                }
+            ))
+            .into());
+        }
         let mut run = Run {
             dir: dir.to_owned(),
             unreadable_lines: records.unreadable_lines,

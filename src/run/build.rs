@@ -644,9 +644,10 @@ pub fn init_from(vs: &nn::VarStore, path: &Path) -> Result<()> {
             setup_oom(&what, &|| needs.clone(), CHANGE_INIT_FROM, &oom::short_message(&text)).into()
         } else {
             UsageError(format!(
-                "model.init_from: cannot read {} as safetensors: {}",
+                "model.init_from: cannot read {} as safetensors: {}{}",
                 path.display(),
-                crate::shim::first_line(&text)
+                crate::shim::first_line(&text),
+                crate::checkpoint::safetensors_hint(&text)
             ))
             .into()
         }

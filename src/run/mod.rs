@@ -92,7 +92,7 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
 fn load_spec(args: &RunArgs, world: Option<&World>) -> Result<Spec> {
     let mut sets = args.spec.set.clone();
     match world {
-        Some(w) => sets.extend(rank_sets(&args.rank_set, w.rank)?),
+        Some(w) => sets.extend(rank_sets(&args.rank_set, w.rank, w.size)?),
         None if !args.rank_set.is_empty() => {
             return Err(UsageError(
                 "--rank-set applies to data-parallel runs: add --nproc N (or launch with torchrun)".into(),
@@ -291,7 +291,7 @@ fn apply(plan: &Plan) -> Result<()> {
 }
 
 /// `--rank-set R:KEY=VALUE` entries that apply to `rank`, as `--set` values.
-pub(crate) fn rank_sets(entries: &[String], rank: usize) -> Result<Vec<String>> {
+pub(crate) fn rank_sets(entries: &[String], rank: usize, world: usize) -> Result<Vec<String>> {
     let mut out = vec![];
     for e in entries {
         let (r, set) = e
@@ -307,6 +307,13 @@ pub(crate) fn rank_sets(entries: &[String], rank: usize) -> Result<Vec<String>> 
         if !set.trim_start().starts_with("memory.") {
             return Err(UsageError(format!(
                 "--rank-set {e:?}: only memory.* keys can differ between ranks (e.g. 1:memory.limit=64MiB); use --set for the others"
+            ))
+            .into());
+        }
+        if r >= world {
+            return Err(UsageError(format!(
+                "--rank-set {e:?}: there is no rank {r}; the ranks are 0 to {}",
+                world - 1
             ))
             .into());
         }

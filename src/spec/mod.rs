@@ -97,7 +97,8 @@ pub fn load(path: &Path, overrides: &[Override]) -> Result<LoadedSpec, SpecError
 pub fn load_with(path: &Path, overrides: &[Override], more: MoreChecks) -> Result<LoadedSpec, SpecError> {
     let shown = path.display().to_string();
     let one = |m: String| SpecError { problems: vec![m] };
-    let text = std::fs::read_to_string(path).map_err(|e| one(format!("{shown}: cannot read spec file: {e}")))?;
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| one(format!("{shown}: cannot read spec file: {e}{}", utf8_hint(&e))))?;
     let original = toml_edit::ImDocument::parse(text.as_str()).map_err(|e| {
         let at = e.span().map(|s| line_col(&text, s.start)).unwrap_or((1, 1));
         one(format!(
@@ -220,11 +221,45 @@ fn clean_serde_message(msg: &str, key: &str) -> String {
     if msg.starts_with("missing field") {
         return format!("{msg}; the spec must have it (see docs/spec.md)");
     }
+    let msg = plain_types(&msg);
     if key.is_empty() {
         msg
     } else {
         format!("{key}: {msg}")
     }
+}
+
+/// A spec saved in another encoding (UTF-16 by some editors) reads as invalid UTF-8.
+fn utf8_hint(e: &std::io::Error) -> &'static str {
+    match e.kind() {
+        std::io::ErrorKind::InvalidData => "; save it as UTF-8 text",
+        _ => "",
+    }
+}
+
+/// serde names Rust's types ("expected i64", "expected struct Train"); a spec's author knows
+/// TOML's. A quoted number gets the hint to drop the quotes.
+pub(crate) fn plain_types(msg: &str) -> String {
+    let mut out = msg.to_owned();
+    for (rust, toml) in [
+        ("expected i64", "expected an integer"),
+        ("expected u64", "expected an integer, 0 or more"),
+        ("expected i32", "expected an integer"),
+        ("expected u32", "expected an integer, 0 or more"),
+        ("expected usize", "expected an integer, 0 or more"),
+        ("expected f64", "expected a number"),
+        ("expected a sequence", "expected an array, like [1, 2]"),
+    ] {
+        out = out.replace(rust, toml);
+    }
+    if let Some(i) = out.find("expected struct ") {
+        let end = out[i..].find([',', ';']).map_or(out.len(), |e| i + e);
+        out.replace_range(i..end, "expected a table");
+    }
+    if out.starts_with("invalid type: string") && (out.contains("an integer") || out.contains("a number")) {
+        out.push_str(" (write numbers without quotes)");
+    }
+    out
 }
 
 /// Where `key` (dotted) sits in the document: the value's key if present, else the nearest table.
@@ -293,8 +328,13 @@ pub fn edited_text(
     edits: &[(&str, Option<toml_edit::Value>)],
 ) -> Result<String, SpecError> {
     let one = |m: String| SpecError { problems: vec![m] };
-    let text =
-        std::fs::read_to_string(path).map_err(|e| one(format!("{}: cannot read spec file: {e}", path.display())))?;
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        one(format!(
+            "{}: cannot read spec file: {e}{}",
+            path.display(),
+            utf8_hint(&e)
+        ))
+    })?;
     let mut doc: toml_edit::DocumentMut = text
         .parse()
         .map_err(|e| one(format!("{}: invalid TOML: {e}", path.display())))?;
@@ -449,6 +489,20 @@ mod tests {
     fn an_invalid_lr_is_one_error_not_two() {
         let err = load_str("[model]\npreset = \"mlp\"\n[train]\nlr = -0.1\n", &[]).unwrap_err();
         assert_eq!(err, "x.toml:4:1: train.lr must be a positive number, got -0.1");
+    }
+
+    #[test]
+    fn type_errors_speak_toml() {
+        let err = load_str("[model]\npreset = \"mlp\"\n[train]\nepochs = \"ten\"\n", &[]).unwrap_err();
+        assert!(
+            err.ends_with(
+                "train.epochs: invalid type: string \"ten\", expected an integer (write numbers without quotes)"
+            ),
+            "{err}"
+        );
+        let err = load_str("train = 1\n[model]\npreset = \"mlp\"\n", &[]).unwrap_err();
+        assert!(err.contains("expected a table"), "{err}");
+        assert!(!err.contains("struct"), "{err}");
     }
 
     #[test]

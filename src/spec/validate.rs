@@ -23,13 +23,33 @@ fn in_range(p: &mut Problems, key: &str, v: f64, lo: f64, hi: f64, shown: &str) 
     }
 }
 
-fn file_exists(p: &mut Problems, key: &str, path: &Path, what: &str) {
+/// What a path key must name.
+#[derive(Clone, Copy, PartialEq)]
+enum Entry {
+    File,
+    Dir,
+    Either,
+}
+
+fn file_exists(p: &mut Problems, key: &str, path: &Path, entry: Entry, what: &str) {
     if !path.exists() {
         p.push((
             key.into(),
             format!(
                 "names {}, which does not exist (paths are relative to the current directory; {what})",
                 path.display()
+            ),
+        ));
+        return;
+    }
+    let is_dir = path.is_dir();
+    if (entry == Entry::File && is_dir) || (entry == Entry::Dir && !is_dir) {
+        p.push((
+            key.into(),
+            format!(
+                "names {}, which is a {}; {what}",
+                path.display(),
+                if is_dir { "directory" } else { "file" }
             ),
         ));
     }
@@ -79,6 +99,7 @@ fn model(p: &mut Problems, m: &Model) {
             p,
             "model.init_from",
             f,
+            Entry::File,
             "it must be a .safetensors file of initial weights",
         );
     }
@@ -106,6 +127,10 @@ fn data(p: &mut Problems, d: &Data) {
                 "data.path",
                 path,
                 match src {
+                    DataSource::Mnist | DataSource::Cifar10 | DataSource::Imagefolder => Entry::Dir,
+                    _ => Entry::File,
+                },
+                match src {
                     DataSource::Mnist => "it must be a directory with the MNIST IDX files",
                     DataSource::Cifar10 => "it must be a directory with CIFAR-10's binary batch files",
                     DataSource::Imagefolder => "it must be a directory with one directory of images per class",
@@ -125,6 +150,7 @@ fn data(p: &mut Problems, d: &Data) {
                 p,
                 "data.val_path",
                 v,
+                Entry::Either,
                 "it must hold the validation data, in data.source's format",
             );
         }

@@ -278,6 +278,16 @@ fn a_per_rank_setting_is_limited_to_memory_keys() {
         .stderr_has("only memory.* keys can differ between ranks")
         .run();
     assert!(!bad.out.exists(), "nothing is written for a rejected command line");
+    let absent = mlp()
+        .name("absent")
+        .arg("--nproc")
+        .arg("2")
+        .arg("--rank-set")
+        .arg("5:memory.limit=64MiB")
+        .exit(2)
+        .stderr_has("--rank-set \"5:memory.limit=64MiB\": there is no rank 5; the ranks are 0 to 1")
+        .run();
+    assert!(!absent.out.exists(), "nothing is written for a rejected command line");
 }
 
 fn copy_dir(from: &Path, to: &Path) {

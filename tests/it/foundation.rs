@@ -123,7 +123,8 @@ fn resuming_with_another_optimizer_or_a_damaged_state_says_what_to_keep() {
         "resuming only reads"
     );
     let state = checkpoint.join("state.json");
-    let mut json: serde_json::Value = serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
+    let whole = std::fs::read(&state).unwrap();
+    let mut json: serde_json::Value = serde_json::from_slice(&whole).unwrap();
     json["micro_batch"] = 0.into();
     std::fs::write(&state, serde_json::to_vec(&json).unwrap()).unwrap();
     o.resume()
@@ -131,6 +132,26 @@ fn resuming_with_another_optimizer_or_a_damaged_state_says_what_to_keep() {
         .exit(2)
         .stderr_has("state.json: micro_batch is 0 (at least 1), which no run writes")
         .stderr_has("remove this checkpoint directory to resume from the one before it")
+        .run();
+    // A weights file cut short after the save.
+    std::fs::write(&state, whole).unwrap();
+    let model = checkpoint.join("model.safetensors");
+    let bytes = std::fs::read(&model).unwrap();
+    std::fs::write(&model, &bytes[..bytes.len() / 2]).unwrap();
+    o.resume()
+        .set("train.epochs", 2)
+        .exit(2)
+        .stderr_has("(the file is cut short or damaged: its tensors do not fit the bytes it holds)")
+        .stderr_has("this checkpoint is damaged: remove")
+        .run();
+    // Initial weights that are not safetensors at all.
+    let text = o.out.join("notes.safetensors");
+    std::fs::write(&text, "just some notes\n").unwrap();
+    Test::new()
+        .name("init")
+        .set("model.init_from", text.to_str().unwrap())
+        .exit(2)
+        .stderr_has("(not a safetensors file: its header does not read)")
         .run();
 }
 
@@ -259,7 +280,7 @@ hiden = [8]
             "mistyped_darts_option",
             "[model]\npreset = \"darts\"\n[model.darts]\nnum_cells = \"three\"\n".into(),
             "4:1",
-            "model.darts.num_cells is invalid: invalid type: string \"three\", expected i64",
+            "model.darts.num_cells is invalid: invalid type: string \"three\", expected an integer (write numbers without quotes)",
         ),
         (
             "stray_model_key",
@@ -356,6 +377,15 @@ hiden = [8]
             format!("[model]\npreset = \"mlp\"\n[data]\nsource = \"npz\"\npath = \"{d}\"\nval_fraction = 1.0\n"),
             "6:1",
             "data.val_fraction must be in (0, 1)",
+        ),
+        (
+            "data_path_a_directory",
+            format!(
+                "[model]\npreset = \"mlp\"\n[data]\nsource = \"npz\"\npath = \"{}\"\n",
+                repo().join("data").display()
+            ),
+            "5:1",
+            "which is a directory; it must be a file with arrays x and y",
         ),
         (
             "missing_model",

@@ -194,6 +194,17 @@ fn a_failed_run_has_its_report_and_a_snapshot_becomes_a_segment_map() {
         .stderr_has("has no readable metrics.jsonl")
         .run();
     assert!(!empty.join("report.html").exists());
+    // A run directory whose records never came: said, nothing written.
+    std::fs::create_dir_all(&empty).unwrap();
+    std::fs::write(empty.join("metrics.jsonl"), "{\"type\":\"sta").unwrap();
+    Test::new()
+        .no_spec()
+        .command("report")
+        .arg(empty.to_str().unwrap())
+        .exit(2)
+        .stderr_has("metrics.jsonl holds no records (1 unreadable line(s)): the run stopped before it wrote any")
+        .run();
+    assert!(!empty.join("report.html").exists());
 }
 
 #[test]
