@@ -246,12 +246,7 @@ impl Plan {
             }
         };
         let record_history = spec.memory.record_history && matches!(device, DevicePlan::Cuda(_));
-        if spec.memory.record_history && !record_history {
-            notices.push(
-                "memory.record_history is ignored: it records the CUDA caching allocator's history, and this run is on the CPU"
-                    .to_owned(),
-            );
-        }
+        notices.extend(cuda_only_on_cpu(spec, record_history));
         if record_history && facts.symbolize_mode.is_none() {
             // 2.11 symbolizes recorded stacks by forking addr2line; without binutils the forked
             // child carries on as a second memtrain holding a CUDA context. dladdr stays in-process.
@@ -278,6 +273,14 @@ impl Plan {
             notices,
         })
     }
+}
+
+/// The notice for a CUDA-only setting on a run that is not on CUDA.
+fn cuda_only_on_cpu(spec: &Spec, record_history: bool) -> Option<String> {
+    (spec.memory.record_history && !record_history).then(|| {
+        "memory.record_history is ignored: it records the CUDA caching allocator's history, and this run is on the CPU"
+            .to_owned()
+    })
 }
 
 /// The notice for a resume whose seed or data keys differ from its checkpoint's run: either

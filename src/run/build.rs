@@ -48,17 +48,7 @@ impl Plan {
         }
         tch::manual_seed(spec.job.seed);
         let (vs, built) = self.build_model(spec)?;
-        if !vs.variables().values().any(Tensor::requires_grad) {
-            return Err(UsageError(format!(
-                "the model has no trainable parameters (none requires a gradient), so there is nothing to train; \
-                 {}",
-                match spec.model.preset.as_str() {
-                    "torchscript" => "script a module whose parameters have requires_grad = True",
-                    _ => "check model.init_from and the [model] table",
-                }
-            ))
-            .into());
-        }
+        trainable(&vs, &spec.model.preset)?;
         let data = self.load_data(spec, &built, device)?;
         let (mut opt, arch) = {
             let _host = spec.memory.parameters.is_host().then(shim::HostScope::enter);
@@ -625,6 +615,21 @@ fn few<S: AsRef<str>>(names: &[S], sep: &str) -> String {
         s += &format!("{sep}… and {} more ({} in all)", names.len() - SHOWN, names.len());
     }
     s
+}
+
+/// A model none of whose variables requires a gradient has nothing to train: said before the
+/// run directory appears, rather than as the first backward's libtorch error.
+fn trainable(vs: &nn::VarStore, preset: &str) -> Result<(), UsageError> {
+    if vs.variables().values().any(Tensor::requires_grad) {
+        return Ok(());
+    }
+    Err(UsageError(format!(
+        "the model has no trainable parameters (none requires a gradient), so there is nothing to train; {}",
+        match preset {
+            "torchscript" => "script a module whose parameters have requires_grad = True",
+            _ => "check model.init_from and the [model] table",
+        }
+    )))
 }
 
 /// `model.init_from`: the safetensors file's tensors copied into `vs` by name; any name missing
