@@ -151,9 +151,15 @@ impl TorchScript {
         self.module.set_train(false)?;
         self.train.set(Some(false));
         let out = tch::no_grad(|| self.module.forward(&x)).map_err(|e| {
+            let why = shim::first_line(&e.to_string()).to_owned();
+            // A forward that ran but returned something else needs another forward, not another
+            // input shape.
+            let fix = match why.contains("forward returned") {
+                true => "make forward return one tensor of logits (for a tuple, script a wrapper that returns its first element)",
+                false => "set input_shape to the shape of one sample that forward accepts",
+            };
             UsageError(format!(
-                "model.torchscript: forward failed on a sample batch of shape {shape:?} (model.torchscript.input_shape = {input_shape:?}): {}; set input_shape to the shape of one sample that forward accepts",
-                shim::first_line(&e.to_string())
+                "model.torchscript: forward failed on a sample batch of shape {shape:?} (model.torchscript.input_shape = {input_shape:?}): {why}; {fix}"
             ))
         })?;
         let want = vec![SAMPLE_BATCH, num_classes];

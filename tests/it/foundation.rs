@@ -156,6 +156,15 @@ fn resuming_with_another_optimizer_or_a_damaged_state_says_what_to_keep() {
 }
 
 #[test]
+fn an_effective_batch_above_the_data_is_said() {
+    Test::new()
+        .set("train.epochs", 1)
+        .set("data.val_fraction", 0.995)
+        .stderr_has("the effective batch (32) is more than the 9 training samples: every step trains on all of them")
+        .run();
+}
+
+#[test]
 fn a_loss_gone_to_nan_is_said_with_what_to_change() {
     Test::new()
         .set("train.epochs", 1)
