@@ -362,6 +362,18 @@ fn torchscript_input_errors_exit_2_before_training() {
         .stderr_has("forward returned")
         .stderr_has("[2, 7]")
         .run();
+    for (flag, says) in [
+        ("--pair", "make forward return one tensor of logits"),
+        ("--frozen", "the model has no trainable parameters"),
+    ] {
+        reference(&dir, &["script", "--out", "other.pt", "--classes", "4", flag]);
+        let other = job(&model.replace("model.pt", "other.pt"), SYNTHETIC)
+            .name(&flag[2..])
+            .exit(2)
+            .stderr_has(says)
+            .run();
+        assert!(!other.out.exists(), "{flag}: nothing is written before training");
+    }
     job(&model.replace("[3, 16, 16]", "[5, 16, 16]"), SYNTHETIC)
         .name("shape")
         .exit(2)

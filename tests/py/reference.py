@@ -184,9 +184,26 @@ def torchvision_model(name, classes):
     return getattr(torchvision.models, name)(num_classes=classes)
 
 
+class Pair(torch.nn.Module):
+    """A module whose forward returns (logits, features), as detection and NLP models often do."""
+
+    def __init__(self, net):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x):
+        y = self.net(x)
+        return y, y
+
+
 def cmd_script(a):
     torch.manual_seed(a.seed)
     m = SmallNet(a.channels, a.classes)
+    if a.frozen:
+        for p in m.parameters():
+            p.requires_grad_(False)
+    if a.pair:
+        m = Pair(m)
     torch.jit.script(m).save(a.out)
 
 
@@ -385,6 +402,8 @@ def main():
     s.add_argument("--classes", type=int, default=4)
     s.add_argument("--channels", type=int, default=3)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--pair", action="store_true", help="forward returns a tuple")
+    s.add_argument("--frozen", action="store_true", help="no parameter requires a gradient")
     s = sub.add_parser("torchvision")
     s.add_argument("--model", required=True)
     s.add_argument("--classes", type=int, default=1000)
