@@ -72,7 +72,10 @@ fn job(p: &mut Problems, j: &Job) {
     if j.name.contains(['/', '\\']) || j.name == "." || j.name == ".." {
         p.push((
             "job.name".into(),
-            format!("must be a plain name (it names the run directory), got \"{}\"", j.name),
+            format!(
+                "must be a plain name (it names the run directory; without job.name, the spec file's name is used), got \"{}\"; set job.name",
+                j.name
+            ),
         ));
     }
     at_least(p, "job.threads", j.threads, 0);
