@@ -60,7 +60,8 @@ impl TrainState {
         let at_least = [
             ("micro_batch", self.micro_batch, 1),
             ("accumulation_steps", self.accumulation_steps, 1),
-            ("effective_batch", self.effective_batch, 1),
+            // 0: written before the field existed (`reconcile` takes it as unknown).
+            ("effective_batch", self.effective_batch, 0),
             ("eval_micro_batch", self.eval_micro_batch.unwrap_or(1), 1),
             ("epoch", self.epoch, 0),
             ("groups_done", self.groups_done, 0),
@@ -481,6 +482,7 @@ mod tests {
             ("micro_batch", 0, "micro_batch is 0 (at least 1)"),
             ("accumulation_steps", -5, "accumulation_steps is -5 (at least 1)"),
             ("epoch", -1, "epoch is -1 (at least 0)"),
+            ("effective_batch", -1, "effective_batch is -1 (at least 0)"),
         ] {
             let mut json = serde_json::to_value(state(1, None)).unwrap();
             json[field] = value.into();
@@ -489,5 +491,10 @@ mod tests {
             assert!(e.to_string().contains(says), "{e}");
             assert!(e.downcast_ref::<crate::exit::UsageError>().is_some(), "exit 2: {e}");
         }
+        // A checkpoint from before effective_batch was saved reads it as 0, and resumes.
+        let mut json = serde_json::to_value(state(1, None)).unwrap();
+        json.as_object_mut().unwrap().remove("effective_batch");
+        fs::write(dir.path().join("state.json"), serde_json::to_vec(&json).unwrap()).unwrap();
+        assert_eq!(Store::load_state(dir.path()).unwrap().effective_batch, 0);
     }
 }

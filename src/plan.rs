@@ -283,32 +283,31 @@ fn cuda_only_on_cpu(spec: &Spec, record_history: bool) -> Option<String> {
     })
 }
 
-/// The notice for a resume whose seed or data keys differ from its checkpoint's run: either
-/// moves samples between training and validation or reorders them.
+/// The notice for a resume whose seed or data keys differ from its checkpoint's run in a way
+/// that moves samples between training and validation or reorders them. Keys that change how a
+/// sample looks (augmentation, normalisation) or how fast batches come are not among them.
 fn data_changes(was: &toml::Table, spec: &Spec) -> Option<String> {
     let now: toml::Table = spec::to_toml(spec).parse().ok()?;
-    let table = |t: &toml::Table, name: &str| t.get(name).and_then(toml::Value::as_table).cloned().unwrap_or_default();
-    // Keys that change how fast batches come, not which.
-    const SPEED: [&str; 3] = ["prefetch", "workers", "memory_map"];
-    let (data_was, data_now) = (table(was, "data"), table(&now, "data"));
-    let mut keys: Vec<(String, Option<&toml::Value>, Option<&toml::Value>)> = vec![(
-        "job.seed".into(),
-        was.get("job").and_then(|j| j.get("seed")),
-        now.get("job").and_then(|j| j.get("seed")),
-    )];
-    for k in data_was
-        .keys()
-        .chain(data_now.keys().filter(|k| !data_was.contains_key(*k)))
-    {
-        if !SPEED.contains(&k.as_str()) {
-            keys.push((format!("data.{k}"), data_was.get(k), data_now.get(k)));
+    let get = |t: &toml::Table, table: &str, key: &str| t.get(table).and_then(|v| v.get(key)).cloned();
+    let mut keys = vec![("job", "seed"), ("data", "source"), ("data", "val_fraction")];
+    if spec.data.source == spec::DataSource::Synthetic {
+        keys.push(("data", "samples"));
+    }
+    let mut changed: Vec<String> = keys
+        .into_iter()
+        .filter(|(t, k)| get(was, t, k) != get(&now, t, k))
+        .map(|(t, k)| format!("{t}.{k} (the run had {})", shown(get(was, t, k))))
+        .collect();
+    // The same file named another way (relative, absolute) is the same data.
+    let place = |v: Option<toml::Value>| {
+        v.and_then(|v| v.as_str().map(|p| std::path::absolute(p).ok()))
+            .flatten()
+    };
+    for k in ["path", "val_path"] {
+        if place(get(was, "data", k)) != place(get(&now, "data", k)) {
+            changed.push(format!("data.{k} (the run had {})", shown(get(was, "data", k))));
         }
     }
-    let changed: Vec<String> = keys
-        .into_iter()
-        .filter(|(_, a, b)| a != b)
-        .map(|(k, a, _)| format!("{k} (the run had {})", a.map_or("it unset".into(), ToString::to_string)))
-        .collect();
     (!changed.is_empty()).then(|| {
         format!(
             "resuming with {} changed: the data's split into training and validation, or its order, is not the run's \
@@ -316,6 +315,10 @@ fn data_changes(was: &toml::Table, spec: &Spec) -> Option<String> {
             changed.join(", ")
         )
     })
+}
+
+fn shown(v: Option<toml::Value>) -> String {
+    v.map_or("it unset".into(), |v| v.to_string())
 }
 
 /// Where `--resume` named a checkpoint or the checkpoints folder rather than the run directory.
@@ -369,8 +372,9 @@ fn check_run_dir(dir: &Path, resuming: bool, facts: &Facts) -> Result<(), UsageE
     }
     if resuming && !facts.run_dir_exists {
         return Err(UsageError(format!(
-            "--resume: run directory {} does not exist",
-            dir.display()
+            "--resume: run directory {} does not exist{}",
+            dir.display(),
+            resume_hint(dir)
         )));
     }
     Ok(())
@@ -695,6 +699,24 @@ mod tests {
         )
         .unwrap();
         assert_eq!(other.notices.len(), 1, "{:?}", other.notices);
+        // The same file named absolutely, and another augmentation: the same split and order.
+        let file = |path: &str, extra: &str| {
+            format!("[train]\nepochs = 2\n[data]\nsource = \"npz\"\npath = \"{path}\"\n{extra}")
+        };
+        let absolute = std::path::absolute("data/d.npz").unwrap().display().to_string();
+        let p = Plan::resolve(
+            &spec(&file(&absolute, "[data.augment]\nhorizontal_flip = true\n")),
+            &resume,
+            &was(&file("data/d.npz", "")),
+        )
+        .unwrap();
+        assert!(p.notices.is_empty(), "{:?}", p.notices);
+        let p = Plan::resolve(&spec(&file("data/e.npz", "")), &resume, &was(&file("data/d.npz", ""))).unwrap();
+        assert!(
+            p.notices[0].starts_with("resuming with data.path (the run had \"data/d.npz\") changed"),
+            "{:?}",
+            p.notices
+        );
         assert!(
             other.notices[0]
                 .starts_with("resuming with job.seed (the run had 5), data.samples (the run had 80) changed"),

@@ -881,8 +881,6 @@ fn human(r: &Report) -> String {
     out
 }
 
-/// The spec file with the recommendation (and the budget, when it came from the command line)
-/// written into it, comments kept; checked by loading it back before it lands.
 /// `--write OUT` must name a file whose directory exists, said before any probe runs rather
 /// than after all of them.
 fn writable_file(out: &Path) -> Result<(), UsageError> {
@@ -907,6 +905,8 @@ fn writable_file(out: &Path) -> Result<(), UsageError> {
     Ok(())
 }
 
+/// The spec file with the recommendation (and the budget, when it came from the command line)
+/// written into it, comments kept; checked by loading it back before it lands.
 fn write_spec(args: &FitArgs, rec: &Recommendation, budget: &Budget, out: &Path) -> Result<PathBuf> {
     let v = |x: toml_edit::Value| Some(x);
     let mut edits: Vec<(&str, Option<toml_edit::Value>)> = vec![

@@ -411,7 +411,7 @@ impl Plan {
             "Effective batch size: {effective} (micro-batch {} x {} accumulation steps); {train_samples} training / {val_samples} validation samples",
             state.micro_batch, state.accumulation_steps,
         ));
-        if effective > train_samples as i64 {
+        if effective > train_samples {
             tracing::warn!(
                 "the effective batch ({effective}) is more than the {train_samples} training samples: every step trains on all of them; lower train.batch_size or train.accumulation_steps, or give more data"
             );

@@ -72,7 +72,7 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
         eprintln!("{msg}");
         return Ok(());
     }
-    apply(&plan)?;
+    apply(&plan, execution.leads())?;
     let session = build::Session {
         max_steps: args.max_steps,
         quiet,
@@ -249,8 +249,9 @@ fn nccl_env(device: DevicePlan, user_set: bool) -> Option<(&'static str, &'stati
     }
 }
 
-fn apply(plan: &Plan) -> Result<()> {
-    for why in &plan.notices {
+/// `leads`: this process speaks for the run (one rank of a data-parallel group does).
+fn apply(plan: &Plan, leads: bool) -> Result<()> {
+    for why in plan.notices.iter().filter(|_| leads) {
         tracing::warn!("{why}");
     }
     for c in &plan.alloc.conflicts {

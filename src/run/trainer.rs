@@ -1220,7 +1220,7 @@ impl Trainer {
         let data_wait_seconds = self.session.data_wait.take_epoch();
         let note = self.session.data_wait.note(data_wait_seconds, seconds);
         self.out.progress.println(&(epoch_line(&result, &mem, epochs) + &note));
-        if !result.train_loss.is_finite() {
+        if !result.train_loss.is_finite() && self.execution.leads() {
             tracing::warn!(
                 "epoch {}: the training loss is {}, so the weights no longer learn; lower train.lr, \
                  check the data and model.init_from for NaN or infinite values, or train in fp32",

@@ -88,12 +88,13 @@ fn a_cuda_only_setting_on_the_cpu_is_named_and_the_run_goes_on() {
 
 #[test]
 fn check_of_a_model_too_large_for_host_memory_says_so() {
-    // 64 inputs x 10^9 hidden units: 256 GB of weights, which no test machine allocates.
+    // 2^54 hidden units: a bias of 2^56 bytes and weights of 2^62, past any machine's address
+    // space, so the allocation fails whatever the memory or the kernel's overcommit.
     Test::new()
         .command("check")
         .set(
             "model.mlp.hidden",
-            toml::Value::Array(vec![toml::Value::Integer(1_000_000_000)]),
+            toml::Value::Array(vec![toml::Value::Integer(1 << 54)]),
         )
         .exit(3)
         .stderr_has("the model does not fit in host memory, where it is built to count its parameters")
