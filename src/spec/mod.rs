@@ -97,8 +97,7 @@ pub fn load(path: &Path, overrides: &[Override]) -> Result<LoadedSpec, SpecError
 pub fn load_with(path: &Path, overrides: &[Override], more: MoreChecks) -> Result<LoadedSpec, SpecError> {
     let shown = path.display().to_string();
     let one = |m: String| SpecError { problems: vec![m] };
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| one(format!("{shown}: cannot read spec file: {e}{}", utf8_hint(&e))))?;
+    let text = read_text(path)?;
     let original = toml_edit::ImDocument::parse(text.as_str()).map_err(|e| {
         let at = e.span().map(|s| line_col(&text, s.start)).unwrap_or((1, 1));
         one(format!(
@@ -229,12 +228,18 @@ fn clean_serde_message(msg: &str, key: &str) -> String {
     }
 }
 
-/// A spec saved in another encoding (UTF-16 by some editors) reads as invalid UTF-8.
-fn utf8_hint(e: &std::io::Error) -> &'static str {
-    match e.kind() {
-        std::io::ErrorKind::InvalidData => "; save it as UTF-8 text",
-        _ => "",
-    }
+/// The spec file's text. One saved in another encoding (UTF-16 by some editors) reads as
+/// invalid UTF-8, which the error says how to mend.
+fn read_text(path: &Path) -> Result<String, SpecError> {
+    std::fs::read_to_string(path).map_err(|e| {
+        let hint = match e.kind() {
+            std::io::ErrorKind::InvalidData => "; save it as UTF-8 text",
+            _ => "",
+        };
+        SpecError {
+            problems: vec![format!("{}: cannot read spec file: {e}{hint}", path.display())],
+        }
+    })
 }
 
 /// serde names Rust's types ("expected i64", "expected struct Train"); a spec's author knows
@@ -328,13 +333,7 @@ pub fn edited_text(
     edits: &[(&str, Option<toml_edit::Value>)],
 ) -> Result<String, SpecError> {
     let one = |m: String| SpecError { problems: vec![m] };
-    let text = std::fs::read_to_string(path).map_err(|e| {
-        one(format!(
-            "{}: cannot read spec file: {e}{}",
-            path.display(),
-            utf8_hint(&e)
-        ))
-    })?;
+    let text = read_text(path)?;
     let mut doc: toml_edit::DocumentMut = text
         .parse()
         .map_err(|e| one(format!("{}: invalid TOML: {e}", path.display())))?;
