@@ -8,6 +8,7 @@ use std::fs::{self, File};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
+use crate::spec::Monitor;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
@@ -102,6 +103,10 @@ struct LegacyFlags {
 struct Best {
     step: String,
     value: f64,
+    /// The metric `value` is of: a resume that monitors another one starts the best afresh
+    /// rather than compare across metrics. Absent in a best.json written without it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    monitor: Option<Monitor>,
 }
 
 fn dtype(k: Kind) -> Result<&'static str> {
@@ -215,7 +220,7 @@ pub struct Store {
     dir: PathBuf,
     keep_last: usize,
     keep_best: bool,
-    maximize: bool,
+    monitor: Monitor,
 }
 
 pub struct Loaded {
@@ -226,12 +231,12 @@ pub struct Loaded {
 }
 
 impl Store {
-    pub fn new(run_dir: &Path, keep_last: usize, keep_best: bool, maximize: bool) -> Self {
+    pub fn new(run_dir: &Path, keep_last: usize, keep_best: bool, monitor: Monitor) -> Self {
         Store {
             dir: run_dir.join("checkpoints"),
             keep_last: keep_last.max(1),
             keep_best,
-            maximize,
+            monitor,
         }
     }
 
@@ -281,7 +286,11 @@ impl Store {
         let better = match self.best() {
             None => true,
             Some(b) if !self.dir.join(&b.step).exists() => true,
-            Some(b) => (self.maximize && value > b.value) || (!self.maximize && value < b.value),
+            Some(b) if b.monitor.is_some_and(|m| m != self.monitor) => true,
+            Some(b) => match self.monitor.maximize() {
+                true => value > b.value,
+                false => value < b.value,
+            },
         };
         if better {
             crate::atomic::write_json(
@@ -289,6 +298,7 @@ impl Store {
                 &Best {
                     step: name.into(),
                     value,
+                    monitor: Some(self.monitor),
                 },
             )?;
         }
@@ -336,7 +346,7 @@ impl Store {
 
     /// The newest finished checkpoint of a run directory.
     pub fn latest_in(run_dir: &Path) -> Option<PathBuf> {
-        Store::new(run_dir, 1, false, false).latest()
+        Store::new(run_dir, 1, false, Monitor::ValLoss).latest()
     }
 
     /// A checkpoint's state alone (small; read while planning, before any tensor is loaded).
@@ -437,7 +447,7 @@ mod tests {
     #[test]
     fn retention_keeps_last_n_and_the_best() {
         let dir = tempfile::tempdir().unwrap();
-        let store = Store::new(dir.path(), 2, true, false);
+        let store = Store::new(dir.path(), 2, true, Monitor::ValLoss);
         for (step, loss) in [(1, 0.5), (2, 0.1), (3, 0.4), (4, 0.3)] {
             let s = state(step, Some(loss));
             store
@@ -456,6 +466,22 @@ mod tests {
             .collect();
         assert_eq!(names, ["step-000000002", "step-000000003", "step-000000004"]);
         assert_eq!(Store::load(&store.latest().unwrap()).unwrap().state.global_step, 4);
+        // Resumed to monitor accuracy: the loss's best (0.1) is not compared with 0.2's accuracy.
+        let by_acc = Store::new(dir.path(), 2, true, Monitor::ValAcc);
+        by_acc.update_best("step-000000004", 0.2).unwrap();
+        let best = by_acc.best().unwrap();
+        assert_eq!(
+            (best.step.as_str(), best.value, best.monitor),
+            ("step-000000004", 0.2, Some(Monitor::ValAcc))
+        );
+        // A best.json without its metric is compared as before.
+        fs::write(
+            dir.path().join("checkpoints/best.json"),
+            r#"{"step": "step-000000003", "value": 0.3}"#,
+        )
+        .unwrap();
+        by_acc.update_best("step-000000004", 0.2).unwrap();
+        assert_eq!(by_acc.best().unwrap().step, "step-000000003");
     }
 
     #[test]

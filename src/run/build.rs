@@ -442,7 +442,7 @@ impl Plan {
                 run_dir,
                 spec.checkpoint.keep_last as usize,
                 spec.checkpoint.keep_best,
-                spec.checkpoint.monitor.maximize(),
+                spec.checkpoint.monitor,
             ),
             cache: CachePolicy::new(m.cache_clear_every, m.auto_clear_threshold.0, m.sync_every as u64),
         })
