@@ -75,8 +75,14 @@ impl Preset for VitPreset {
             p.push((
                 "image_size",
                 format!(
-                    "must be a multiple of patch_size ({}), got {}",
-                    o.patch_size, o.image_size
+                    "must be a multiple of model.vit.patch_size ({}), got {}; a patch_size that divides it: {}",
+                    o.patch_size,
+                    o.image_size,
+                    (1..=o.image_size.clamp(1, 1 << 16))
+                        .filter(|d| o.image_size % d == 0)
+                        .map(|d| d.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
                 ),
             ));
         }

@@ -157,6 +157,29 @@ fn resuming_with_another_optimizer_or_a_damaged_state_says_what_to_keep() {
 }
 
 #[test]
+fn an_image_model_on_samples_without_a_channel_axis_says_how_to_save_them() {
+    Test::new()
+        .remove("model.mlp")
+        .set("model.preset", "resnet18")
+        .set("model.resnet18.num_classes", 10)
+        .arg("--max-steps")
+        .arg("1")
+        .exit(2)
+        .stderr_has("x has samples of shape [8, 8] (64 values) but the model expects [3, 224, 224]")
+        .stderr_has("save x with a channel axis, as [N, 1, 8, 8]")
+        .run();
+    Test::new()
+        .command("check")
+        .remove("model.mlp")
+        .set("model.preset", "vit")
+        .set("model.vit.image_size", 32)
+        .set("model.vit.patch_size", 5)
+        .exit(2)
+        .stderr_has("model.vit.image_size must be a multiple of model.vit.patch_size (5), got 32; a patch_size that divides it: 1, 2, 4, 8, 16, 32")
+        .run();
+}
+
+#[test]
 fn an_effective_batch_above_the_data_is_said() {
     Test::new()
         .set("train.epochs", 1)
