@@ -73,9 +73,17 @@ struct Header {
 };
 static_assert(sizeof(Header) <= kHeader, "header must fit in front of the data");
 
+// MiB as PyTorch's own OOM messages put it; below a MiB (a tiny cap) in KiB or bytes, which
+// "0.00 MiB" would hide.
 std::string mib(int64_t b) {
   char buf[64];
-  std::snprintf(buf, sizeof buf, "%.2f MiB", static_cast<double>(b) / (1024.0 * 1024.0));
+  if (b >= 1024 * 1024) {
+    std::snprintf(buf, sizeof buf, "%.2f MiB", static_cast<double>(b) / (1024.0 * 1024.0));
+  } else if (b >= 1024) {
+    std::snprintf(buf, sizeof buf, "%.2f KiB", static_cast<double>(b) / 1024.0);
+  } else {
+    std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(b));
+  }
   return buf;
 }
 

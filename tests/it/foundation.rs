@@ -180,6 +180,16 @@ fn an_image_model_on_samples_without_a_channel_axis_says_how_to_save_them() {
 }
 
 #[test]
+fn a_cap_below_a_mib_is_said_in_its_own_units() {
+    Test::new()
+        .set("memory.limit", 1)
+        .exit(3)
+        .stderr_has("out of memory while building the model")
+        .stderr_has("of tensors already allocated under the run's 1 B cap")
+        .run();
+}
+
+#[test]
 fn an_effective_batch_above_the_data_is_said() {
     Test::new()
         .set("train.epochs", 1)
