@@ -274,6 +274,14 @@ impl Store {
         Ok((fin, size))
     }
 
+    /// The metric a checkpoint's run monitored, from its spec.toml: for a best.json written
+    /// without its own.
+    fn monitor_of(&self, step: &str) -> Option<Monitor> {
+        let text = fs::read_to_string(self.dir.join(step).join("spec.toml")).ok()?;
+        let spec: toml::Table = text.parse().ok()?;
+        spec.get("checkpoint")?.get("monitor")?.clone().try_into().ok()
+    }
+
     fn best(&self) -> Option<Best> {
         serde_json::from_slice(&fs::read(self.dir.join("best.json")).ok()?).ok()
     }
@@ -286,7 +294,13 @@ impl Store {
         let better = match self.best() {
             None => true,
             Some(b) if !self.dir.join(&b.step).exists() => true,
-            Some(b) if b.monitor.is_some_and(|m| m != self.monitor) => true,
+            Some(b)
+                if b.monitor
+                    .or_else(|| self.monitor_of(&b.step))
+                    .is_some_and(|m| m != self.monitor) =>
+            {
+                true
+            }
             Some(b) => match self.monitor.maximize() {
                 true => value > b.value,
                 false => value < b.value,
@@ -474,14 +488,27 @@ mod tests {
             (best.step.as_str(), best.value, best.monitor),
             ("step-000000004", 0.2, Some(Monitor::ValAcc))
         );
-        // A best.json without its metric is compared as before.
+        // A best.json without its metric takes it from its checkpoint's spec.toml ...
+        let legacy = r#"{"step": "step-000000003", "value": 0.3}"#;
+        fs::write(dir.path().join("checkpoints/best.json"), legacy).unwrap();
+        by_acc.update_best("step-000000004", 0.2).unwrap();
+        assert_eq!(
+            by_acc.best().unwrap().step,
+            "step-000000003",
+            "no spec.toml says: compared as before"
+        );
         fs::write(
-            dir.path().join("checkpoints/best.json"),
-            r#"{"step": "step-000000003", "value": 0.3}"#,
+            dir.path().join("checkpoints/step-000000003/spec.toml"),
+            "[checkpoint]\nmonitor = \"val_loss\"\n",
         )
         .unwrap();
+        fs::write(dir.path().join("checkpoints/best.json"), legacy).unwrap();
         by_acc.update_best("step-000000004", 0.2).unwrap();
-        assert_eq!(by_acc.best().unwrap().step, "step-000000003");
+        assert_eq!(
+            by_acc.best().unwrap().step,
+            "step-000000004",
+            "a loss is not an accuracy"
+        );
     }
 
     #[test]

@@ -187,15 +187,8 @@ impl Plan {
         let mut resume = None;
         let mut nothing_to_do = None;
         if request.resuming() {
-            let Some((checkpoint, state)) = &facts.checkpoint else {
-                return Err(UsageError(format!(
-                    "--resume: {} has no checkpoint to resume from (looked in {}/checkpoints){}",
-                    run_dir.display(),
-                    run_dir.display(),
-                    resume_hint(&run_dir)
-                )));
-            };
-            start = reconcile(state.clone(), configured, spec.train.batch_size)?;
+            let checkpoint;
+            (checkpoint, start) = resumed_state(spec, facts, &run_dir, configured)?;
             if start.levers.iter().any(|l| l == "cpu") {
                 // The run fell back to the CPU before this checkpoint; it continues there.
                 device = DevicePlan::Cpu;
@@ -210,7 +203,7 @@ impl Plan {
                 ));
             }
             resume = Some(Resume {
-                checkpoint: checkpoint.clone(),
+                checkpoint,
                 state: start.clone(),
             });
             if let Some(was) = &facts.checkpoint_spec {
@@ -319,6 +312,37 @@ fn data_changes(was: &toml::Table, spec: &Spec) -> Option<String> {
 
 fn shown(v: Option<toml::Value>) -> String {
     v.map_or("it unset".into(), |v| v.to_string())
+}
+
+/// The newest checkpoint and the state a resume starts from: the checkpoint's, reconciled with
+/// the spec.
+fn resumed_state(
+    spec: &Spec,
+    facts: &Facts,
+    run_dir: &Path,
+    configured: BatchShape,
+) -> Result<(PathBuf, TrainState), UsageError> {
+    let Some((checkpoint, state)) = &facts.checkpoint else {
+        return Err(UsageError(format!(
+            "--resume: {} has no checkpoint to resume from (looked in {}/checkpoints){}",
+            run_dir.display(),
+            run_dir.display(),
+            resume_hint(run_dir)
+        )));
+    };
+    let mut start = reconcile(state.clone(), configured, spec.train.batch_size)?;
+    if checkpoint_monitor(facts).is_some_and(|m| m != spec.checkpoint.monitor) {
+        // The saved value is of the other metric: a save before this run's first epoch ends
+        // must not enter it as this metric's best.
+        start.monitored = None;
+    }
+    Ok((checkpoint.clone(), start))
+}
+
+/// `checkpoint.monitor` of the run the resumed checkpoint came from, where its spec says.
+fn checkpoint_monitor(facts: &Facts) -> Option<spec::Monitor> {
+    let m = facts.checkpoint_spec.as_ref()?.get("checkpoint")?.get("monitor")?;
+    m.clone().try_into().ok()
 }
 
 /// Where `--resume` named a checkpoint or the checkpoints folder rather than the run directory.
@@ -723,6 +747,29 @@ mod tests {
             "{}",
             other.notices[0]
         );
+    }
+
+    #[test]
+    fn a_resume_that_monitors_another_metric_drops_the_saved_value() {
+        let resume = Request {
+            resume: Some(None),
+            ..Default::default()
+        };
+        let mut state = fresh_state(BatchShape {
+            micro_batch: 32,
+            accumulation_steps: 1,
+        });
+        state.monitored = Some(2.5);
+        let was = |text: &str| Facts {
+            checkpoint_spec: Some(spec::to_toml(&spec(text)).parse().unwrap()),
+            ..resumable(state.clone())
+        };
+        let by_loss = "[train]\nepochs = 2\n";
+        let by_acc = "[train]\nepochs = 2\n[checkpoint]\nmonitor = \"val_acc\"\n";
+        let p = Plan::resolve(&spec(by_acc), &resume, &was(by_loss)).unwrap();
+        assert_eq!(p.start.monitored, None);
+        let p = Plan::resolve(&spec(by_loss), &resume, &was(by_loss)).unwrap();
+        assert_eq!(p.start.monitored, Some(2.5));
     }
 
     #[test]

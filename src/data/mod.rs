@@ -755,8 +755,9 @@ impl<'a> ModelKeys<'a> {
                 format!("set model.darts.in_channels = {c} and model.darts.input_length = {l}")
             }
             // An image model given samples without a channel axis (a grayscale set saved [N, H, W]).
-            _ if sample.len() == 2 => format!(
-                "the model takes images [channels, height, width]: save x with a channel axis, as [N, 1, {}, {}]",
+            3 if sample.len() == 2 => format!(
+                "the model takes images [channels, height, width]: save x with a channel axis, as [N, 1, {}, {}] \
+                 (a TorchScript model takes what model.torchscript.input_shape says)",
                 sample[0], sample[1]
             ),
             _ => format!("give the model an input of {numel} values"),

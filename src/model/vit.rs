@@ -71,14 +71,14 @@ impl Preset for VitPreset {
                 p.push((key, format!("must be at least {min}, got {v}")));
             }
         }
-        if o.patch_size >= 1 && o.image_size % o.patch_size != 0 {
+        if o.patch_size >= 1 && o.image_size >= 1 && o.image_size % o.patch_size != 0 {
             p.push((
                 "image_size",
                 format!(
                     "must be a multiple of model.vit.patch_size ({}), got {}; a patch_size that divides it: {}",
                     o.patch_size,
                     o.image_size,
-                    (1..=o.image_size.clamp(1, 1 << 16))
+                    (1..=o.image_size)
                         .filter(|d| o.image_size % d == 0)
                         .map(|d| d.to_string())
                         .collect::<Vec<_>>()
