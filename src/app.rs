@@ -35,9 +35,9 @@ pub fn main(cli: Cli) -> i32 {
             }
             if code == exit::USAGE && e.downcast_ref::<spec::SpecError>().is_some() {
                 // Spec errors already carry their location; one per line.
-                eprintln!("{who}{e}");
+                crate::progress::say(format_args!("{who}{e}"));
             } else {
-                eprintln!("{who}error: {e:#}");
+                crate::progress::say(format_args!("{who}error: {e:#}"));
             }
             code
         }

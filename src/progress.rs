@@ -71,7 +71,7 @@ impl Progress {
                 // A line every ten seconds at most: logs stay short, long epochs still show life.
                 if self.last_time.elapsed().as_secs_f64() >= 10.0 && done < self.total {
                     self.last_time = Instant::now();
-                    eprintln!("  step {done}/{}  {}", self.total, msg());
+                    say(format_args!("  step {done}/{}  {}", self.total, msg()));
                 }
             }
             Resolved::Off => {}
@@ -89,7 +89,14 @@ impl Progress {
         match &self.bar {
             _ if self.quiet => {}
             Some(b) => b.println(line),
-            None => eprintln!("{line}"),
+            None => say(format_args!("{line}")),
         }
     }
+}
+
+/// A line on stderr that nobody may be reading: `memtrain run ... 2>&1 | head` closes the pipe,
+/// and a run must not die of a progress line (eprintln! panics on a closed stream).
+pub fn say(line: std::fmt::Arguments) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "{line}");
 }

@@ -69,7 +69,7 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
     let (execution, private_dir) = join(world, &mut plan)?;
     if let Some(msg) = &plan.nothing_to_do {
         // Nothing to train; leave the finished run's records exactly as they are.
-        eprintln!("{msg}");
+        crate::progress::say(format_args!("{msg}"));
         return Ok(());
     }
     apply(&plan, execution.leads())?;

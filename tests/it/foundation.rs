@@ -189,6 +189,27 @@ fn a_cap_below_a_mib_is_said_in_its_own_units() {
         .run();
 }
 
+/// `memtrain run ... 2>&1 | head -2`: the reader goes away, and the run trains on to its end.
+#[test]
+fn a_run_whose_output_nobody_reads_still_completes() {
+    let t = Test::new().set("train.epochs", 2).set("log.progress", "lines");
+    let spec = t.dir().join("spec.toml");
+    std::fs::write(&spec, toml::to_string(t.table()).unwrap()).unwrap();
+    let out = t.dir().join("run");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_memtrain"))
+        .args(["run", spec.to_str().unwrap(), "--out", out.to_str().unwrap()])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    drop(child.stderr.take());
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(0), "{status}");
+    let summary: serde_json::Value = json(&out.join("summary.json"));
+    assert_eq!(summary["status"], "completed", "{summary}");
+}
+
 #[test]
 fn an_effective_batch_above_the_data_is_said() {
     Test::new()
