@@ -55,6 +55,11 @@ pub struct TrainState {
     pub finished: bool,
 }
 
+/// `checkpoint.monitor` of a resolved spec.
+pub fn monitor_in(spec: &toml::Table) -> Option<Monitor> {
+    spec.get("checkpoint")?.get("monitor")?.clone().try_into().ok()
+}
+
 impl TrainState {
     /// The first field that no run could have written, as "micro_batch is 0 (at least 1)".
     fn out_of_range(&self) -> Option<String> {
@@ -277,9 +282,12 @@ impl Store {
     /// The metric a checkpoint's run monitored, from its spec.toml: for a best.json written
     /// without its own.
     fn monitor_of(&self, step: &str) -> Option<Monitor> {
-        let text = fs::read_to_string(self.dir.join(step).join("spec.toml")).ok()?;
-        let spec: toml::Table = text.parse().ok()?;
-        spec.get("checkpoint")?.get("monitor")?.clone().try_into().ok()
+        monitor_in(&Store::spec_of(&self.dir.join(step))?)
+    }
+
+    /// A checkpoint's resolved spec (its spec.toml), where it reads.
+    pub fn spec_of(dir: &Path) -> Option<toml::Table> {
+        fs::read_to_string(dir.join("spec.toml")).ok()?.parse().ok()
     }
 
     fn best(&self) -> Option<Best> {

@@ -88,10 +88,7 @@ impl Facts {
             },
             false => None,
         };
-        let checkpoint_spec = checkpoint
-            .as_ref()
-            .and_then(|(dir, _)| std::fs::read_to_string(dir.join("spec.toml")).ok())
-            .and_then(|text| text.parse::<toml::Table>().ok());
+        let checkpoint_spec = checkpoint.as_ref().and_then(|(dir, _)| Store::spec_of(dir));
         Ok(Facts {
             checkpoint_spec,
             cuda_devices,
@@ -292,10 +289,7 @@ fn data_changes(was: &toml::Table, spec: &Spec) -> Option<String> {
         .map(|(t, k)| format!("{t}.{k} (the run had {})", shown(get(was, t, k))))
         .collect();
     // The same file named another way (relative, absolute) is the same data.
-    let place = |v: Option<toml::Value>| {
-        v.and_then(|v| v.as_str().map(|p| std::path::absolute(p).ok()))
-            .flatten()
-    };
+    let place = |v: Option<toml::Value>| std::path::absolute(v?.as_str()?).ok();
     for k in ["path", "val_path"] {
         if place(get(was, "data", k)) != place(get(&now, "data", k)) {
             changed.push(format!("data.{k} (the run had {})", shown(get(was, "data", k))));
@@ -331,18 +325,13 @@ fn resumed_state(
         )));
     };
     let mut start = reconcile(state.clone(), configured, spec.train.batch_size)?;
-    if checkpoint_monitor(facts).is_some_and(|m| m != spec.checkpoint.monitor) {
+    let monitored = facts.checkpoint_spec.as_ref().and_then(crate::checkpoint::monitor_in);
+    if monitored.is_some_and(|m| m != spec.checkpoint.monitor) {
         // The saved value is of the other metric: a save before this run's first epoch ends
         // must not enter it as this metric's best.
         start.monitored = None;
     }
     Ok((checkpoint.clone(), start))
-}
-
-/// `checkpoint.monitor` of the run the resumed checkpoint came from, where its spec says.
-fn checkpoint_monitor(facts: &Facts) -> Option<spec::Monitor> {
-    let m = facts.checkpoint_spec.as_ref()?.get("checkpoint")?.get("monitor")?;
-    m.clone().try_into().ok()
 }
 
 /// Where `--resume` named a checkpoint or the checkpoints folder rather than the run directory.
@@ -523,6 +512,21 @@ mod tests {
         Request::default()
     }
 
+    fn resuming() -> Request {
+        Request {
+            resume: Some(None),
+            ..Default::default()
+        }
+    }
+
+    /// Facts of a resume from `state`, whose checkpoint's run had the spec `text`.
+    fn resumed_from(text: &str, state: TrainState) -> Facts {
+        Facts {
+            checkpoint_spec: Some(spec::to_toml(&spec(text)).parse().unwrap()),
+            ..resumable(state)
+        }
+    }
+
     #[test]
     fn a_cpu_plan_caps_tensor_bytes_from_limit_or_fraction() {
         let p = Plan::resolve(&spec("[memory]\nlimit = \"100MiB\"\n"), &fresh(), &facts()).unwrap();
@@ -637,10 +641,7 @@ mod tests {
         };
         let e = Plan::resolve(&spec(""), &fresh(), &busy).unwrap_err();
         assert!(e.0.contains("already holds a run"), "{}", e.0);
-        let resume = Request {
-            resume: Some(None),
-            ..Default::default()
-        };
+        let resume = resuming();
         let e = Plan::resolve(&spec(""), &resume, &facts()).unwrap_err();
         assert!(e.0.contains("does not exist"), "{}", e.0);
         let e = Plan::resolve(&spec(""), &resume, &busy).unwrap_err();
@@ -697,18 +698,13 @@ mod tests {
 
     #[test]
     fn a_resume_with_other_data_or_seed_is_said_and_speed_keys_are_not() {
-        let resume = Request {
-            resume: Some(None),
-            ..Default::default()
-        };
+        let resume = resuming();
         let s = spec("[train]\nepochs = 2\n[data]\nsource = \"synthetic\"\nsamples = 64\n");
-        let was = |text: &str| Facts {
-            checkpoint_spec: Some(spec::to_toml(&spec(text)).parse().unwrap()),
-            ..resumable(fresh_state(BatchShape {
-                micro_batch: 32,
-                accumulation_steps: 1,
-            }))
+        let shape = BatchShape {
+            micro_batch: 32,
+            accumulation_steps: 1,
         };
+        let was = |text: &str| resumed_from(text, fresh_state(shape));
         let same = Plan::resolve(
             &s,
             &resume,
@@ -751,19 +747,13 @@ mod tests {
 
     #[test]
     fn a_resume_that_monitors_another_metric_drops_the_saved_value() {
-        let resume = Request {
-            resume: Some(None),
-            ..Default::default()
-        };
+        let resume = resuming();
         let mut state = fresh_state(BatchShape {
             micro_batch: 32,
             accumulation_steps: 1,
         });
         state.monitored = Some(2.5);
-        let was = |text: &str| Facts {
-            checkpoint_spec: Some(spec::to_toml(&spec(text)).parse().unwrap()),
-            ..resumable(state.clone())
-        };
+        let was = |text: &str| resumed_from(text, state.clone());
         let by_loss = "[train]\nepochs = 2\n";
         let by_acc = "[train]\nepochs = 2\n[checkpoint]\nmonitor = \"val_acc\"\n";
         let p = Plan::resolve(&spec(by_acc), &resume, &was(by_loss)).unwrap();
@@ -778,10 +768,7 @@ mod tests {
             micro_batch: 8,
             accumulation_steps: 4,
         };
-        let resume = Request {
-            resume: Some(None),
-            ..Default::default()
-        };
+        let resume = resuming();
         let mut mid = fresh_state(shape);
         mid.groups_done = 3;
         mid.micro_batch = 4;
@@ -820,10 +807,7 @@ mod tests {
             cuda_total_bytes: Some(1 << 30),
             ..resumable(st)
         };
-        let resume = Request {
-            resume: Some(None),
-            ..Default::default()
-        };
+        let resume = resuming();
         let s = spec("[job]\ndevice = \"cuda\"\n[train]\nbatch_size = 8\nepochs = 1\n");
         let p = Plan::resolve(&s, &resume, &f).unwrap();
         assert_eq!(p.device, DevicePlan::Cpu);

@@ -205,10 +205,8 @@ fn scalars(event: &Event) -> Option<(i64, Vec<Scalar>)> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn events_become_typed_lines_and_the_end_writes_the_summary() {
-        let dir = tempfile::tempdir().unwrap();
-        let mut r = Recorder::open(dir.path(), "[job]\n", false).unwrap();
+    /// A grow-back record and the run's end.
+    fn grow_back_and_end(r: &mut Recorder) {
         r.emit(&Event::GrowBack(GrowBackEvent {
             step: 7,
             micro_batch_before: 4,
@@ -217,6 +215,13 @@ mod tests {
         }))
         .unwrap();
         r.emit(&Event::End(Summary::default())).unwrap();
+    }
+
+    #[test]
+    fn events_become_typed_lines_and_the_end_writes_the_summary() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut r = Recorder::open(dir.path(), "[job]\n", false).unwrap();
+        grow_back_and_end(&mut r);
         let text = fs::read_to_string(dir.path().join("metrics.jsonl")).unwrap();
         let lines: Vec<Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
         assert_eq!(lines[0]["type"], "grow_back");
@@ -234,14 +239,7 @@ mod tests {
         let cut = "{\"type\":\"step\",\"job\":\"\u{e9}".as_bytes();
         fs::write(dir.path().join("metrics.jsonl"), &cut[..cut.len() - 1]).unwrap();
         let mut r = Recorder::open(dir.path(), "[job]\n", false).unwrap();
-        r.emit(&Event::GrowBack(GrowBackEvent {
-            step: 7,
-            micro_batch_before: 4,
-            micro_batch: 8,
-            micro_batch_of: MicroBatchOf::Training,
-        }))
-        .unwrap();
-        r.emit(&Event::End(Summary::default())).unwrap();
+        grow_back_and_end(&mut r);
         let records = read::read(dir.path()).unwrap();
         assert_eq!(records.unreadable_lines, 1);
         assert!(matches!(records.events[0], Event::GrowBack(_)), "{:?}", records.events);

@@ -251,8 +251,10 @@ fn nccl_env(device: DevicePlan, user_set: bool) -> Option<(&'static str, &'stati
 
 /// `leads`: this process speaks for the run (one rank of a data-parallel group does).
 fn apply(plan: &Plan, leads: bool) -> Result<()> {
-    for why in plan.notices.iter().filter(|_| leads) {
-        tracing::warn!("{why}");
+    if leads {
+        for why in &plan.notices {
+            tracing::warn!("{why}");
+        }
     }
     for c in &plan.alloc.conflicts {
         tracing::warn!(
