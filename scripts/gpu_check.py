@@ -327,6 +327,26 @@ def judge_bn_retry(capped, capped_bn, small_bn, micro):
     return Check(BN_RETRY, expected, seen, not counts and gap <= LOSS_REL_RETRY)
 
 
+def bn_retry_cap(records_big, records_small):
+    """A cap the first step at the big micro-batch cannot run under and the halved run fits,
+    or (None, why). The big run's first step holds its peak allocated bytes at once, and an
+    allocator's reserved bytes never fall below its allocated ones, so any cap under that peak
+    fails the step; the halved run never reserved more than its peak reserved (allocated on the
+    CPU, whose cap counts tensor bytes), so a cap at or above that fits it. A reserved peak is
+    no bound for the big side: under a cap the CUDA allocator frees its cache and retries, so a
+    step can run in less than it reserved uncapped."""
+    steps = of_type(records_big, "step")
+    need = get(steps[0], "memory.peak_allocated_bytes") if steps else None
+    fits = [get(r, "memory.peak_reserved_bytes", get(r, "memory.peak_allocated_bytes"))
+            for r in of_type(records_small, "step")]
+    fits += [r.get("peak_bytes") for r in of_type(records_small, "preflight")]
+    if not isinstance(need, int) or not fits or not all(isinstance(x, int) for x in fits):
+        return None, f"no peak figures in the step records (first step's peak allocated {need}, halved run's {fits})"
+    if need <= max(fits):
+        return None, f"the first step's peak allocated {size(need)} is not above the halved run's {size(max(fits))}"
+    return max(fits) + (need - max(fits)) // 2, ""
+
+
 def judge_cpu_fallback(summary):
     ok = get(summary, "oom.cpu_fallbacks") == 1 and summary.get("device") == "cpu" and summary.get("status") == "completed"
     seen = (
@@ -1205,19 +1225,18 @@ def check_backoff(r, probe):
 
 
 def check_bn_retry(r, probe):
-    # The cap lies between the preflight peaks (reserved on CUDA, tensor bytes on the CPU) of
-    # micro-batch 64 and of 32 x 2, so the first step fails at 64 and fits at 32.
+    # The cap lies between what the first step at micro-batch 64 must hold and what 32 x 2
+    # ever reserved (bn_retry_cap), so the first step fails at 64 and fits at 32.
     spec = spec_file(r, "bn-retry", RESNET.format(device=DEVICE))
-    sets = ["train.epochs=1", "checkpoint.every_epochs=1", "train.batch_size=64"]
+    sets = ["train.epochs=1", "checkpoint.every_epochs=1", "train.batch_size=64", "log.every_steps=1"]
     halved = ["train.batch_size=32", "train.accumulation_steps=2"]
     p64, o64 = r.run("bn-64", spec, sets, env=DETERMINISTIC_ENV)
     p32, o32 = r.run("bn-32", spec, sets + halved, env=DETERMINISTIC_ENV)
     if p64.rc != 0 or p32.rc != 0:
         return [failure(BN_RETRY, "completes", p64 if p64.rc else p32)]
-    peaks = [get((of_type(records_of(o), "preflight") or [{}])[0], "peak_bytes") for o in (o64, o32)]
-    if not all(isinstance(x, int) for x in peaks) or peaks[0] <= peaks[1]:
-        return [Check(BN_RETRY, "micro-batch 64 peaks above 32 x 2", f"preflight peaks {peaks}", False)]
-    cap = peaks[1] + (peaks[0] - peaks[1]) // 2
+    cap, why = bn_retry_cap(records_of(o64), records_of(o32))
+    if cap is None:
+        return [Check(BN_RETRY, "micro-batch 64's first step needs more than 32 x 2 ever reserved", why, False)]
     pc, oc = r.run("bn-capped", spec, sets + [f"memory.limit={cap}", 'memory.on_oom=["backoff","fail"]'],
                    env=DETERMINISTIC_ENV)
     if pc.rc != 0:

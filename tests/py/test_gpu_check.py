@@ -212,6 +212,25 @@ class Judges(unittest.TestCase):
         self.assertFalse(g.judge_bn_retry(capped, bn([0.3, -0.5], 4), small, 64).ok, "statistics it left")
         self.assertFalse(g.judge_bn_retry(dict(capped, oom={"backoffs": 0}), small, small, 64).ok, "no OOM")
 
+    def test_bn_retry_cap_lies_under_the_first_step_and_over_the_halved_run(self):
+        def rec(allocated, reserved=None):
+            m = {"peak_allocated_bytes": allocated}
+            if reserved is not None:
+                m["peak_reserved_bytes"] = reserved
+            return step(1, 2.0, memory=m)
+
+        big = [rec(900, 1400), rec(950, 1400)]
+        small = [{"type": "preflight", "peak_bytes": 600}, rec(500, 600), rec(520, 700)]
+        # Between the halved run's largest reserved (700) and the first big step's allocated (900),
+        # not the big run's reserved, which a capped allocator need not reach.
+        self.assertEqual(g.bn_retry_cap(big, small), (800, ""))
+        # On the CPU only allocated figures exist.
+        self.assertEqual(g.bn_retry_cap([rec(900)], [rec(500)]), (700, ""))
+        cap, why = g.bn_retry_cap([rec(650, 1400)], small)
+        self.assertIsNone(cap)
+        self.assertIn("not above", why)
+        self.assertIsNone(g.bn_retry_cap([], small)[0], "no step records")
+
     def test_inf_step(self):
         recs = [step(1, 2.0, skipped=False, loss_scale=65536.0), step(2, 1.9, skipped=False, loss_scale=65536.0),
                 step(3, 1.8, skipped=True, loss_scale=32768.0), step(4, 1.7, skipped=False, loss_scale=32768.0)]
