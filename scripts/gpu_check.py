@@ -327,24 +327,38 @@ def judge_bn_retry(capped, capped_bn, small_bn, micro):
     return Check(BN_RETRY, expected, seen, not counts and gap <= LOSS_REL_RETRY)
 
 
-def bn_retry_cap(records_big, records_small):
-    """A cap the first step at the big micro-batch cannot run under and the halved run fits,
-    or (None, why). The big run's first step holds its peak allocated bytes at once, and an
-    allocator's reserved bytes never fall below its allocated ones, so any cap under that peak
-    fails the step; the halved run never reserved more than its peak reserved (allocated on the
-    CPU, whose cap counts tensor bytes), so a cap at or above that fits it. A reserved peak is
-    no bound for the big side: under a cap the CUDA allocator frees its cache and retries, so a
-    step can run in less than it reserved uncapped."""
+def bn_retry_bounds(records_big, records_small):
+    """Where to look for a cap under which the first step at the big micro-batch fails and the
+    halved shape fits: (low, high, first try), or None with why. High is the big run's first
+    step's peak allocated (reserved never falls below allocated, so a cap under it cannot be
+    met as it ran uncapped); low is the halved run's peak allocated. The first try lies between
+    high and the halved run's peak reserved, which it never needed more than. Under a cap cuDNN
+    picks leaner algorithms and the allocator frees its cache and retries, so a step can fit in
+    less than it took uncapped: bn_retry_verdict judges each try and the search moves on."""
     steps = of_type(records_big, "step")
-    need = get(steps[0], "memory.peak_allocated_bytes") if steps else None
-    fits = [get(r, "memory.peak_reserved_bytes", get(r, "memory.peak_allocated_bytes"))
-            for r in of_type(records_small, "step")]
+    high = get(steps[0], "memory.peak_allocated_bytes") if steps else None
+    small = of_type(records_small, "step")
+    low = max((get(r, "memory.peak_allocated_bytes") or 0 for r in small), default=0)
+    fits = [get(r, "memory.peak_reserved_bytes", get(r, "memory.peak_allocated_bytes")) for r in small]
     fits += [r.get("peak_bytes") for r in of_type(records_small, "preflight")]
-    if not isinstance(need, int) or not fits or not all(isinstance(x, int) for x in fits):
-        return None, f"no peak figures in the step records (first step's peak allocated {need}, halved run's {fits})"
-    if need <= max(fits):
-        return None, f"the first step's peak allocated {size(need)} is not above the halved run's {size(max(fits))}"
-    return max(fits) + (need - max(fits)) // 2, ""
+    if not isinstance(high, int) or not low or not all(isinstance(x, int) for x in fits):
+        return None, f"no peak figures in the step records (first step's peak allocated {high}, halved run's {fits})"
+    if high <= low:
+        return None, f"the first step's peak allocated {size(high)} is not above the halved run's {size(low)}"
+    first = max(fits) + (high - max(fits)) // 2 if high > max(fits) else low + (high - low) // 2
+    return (low, high, first), ""
+
+
+def bn_retry_verdict(rc, records, summary, micro):
+    """A capped try: "high" when the first step at `micro` ran (the cap let it squeeze in; an
+    OOM at a later step would retry from statistics the halved run never had), "low" when the
+    halved shape did not fit either, "ok" otherwise."""
+    ooms = of_type(records, "oom")
+    if not ooms or ooms[0].get("step") != 0 or ooms[0].get("micro_batch_before") != micro:
+        return "high"
+    if rc != 0 or get(summary, "batch.final_micro_batch") != micro // 2:
+        return "low"
+    return "ok"
 
 
 def judge_cpu_fallback(summary):
@@ -1224,9 +1238,12 @@ def check_backoff(r, probe):
     return [judge_backoff(summary_of(out), 1024)]
 
 
+BN_RETRY_TRIES = 5
+
+
 def check_bn_retry(r, probe):
-    # The cap lies between what the first step at micro-batch 64 must hold and what 32 x 2
-    # ever reserved (bn_retry_cap), so the first step fails at 64 and fits at 32.
+    # A cap under which the first step fails at micro-batch 64 and 32 x 2 fits, searched for
+    # between the two runs' peaks (bn_retry_bounds, bn_retry_verdict).
     spec = spec_file(r, "bn-retry", RESNET.format(device=DEVICE))
     sets = ["train.epochs=1", "checkpoint.every_epochs=1", "train.batch_size=64", "log.every_steps=1"]
     halved = ["train.batch_size=32", "train.accumulation_steps=2"]
@@ -1234,17 +1251,29 @@ def check_bn_retry(r, probe):
     p32, o32 = r.run("bn-32", spec, sets + halved, env=DETERMINISTIC_ENV)
     if p64.rc != 0 or p32.rc != 0:
         return [failure(BN_RETRY, "completes", p64 if p64.rc else p32)]
-    cap, why = bn_retry_cap(records_of(o64), records_of(o32))
-    if cap is None:
-        return [Check(BN_RETRY, "micro-batch 64's first step needs more than 32 x 2 ever reserved", why, False)]
-    pc, oc = r.run("bn-capped", spec, sets + [f"memory.limit={cap}", 'memory.on_oom=["backoff","fail"]'],
-                   env=DETERMINISTIC_ENV)
-    if pc.rc != 0:
-        return [failure(BN_RETRY, "completes", pc)]
+    bounds, why = bn_retry_bounds(records_of(o64), records_of(o32))
+    if bounds is None:
+        return [Check(BN_RETRY, "micro-batch 64's first step needs more than 32 x 2", why, False)]
+    low, high, cap = bounds
+    tries = []
+    for i in range(BN_RETRY_TRIES):
+        pc, oc = r.run(f"bn-capped-{i + 1}", spec, sets + [f"memory.limit={cap}", 'memory.on_oom=["backoff","fail"]'],
+                       env=DETERMINISTIC_ENV)
+        verdict = bn_retry_verdict(pc.rc, records_of(oc), summary_of(oc), 64)
+        tries.append(f"{size(cap)}: {verdict}")
+        if verdict == "ok":
+            break
+        low, high = (low, cap) if verdict == "high" else (cap, high)
+        cap = low + (high - low) // 2
+    else:
+        return [Check(BN_RETRY, "a cap under which the first step fails at 64 and the run completes at 32",
+                      "caps tried: " + ", ".join(tries), False)]
     state = [final_model_bytes(o) for o in (oc, o32)]
     if None in state:
         return [Check(BN_RETRY, "a final checkpoint on both sides", f"checkpoints found: {[s is not None for s in state]}", False)]
-    return [judge_bn_retry(summary_of(oc), batchnorm_state(state[0]), batchnorm_state(state[1]), 64)]
+    row = judge_bn_retry(summary_of(oc), batchnorm_state(state[0]), batchnorm_state(state[1]), 64)
+    row.seen += f"; cap {tries[-1].split(':')[0]} ({len(tries)} tried)"
+    return [row]
 
 
 def check_cpu_fallback(r, probe):

@@ -212,7 +212,7 @@ class Judges(unittest.TestCase):
         self.assertFalse(g.judge_bn_retry(capped, bn([0.3, -0.5], 4), small, 64).ok, "statistics it left")
         self.assertFalse(g.judge_bn_retry(dict(capped, oom={"backoffs": 0}), small, small, 64).ok, "no OOM")
 
-    def test_bn_retry_cap_lies_under_the_first_step_and_over_the_halved_run(self):
+    def test_bn_retry_searches_between_the_first_step_and_the_halved_run(self):
         def rec(allocated, reserved=None):
             m = {"peak_allocated_bytes": allocated}
             if reserved is not None:
@@ -221,15 +221,27 @@ class Judges(unittest.TestCase):
 
         big = [rec(900, 1400), rec(950, 1400)]
         small = [{"type": "preflight", "peak_bytes": 600}, rec(500, 600), rec(520, 700)]
-        # Between the halved run's largest reserved (700) and the first big step's allocated (900),
-        # not the big run's reserved, which a capped allocator need not reach.
-        self.assertEqual(g.bn_retry_cap(big, small), (800, ""))
+        # The first try lies between the halved run's largest reserved (700) and the first big
+        # step's allocated (900), not the big run's reserved, which a capped allocator need not reach.
+        self.assertEqual(g.bn_retry_bounds(big, small), ((520, 900, 800), ""))
         # On the CPU only allocated figures exist.
-        self.assertEqual(g.bn_retry_cap([rec(900)], [rec(500)]), (700, ""))
-        cap, why = g.bn_retry_cap([rec(650, 1400)], small)
-        self.assertIsNone(cap)
+        self.assertEqual(g.bn_retry_bounds([rec(900)], [rec(500)]), ((500, 900, 700), ""))
+        # Reserved at or above the first step's allocated: the first try halves the allocated span.
+        self.assertEqual(g.bn_retry_bounds([rec(690, 1400)], small)[0], (520, 690, 605))
+        bounds, why = g.bn_retry_bounds([rec(500, 1400)], small)
+        self.assertIsNone(bounds)
         self.assertIn("not above", why)
-        self.assertIsNone(g.bn_retry_cap([], small)[0], "no step records")
+        self.assertIsNone(g.bn_retry_bounds([], small)[0], "no step records")
+
+        def oom(step_done, micro=64):
+            return {"type": "oom", "step": step_done, "micro_batch_before": micro}
+
+        done = {"batch": {"final_micro_batch": 32}}
+        self.assertEqual(g.bn_retry_verdict(0, [oom(0), oom(0, 32)][:1], done, 64), "ok")
+        self.assertEqual(g.bn_retry_verdict(0, [], {"batch": {"final_micro_batch": 64}}, 64), "high", "no OOM")
+        self.assertEqual(g.bn_retry_verdict(0, [oom(2)], done, 64), "high", "the first steps ran at 64")
+        self.assertEqual(g.bn_retry_verdict(0, [oom(0), oom(0, 32)], {"batch": {"final_micro_batch": 16}}, 64), "low")
+        self.assertEqual(g.bn_retry_verdict(3, [oom(0)], {}, 64), "low", "the run failed")
 
     def test_inf_step(self):
         recs = [step(1, 2.0, skipped=False, loss_scale=65536.0), step(2, 1.9, skipped=False, loss_scale=65536.0),
