@@ -122,9 +122,9 @@ fn init_logging(quiet: bool, verbose: u8) {
 fn info(json: bool) -> Result<()> {
     let info = crate::info::collect()?;
     if json {
-        println!("{}", serde_json::to_string_pretty(&info)?);
+        crate::outln!("{}", serde_json::to_string_pretty(&info)?)?;
     } else {
-        crate::info::print_human(&info);
+        crate::info::print_human(&info)?;
     }
     Ok(())
 }
@@ -132,21 +132,21 @@ fn info(json: bool) -> Result<()> {
 fn check(args: &SpecArgs) -> Result<()> {
     let loaded = spec::load_args(&args.file, &args.set, &crate::model::validate)?;
     let est = crate::estimate::estimate(&loaded.spec)?;
-    println!("# {}: valid. Resolved spec:", loaded.path.display());
-    print!("{}", spec::to_toml(&loaded.spec));
-    println!();
-    print!("{est}");
-    println!(
+    crate::outln!("# {}: valid. Resolved spec:", loaded.path.display())?;
+    crate::out!("{}", spec::to_toml(&loaded.spec))?;
+    crate::outln!()?;
+    crate::out!("{est}")?;
+    crate::outln!(
         "{}",
         crate::data::check_line(&loaded.spec.data, &est.input_shape, est.micro_batch)
-    );
-    print!("{}", crate::run::levers::check_lines(&loaded.spec, &est));
+    )?;
+    crate::out!("{}", crate::run::levers::check_lines(&loaded.spec, &est))?;
     Ok(())
 }
 
 fn report(run_dir: &std::path::Path) -> Result<()> {
     let written = crate::report::write(run_dir)?;
-    print!("{}", written.text);
-    println!("report: {}", written.html.display());
+    crate::out!("{}", written.text)?;
+    crate::outln!("report: {}", written.html.display())?;
     Ok(())
 }

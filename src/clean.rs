@@ -88,20 +88,20 @@ pub fn clean(args: &CleanArgs) -> Result<()> {
     // the runs spared are named, so that one can be ended with --pid.
     let spared = if args.pids.is_empty() { spared(&runs) } else { vec![] };
     if targets.is_empty() {
-        println!(
+        crate::outln!(
             "nothing to clean: no orphaned memtrain processes of user {} (registry {})",
             user_name(my_uid()),
             registry::dir().display()
-        );
-        print_spared(&spared);
+        )?;
+        print_spared(&spared)?;
         return Ok(());
     }
     if !args.yes {
-        println!("would end {} (dry run; pass --yes to end):", count(targets.len()));
+        crate::outln!("would end {} (dry run; pass --yes to end):", count(targets.len()))?;
         for t in &targets {
-            println!("  {}", t.line());
+            crate::outln!("  {}", t.line())?;
         }
-        print_spared(&spared);
+        print_spared(&spared)?;
         return Ok(());
     }
     end(&targets, Duration::from_secs_f64(args.grace))
@@ -148,20 +148,21 @@ fn spared(runs: &[Entry]) -> Vec<(Entry, String)> {
         .collect()
 }
 
-fn print_spared(spared: &[(Entry, String)]) {
+fn print_spared(spared: &[(Entry, String)]) -> Result<()> {
     if spared.is_empty() {
-        return;
+        return Ok(());
     }
-    println!("spared, under a live launcher (end one with --pid PID):");
+    crate::outln!("spared, under a live launcher (end one with --pid PID):")?;
     for (e, launcher) in spared {
-        println!(
+        crate::outln!(
             "  {} (job {}, {}) under launcher pid {} ({launcher})",
             e.pid,
             e.job,
             e.run_dir.display(),
             e.launcher_pid
-        );
+        )?;
     }
+    Ok(())
 }
 
 /// The processes named with `--pid`: each must exist and be this user's.
@@ -259,15 +260,15 @@ fn end(targets: &[Target], grace: Duration) -> Result<()> {
             // A stopped process acts on SIGTERM only once it runs again.
             signal(&t.proc, libc::SIGCONT);
         }
-        println!("sent SIGTERM to {}", t.line());
+        crate::outln!("sent SIGTERM to {}", t.line())?;
     }
     let mut left = wait_for(targets.iter().collect(), grace);
     for t in &left {
-        println!(
+        crate::outln!(
             "pid {} still runs {:.0} s after SIGTERM: sending SIGKILL",
             t.proc.pid,
             grace.as_secs_f64()
-        );
+        )?;
         signal(&t.proc, libc::SIGKILL);
     }
     if !left.is_empty() {
@@ -278,10 +279,10 @@ fn end(targets: &[Target], grace: Duration) -> Result<()> {
         .filter(|t| !left.iter().any(|l| l.proc.pid == t.proc.pid))
         .collect();
     for t in &ended {
-        println!("pid {} ended", t.proc.pid);
+        crate::outln!("pid {} ended", t.proc.pid)?;
     }
     let freed: u64 = ended.iter().map(|t| t.held.bytes()).sum();
-    println!("freed {} ({} ended)", human_bytes(freed), count(ended.len()));
+    crate::outln!("freed {} ({} ended)", human_bytes(freed), count(ended.len()))?;
     if !left.is_empty() {
         let pids: Vec<String> = left.iter().map(|t| t.proc.pid.to_string()).collect();
         anyhow::bail!(

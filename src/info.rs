@@ -276,69 +276,70 @@ pub fn stale_note(s: Option<Stale>) -> String {
     }
 }
 
-pub fn print_human(i: &Info) {
-    println!("memtrain {}  libtorch {}", i.memtrain, i.libtorch);
-    println!(
+pub fn print_human(i: &Info) -> anyhow::Result<()> {
+    crate::outln!("memtrain {}  libtorch {}", i.memtrain, i.libtorch)?;
+    crate::outln!(
         "CUDA runtime {}  cuDNN {}  driver {}",
         i.cuda.runtime.as_deref().unwrap_or("none"),
         i.cuda.cudnn.as_deref().unwrap_or("none"),
         i.cuda.driver.as_deref().unwrap_or("none"),
-    );
-    println!(
+    )?;
+    crate::outln!(
         "CPU: {} logical CPUs, libtorch uses {} threads",
         i.cpu.logical_cpus, i.cpu.torch_threads
-    );
-    println!(
+    )?;
+    crate::outln!(
         "Host RAM: {} total, {} available; this process {} RSS",
         human_bytes(i.host.ram_total_bytes),
         human_bytes(i.host.ram_available_bytes),
         human_bytes(i.host.process_rss_bytes)
-    );
+    )?;
     if i.gpus.is_empty() {
-        println!("GPUs: none available to libtorch (memtrain will train on the CPU)");
+        crate::outln!("GPUs: none available to libtorch (memtrain will train on the CPU)")?;
     }
     for g in &i.gpus {
-        println!(
+        crate::outln!(
             "GPU {}: {}  {} total, {} used, {} free",
             g.index,
             g.name,
             human_bytes(g.total_bytes),
             human_bytes(g.used_bytes),
             human_bytes(g.free_bytes)
-        );
+        )?;
         for p in &g.processes {
             let used = p.used_bytes.map(human_bytes).unwrap_or_else(|| "unknown".into());
             let user = p.user.as_deref().unwrap_or("?");
-            println!("  pid {} ({}, {user}): {}{}", p.pid, p.name, used, stale_note(p.stale));
+            crate::outln!("  pid {} ({}, {user}): {}{}", p.pid, p.name, used, stale_note(p.stale))?;
         }
     }
     if i.runs.is_empty() {
-        println!("memtrain runs: none running (registry {})", registry::dir().display());
+        crate::outln!("memtrain runs: none running (registry {})", registry::dir().display())?;
     } else {
-        println!("memtrain runs (registry {}):", registry::dir().display());
+        crate::outln!("memtrain runs (registry {}):", registry::dir().display())?;
     }
     for r in &i.runs {
         let rank = r.rank.map(|r| format!(" rank {r}")).unwrap_or_default();
-        println!(
+        crate::outln!(
             "  pid {}{rank}: job {} on {}, {}{}",
             r.pid,
             r.job,
             r.device,
             r.run_dir.display(),
             stale_note(r.stale)
-        );
+        )?;
     }
     let built = |on: bool| if on { "built" } else { "not built" };
-    println!(
+    crate::outln!(
         "Data-parallel: Gloo (CPU) {}, NCCL (CUDA) {}",
         built(i.data_parallel.gloo),
         built(i.data_parallel.nccl)
-    );
+    )?;
     let a = &i.allocator;
     let show = |v: &Option<String>| v.clone().unwrap_or_else(|| "(unset)".into());
-    println!(
+    crate::outln!(
         "Allocator: PYTORCH_CUDA_ALLOC_CONF={}  PYTORCH_ALLOC_CONF={}",
         show(&a.cuda_alloc_conf),
         show(&a.alloc_conf)
-    );
+    )?;
+    Ok(())
 }

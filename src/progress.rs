@@ -100,3 +100,30 @@ pub fn say(line: std::fmt::Arguments) {
     use std::io::Write;
     let _ = writeln!(std::io::stderr(), "{line}");
 }
+
+/// A command's output on stdout. A reader that stopped reading (`memtrain check spec.toml |
+/// head`) wanted no more, so a closed pipe ends nothing: the command finishes its work (`clean`
+/// still ends what it set out to end) and exits as it would have. Any other failure to write (a
+/// full disk behind `> file`) is an error, so no output is lost unnoticed.
+pub fn out(text: std::fmt::Arguments) -> anyhow::Result<()> {
+    use std::io::Write;
+    match std::io::stdout().write_fmt(text) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(anyhow::Error::new(e).context("writing to standard output"))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// `println!` through [`out`]: `outln!("{x}")?`.
+#[macro_export]
+macro_rules! outln {
+    () => { $crate::progress::out(format_args!("\n")) };
+    ($($arg:tt)*) => { $crate::progress::out(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
+/// `print!` through [`out`].
+#[macro_export]
+macro_rules! out {
+    ($($arg:tt)*) => { $crate::progress::out(format_args!($($arg)*)) };
+}

@@ -634,9 +634,9 @@ pub fn fit(args: &FitArgs, quiet: bool) -> Result<()> {
         user_sets: args.spec.set.clone(),
     };
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        crate::outln!("{}", serde_json::to_string_pretty(&report)?)?;
     } else {
-        print!("{}", human(&report));
+        crate::out!("{}", human(&report))?;
     }
     match report.recommendation {
         Some(_) => Ok(()),

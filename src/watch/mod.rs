@@ -26,9 +26,9 @@ pub fn watch(args: &WatchArgs) -> Result<()> {
     if args.once {
         let snap = gatherer.snapshot();
         if args.json {
-            println!("{}", serde_json::to_string_pretty(&snap)?);
+            crate::outln!("{}", serde_json::to_string_pretty(&snap)?)?;
         } else {
-            print!("{}", frame_text(&snap, once_width()));
+            crate::out!("{}", frame_text(&snap, once_width()))?;
         }
         return Ok(());
     }

@@ -210,6 +210,29 @@ fn a_run_whose_output_nobody_reads_still_completes() {
     assert_eq!(summary["status"], "completed", "{summary}");
 }
 
+/// `memtrain check spec.toml | head -1`, and the like: a reader that closed stdout before the
+/// command wrote asked for no more, so the command ends as it would have, without a panic.
+#[test]
+fn output_nobody_reads_ends_the_command_cleanly() {
+    let t = Test::new();
+    let spec = t.dir().join("spec.toml");
+    std::fs::write(&spec, toml::to_string(t.table()).unwrap()).unwrap();
+    let spec = spec.to_str().unwrap();
+    for args in [vec!["check", spec], vec!["info"], vec!["info", "--json"]] {
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_memtrain"))
+            .args(&args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        drop(child.stdout.take());
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(0), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}
+
 #[test]
 fn an_effective_batch_above_the_data_is_said() {
     Test::new()
