@@ -286,7 +286,8 @@ pub fn print_human(i: &Info) -> anyhow::Result<()> {
     )?;
     crate::outln!(
         "CPU: {} logical CPUs, libtorch uses {} threads",
-        i.cpu.logical_cpus, i.cpu.torch_threads
+        i.cpu.logical_cpus,
+        i.cpu.torch_threads
     )?;
     crate::outln!(
         "Host RAM: {} total, {} available; this process {} RSS",
