@@ -21,7 +21,7 @@ use crate::host::Home;
 use crate::human::{device_name, human_bytes};
 use crate::memory::CachePolicy;
 use crate::model::{self, Built, Net, ARCH_PREFIX};
-use crate::oom::{self, BatchShape, StepError};
+use crate::oom::{self, BatchShape, OomKind, StepError};
 use crate::optim::{Hyper, LrSchedule, Optimizer, Shard};
 use crate::plan::{DevicePlan, Plan};
 use crate::progress::Progress;
@@ -73,7 +73,7 @@ impl Plan {
         let recovery = self.recovery(spec, &state, &model, &execution)?;
         if spec.memory.parameters.is_host() && !recovery.engaged().contains(levers::HostParams.name()) {
             // Built on the host for streaming, which does not apply (the warning said why).
-            setup_step(Phase::Model.label(), &|| None, CHANGE_MODEL, || {
+            setup_step(Phase::Model.label(), &|| None, &CHANGE_MODEL, || {
                 model.vs.set_device(device);
                 model.opt.to_device(device);
             })?;
@@ -142,7 +142,7 @@ impl Plan {
         let mut data = {
             let _squeeze = fault::squeeze_in(Phase::Data, self.start.global_step);
             let needs = data_size(&spec.data, &built.input_shape);
-            setup_step(Phase::Data.label(), &|| needs.clone(), CHANGE_DATA, || {
+            setup_step(Phase::Data.label(), &|| needs.clone(), &CHANGE_DATA, || {
                 crate::data::load(&spec.data, &built.input_shape, built.num_classes, spec.job.seed)
             })?
             .map_err(|e| -> anyhow::Error {
@@ -151,7 +151,7 @@ impl Plan {
                     Some(_) => setup_oom(
                         Phase::Data.label(),
                         &|| needs.clone(),
-                        CHANGE_DATA,
+                        &CHANGE_DATA,
                         &oom::short_message(&text),
                     )
                     .into(),
@@ -188,19 +188,19 @@ impl Plan {
             || after_setup_oom(spec).map(|e| format!("its parameters are {}", human_bytes(e.parameter_bytes())));
         let built = {
             let _squeeze = fault::squeeze_in(Phase::Model, self.start.global_step);
-            setup_try(Phase::Model.label(), &needs, CHANGE_MODEL, || {
+            setup_try(Phase::Model.label(), &needs, &CHANGE_MODEL, || {
                 model::build(&vs.root(), &spec.model)
             })?
         };
         if spec.train.precision == Precision::Bf16 {
-            setup_step(Phase::Model.label(), &needs, CHANGE_MODEL, || vs.bfloat16())?;
+            setup_step(Phase::Model.label(), &needs, &CHANGE_MODEL, || vs.bfloat16())?;
         }
         if let Some(path) = &spec.model.init_from {
             init_from(&vs, path)?;
         }
         if !on_host && built_on != device {
             let _squeeze = fault::squeeze_in(Phase::Model, self.start.global_step);
-            setup_step(Phase::Model.label(), &needs, CHANGE_MODEL, || vs.set_device(device))?;
+            setup_step(Phase::Model.label(), &needs, &CHANGE_MODEL, || vs.set_device(device))?;
         }
         Ok((vs, built))
     }
@@ -238,13 +238,13 @@ impl Plan {
         };
         let needs =
             || after_setup_oom(spec).map(|e| format!("the optimizer state is {}", human_bytes(e.optimizer_bytes())));
-        let opt = setup_step(OPTIMIZER_STATE, &needs, CHANGE_OPTIMIZER, || {
+        let opt = setup_step(OPTIMIZER_STATE, &needs, &CHANGE_OPTIMIZER, || {
             Optimizer::placed(Hyper::from_train(t), weights, shard, home)
         })?;
         let extra = match model::extra_step(&spec.model) {
             Some(x) => Some((
                 x,
-                setup_step(OPTIMIZER_STATE, &|| None, CHANGE_OPTIMIZER, || {
+                setup_step(OPTIMIZER_STATE, &|| None, &CHANGE_OPTIMIZER, || {
                     Optimizer::new(x.hyper, arch)
                 })?,
             )),
@@ -269,8 +269,8 @@ impl Plan {
             "the checkpoint is {} on disk",
             human_bytes(dir_bytes(&r.checkpoint))
         ));
-        let ck = setup_try(&what, &|| needs.clone(), CHANGE_RESUME, || Store::load(&r.checkpoint))?;
-        setup_try(&what, &|| needs.clone(), CHANGE_RESUME, || {
+        let ck = setup_try(&what, &|| needs.clone(), &CHANGE_RESUME, || Store::load(&r.checkpoint))?;
+        setup_try(&what, &|| needs.clone(), &CHANGE_RESUME, || {
             copy_into(&model.vs, &ck.model, "checkpoint model")
         })?;
         let pick = |prefix: &str| -> NamedTensors {
@@ -279,7 +279,7 @@ impl Plan {
                 .filter_map(|(n, t)| n.strip_prefix(prefix).map(|s| (s.to_owned(), t.shallow_clone())))
                 .collect()
         };
-        setup_try(&what, &|| None, CHANGE_RESUME, || {
+        setup_try(&what, &|| None, &CHANGE_RESUME, || {
             model.opt.load_state(&pick("weight/"), ck.state.weight_steps)
         })?;
         for (name, t) in pick("rng/") {
@@ -466,19 +466,80 @@ fn scalers(spec: &Spec, state: &mut TrainState, arch: Option<&mut ArchStep>) {
 const OPTIMIZER_STATE: &str = "creating the optimizer state";
 
 /// What to change when a set-up phase runs out of memory (docs/guide.md, "Out of memory in every
-/// phase").
-const CHANGE_DATA: &str =
-    "raise memory.limit (the CPU cap covers the data, which is loaded on the host), or train on less data";
-const CHANGE_MODEL: &str = "raise memory.limit (memory.fraction on a GPU) or use a smaller model; on a GPU, memory.parameters = \"host\" keeps the weights in host memory";
-const CHANGE_OPTIMIZER: &str = "set memory.optimizer_state = \"host\" or train.optimizer_state_bits = 8, or raise memory.limit (memory.fraction on a GPU)";
-const CHANGE_RESUME: &str =
-    "the checkpoint is untouched: raise memory.limit (memory.fraction on a GPU) and run --resume again";
-const CHANGE_INIT_FROM: &str = "raise memory.limit (memory.fraction on a GPU), or use a smaller model";
+/// phase"): raise the cap that bound the allocation, or, with none set, make room on the device;
+/// else `otherwise`; `before` and `then` frame it.
+struct Remedy {
+    before: &'static str,
+    otherwise: &'static str,
+    then: &'static str,
+}
+
+impl Remedy {
+    fn text(&self, bound: Bound) -> String {
+        let first = match bound {
+            Bound::Cap => "raise memory.limit (memory.fraction on a GPU)".to_string(),
+            Bound::Device(place) => format!(
+                "no memory.limit bound it, so the {place}'s own memory ran out: free what other processes hold there (memtrain info lists them)"
+            ),
+        };
+        let otherwise = match self.otherwise {
+            "" => String::new(),
+            o => format!(", or {o}"),
+        };
+        format!("{}{first}{otherwise}{}", self.before, self.then)
+    }
+}
+
+/// What limited the allocation that failed: a cap memtrain set, or the device itself.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Bound {
+    Cap,
+    Device(&'static str),
+}
+
+impl Bound {
+    /// libtorch's CUDA out-of-memory text names the bytes "allowed" only under a per-process
+    /// fraction (memtrain's cap); the counting CPU allocator has a cap or none.
+    fn of(message: &str) -> Bound {
+        match oom::classify(message) {
+            Some(OomKind::Cpu) | None if shim::cpu_alloc_stats().cap.is_some() => Bound::Cap,
+            Some(OomKind::Cpu) | None => Bound::Device("machine"),
+            _ if message.contains(" allowed;") => Bound::Cap,
+            _ => Bound::Device("GPU"),
+        }
+    }
+}
+
+const CHANGE_DATA: Remedy = Remedy {
+    before: "",
+    otherwise: "train on less data (the data is loaded on the host, where the CPU cap covers it)",
+    then: "",
+};
+const CHANGE_MODEL: Remedy = Remedy {
+    before: "",
+    otherwise: "use a smaller model; on a GPU, memory.parameters = \"host\" keeps the weights in host memory",
+    then: "",
+};
+const CHANGE_OPTIMIZER: Remedy = Remedy {
+    before: "",
+    otherwise: "set memory.optimizer_state = \"host\" or train.optimizer_state_bits = 8",
+    then: "",
+};
+const CHANGE_RESUME: Remedy = Remedy {
+    before: "the checkpoint is untouched: ",
+    otherwise: "",
+    then: "; then run --resume again",
+};
+const CHANGE_INIT_FROM: Remedy = Remedy {
+    before: "",
+    otherwise: "use a smaller model",
+    then: "",
+};
 
 /// Runs set-up work that allocates (building the model, loading data or a checkpoint), so an
 /// OOM there ends with exit 3 and a message that names the phase, the sizes (`needs`: what the
 /// phase holds; what was allocated under which cap) and what to change, instead of a panic.
-fn setup_step<T>(what: &str, needs: Needs, change: &str, f: impl FnOnce() -> T) -> Result<T> {
+fn setup_step<T>(what: &str, needs: Needs, change: &Remedy, f: impl FnOnce() -> T) -> Result<T> {
     oom::guarded(f).map_err(|e| match e {
         StepError::Oom { message, .. } => setup_oom(what, needs, change, &message).into(),
         StepError::Other(m) | StepError::PeerLost(m) => anyhow::anyhow!("{what} failed: {m}"),
@@ -487,7 +548,7 @@ fn setup_step<T>(what: &str, needs: Needs, change: &str, f: impl FnOnce() -> T) 
 
 /// `setup_step` for work that reports libtorch's errors as values (`f_` calls, file readers):
 /// an error that is an OOM ends the run as one too.
-fn setup_try<T>(what: &str, needs: Needs, change: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+fn setup_try<T>(what: &str, needs: Needs, change: &Remedy, f: impl FnOnce() -> Result<T>) -> Result<T> {
     setup_step(what, needs, change, f)?.map_err(|e| {
         let text = format!("{e:#}");
         match oom::classify(&text) {
@@ -508,17 +569,25 @@ fn after_setup_oom(spec: &Spec) -> Option<crate::estimate::Estimate> {
     oom::guarded(|| crate::estimate::estimate(spec).ok()).ok().flatten()
 }
 
-fn setup_oom(what: &str, needs: Needs, change: &str, message: &str) -> OomExit {
-    let s = shim::cpu_alloc_stats();
-    let cap = s
-        .cap
-        .map(|c| format!(" under the {} cap", human_bytes(c)))
-        .unwrap_or_default();
+fn setup_oom(what: &str, needs: Needs, change: &Remedy, message: &str) -> OomExit {
     let needs = needs().map(|n| format!(" ({n})")).unwrap_or_default();
+    let bound = Bound::of(message);
+    // A CUDA message carries the device's figures; the host's count only a host allocation.
+    let held = match oom::classify(message) {
+        Some(OomKind::Cpu) | None => {
+            let s = shim::cpu_alloc_stats();
+            let cap = s
+                .cap
+                .map(|c| format!(" under the {} cap", human_bytes(c)))
+                .unwrap_or_default();
+            format!("; {} of tensors were allocated{cap}", human_bytes(s.allocated))
+        }
+        _ => String::new(),
+    };
     OomExit(format!(
-        "out of memory while {what}{needs}: {}; {} of tensors were allocated{cap}. To fix: {change}",
+        "out of memory while {what}{needs}: {}{held}. To fix: {}",
         crate::shim::first_line(message),
-        human_bytes(s.allocated)
+        change.text(bound)
     ))
 }
 
@@ -645,13 +714,13 @@ pub fn init_from(vs: &nn::VarStore, path: &Path) -> Result<()> {
     let _squeeze = fault::squeeze_in(Phase::InitFrom, 0);
     let size = fs::metadata(path).map(|m| m.len()).unwrap_or(0);
     let needs = Some(format!("{} on disk", human_bytes(size)));
-    let tensors = setup_step(&what, &|| needs.clone(), CHANGE_INIT_FROM, || {
+    let tensors = setup_step(&what, &|| needs.clone(), &CHANGE_INIT_FROM, || {
         Tensor::read_safetensors(path)
     })?
     .map_err(|e| -> anyhow::Error {
         let text = e.to_string();
         if oom::classify(&text).is_some() {
-            setup_oom(&what, &|| needs.clone(), CHANGE_INIT_FROM, &oom::short_message(&text)).into()
+            setup_oom(&what, &|| needs.clone(), &CHANGE_INIT_FROM, &oom::short_message(&text)).into()
         } else {
             UsageError(format!(
                 "model.init_from: cannot read {} as safetensors: {}{}",
@@ -663,7 +732,7 @@ pub fn init_from(vs: &nn::VarStore, path: &Path) -> Result<()> {
         }
     })?;
     let label = format!("model.init_from {}", path.display());
-    setup_step(&what, &|| needs.clone(), CHANGE_INIT_FROM, || {
+    setup_step(&what, &|| needs.clone(), &CHANGE_INIT_FROM, || {
         copy_into(vs, &tensors, &label)
     })?
 }

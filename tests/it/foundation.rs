@@ -87,6 +87,22 @@ fn a_cuda_only_setting_on_the_cpu_is_named_and_the_run_goes_on() {
 }
 
 #[test]
+fn a_model_too_large_for_the_machine_without_a_cap_is_not_told_to_raise_one() {
+    // As below: an allocation past any address space, with no memory.limit set.
+    let o = Test::new()
+        .set(
+            "model.mlp.hidden",
+            toml::Value::Array(vec![toml::Value::Integer(1 << 54)]),
+        )
+        .exit(3)
+        .stderr_has("out of memory while building the model")
+        .stderr_has("To fix: no memory.limit bound it, so the machine's own memory ran out")
+        .stderr_has("or use a smaller model")
+        .run();
+    assert!(!o.stderr.contains("raise memory.limit"), "{}", o.stderr);
+}
+
+#[test]
 fn check_of_a_model_too_large_for_host_memory_says_so() {
     // 2^54 hidden units: a bias of 2^56 bytes and weights of 2^62, past any machine's address
     // space, so the allocation fails whatever the memory or the kernel's overcommit.
