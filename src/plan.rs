@@ -237,6 +237,7 @@ impl Plan {
         };
         let record_history = spec.memory.record_history && matches!(device, DevicePlan::Cuda(_));
         notices.extend(cuda_only_on_cpu(spec, record_history));
+        notices.extend(unread_data_keys(&spec.data));
         if record_history && facts.symbolize_mode.is_none() {
             // 2.11 symbolizes recorded stacks by forking addr2line; without binutils the forked
             // child carries on as a second memtrain holding a CUDA context. dladdr stays in-process.
@@ -270,6 +271,23 @@ fn cuda_only_on_cpu(spec: &Spec, record_history: bool) -> Option<String> {
     (spec.memory.record_history && !record_history).then(|| {
         "memory.record_history is ignored: it records the CUDA caching allocator's history, and this run is on the CPU"
             .to_owned()
+    })
+}
+
+fn unread_data_keys(data: &spec::Data) -> Option<String> {
+    let keys = data.unread_synthetic_keys();
+    (!keys.is_empty()).then(|| {
+        format!(
+            "{} {} read only for synthetic data: this run reads every sample of data.path{}; remove {}",
+            keys.join(" and "),
+            if keys.len() == 1 { "is" } else { "are" },
+            if data.val_path.is_some() {
+                " and data.val_path"
+            } else {
+                ""
+            },
+            if keys.len() == 1 { "it" } else { "them" },
+        )
     })
 }
 
@@ -605,6 +623,24 @@ mod tests {
         );
         let e = Plan::resolve(&spec("[job]\ndevice = \"cuda:1\"\n"), &fresh(), &f).unwrap_err();
         assert!(e.0.contains("cuda:1 but libtorch sees 1"), "{}", e.0);
+    }
+
+    #[test]
+    fn synthetic_keys_set_for_a_file_source_are_said_to_be_unread() {
+        let notices = |extra: &str| Plan::resolve(&spec(extra), &fresh(), &facts()).unwrap().notices;
+        let npz = "[data]\nsource = \"npz\"\npath = \"d.npz\"\n";
+        assert!(notices(npz).is_empty(), "{:?}", notices(npz));
+        let n = notices(&format!("{npz}samples = 100\n"));
+        assert_eq!(
+            n,
+            ["data.samples is read only for synthetic data: this run reads every sample of data.path; remove it"]
+        );
+        let n = notices(&format!("{npz}samples = 100\nnoise = 0.5\nval_path = \"v.npz\"\n"));
+        assert!(
+            n[0].starts_with("data.samples and data.noise are read only for synthetic data: this run reads every sample of data.path and data.val_path; remove them"),
+            "{n:?}"
+        );
+        assert!(notices("[data]\nsamples = 100\nnoise = 0.5\n").is_empty());
     }
 
     #[test]

@@ -616,7 +616,7 @@ fn val_count(n: i64, fraction: f64) -> i64 {
 // Synthetic
 
 fn synthetic(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) -> Result<Splits> {
-    let n = data.samples;
+    let n = data.synthetic_samples();
     if n < 2 {
         bail!("data.samples = {n}: synthetic data needs at least 2 samples (one to train, one to validate)");
     }
@@ -636,7 +636,7 @@ fn synthetic(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) -> R
             .collect();
         let d = templates.len() / num_classes as usize;
         let mut xs = vec![0f32; count as usize * d];
-        let noise = data.noise;
+        let noise = data.synthetic_noise();
         for (row, &label) in xs.chunks_exact_mut(d).zip(&labels) {
             let t = &templates[label as usize * d..(label as usize + 1) * d];
             for (pair, tp) in row.chunks_mut(2).zip(t.chunks(2)) {
@@ -1290,8 +1290,8 @@ mod tests {
 
     fn synth(samples: i64, noise: f64) -> Data {
         Data {
-            samples,
-            noise,
+            samples: Some(samples),
+            noise: Some(noise),
             ..Default::default()
         }
     }
@@ -1340,7 +1340,7 @@ mod tests {
         // Tiny: val is still at least 1 and train keeps at least 1.
         let s = load(
             &Data {
-                samples: 4,
+                samples: Some(4),
                 val_fraction: 0.01,
                 ..synth(4, 1.0)
             },

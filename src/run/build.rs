@@ -599,8 +599,8 @@ fn data_size(d: &spec::Data, input_shape: &[i64]) -> Option<String> {
             let per: i64 = input_shape.iter().product();
             Some(format!(
                 "{} samples of {input_shape:?} are {}",
-                d.samples,
-                human_bytes((d.samples * per * 4).max(0) as u64)
+                d.synthetic_samples(),
+                human_bytes((d.synthetic_samples() * per * 4).max(0) as u64)
             ))
         }
         _ => {

@@ -143,6 +143,7 @@ pub fn load_with(path: &Path, overrides: &[Override], more: MoreChecks) -> Resul
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| "job".into());
     }
+    spec.data.resolve();
     let mut problems = validate::validate(&spec);
     if problems.is_empty() {
         problems = more(&mut spec.model, &spec.data);

@@ -183,10 +183,13 @@ pub struct Data {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_path: Option<PathBuf>,
     pub val_fraction: f64,
-    /// Synthetic only: number of samples (training plus validation).
-    pub samples: i64,
+    /// Synthetic only: number of samples (training plus validation). Absent for file sources,
+    /// whose files say how many; the loader fills in the default for synthetic data.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub samples: Option<i64>,
     /// Synthetic only: standard deviation of the noise added to the class signal.
-    pub noise: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub noise: Option<f64>,
     /// imagefolder: images are resized to this height and width; 0 takes the model's.
     pub image_size: i64,
     /// Per-channel normalisation of image pixels in [0, 1]: x = (x - mean) / std. Empty: none.
@@ -201,6 +204,43 @@ pub struct Data {
     /// Read the imagefolder cache and uncompressed npz/safetensors files through a memory map
     /// (the page cache holds what fits); false loads them whole into memory.
     pub memory_map: bool,
+}
+
+impl Data {
+    pub const SAMPLES: i64 = 512;
+    pub const NOISE: f64 = 1.0;
+
+    /// Synthetic data's sample count, as set or by default.
+    pub fn synthetic_samples(&self) -> i64 {
+        self.samples.unwrap_or(Self::SAMPLES)
+    }
+
+    pub fn synthetic_noise(&self) -> f64 {
+        self.noise.unwrap_or(Self::NOISE)
+    }
+
+    /// Fills in the synthetic-only keys' defaults, so the resolved spec shows them, for
+    /// synthetic data only: a file source's resolved spec keeps only the keys it reads.
+    pub fn resolve(&mut self) {
+        if self.source == DataSource::Synthetic {
+            self.samples = Some(self.synthetic_samples());
+            self.noise = Some(self.synthetic_noise());
+        }
+    }
+
+    /// Synthetic-only keys set for a file source, which reads every sample of its files.
+    pub fn unread_synthetic_keys(&self) -> Vec<&'static str> {
+        match self.source {
+            DataSource::Synthetic => vec![],
+            _ => [
+                ("data.samples", self.samples.is_some()),
+                ("data.noise", self.noise.is_some()),
+            ]
+            .into_iter()
+            .filter_map(|(k, set)| set.then_some(k))
+            .collect(),
+        }
+    }
 }
 
 /// `[data.augment]`: torchvision's RandomCrop(size, padding) and RandomHorizontalFlip(0.5).
@@ -225,8 +265,8 @@ impl Default for Data {
             path: None,
             val_path: None,
             val_fraction: 0.2,
-            samples: 512,
-            noise: 1.0,
+            samples: None,
+            noise: None,
             image_size: 0,
             mean: vec![],
             std: vec![],

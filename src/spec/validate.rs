@@ -117,8 +117,8 @@ fn data(p: &mut Problems, d: &Data) {
                     "is set but data.source is \"synthetic\"; remove it or choose npz, safetensors or mnist".into(),
                 ));
             }
-            at_least(p, "data.samples", d.samples, 4);
-            in_range(p, "data.noise", d.noise, 0.0, f64::MAX, "[0, ∞)");
+            at_least(p, "data.samples", d.synthetic_samples(), 4);
+            in_range(p, "data.noise", d.synthetic_noise(), 0.0, f64::MAX, "[0, ∞)");
         }
         src => match &d.path {
             None => p.push((

@@ -146,6 +146,27 @@ fn an_npz_read_in_place_trains_as_the_compressed_one() {
         .run();
 }
 
+#[test]
+fn synthetic_keys_set_for_a_file_are_said_to_be_unread() {
+    let o = Test::new()
+        .set("data.samples", 100)
+        .args(&["--max-steps", "1"])
+        .stderr_has("data.samples is read only for synthetic data: this run reads every sample of data.path; remove it")
+        .run();
+    let resolved = std::fs::read_to_string(o.out.join("config.resolved.toml")).unwrap();
+    assert!(
+        resolved.contains("samples = 100"),
+        "the spec as given is kept: {resolved}"
+    );
+    let o = Test::new().name("unset").args(&["--max-steps", "1"]).run();
+    assert!(!o.stderr.contains("read only for synthetic"), "{}", o.stderr);
+    let resolved = std::fs::read_to_string(o.out.join("config.resolved.toml")).unwrap();
+    assert!(
+        !resolved.contains("samples =") && !resolved.contains("noise ="),
+        "a file source's resolved spec holds only what it reads: {resolved}"
+    );
+}
+
 /// The largest anonymous RSS (`RssAnon`) of `pid` while it runs, polled.
 fn peak_rss_anon(pid: i32) -> std::thread::JoinHandle<u64> {
     std::thread::spawn(move || {
