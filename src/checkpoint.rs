@@ -344,14 +344,21 @@ impl Store {
         v
     }
 
+    /// Keeps the newest `keep_last` checkpoints and, with `keep_best`, the best. Without it (a
+    /// resume that turned it off) an earlier session's best goes like any other, and so does
+    /// its best.json once it names nothing.
     fn retain(&self) -> Result<()> {
         let all = self.list();
         let best = self.best().map(|b| self.dir.join(b.step));
+        let kept = best.as_ref().filter(|_| self.keep_best);
         let cut = all.len().saturating_sub(self.keep_last);
         for old in &all[..cut] {
-            if Some(old) != best.as_ref() {
+            if Some(old) != kept {
                 fs::remove_dir_all(old).with_context(|| format!("removing old checkpoint {}", old.display()))?;
             }
+        }
+        if best.is_some_and(|b| !b.exists()) && !self.keep_best {
+            fs::remove_file(self.dir.join("best.json")).context("removing best.json, whose checkpoint is gone")?;
         }
         // Leftovers of a save that was killed half-way.
         for e in fs::read_dir(&self.dir)?.flatten() {
@@ -516,6 +523,37 @@ mod tests {
             by_acc.best().unwrap().step,
             "step-000000004",
             "a loss is not an accuracy"
+        );
+    }
+
+    #[test]
+    fn without_keep_best_an_earlier_best_goes_like_any_other() {
+        let dir = tempfile::tempdir().unwrap();
+        let save = |store: &Store, step: i64, loss: f64| {
+            store
+                .save(&Contents {
+                    model: vec![("w".to_string(), Tensor::from_slice(&[1f32]))],
+                    optimizer: vec![],
+                    state: &state(step, Some(loss)),
+                    spec_toml: "",
+                })
+                .unwrap();
+        };
+        let first = Store::new(dir.path(), 1, true, Monitor::ValLoss);
+        save(&first, 1, 0.1);
+        save(&first, 2, 0.5);
+        assert_eq!(first.list().len(), 2, "the best is kept beside the last");
+        let resumed = Store::new(dir.path(), 1, false, Monitor::ValLoss);
+        save(&resumed, 3, 0.4);
+        let names: Vec<String> = resumed
+            .list()
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names, ["step-000000003"]);
+        assert!(
+            !dir.path().join("checkpoints/best.json").exists(),
+            "it named a removed checkpoint"
         );
     }
 
