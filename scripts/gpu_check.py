@@ -302,6 +302,21 @@ def judge_backoff(summary, micro):
     return Check("OOM backoff (1 GiB cap)", f">= 1 backoff, micro-batch < {micro}, effective {micro}, completed on cuda", seen, ok)
 
 
+SETUP_OOM = "set-up OOM under a cap"
+
+
+def judge_setup_oom(rc, stderr):
+    """A model whose weights exceed the CUDA cap, built on the host and moved: exit 3, the phase
+    named, the cap the advice to raise (libtorch's CUDA message says what it allowed), and no
+    count of host tensors, which says nothing of the device."""
+    expected = 'exit 3, "out of memory while building the model", "To fix: raise memory.limit", no host tensor count'
+    said = [s for s in ("out of memory while building the model", "To fix: raise memory.limit") if s in stderr]
+    wrong = [s for s in ("of tensors were allocated", "own memory ran out", "panicked") if s in stderr]
+    line = next((l for l in stderr.splitlines() if "out of memory" in l), stderr.strip()[-300:])
+    seen = f"exit {rc}; {line[:300]}"
+    return Check(SETUP_OOM, expected, seen, rc == 3 and len(said) == 2 and not wrong)
+
+
 BN_RETRY = "OOM retry restores BatchNorm"
 
 
@@ -1241,6 +1256,12 @@ def check_backoff(r, probe):
 BN_RETRY_TRIES = 5
 
 
+def check_setup_oom(r, probe):
+    # 64 x 500,000 + 500,000 x 250 weights: 630 MB, built on the host, moved under a 256 MiB cap.
+    p, _ = r.run("setup-oom", DIGITS, [dev(), "model.mlp.hidden=[500000, 250]", 'memory.limit="256MiB"'])
+    return [judge_setup_oom(p.rc, p.stderr)]
+
+
 def check_bn_retry(r, probe):
     # A cap under which the first step fails at micro-batch 64 and 32 x 2 fits, searched for
     # between the two runs' peaks (bn_retry_bounds, bn_retry_verdict).
@@ -1263,8 +1284,13 @@ def check_bn_retry(r, probe):
         tries.append(f"{size(cap)}: {verdict}")
         if verdict == "ok":
             break
+        if verdict == "high" and pc.rc != 0:
+            return [failure(BN_RETRY, "completes or runs out of memory in its first step", pc)]
         low, high = (low, cap) if verdict == "high" else (cap, high)
         cap = low + (high - low) // 2
+        if not low < cap < high:
+            return [Check(BN_RETRY, "a cap under which the first step fails at 64 and the run completes at 32",
+                          "no cap left between the bounds; caps tried: " + ", ".join(tries), False)]
     else:
         return [Check(BN_RETRY, "a cap under which the first step fails at 64 and the run completes at 32",
                       "caps tried: " + ", ".join(tries), False)]
@@ -1643,6 +1669,7 @@ CHECKS = [
     ("backoff", check_backoff, ["OOM backoff (1 GiB cap)"]),
     ("cpu_fallback", check_cpu_fallback, ["OOM CPU fallback"]),
     ("bn_retry", check_bn_retry, [BN_RETRY]),
+    ("setup_oom", check_setup_oom, [SETUP_OOM]),
     ("snapshot", check_snapshot, ["OOM snapshot vs reserved", "end snapshot"]),
     ("fp16_inf", check_fp16_inf, ["fp16 inf: skip + halve"]),
     ("recompute", check_recompute, ["recompute resnet18", "recompute vit"]),

@@ -254,21 +254,28 @@ fn held(proc: &Proc, run: Option<&Entry>, gpu: &[(u32, u64)]) -> Held {
 
 /// SIGTERM (a memtrain run then saves a checkpoint and exits), SIGKILL after the grace period.
 fn end(targets: &[Target], grace: Duration) -> Result<()> {
+    // A stdout that fails (a full disk) must not stop the signals half-way: its error waits.
+    let mut unsaid = Ok(());
+    let mut say = |r: Result<()>| {
+        if unsaid.is_ok() {
+            unsaid = r;
+        }
+    };
     for t in targets {
         signal(&t.proc, libc::SIGTERM);
         if t.proc.state() == Some(Stale::Stopped) {
             // A stopped process acts on SIGTERM only once it runs again.
             signal(&t.proc, libc::SIGCONT);
         }
-        crate::outln!("sent SIGTERM to {}", t.line())?;
+        say(crate::outln!("sent SIGTERM to {}", t.line()));
     }
     let mut left = wait_for(targets.iter().collect(), grace);
     for t in &left {
-        crate::outln!(
+        say(crate::outln!(
             "pid {} still runs {:.0} s after SIGTERM: sending SIGKILL",
             t.proc.pid,
             grace.as_secs_f64()
-        )?;
+        ));
         signal(&t.proc, libc::SIGKILL);
     }
     if !left.is_empty() {
@@ -279,10 +286,14 @@ fn end(targets: &[Target], grace: Duration) -> Result<()> {
         .filter(|t| !left.iter().any(|l| l.proc.pid == t.proc.pid))
         .collect();
     for t in &ended {
-        crate::outln!("pid {} ended", t.proc.pid)?;
+        say(crate::outln!("pid {} ended", t.proc.pid));
     }
     let freed: u64 = ended.iter().map(|t| t.held.bytes()).sum();
-    crate::outln!("freed {} ({} ended)", human_bytes(freed), count(ended.len()))?;
+    say(crate::outln!(
+        "freed {} ({} ended)",
+        human_bytes(freed),
+        count(ended.len())
+    ));
     if !left.is_empty() {
         let pids: Vec<String> = left.iter().map(|t| t.proc.pid.to_string()).collect();
         anyhow::bail!(
@@ -291,7 +302,7 @@ fn end(targets: &[Target], grace: Duration) -> Result<()> {
             pids.join(", ")
         );
     }
-    Ok(())
+    unsaid
 }
 
 fn signal(p: &Proc, sig: i32) {

@@ -641,6 +641,8 @@ mod tests {
             "{n:?}"
         );
         assert!(notices("[data]\nsamples = 100\nnoise = 0.5\n").is_empty());
+        // The defaults, as resolved specs of file sources once recorded them, pass.
+        assert!(notices(&format!("{npz}samples = 512\nnoise = 1.0\n")).is_empty());
     }
 
     #[test]

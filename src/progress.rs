@@ -107,7 +107,8 @@ pub fn say(line: std::fmt::Arguments) {
 /// full disk behind `> file`) is an error, so no output is lost unnoticed.
 pub fn out(text: std::fmt::Arguments) -> anyhow::Result<()> {
     use std::io::Write;
-    match std::io::stdout().write_fmt(text) {
+    let mut stdout = std::io::stdout();
+    match stdout.write_fmt(text).and_then(|_| stdout.flush()) {
         Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
             Err(anyhow::Error::new(e).context("writing to standard output"))
         }

@@ -467,9 +467,10 @@ const OPTIMIZER_STATE: &str = "creating the optimizer state";
 
 /// What to change when a set-up phase runs out of memory (docs/guide.md, "Out of memory in every
 /// phase"): raise the cap that bound the allocation, or, with none set, make room on the device;
-/// else `otherwise`; `before` and `then` frame it.
+/// else `otherwise`; `before` and `then` frame it, and `cap_note` says why the cap applies.
 struct Remedy {
     before: &'static str,
+    cap_note: &'static str,
     otherwise: &'static str,
     then: &'static str,
 }
@@ -477,9 +478,10 @@ struct Remedy {
 impl Remedy {
     fn text(&self, bound: Bound) -> String {
         let first = match bound {
-            Bound::Cap => "raise memory.limit (memory.fraction on a GPU)".to_string(),
+            Bound::Cap => format!("raise memory.limit (memory.fraction on a GPU){}", self.cap_note),
+            Bound::Device("GPU") => "no memory.limit bound it, so the GPU's own memory ran out: end what other processes hold there (memtrain info lists them)".to_string(),
             Bound::Device(place) => format!(
-                "no memory.limit bound it, so the {place}'s own memory ran out: free what other processes hold there (memtrain info lists them)"
+                "no memory.limit bound it, so the {place}'s own memory ran out: free memory there (memtrain info shows how much is available)"
             ),
         };
         let otherwise = match self.otherwise {
@@ -498,13 +500,15 @@ enum Bound {
 }
 
 impl Bound {
-    /// libtorch's CUDA out-of-memory text names the bytes "allowed" only under a per-process
-    /// fraction (memtrain's cap); the counting CPU allocator has a cap or none.
+    /// The counting CPU allocator names its cap when the cap refuses; libtorch's CUDA text
+    /// names the bytes "allowed" (the native allocator) or "allowed memory" (cudaMallocAsync)
+    /// only under a per-process fraction, memtrain's cap, though it cannot tell whether other
+    /// processes filled the card first.
     fn of(message: &str) -> Bound {
         match oom::classify(message) {
-            Some(OomKind::Cpu) | None if shim::cpu_alloc_stats().cap.is_some() => Bound::Cap,
+            Some(OomKind::Cpu) | None if message.contains(shim::CPU_CAP_REFUSED) => Bound::Cap,
             Some(OomKind::Cpu) | None => Bound::Device("machine"),
-            _ if message.contains(" allowed;") => Bound::Cap,
+            _ if message.contains(" allowed;") || message.contains("would exceed allowed memory") => Bound::Cap,
             _ => Bound::Device("GPU"),
         }
     }
@@ -512,26 +516,31 @@ impl Bound {
 
 const CHANGE_DATA: Remedy = Remedy {
     before: "",
-    otherwise: "train on less data (the data is loaded on the host, where the CPU cap covers it)",
+    cap_note: " (the data is loaded on the host, where the CPU cap covers it)",
+    otherwise: "train on less data",
     then: "",
 };
 const CHANGE_MODEL: Remedy = Remedy {
     before: "",
+    cap_note: "",
     otherwise: "use a smaller model; on a GPU, memory.parameters = \"host\" keeps the weights in host memory",
     then: "",
 };
 const CHANGE_OPTIMIZER: Remedy = Remedy {
     before: "",
+    cap_note: "",
     otherwise: "set memory.optimizer_state = \"host\" or train.optimizer_state_bits = 8",
     then: "",
 };
 const CHANGE_RESUME: Remedy = Remedy {
     before: "the checkpoint is untouched: ",
+    cap_note: "",
     otherwise: "",
     then: "; then run --resume again",
 };
 const CHANGE_INIT_FROM: Remedy = Remedy {
     before: "",
+    cap_note: "",
     otherwise: "use a smaller model",
     then: "",
 };
@@ -570,7 +579,7 @@ fn after_setup_oom(spec: &Spec) -> Option<crate::estimate::Estimate> {
 }
 
 fn setup_oom(what: &str, needs: Needs, change: &Remedy, message: &str) -> OomExit {
-    let needs = needs().map(|n| format!(" ({n})")).unwrap_or_default();
+    // Read before `needs`, which may lift the CPU cap to count the model.
     let bound = Bound::of(message);
     // A CUDA message carries the device's figures; the host's count only a host allocation.
     let held = match oom::classify(message) {
@@ -584,6 +593,7 @@ fn setup_oom(what: &str, needs: Needs, change: &Remedy, message: &str) -> OomExi
         }
         _ => String::new(),
     };
+    let needs = needs().map(|n| format!(" ({n})")).unwrap_or_default();
     OomExit(format!(
         "out of memory while {what}{needs}: {}{held}. To fix: {}",
         crate::shim::first_line(message),
@@ -751,7 +761,37 @@ fn param_blocks(net: &dyn Net, vs: &nn::VarStore, opt: &Optimizer) -> Option<Vec
 
 #[cfg(test)]
 mod tests {
-    use super::few;
+    use super::{few, Bound, Remedy, CHANGE_MODEL, CHANGE_RESUME};
+
+    #[test]
+    fn a_cuda_oom_is_bound_by_the_cap_only_when_libtorch_says_what_it_allowed() {
+        // An H100's message under memtrain's cap (per_process_memory_fraction), and without one.
+        let capped = "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 79.18 GiB \
+                      of which 77.86 GiB is free. Including non-PyTorch memory, this process has 1.31 GiB memory \
+                      in use. 657.09 MiB allowed; Of the allocated memory 600.00 MiB is allocated by PyTorch";
+        assert_eq!(Bound::of(capped), Bound::Cap);
+        assert_eq!(
+            Bound::of(&capped.replace(" 657.09 MiB allowed;", "")),
+            Bound::Device("GPU")
+        );
+        let text = |r: &Remedy, b| r.text(b);
+        assert!(text(&CHANGE_MODEL, Bound::Cap)
+            .starts_with("raise memory.limit (memory.fraction on a GPU), or use a smaller model"));
+        assert!(text(&CHANGE_MODEL, Bound::Device("GPU")).starts_with(
+            "no memory.limit bound it, so the GPU's own memory ran out: end what other processes hold there"
+        ));
+        let async_cap = "CUDA out of memory: Allocation on device 0 would exceed allowed memory. (out of memory)";
+        assert_eq!(Bound::of(async_cap), Bound::Cap);
+        let cpu = "CPU out of memory: can't allocate memory: tried to allocate 1.00 MiB with 2.00 MiB of tensors \
+                   already allocated under the run's 3.00 MiB cap (memory.limit / memory.fraction)";
+        assert_eq!(Bound::of(cpu), Bound::Cap);
+        let malloc = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 16000000000064 bytes.";
+        assert_eq!(Bound::of(malloc), Bound::Device("machine"), "a cap set but not reached");
+        assert_eq!(
+            text(&CHANGE_RESUME, Bound::Cap),
+            "the checkpoint is untouched: raise memory.limit (memory.fraction on a GPU); then run --resume again"
+        );
+    }
 
     #[test]
     fn few_names_and_a_count_of_the_rest() {

@@ -349,6 +349,10 @@ pub fn cpu_alloc_install() -> Result<()> {
     check(unsafe { mt_cpu_alloc_install() })
 }
 
+/// What the counting CPU allocator's out-of-memory message ends with when its cap refused the
+/// allocation (shim.cpp), as against the machine's own malloc failing.
+pub const CPU_CAP_REFUSED: &str = "cap (memory.limit / memory.fraction)";
+
 /// Caps live CPU tensor bytes; an allocation past it fails with PyTorch's out-of-memory error.
 /// `None` removes the cap.
 pub fn cpu_alloc_set_cap(bytes: Option<u64>) {

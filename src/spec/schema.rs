@@ -228,13 +228,14 @@ impl Data {
         }
     }
 
-    /// Synthetic-only keys set for a file source, which reads every sample of its files.
+    /// Synthetic-only keys set for a file source, which reads every sample of its files. The
+    /// defaults themselves pass: resolved specs once recorded them for every source.
     pub fn unread_synthetic_keys(&self) -> Vec<&'static str> {
         match self.source {
             DataSource::Synthetic => vec![],
             _ => [
-                ("data.samples", self.samples.is_some()),
-                ("data.noise", self.noise.is_some()),
+                ("data.samples", self.samples.is_some_and(|n| n != Self::SAMPLES)),
+                ("data.noise", self.noise.is_some_and(|x| x != Self::NOISE)),
             ]
             .into_iter()
             .filter_map(|(k, set)| set.then_some(k))

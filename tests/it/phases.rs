@@ -89,6 +89,8 @@ fn rows() -> Vec<Row> {
             says: &[
                 "out of memory while building the model",
                 "its parameters are 522 KiB",
+                "of tensors were allocated under the",
+                "To fix: raise memory.limit",
                 "memory.parameters = \"host\"",
             ],
             recorded: None,

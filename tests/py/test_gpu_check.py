@@ -7,6 +7,7 @@ Run: scripts/gpu-check --self-test (tests/it/gpu_check.rs does, with MEMTRAIN_BI
 import json
 import os
 import pickle
+import re
 import struct
 import subprocess
 import sys
@@ -243,6 +244,18 @@ class Judges(unittest.TestCase):
         self.assertEqual(g.bn_retry_verdict(0, [oom(0), oom(0, 32)], {"batch": {"final_micro_batch": 16}}, 64), "low")
         self.assertEqual(g.bn_retry_verdict(3, [oom(0)], {}, 64), "low", "the run failed")
 
+    def test_setup_oom_names_the_cap_and_no_host_count(self):
+        said = ("error: out of memory while building the model (its parameters are 601 MiB): CUDA out of memory. "
+                "Tried to allocate 122.07 MiB. GPU 0 has a total capacity of 79.18 GiB of which 78.5 GiB is free. "
+                "256.00 MiB allowed; ... To fix: raise memory.limit (memory.fraction on a GPU), or use a smaller model")
+        self.assertTrue(g.judge_setup_oom(3, said).ok)
+        self.assertFalse(g.judge_setup_oom(1, said).ok, "exit 1")
+        self.assertFalse(g.judge_setup_oom(3, said.replace("; ... To", "; 1.2 MiB of tensors were allocated. To")).ok,
+                         "the host's count")
+        uncapped = said.replace("raise memory.limit (memory.fraction on a GPU)",
+                                "no memory.limit bound it, so the GPU's own memory ran out")
+        self.assertFalse(g.judge_setup_oom(3, uncapped).ok, "the cap not named")
+
     def test_inf_step(self):
         recs = [step(1, 2.0, skipped=False, loss_scale=65536.0), step(2, 1.9, skipped=False, loss_scale=65536.0),
                 step(3, 1.8, skipped=True, loss_scale=32768.0), step(4, 1.7, skipped=False, loss_scale=32768.0)]
@@ -418,6 +431,11 @@ class Judges(unittest.TestCase):
         self.assertIn("twins", keys)
         self.assertIn("step_time", keys)
         self.assertEqual(keys[-1], "warnings")
+
+    def test_every_check_has_its_row_in_the_docs(self):
+        with open(os.path.join(g.ROOT, "docs", "gpu-check.md")) as f:
+            documented = re.findall(r"^\| `([a-z_0-9]+)` \|", f.read(), re.M)
+        self.assertEqual(sorted(documented), sorted(c[0] for c in g.CHECKS))
 
 
 # A ViT small enough for a 2-core CPU, with the fields the checks fill in.
