@@ -365,6 +365,12 @@ impl Dist {
 
     /// A collective failed: say which rank is gone, where that can be seen from here.
     pub fn explain(&self, e: anyhow::Error) -> anyhow::Error {
+        if crate::oom::classify(&format!("{e:#}")).is_some() {
+            // Not a lost peer: the others are still waiting in the collective.
+            return e.context(
+                "this rank ran out of memory inside a collective with the other ranks, which cannot be retried",
+            );
+        }
         let gone: Vec<String> = self
             .pids
             .iter()

@@ -1055,8 +1055,14 @@ impl Trainer {
         self.read_step_memory();
         let cleared = self.out.cache.after_step(self.place(), self.state.global_step as u64);
         self.record_clear(cleared)?;
+        // The record names the shape the step ran at, not the one a grow-back makes next.
+        let ran = Ran {
+            skipped: found_inf,
+            samples: group.len(),
+            micro_batch: self.shape().micro_batch,
+        };
         self.after_clean_step()?;
-        self.record_step(found_inf, group.len(), lr, clock)?;
+        self.record_step(ran, lr, clock)?;
         crate::fault::sync_errors_after(self.state.global_step);
         Ok(Stepped { stop })
     }
@@ -1078,7 +1084,12 @@ impl Trainer {
     /// or ends the run) collects them. By then the next step is queued, so the device goes from
     /// one step's work to the next without waiting for the host, and a record is written one
     /// step late. On the CPU the values are in at once, and so is the record.
-    fn record_step(&mut self, skipped: bool, samples: usize, lr: f64, clock: &EpochClock) -> Result<()> {
+    fn record_step(&mut self, ran: Ran, lr: f64, clock: &EpochClock) -> Result<()> {
+        let Ran {
+            skipped,
+            samples,
+            micro_batch,
+        } = ran;
         self.flush_record()?;
         let every = self.settings.log_every;
         if every > 0 && self.state.global_step % every == 0 {
@@ -1089,7 +1100,7 @@ impl Trainer {
                 step: self.state.global_step,
                 loss: f64::NAN,
                 lr,
-                micro_batch: self.shape().micro_batch,
+                micro_batch,
                 samples: samples as i64,
                 seconds: f64::NAN,
                 samples_per_s: f64::NAN,
@@ -1512,6 +1523,14 @@ fn epoch_line(r: &EpochResult, m: &MemorySample, epochs: i64) -> String {
         human_duration(r.seconds),
         r.samples_per_s
     )
+}
+
+/// What an optimizer step was, for its record: whether it was skipped (fp16 inf), its samples
+/// and the micro-batch it ran at.
+struct Ran {
+    skipped: bool,
+    samples: usize,
+    micro_batch: i64,
 }
 
 #[cfg(test)]

@@ -294,9 +294,9 @@ char *mt_reducer_arm(MtReducer *r) {
   });
 }
 
-// End of a weight step's backward work. A rank whose work failed (`failed`), or that had no
-// samples, launches zeros for every bucket its backward did not launch, so all ranks run the
-// same collectives in the same order; then every launched bucket is waited for.
+// End of a weight step's backward work: every bucket launched is waited for; then a rank whose
+// work failed (`failed`) runs every bucket its backward did not launch (a suffix: buckets
+// launch in index order), so all ranks run the same collectives in the same order.
 char *mt_reducer_settle(MtReducer *r, int failed) {
   return guarded([&] {
     std::vector<c10::intrusive_ptr<c10::ivalue::Future>> pending;
@@ -304,18 +304,20 @@ char *mt_reducer_settle(MtReducer *r, int failed) {
       std::lock_guard<std::mutex> lock(r->launched->mutex);
       pending = r->launched->futures;
     }
-    if (failed) {
-      auto buckets = r->reducer->get_grad_buckets(/*return_zero_tensors=*/true);
-      for (size_t i = 0; i < buckets.size(); ++i) {
-        if (i < pending.size() && pending[i]) continue;
-        std::vector<at::Tensor> zeros{at::zeros_like(buckets[i].getBuffer())};
-        auto f = r->pg->allreduce(zeros)->getFuture();
-        if (pending.size() <= i) pending.resize(i + 1);
-        pending[i] = f;
-      }
-    }
     for (auto &f : pending) {
       if (f) f->wait();
+    }
+    if (failed) {
+      // Every rank discards a failed step (they agree on it before any optimizer writes, and
+      // each attempt starts by dropping the gradients), so what this rank adds is never used:
+      // its buckets go as they stand. Nothing is allocated, for memory is what just ran out
+      // (zero tensors, one per bucket, did not fit where the step had not).
+      auto buckets = r->reducer->get_grad_buckets(/*return_zero_tensors=*/false);
+      for (size_t i = 0; i < buckets.size(); ++i) {
+        if (i < pending.size() && pending[i]) continue;
+        std::vector<at::Tensor> as_they_stand{buckets[i].getBuffer()};
+        r->pg->allreduce(as_they_stand)->getFuture()->wait();
+      }
     }
   });
 }

@@ -101,6 +101,38 @@ fn an_oom_on_one_rank_backs_off_both_on_the_same_group() {
     assert!(gap <= 1e-6, "final weights differ by {gap:e} (relative)");
 }
 
+/// Rank 1 alone capped, so its backward runs out of memory while rank 0's buckets are already
+/// on the wire: it must still take part in every bucket's all-reduce with memory already short,
+/// and what it sends then must never reach the weights (the step is retried on both ranks).
+#[test]
+fn a_rank_out_of_memory_in_backward_backs_off_both_and_trains_the_same_weights() {
+    let t = Test::new().spec(table(
+        "[job]\nthreads = 1\ndevice = \"cpu\"\n[model]\npreset = \"mlp\"\n[model.mlp]\ninputs = 64\n\
+         hidden = [1024, 1024]\nnum_classes = 10\n[data]\nsamples = 4096\n[train]\nepochs = 1\n\
+         batch_size = 2048\noptimizer = \"sgd\"\nmomentum = 0.9\n[memory]\non_oom = [\"backoff\", \"fail\"]\n\
+         [log]\nprogress = \"off\"\n",
+    ));
+    // 3,277 training samples: two steps, the second short.
+    let two = |name: &str| t.clone().name(name).args(&["--nproc", "2"]);
+    let clean = two("clean").run();
+    let hit = two("hit")
+        .args(&["--rank-set", "1:memory.limit=\"24MiB\""])
+        .stderr_has("out of memory in backward (preflight)")
+        .run();
+    let ooms = hit.ooms();
+    assert!(
+        ooms.iter().any(|o| o.error.contains("rank 1 ran out of memory")),
+        "{ooms:?}"
+    );
+    // Validation, at its own micro-batch, backs off alone.
+    let backs = |o: &&OomEvent| ["backoff", "eval_backoff"].contains(&o.decision.action.as_str());
+    assert!(ooms.iter().all(|o| backs(&o)), "{ooms:?}");
+    assert!(hit.steps().iter().all(|s| s.micro_batch < 2048), "{:?}", hit.steps());
+    assert_close_losses(&step_losses(&clean), &step_losses(&hit));
+    let gap = weight_gap(&clean.final_model(), &hit.final_model());
+    assert!(gap <= 1e-6, "final weights differ by {gap:e} (relative)");
+}
+
 #[test]
 fn ctrl_c_stops_every_rank_and_resume_continues_on_two_ranks_or_one() {
     let t = mlp();

@@ -149,6 +149,15 @@ fn grow_back_returns_to_the_configured_micro_batch_after_clean_steps() {
     assert!(s.oom.of("backoffs") >= 2, "{s:?}");
     assert_eq!(s.samples_trained, 128);
     assert!(!r.grow_backs().is_empty());
+    // The step that earned a grow-back ran at the smaller micro-batch, and its record says so.
+    let steps = r.steps();
+    for g in r.grow_backs() {
+        let step = steps
+            .iter()
+            .find(|e| e.step == g.step)
+            .expect("every step has its record");
+        assert_eq!(step.micro_batch, g.micro_batch_before, "{g:?} {step:?}");
+    }
 }
 
 #[test]
