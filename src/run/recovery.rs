@@ -287,7 +287,8 @@ impl Recovery {
 
     /// What the message of a run that ran out of options suggests before `--resume`: adding
     /// `"backoff"` when the policy lacks it; otherwise lowering `memory.min_batch_size` where
-    /// that lets backoff go further, and the other levers the policy does not list.
+    /// that lets backoff go further, and the other actions the policy does not list that have a
+    /// lever that would apply now (no recomputation for a model that is not a chain of blocks).
     pub fn advice(&self) -> String {
         let on_oom = &self.policy.on_oom;
         if !on_oom.contains(&OomAction::Backoff) {
@@ -300,9 +301,11 @@ impl Recovery {
                 self.policy.min_batch
             ));
         }
+        let situation = self.situation();
         let missing: Vec<String> = [OomAction::Offload, OomAction::Recompute]
             .into_iter()
             .filter(|a| !on_oom.contains(a))
+            .filter(|a| answering(a.name()).iter().any(|l| l.applies(&situation).is_ok()))
             .map(|a| format!("\"{}\"", a.name()))
             .collect();
         if !missing.is_empty() {
@@ -621,5 +624,22 @@ mod tests {
         assert!(a.contains("adding \"offload\" or \"recompute\""), "{a}");
         let r = machine(vec![Recompute, Offload, Backoff, Fail], 1, 0, false);
         assert_eq!(r.advice(), "with a larger memory.limit or a smaller model");
+        // An MLP (no blocks) under SGD without momentum's state slots: recomputation cannot
+        // apply, and of offload only the gradients can move.
+        let mlp = Policy {
+            has_blocks: false,
+            blockwise: false,
+            ..policy(vec![Backoff, Fail], 1, 0, false)
+        };
+        let a = Recovery::new(mlp.clone(), fresh(shape(8, 1)), None).advice();
+        assert!(a.contains("adding \"offload\" to memory.on_oom"), "{a}");
+        assert!(!a.contains("recompute"), "{a}");
+        let nothing_moves = Policy {
+            data_parallel: true,
+            state_slots: 0,
+            ..mlp
+        };
+        let a = Recovery::new(nothing_moves, fresh(shape(8, 1)), None).advice();
+        assert_eq!(a, "with a larger memory.limit or a smaller model");
     }
 }

@@ -548,6 +548,38 @@ fn the_documented_run_prints_what_the_docs_show() {
 
 /// Every line of the `check` example in docs/commands.md, but the `...` that mark cuts, is a line
 /// the binary prints for that spec today.
+/// The guide's backoff example: its spec, run as shown, prints the lines shown.
+#[test]
+fn the_guides_backoff_example_prints_what_it_shows() {
+    let text = read("docs/guide.md");
+    let start = text
+        .find("Save this spec as `wide.toml`")
+        .expect("the backoff example is in the guide");
+    let blocks: Vec<&str> = text[start..].split("```").collect();
+    let spec = blocks[1].strip_prefix("toml\n").expect("the spec comes first, as TOML");
+    let shown: Vec<&str> = blocks[3].lines().filter(|l| !l.is_empty()).collect();
+    assert_eq!(shown.len(), 3, "{shown:?}");
+    let t = Test::new().no_spec();
+    let path = t.dir().join("wide.toml");
+    std::fs::write(&path, spec).unwrap();
+    let out = t.dir().join("runs").display().to_string();
+    let r = t.args(&[path.to_str().unwrap(), "--out", &out]).run();
+    for line in shown {
+        assert!(
+            r.stderr.lines().any(|l| l == line),
+            "the guide shows\n{line}\nthe run printed\n{}",
+            r.stderr
+        );
+    }
+    let preflight = text
+        .lines()
+        .find(|l| l.starts_with("Preflight: the first step at micro-batch 16"));
+    assert!(
+        r.stderr.lines().any(|l| Some(l) == preflight),
+        "the Preflight section's line: {preflight:?}"
+    );
+}
+
 #[test]
 fn the_documented_check_prints_what_the_docs_show() {
     let text = read("docs/commands.md");
