@@ -309,14 +309,14 @@ char *mt_reducer_settle(MtReducer *r, int failed) {
     }
     if (failed) {
       // Every rank discards a failed step (they agree on it before any optimizer writes, and
-      // each attempt starts by dropping the gradients), so what this rank adds is never used:
-      // its buckets go as they stand. Nothing is allocated, for memory is what just ran out
-      // (zero tensors, one per bucket, did not fit where the step had not).
+      // each attempt starts by dropping the gradients), so this rank's buckets are zeroed in
+      // place and sent: nothing is allocated, for memory is what just ran out (zero tensors,
+      // one per bucket, did not fit where the step had not), and the others sum finite values.
       auto buckets = r->reducer->get_grad_buckets(/*return_zero_tensors=*/false);
       for (size_t i = 0; i < buckets.size(); ++i) {
         if (i < pending.size() && pending[i]) continue;
-        std::vector<at::Tensor> as_they_stand{buckets[i].getBuffer()};
-        r->pg->allreduce(as_they_stand)->getFuture()->wait();
+        std::vector<at::Tensor> zeroed{buckets[i].getBuffer().zero_()};
+        r->pg->allreduce(zeroed)->getFuture()->wait();
       }
     }
   });

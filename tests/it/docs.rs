@@ -546,8 +546,6 @@ fn the_documented_run_prints_what_the_docs_show() {
     assert!(r.stderr.lines().any(|l| l.starts_with(&pre[..cut])), "{}", r.stderr);
 }
 
-/// Every line of the `check` example in docs/commands.md, but the `...` that mark cuts, is a line
-/// the binary prints for that spec today.
 /// The guide's backoff example: its spec, run as shown, prints the lines shown.
 #[test]
 fn the_guides_backoff_example_prints_what_it_shows() {
@@ -580,6 +578,8 @@ fn the_guides_backoff_example_prints_what_it_shows() {
     );
 }
 
+/// Every line of the `check` example in docs/commands.md, but the `...` that mark cuts, is a line
+/// the binary prints for that spec today.
 #[test]
 fn the_documented_check_prints_what_the_docs_show() {
     let text = read("docs/commands.md");
