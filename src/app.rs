@@ -132,6 +132,9 @@ fn info(json: bool) -> Result<()> {
 fn check(args: &SpecArgs) -> Result<()> {
     let loaded = spec::load_args(&args.file, &args.set, &crate::model::validate)?;
     let est = crate::estimate::estimate(&loaded.spec)?;
+    if let Some(n) = crate::plan::unread_data_keys(&loaded.spec.data) {
+        tracing::warn!("{n}");
+    }
     crate::outln!("# {}: valid. Resolved spec:", loaded.path.display())?;
     crate::out!("{}", spec::to_toml(&loaded.spec))?;
     crate::outln!()?;

@@ -274,7 +274,8 @@ fn cuda_only_on_cpu(spec: &Spec, record_history: bool) -> Option<String> {
     })
 }
 
-fn unread_data_keys(data: &spec::Data) -> Option<String> {
+/// Synthetic-only data keys set for a file source: said by `run` (a plan notice) and `check`.
+pub fn unread_data_keys(data: &spec::Data) -> Option<String> {
     let keys = data.unread_synthetic_keys();
     (!keys.is_empty()).then(|| {
         format!(

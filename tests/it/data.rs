@@ -158,6 +158,12 @@ fn synthetic_keys_set_for_a_file_are_said_to_be_unread() {
         resolved.contains("samples = 100"),
         "the spec as given is kept: {resolved}"
     );
+    Test::new()
+        .name("checked")
+        .command("check")
+        .set("data.samples", 100)
+        .stderr_has("data.samples is read only for synthetic data")
+        .run();
     let o = Test::new().name("unset").args(&["--max-steps", "1"]).run();
     assert!(!o.stderr.contains("read only for synthetic"), "{}", o.stderr);
     let resolved = std::fs::read_to_string(o.out.join("config.resolved.toml")).unwrap();
