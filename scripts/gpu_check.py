@@ -1254,6 +1254,7 @@ def check_backoff(r, probe):
 
 
 BN_RETRY_TRIES = 5
+BN_RETRY_CAP = "a cap under which the first step fails at 64 and the run completes at 32"
 
 
 def check_setup_oom(r, probe):
@@ -1289,11 +1290,9 @@ def check_bn_retry(r, probe):
         low, high = (low, cap) if verdict == "high" else (cap, high)
         cap = low + (high - low) // 2
         if not low < cap < high:
-            return [Check(BN_RETRY, "a cap under which the first step fails at 64 and the run completes at 32",
-                          "no cap left between the bounds; caps tried: " + ", ".join(tries), False)]
+            return [Check(BN_RETRY, BN_RETRY_CAP, "no cap left between the bounds; caps tried: " + ", ".join(tries), False)]
     else:
-        return [Check(BN_RETRY, "a cap under which the first step fails at 64 and the run completes at 32",
-                      "caps tried: " + ", ".join(tries), False)]
+        return [Check(BN_RETRY, BN_RETRY_CAP, "caps tried: " + ", ".join(tries), False)]
     state = [final_model_bytes(o) for o in (oc, o32)]
     if None in state:
         return [Check(BN_RETRY, "a final checkpoint on both sides", f"checkpoints found: {[s is not None for s in state]}", False)]

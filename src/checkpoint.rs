@@ -437,6 +437,26 @@ impl Drop for Partial<'_> {
 mod tests {
     use super::*;
 
+    /// A one-weight checkpoint at `step` whose monitored value is `loss`.
+    fn save(store: &Store, step: i64, loss: f64) {
+        store
+            .save(&Contents {
+                model: vec![("w".to_string(), Tensor::from_slice(&[1f32]))],
+                optimizer: vec![],
+                state: &state(step, Some(loss)),
+                spec_toml: "",
+            })
+            .unwrap();
+    }
+
+    fn names(store: &Store) -> Vec<String> {
+        store
+            .list()
+            .iter()
+            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
+            .collect()
+    }
+
     fn state(step: i64, monitored: Option<f64>) -> TrainState {
         TrainState {
             epoch: step,
@@ -478,22 +498,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::new(dir.path(), 2, true, Monitor::ValLoss);
         for (step, loss) in [(1, 0.5), (2, 0.1), (3, 0.4), (4, 0.3)] {
-            let s = state(step, Some(loss));
-            store
-                .save(&Contents {
-                    model: vec![("w".to_string(), Tensor::from_slice(&[1f32]))],
-                    optimizer: vec![],
-                    state: &s,
-                    spec_toml: "",
-                })
-                .unwrap();
+            save(&store, step, loss);
         }
-        let names: Vec<String> = store
-            .list()
-            .iter()
-            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
-            .collect();
-        assert_eq!(names, ["step-000000002", "step-000000003", "step-000000004"]);
+        assert_eq!(names(&store), ["step-000000002", "step-000000003", "step-000000004"]);
         assert_eq!(Store::load(&store.latest().unwrap()).unwrap().state.global_step, 4);
         // Resumed to monitor accuracy: the loss's best (0.1) is not compared with 0.2's accuracy.
         let by_acc = Store::new(dir.path(), 2, true, Monitor::ValAcc);
@@ -529,28 +536,13 @@ mod tests {
     #[test]
     fn without_keep_best_an_earlier_best_goes_like_any_other() {
         let dir = tempfile::tempdir().unwrap();
-        let save = |store: &Store, step: i64, loss: f64| {
-            store
-                .save(&Contents {
-                    model: vec![("w".to_string(), Tensor::from_slice(&[1f32]))],
-                    optimizer: vec![],
-                    state: &state(step, Some(loss)),
-                    spec_toml: "",
-                })
-                .unwrap();
-        };
         let first = Store::new(dir.path(), 1, true, Monitor::ValLoss);
         save(&first, 1, 0.1);
         save(&first, 2, 0.5);
         assert_eq!(first.list().len(), 2, "the best is kept beside the last");
         let resumed = Store::new(dir.path(), 1, false, Monitor::ValLoss);
         save(&resumed, 3, 0.4);
-        let names: Vec<String> = resumed
-            .list()
-            .iter()
-            .map(|p| p.file_name().unwrap().to_string_lossy().into_owned())
-            .collect();
-        assert_eq!(names, ["step-000000003"]);
+        assert_eq!(names(&resumed), ["step-000000003"]);
         assert!(
             !dir.path().join("checkpoints/best.json").exists(),
             "it named a removed checkpoint"

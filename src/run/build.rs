@@ -476,6 +476,16 @@ struct Remedy {
 }
 
 impl Remedy {
+    /// Raise the cap or make room, else `otherwise` (none when empty).
+    const fn or(otherwise: &'static str) -> Remedy {
+        Remedy {
+            before: "",
+            cap_note: "",
+            otherwise,
+            then: "",
+        }
+    }
+
     fn text(&self, bound: Bound) -> String {
         let first = match bound {
             Bound::Cap => format!("raise memory.limit (memory.fraction on a GPU){}", self.cap_note),
@@ -504,8 +514,8 @@ impl Bound {
     /// names the bytes "allowed" (the native allocator) or "allowed memory" (cudaMallocAsync)
     /// only under a per-process fraction, memtrain's cap, though it cannot tell whether other
     /// processes filled the card first.
-    fn of(message: &str) -> Bound {
-        match oom::classify(message) {
+    fn of(kind: Option<OomKind>, message: &str) -> Bound {
+        match kind {
             Some(OomKind::Cpu) | None if message.contains(shim::CPU_CAP_REFUSED) => Bound::Cap,
             Some(OomKind::Cpu) | None => Bound::Device("machine"),
             _ if message.contains(" allowed;") || message.contains("would exceed allowed memory") => Bound::Cap,
@@ -515,35 +525,18 @@ impl Bound {
 }
 
 const CHANGE_DATA: Remedy = Remedy {
-    before: "",
     cap_note: " (the data is loaded on the host, where the CPU cap covers it)",
-    otherwise: "train on less data",
-    then: "",
+    ..Remedy::or("train on less data")
 };
-const CHANGE_MODEL: Remedy = Remedy {
-    before: "",
-    cap_note: "",
-    otherwise: "use a smaller model; on a GPU, memory.parameters = \"host\" keeps the weights in host memory",
-    then: "",
-};
-const CHANGE_OPTIMIZER: Remedy = Remedy {
-    before: "",
-    cap_note: "",
-    otherwise: "set memory.optimizer_state = \"host\" or train.optimizer_state_bits = 8",
-    then: "",
-};
+const CHANGE_MODEL: Remedy =
+    Remedy::or("use a smaller model; on a GPU, memory.parameters = \"host\" keeps the weights in host memory");
+const CHANGE_OPTIMIZER: Remedy = Remedy::or("set memory.optimizer_state = \"host\" or train.optimizer_state_bits = 8");
 const CHANGE_RESUME: Remedy = Remedy {
     before: "the checkpoint is untouched: ",
-    cap_note: "",
-    otherwise: "",
     then: "; then run --resume again",
+    ..Remedy::or("")
 };
-const CHANGE_INIT_FROM: Remedy = Remedy {
-    before: "",
-    cap_note: "",
-    otherwise: "use a smaller model",
-    then: "",
-};
+const CHANGE_INIT_FROM: Remedy = Remedy::or("use a smaller model");
 
 /// Runs set-up work that allocates (building the model, loading data or a checkpoint), so an
 /// OOM there ends with exit 3 and a message that names the phase, the sizes (`needs`: what the
@@ -579,10 +572,11 @@ fn after_setup_oom(spec: &Spec) -> Option<crate::estimate::Estimate> {
 }
 
 fn setup_oom(what: &str, needs: Needs, change: &Remedy, message: &str) -> OomExit {
+    let kind = oom::classify(message);
     // Read before `needs`, which may lift the CPU cap to count the model.
-    let bound = Bound::of(message);
+    let bound = Bound::of(kind, message);
     // A CUDA message carries the device's figures; the host's count only a host allocation.
-    let held = match oom::classify(message) {
+    let held = match kind {
         Some(OomKind::Cpu) | None => {
             let s = shim::cpu_alloc_stats();
             let cap = s
@@ -763,17 +757,18 @@ fn param_blocks(net: &dyn Net, vs: &nn::VarStore, opt: &Optimizer) -> Option<Vec
 mod tests {
     use super::{few, Bound, Remedy, CHANGE_MODEL, CHANGE_RESUME};
 
+    fn bound(message: &str) -> Bound {
+        Bound::of(crate::oom::classify(message), message)
+    }
+
     #[test]
     fn a_cuda_oom_is_bound_by_the_cap_only_when_libtorch_says_what_it_allowed() {
         // An H100's message under memtrain's cap (per_process_memory_fraction), and without one.
         let capped = "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 79.18 GiB \
                       of which 77.86 GiB is free. Including non-PyTorch memory, this process has 1.31 GiB memory \
                       in use. 657.09 MiB allowed; Of the allocated memory 600.00 MiB is allocated by PyTorch";
-        assert_eq!(Bound::of(capped), Bound::Cap);
-        assert_eq!(
-            Bound::of(&capped.replace(" 657.09 MiB allowed;", "")),
-            Bound::Device("GPU")
-        );
+        assert_eq!(bound(capped), Bound::Cap);
+        assert_eq!(bound(&capped.replace(" 657.09 MiB allowed;", "")), Bound::Device("GPU"));
         let text = |r: &Remedy, b| r.text(b);
         assert!(text(&CHANGE_MODEL, Bound::Cap)
             .starts_with("raise memory.limit (memory.fraction on a GPU), or use a smaller model"));
@@ -781,12 +776,12 @@ mod tests {
             "no memory.limit bound it, so the GPU's own memory ran out: end what other processes hold there"
         ));
         let async_cap = "CUDA out of memory: Allocation on device 0 would exceed allowed memory. (out of memory)";
-        assert_eq!(Bound::of(async_cap), Bound::Cap);
+        assert_eq!(bound(async_cap), Bound::Cap);
         let cpu = "CPU out of memory: can't allocate memory: tried to allocate 1.00 MiB with 2.00 MiB of tensors \
                    already allocated under the run's 3.00 MiB cap (memory.limit / memory.fraction)";
-        assert_eq!(Bound::of(cpu), Bound::Cap);
+        assert_eq!(bound(cpu), Bound::Cap);
         let malloc = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 16000000000064 bytes.";
-        assert_eq!(Bound::of(malloc), Bound::Device("machine"), "a cap set but not reached");
+        assert_eq!(bound(malloc), Bound::Device("machine"), "a cap set but not reached");
         assert_eq!(
             text(&CHANGE_RESUME, Bound::Cap),
             "the checkpoint is untouched: raise memory.limit (memory.fraction on a GPU); then run --resume again"
