@@ -713,6 +713,26 @@ def judge_single_rank(plain_records, group_records, group_summary, stderr, backe
                  f"a one-rank {backend} group trains; losses within {LOSS_REL_GROUP:g} of no group", seen, ok)
 
 
+def judge_group_oom(plain, group, plain_records, group_records, backend="NCCL"):
+    """A one-rank group capped as `backoff` caps: its step runs out of memory with the gradient
+    buckets armed, so the rank sends the buckets it never launched (zeroed in place, nothing
+    allocated) before it backs off; it ends where the same capped run without a group ends."""
+    name = f"{backend} group backs off"
+    gap = max_rel_gap(step_losses(group_records), step_losses(plain_records))
+    micro = [get(s, "batch.final_micro_batch") for s in (plain, group)]
+    ok = (
+        group.get("status") == "completed"
+        and (get(group, "oom.backoffs") or 0) >= 1
+        and micro[0] == micro[1]
+        and len(get(group, "memory.ranks") or []) == 1
+        and gap <= LOSS_REL_GROUP
+    )
+    seen = (f"{get(group, 'oom.backoffs')} backoff(s), micro-batch {micro[1]} (without a group {micro[0]}),"
+            f" {group.get('status')}; loss gap {gap_text(gap)}")
+    return Check(name, f"backs off and completes as the run without a group; losses within {LOSS_REL_GROUP:g}",
+                 seen, ok)
+
+
 def judge_eval_oom(clean, hit, clean_records, hit_records, weights_equal, eval_batch):
     """A CUDA OOM in validation halves validation's micro-batch only: training's shape, its losses
     and its final weights are those of the run whose validation fitted."""
@@ -1529,6 +1549,18 @@ def check_single_rank(r, probe):
     return [judge_single_rank(records_of(plain), records_of(group), summary_of(group), q.stderr, backend)]
 
 
+def check_group_oom(r, probe):
+    sets = big() + ['memory.on_oom=["backoff","fail"]']
+    backend = "NCCL" if DEVICE == "cuda" else "Gloo"
+    p, plain = r.run("group-oom-plain", DIGITS, sets)
+    if p.rc != 0:
+        return [failure(f"{backend} group backs off", "the run without a group completes", p)]
+    q, group = r.run("group-oom", DIGITS, sets, env={"MEMTRAIN_TEST_SINGLE_RANK_GROUP": "1"})
+    if q.rc != 0:
+        return [failure(f"{backend} group backs off", "completes", q)]
+    return [judge_group_oom(summary_of(plain), summary_of(group), records_of(plain), records_of(group), backend)]
+
+
 def check_darts(r, probe):
     # configs/darts_4gb.toml sets memory.fraction, which memtrain refuses beside memory.limit
     # (and --set cannot remove a key), so the check runs a copy without that line.
@@ -1679,6 +1711,7 @@ CHECKS = [
     ("host_reads", check_host_reads, ["host reads fp32", "host reads fp16-mixed"]),
     ("optimizers", check_optimizers, [f"optimizer {i}" for i, _ in OPTIMIZER_IMPLS]),
     ("single_rank", check_single_rank, ["NCCL one-rank group"]),
+    ("group_oom", check_group_oom, ["NCCL group backs off"]),
     ("darts", check_darts, ["darts_4gb under 4 GiB"]),
     ("eval_oom", check_eval_oom, ["validation OOM (1 GiB cap)"]),
     ("cache_clear", check_cache_clear, ["cache clear cost"]),

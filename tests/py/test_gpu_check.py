@@ -256,6 +256,15 @@ class Judges(unittest.TestCase):
                                 "no memory.limit bound it, so the GPU's own memory ran out")
         self.assertFalse(g.judge_setup_oom(3, uncapped).ok, "the cap not named")
 
+    def test_a_group_backs_off_as_the_run_without_one(self):
+        done = {"status": "completed", "oom": {"backoffs": 1}, "batch": {"final_micro_batch": 512},
+                "memory": {"ranks": [{"rank": 0}]}}
+        recs = [step(1, 2.0), step(2, 1.5)]
+        self.assertTrue(g.judge_group_oom(done, done, recs, recs).ok)
+        self.assertFalse(g.judge_group_oom(done, dict(done, oom={"backoffs": 0}), recs, recs).ok, "no OOM")
+        self.assertFalse(g.judge_group_oom(done, dict(done, status="oom"), recs, recs).ok)
+        self.assertFalse(g.judge_group_oom(done, done, recs, [step(1, 2.0), step(2, 1.6)]).ok, "other losses")
+
     def test_inf_step(self):
         recs = [step(1, 2.0, skipped=False, loss_scale=65536.0), step(2, 1.9, skipped=False, loss_scale=65536.0),
                 step(3, 1.8, skipped=True, loss_scale=32768.0), step(4, 1.7, skipped=False, loss_scale=32768.0)]
@@ -540,6 +549,11 @@ class Rehearsal(unittest.TestCase):
     def test_one_rank_gloo_group(self):
         (c,) = self.rows(g.check_single_rank)
         self.assertEqual(c.name, "Gloo one-rank group")
+        self.assertTrue(c.ok, c)
+
+    def test_a_capped_one_rank_gloo_group_backs_off(self):
+        (c,) = self.rows(g.check_group_oom)
+        self.assertEqual(c.name, "Gloo group backs off")
         self.assertTrue(c.ok, c)
 
     def test_resume_restores_the_generator(self):
