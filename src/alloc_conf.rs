@@ -3,7 +3,7 @@
 //! CUDA work and to the same value under both names.
 use serde::{Deserialize, Serialize};
 
-use crate::spec::Allocator;
+use crate::spec::schema::Allocator;
 
 pub const CUDA_VAR: &str = "PYTORCH_CUDA_ALLOC_CONF";
 pub const GENERIC_VAR: &str = "PYTORCH_ALLOC_CONF";

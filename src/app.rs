@@ -143,7 +143,27 @@ fn check(args: &SpecArgs) -> Result<()> {
         "{}",
         crate::data::check_line(&loaded.spec.data, &est.input_shape, est.micro_batch)
     )?;
-    crate::out!("{}", crate::run::levers::check_lines(&loaded.spec, &est))?;
+    // Each lever as the spec's run would start.
+    let s = crate::policy::levers::Situation {
+        at: crate::policy::levers::Position {
+            shape: crate::oom::BatchShape {
+                micro_batch: loaded.spec.train.batch_size,
+                accumulation_steps: loaded.spec.train.accumulation_steps,
+            },
+            clean_steps: 0,
+            engaged: crate::policy::levers::Engaged::default(),
+        },
+        min_batch: loaded.spec.memory.min_batch_size,
+        planned_on_cpu: loaded.spec.job.device == crate::spec::Device::Cpu,
+        has_blocks: est.has_blocks,
+        blockwise: est.blockwise,
+        data_parallel: false,
+        state_slots: est.state_per_weight as usize,
+        torchscript: loaded.spec.model.preset == "torchscript",
+    };
+    let configured = crate::policy::levers::configured(&loaded.spec.train, &loaded.spec.memory);
+    let levers = crate::policy::levers::check_lines(&est, &s, &loaded.spec.memory.on_oom, &configured);
+    crate::out!("{levers}")?;
     Ok(())
 }
 

@@ -8,7 +8,7 @@ use std::fs::{self, File};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
-use crate::spec::Monitor;
+use crate::spec::schema::Monitor;
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use tch::{Device, Kind, Tensor};
@@ -44,7 +44,7 @@ pub struct TrainState {
     pub epoch_loss_sum: f64,
     pub epoch_correct: i64,
     pub epoch_seen: i64,
-    /// The memory levers engaged at this point (`run::levers`), by name.
+    /// The memory levers engaged at this point (`policy::levers`), by name.
     #[serde(default)]
     pub levers: Vec<String>,
     /// fp16-mixed: the loss scaler of the weight step.

@@ -171,7 +171,7 @@ impl Estimate {
 fn impl_words(spec: &Spec) -> String {
     use crate::spec::{Device, OptimizerImpl};
     let asked = spec.train.optimizer_impl;
-    let placement = crate::optim::Placement::of_spec(spec);
+    let placement = crate::spec::optimizer_placement(spec);
     let device = match spec.job.device {
         Device::Cpu => tch::Device::Cpu,
         Device::Cuda(i) => tch::Device::Cuda(i),

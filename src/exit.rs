@@ -42,7 +42,7 @@ message_error!(
 );
 
 pub fn code_for(e: &anyhow::Error) -> i32 {
-    if e.downcast_ref::<crate::spec::SpecError>().is_some() || e.downcast_ref::<UsageError>().is_some() {
+    if e.downcast_ref::<crate::spec::error::SpecError>().is_some() || e.downcast_ref::<UsageError>().is_some() {
         USAGE
     } else if e.downcast_ref::<OomExit>().is_some() {
         OOM

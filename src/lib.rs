@@ -36,6 +36,7 @@ pub mod model;
 pub mod oom;
 pub mod optim;
 pub mod plan;
+pub mod policy;
 pub mod procs;
 pub mod progress;
 pub mod readback;

@@ -6,7 +6,7 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use crate::shim;
-use crate::spec::CacheClear;
+use crate::spec::schema::CacheClear;
 use crate::sysmem;
 
 /// One reading. `allocated`/`peak_allocated` are tensor bytes on the run's device (the CUDA

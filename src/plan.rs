@@ -12,6 +12,7 @@ use crate::checkpoint::{Store, TrainState};
 use crate::exit::UsageError;
 pub use crate::memory::Cap;
 use crate::oom::BatchShape;
+use crate::policy::levers::CpuFallback;
 use crate::spec::{self, Spec};
 use crate::{shim, sysmem};
 
@@ -186,7 +187,7 @@ impl Plan {
         if request.resuming() {
             let checkpoint;
             (checkpoint, start) = resumed_state(spec, facts, &run_dir, configured)?;
-            if start.levers.iter().any(|l| l == "cpu") {
+            if start.levers.iter().any(|l| l == CpuFallback::ABOUT.name) {
                 // The run fell back to the CPU before this checkpoint; it continues there.
                 device = DevicePlan::Cpu;
             }

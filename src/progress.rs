@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
-use crate::spec::Progress as Mode;
+use crate::spec::schema::Progress as Mode;
 
 pub struct Progress {
     mode: Resolved,

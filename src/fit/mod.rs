@@ -584,7 +584,7 @@ pub fn fit(args: &FitArgs, quiet: bool) -> Result<()> {
         human_bytes(budget.usable_bytes),
         args.steps
     ));
-    say(format!("fit: {}", crate::run::levers::fit_line()));
+    say(format!("fit: {}", crate::policy::levers::fit_line()));
     let mut prober = Prober {
         args,
         exe: std::env::current_exe().context("finding the memtrain executable for the probes")?,

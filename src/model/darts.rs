@@ -46,7 +46,7 @@ use tch::{Kind, Tensor};
 use super::layers::Conv;
 use super::preset::{run_chain, Built, Chain, ExtraStep, Genotype, Net, Preset};
 use crate::optim::Hyper;
-use crate::spec::{OptimizerImpl, OptimizerKind};
+use crate::spec::schema::{OptimizerImpl, OptimizerKind};
 
 /// Channels of the stem, as a multiple of `init_channels` (3 in DARTS).
 const STEM_MULTIPLIER: i64 = 3;

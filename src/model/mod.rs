@@ -14,7 +14,7 @@ use anyhow::Result;
 use serde::de::DeserializeOwned;
 use tch::{nn, Device};
 
-use crate::spec::{Data, Model};
+use crate::spec::schema::{Data, Model};
 
 pub use darts::{derive_genotype, Darts, DartsOptions};
 pub use mlp::Mlp;

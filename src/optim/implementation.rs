@@ -23,7 +23,7 @@ use super::rule::{Group, ParamUpdate, Rule, Step};
 use super::state::StateStore;
 use super::workspace::Workspace;
 use crate::shim::Scaling;
-use crate::spec::{OptimizerImpl, Spec};
+use crate::spec::schema::OptimizerImpl;
 
 /// What decides whether a multi-tensor implementation can run: the state's form and where the
 /// state and the gradients live.
@@ -32,19 +32,6 @@ pub struct Placement {
     pub state_bits: u32,
     pub state_on_host: bool,
     pub grads_on_host: bool,
-}
-
-impl Placement {
-    /// As a job spec places things from the start (streamed parameters bring the state and the
-    /// gradients to the host).
-    pub fn of_spec(s: &Spec) -> Self {
-        let m = &s.memory;
-        Placement {
-            state_bits: s.train.optimizer_state_bits,
-            state_on_host: m.optimizer_state.is_host() || m.parameters.is_host(),
-            grads_on_host: m.gradients.is_host() || m.parameters.is_host(),
-        }
-    }
 }
 
 /// Why `asked` cannot run with `p`, saying what to set instead; None when it can.
@@ -167,7 +154,7 @@ impl Implementation for Single {
             let n = b.rule.temporaries(forms);
             let temps = b.workspace.views(param);
             let grad = match b.grads_on_host {
-                true => super::carry(&temps[n], grad),
+                true => super::workspace::carry(&temps[n], grad),
                 false => grad.shallow_clone(),
             };
             b.rule.update(

@@ -55,7 +55,7 @@ use tch::{Device, Kind, Tensor};
 
 use crate::host::{Fence, Home, Host};
 use crate::shim::HostScope;
-use crate::spec::{OptimizerImpl, OptimizerKind, Train};
+use crate::spec::schema::{OptimizerImpl, OptimizerKind, Train};
 pub use adam8::state_bytes_8bit;
 pub use clip::{clip_grad_norm, clip_grads};
 use forms::{Forms, Multipliers};
@@ -741,11 +741,4 @@ fn update_runs(live: &[(usize, Tensor)], block_of: impl Fn(usize) -> usize) -> V
         }
     }
     out
-}
-
-/// `grad` copied into the workspace temporary `to`, on the side the update runs.
-fn carry(to: &Tensor, grad: &Tensor) -> Tensor {
-    let mut t = to.shallow_clone();
-    t.copy_(grad);
-    t
 }

@@ -1,5 +1,5 @@
 //! Learning-rate schedules: warmup, then constant, step decay or cosine decay.
-use crate::spec::{Schedule, Train};
+use crate::spec::schema::{Schedule, Train};
 
 /// The learning rate as a function of the optimizer step.
 ///

@@ -95,3 +95,10 @@ impl Workspace {
             .collect()
     }
 }
+
+/// `grad` copied into the workspace temporary `to`, on the side the update runs.
+pub(super) fn carry(to: &Tensor, grad: &Tensor) -> Tensor {
+    let mut t = to.shallow_clone();
+    t.copy_(grad);
+    t
+}

@@ -8,7 +8,7 @@ use crate::alloc_conf::Conflict;
 use crate::memory::{CachePolicy, Cap, Cleared, MemorySample, StepMemory};
 use crate::model::Genotype;
 use crate::oom::{Decision, OomCounts, OomKind};
-use crate::spec::Precision;
+use crate::spec::schema::Precision;
 
 /// JSON has no NaN or infinity: serde_json writes them as null (a diverged loss), and they read
 /// back as NaN.

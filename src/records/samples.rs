@@ -4,7 +4,7 @@ use crate::alloc_conf::Conflict;
 use crate::memory::{Cap, ClearReason, Cleared, MemorySample, StepMemory};
 use crate::model::Genotype;
 use crate::oom::{BatchShape, Decision, OomCounts, OomKind};
-use crate::spec::Precision;
+use crate::spec::schema::Precision;
 
 pub fn start(step: i64, resumed: bool, cap_bytes: Option<u64>) -> StartEvent {
     StartEvent {

@@ -4,6 +4,7 @@ use plotters::prelude::*;
 
 use super::{BlockState, Mark, MarkKind, Segment, SegmentMap};
 use crate::human::human_bytes;
+use crate::policy::levers::lever;
 
 pub const WIDTH: u32 = 960;
 
@@ -88,12 +89,11 @@ pub struct LineChart<'a> {
 pub fn mark_color(k: MarkKind) -> RGBColor {
     match k {
         MarkKind::Fail => RGBColor(214, 39, 40),
-        MarkKind::Lever("backoff") => RGBColor(255, 127, 14),
-        MarkKind::Lever("recompute") => RGBColor(188, 189, 34),
-        MarkKind::Lever("cpu") => RGBColor(140, 86, 75),
-        MarkKind::Lever("host_optimizer_state" | "host_gradients" | "host_activations") => RGBColor(117, 107, 177),
-        // A lever without a colour of its own yet.
-        MarkKind::Lever(_) => RGBColor(227, 119, 194),
+        MarkKind::Lever(name) => {
+            // A name this memtrain does not know (a newer one wrote the records) gets pink.
+            let [r, g, b] = lever(name).map_or([227, 119, 194], |l| l.about().colour);
+            RGBColor(r, g, b)
+        }
         MarkKind::Validation => RGBColor(23, 100, 160),
         MarkKind::GrowBack => RGBColor(44, 160, 44),
         MarkKind::CacheClear => RGBColor(148, 103, 189),

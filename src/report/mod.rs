@@ -13,8 +13,8 @@ use anyhow::{Context, Result};
 use crate::human::{human_bytes, human_duration};
 use crate::memory::ClearReason;
 use crate::oom::Decision;
+use crate::policy::levers::{by_action, lever, Described};
 use crate::records::{Event, MicroBatchOf, OomEvent, RankPeak, Summary};
-use crate::run::levers::{by_action, lever};
 
 pub use segments::{Block, BlockState, Segment, SegmentMap};
 

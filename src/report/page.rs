@@ -7,7 +7,7 @@ use plotters::style::RGBColor;
 use super::charts::{self, Axis, LineChart, Series};
 use super::{MarkKind, Run, StepPoint};
 use crate::human::{human_bytes, human_duration};
-use crate::run::levers::LEVERS;
+use crate::policy::levers::{Described, LEVERS};
 
 const BLUE: RGBColor = RGBColor(31, 119, 180);
 const LIGHT_BLUE: RGBColor = RGBColor(158, 202, 225);

@@ -9,9 +9,7 @@ use tch::{nn, Device, Tensor};
 use super::components::{Components, LoopSettings, Outputs};
 use super::execution::Execution;
 use super::forward::{Forward, PrecisionStage};
-use super::levers::{self, Lever, Position};
 use super::parts::{ArchStep, Model};
-use super::recovery::{EvalPosition, Policy, Recovery};
 use super::step::StepPipeline;
 use crate::checkpoint::{NamedTensors, Store, TrainState};
 use crate::data::Splits;
@@ -24,6 +22,8 @@ use crate::model::{self, Built, Net, ARCH_PREFIX};
 use crate::oom::{self, BatchShape, OomKind, StepError};
 use crate::optim::{Hyper, LrSchedule, Optimizer, Shard};
 use crate::plan::{DevicePlan, Plan};
+use crate::policy::levers::{self, Described, Position, Situation};
+use crate::policy::recovery::{EvalPosition, Policy, Recovery};
 use crate::progress::Progress;
 use crate::records::{Event, Recorder, StartEvent};
 use crate::spec::{self, OptimizerImpl, Precision, Spec};
@@ -224,7 +224,7 @@ impl Plan {
         };
         // State bound for the host (by the spec or the checkpoint's levers; streamed parameters
         // bring it along) is made there: it may not fit on the device even for a moment.
-        let from_start = levers::configured(spec)
+        let from_start = levers::configured(&spec.train, &spec.memory)
             .into_iter()
             .map(|(_, l)| l.name())
             .chain(self.start.levers.iter().map(String::as_str))
@@ -314,7 +314,7 @@ impl Plan {
         let names: Vec<&String> = state
             .levers
             .iter()
-            .filter(|n| has_blocks || *n != "recompute")
+            .filter(|n| has_blocks || *n != levers::Recompute::ABOUT.name)
             .collect();
         let engaged = levers::from_names(&names).map_err(|e| {
             UsageError(format!(
@@ -328,32 +328,34 @@ impl Plan {
         let mut recovery = Recovery::new(
             Policy {
                 on_oom: m.on_oom.clone(),
-                min_batch: m.min_batch_size,
                 grow_back_after: m.grow_back_after,
                 configured: self.configured,
                 eval_configured: spec.train.eval_batch_size.unwrap_or(spec.train.batch_size),
-                planned_on_cpu: self.device == DevicePlan::Cpu,
-                has_blocks,
-                blockwise: crate::model::blockwise(model.net.as_ref(), &model.vs),
-                data_parallel: execution.group().is_some(),
-                state_slots: model.opt.hyper().state_slots().len(),
-                torchscript: spec.model.preset == "torchscript",
                 reported: self.oom_reported,
-            },
-            Position {
-                shape: BatchShape {
-                    micro_batch: state.micro_batch,
-                    accumulation_steps: state.accumulation_steps,
+                situation: Situation {
+                    at: Position {
+                        shape: BatchShape {
+                            micro_batch: state.micro_batch,
+                            accumulation_steps: state.accumulation_steps,
+                        },
+                        clean_steps: state.clean_steps,
+                        engaged,
+                    },
+                    min_batch: m.min_batch_size,
+                    planned_on_cpu: self.device == DevicePlan::Cpu,
+                    has_blocks,
+                    blockwise: crate::model::blockwise(model.net.as_ref(), &model.vs),
+                    data_parallel: execution.group().is_some(),
+                    state_slots: model.opt.hyper().state_slots().len(),
+                    torchscript: spec.model.preset == "torchscript",
                 },
-                clean_steps: state.clean_steps,
-                engaged,
             },
             state.eval_micro_batch.map(|micro_batch| EvalPosition {
                 micro_batch,
                 clean: state.eval_clean,
             }),
         );
-        for (key, lever) in levers::configured(spec) {
+        for (key, lever) in levers::configured(&spec.train, &spec.memory) {
             if let Err(why) = recovery.engage_configured(lever) {
                 tracing::warn!(
                     "{key}: {why} ({} preset), so {} does not apply; the run goes on without it",

@@ -3,11 +3,11 @@
 //! pipeline, recovery, where records and checkpoints go, and the execution strategy.
 use super::execution::Execution;
 use super::parts::{ArchStep, Model};
-use super::recovery::Recovery;
 use super::step::StepPipeline;
 use crate::checkpoint::{Store, TrainState};
 use crate::data::Splits;
 use crate::memory::{CachePolicy, Cap};
+use crate::policy::recovery::Recovery;
 use crate::progress::Progress;
 use crate::records::Recorder;
 use crate::spec::Monitor;

@@ -2,11 +2,10 @@
 mod build;
 mod clock;
 mod components;
+mod engage;
 mod execution;
 mod forward;
-pub mod levers;
 mod parts;
-mod recovery;
 mod step;
 mod stream;
 mod tally;

@@ -2,29 +2,16 @@
 //!
 //! Every problem is first expressed as a dotted key path (`train.batch_size`), then placed:
 //! in an override if `--set` supplied that key, else at the key's line:column in the file.
-mod schema;
+pub mod error;
+pub mod schema;
 mod validate;
-pub use validate::streams;
+pub use error::SpecError;
+pub use validate::{placement as optimizer_placement, streams};
 
-use std::fmt;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 pub use schema::*;
-
-/// A spec problem the user must fix; always exit code 2.
-#[derive(Debug)]
-pub struct SpecError {
-    pub problems: Vec<String>,
-}
-
-impl fmt::Display for SpecError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}", self.problems.join("\n"))
-    }
-}
-
-impl std::error::Error for SpecError {}
 
 /// One `--set key=value` from the command line.
 #[derive(Debug, Clone)]

@@ -9,35 +9,32 @@
 //! kernels, only where they wait changes.
 use super::host_grads::HostGrads;
 use super::host_state::HostState;
-use super::lever::{Lever, Parts, Position, Search, Situation};
+use super::lever::{About, Described, Lever, Position, Search, Situation, Target};
 use super::recompute::Recompute;
 use crate::estimate::Estimate;
-use crate::host::{Home, Host};
 use crate::human::human_bytes;
 use crate::oom::BatchShape;
-use crate::run::stream::Streamer;
 
 pub struct HostParams;
 
+impl HostParams {
+    pub const ABOUT: About = About {
+        name: "host_parameters",
+        title: "parameters streamed by block from the host",
+        label: "params to host",
+        counted_as: "parameter_offloads",
+        action: "host_parameters",
+        answers: "offload",
+        search: Search::Ladder,
+        colour: [227, 119, 194],
+        said,
+        estimate,
+    };
+}
+
 impl Lever for HostParams {
-    fn name(&self) -> &'static str {
-        "host_parameters"
-    }
-
-    fn title(&self) -> &'static str {
-        "parameters streamed by block from the host"
-    }
-
-    fn label(&self) -> &'static str {
-        "params to host"
-    }
-
-    fn counted_as(&self) -> &'static str {
-        "parameter_offloads"
-    }
-
-    fn answers(&self) -> &'static str {
-        "offload"
+    fn about(&self) -> &'static About {
+        &Self::ABOUT
     }
 
     fn applies(&self, s: &Situation) -> Result<(), String> {
@@ -66,44 +63,26 @@ impl Lever for HostParams {
         }
     }
 
-    fn engage(&self, parts: &mut Parts<'_>) {
-        parts.forward.recompute = true;
-        let model = &mut *parts.model;
-        model.opt.place_state(Home::Host);
-        model.opt.place_grads(Home::Host);
-        if model.stream.is_some() {
-            return;
-        }
-        // Nothing on the device may hold a gradient when its parameter moves.
-        model.opt.drop_grads();
-        let Some(chain) = model.net.chain() else {
-            tracing::warn!("parameters cannot stream: the model is not a sequence of blocks");
-            return;
-        };
-        match Streamer::new(&model.vs, chain, Host::new(parts.forward.device)) {
-            Ok(s) => model.stream = Some(s),
-            Err(name) => tracing::warn!("parameters cannot stream: {name} belongs to no one block"),
-        }
-        let _ = crate::shim::empty_cache();
+    fn engage(&self, run: &mut dyn Target) {
+        run.recompute();
+        run.state_to_host();
+        run.grads_to_host();
+        run.stream_parameters();
     }
+}
 
-    fn said(&self, before: &Position, _after: &Position, _configured: BatchShape) -> String {
-        format!(
-            "offloading: parameters rest in host memory and stream to the device block by block (with activation checkpointing, gradients and the optimizer update on the host) for the rest of the run, micro-batch stays {}",
-            before.shape.micro_batch
-        )
-    }
+fn said(before: &Position, _after: &Position, _configured: BatchShape) -> String {
+    format!(
+        "offloading: parameters rest in host memory and stream to the device block by block (with activation checkpointing, gradients and the optimizer update on the host) for the rest of the run, micro-batch stays {}",
+        before.shape.micro_batch
+    )
+}
 
-    fn estimate(&self, e: &Estimate) -> String {
-        format!(
-            "parameters: {} rest in host memory and stream to the device block by block (forward in order, backward in reverse, one block ahead); the device holds about two blocks' parameters; comes with activation checkpointing, gradients and the optimizer update on the host",
-            human_bytes(e.parameter_bytes())
-        )
-    }
-
-    fn search(&self) -> Search {
-        Search::Ladder
-    }
+fn estimate(e: &Estimate) -> String {
+    format!(
+        "parameters: {} rest in host memory and stream to the device block by block (forward in order, backward in reverse, one block ahead); the device holds about two blocks' parameters; comes with activation checkpointing, gradients and the optimizer update on the host",
+        human_bytes(e.parameter_bytes())
+    )
 }
 
 #[cfg(test)]

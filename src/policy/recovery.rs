@@ -4,7 +4,7 @@
 //! `memory.on_oom`'s levers and decides every transition; the levers say what applies. No
 //! libtorch in here: the trainer reports what happened (an OOM, a clean step) and carries out
 //! what comes back on the parts.
-use super::levers::{answering, lever, Engaged, Lever, Position, Situation, LEVERS};
+use super::levers::{answering, lever, Described, Engaged, Lever, Position, Situation, LEVERS};
 use crate::oom::{BatchShape, Decision, OomCounts};
 use crate::spec::OomAction;
 
@@ -88,7 +88,6 @@ impl EvalOutcome {
 pub struct Policy {
     /// `memory.on_oom`, in order.
     pub on_oom: Vec<OomAction>,
-    pub min_batch: i64,
     /// 0: never grow back.
     pub grow_back_after: i64,
     /// The spec's batch shape; its product never changes.
@@ -96,26 +95,16 @@ pub struct Policy {
     /// Validation's micro-batch as the spec sets it (`train.eval_batch_size`, else the
     /// training micro-batch).
     pub eval_configured: i64,
-    /// The run was planned on the CPU.
-    pub planned_on_cpu: bool,
-    /// The model is a sequence of blocks.
-    pub has_blocks: bool,
-    /// Each of the model's variables belongs to one block.
-    pub blockwise: bool,
-    /// Gradients are reduced across ranks as backward makes them.
-    pub data_parallel: bool,
-    /// State tensors the weights' optimizer keeps per parameter.
-    pub state_slots: usize,
-    /// The model is a TorchScript module (its graph's constants stay where it was loaded).
-    pub torchscript: bool,
     /// An earlier session already wrote the `oom/` report.
     pub reported: bool,
+    /// Where the run starts and what the levers may look at; its position moves as levers are
+    /// engaged and released.
+    pub situation: Situation,
 }
 
 #[derive(Debug, Clone)]
 pub struct Recovery {
     policy: Policy,
-    at: Position,
     eval: EvalPosition,
     counts: OomCounts,
 }
@@ -123,7 +112,7 @@ pub struct Recovery {
 impl Recovery {
     /// `eval`: a resumed run's validation position; None starts at the configured one. A saved
     /// micro-batch above the configured one (the spec lowered it) gives way to the spec.
-    pub fn new(policy: Policy, at: Position, eval: Option<EvalPosition>) -> Self {
+    pub fn new(policy: Policy, eval: Option<EvalPosition>) -> Self {
         let configured = policy.eval_configured.max(1);
         let eval = match eval {
             Some(e) if e.micro_batch >= 1 && e.micro_batch <= configured => e,
@@ -134,7 +123,6 @@ impl Recovery {
         };
         Recovery {
             policy,
-            at,
             eval,
             counts: OomCounts::new(LEVERS.iter().map(|l| l.counted_as())),
         }
@@ -197,7 +185,7 @@ impl Recovery {
     }
 
     pub fn shape(&self) -> BatchShape {
-        self.at.shape
+        self.policy.situation.at.shape
     }
 
     pub fn configured(&self) -> BatchShape {
@@ -209,40 +197,31 @@ impl Recovery {
     }
 
     pub fn clean_steps(&self) -> i64 {
-        self.at.clean_steps
+        self.policy.situation.at.clean_steps
     }
 
     /// What a checkpoint saves.
     pub fn position(&self) -> Position {
-        self.at
+        self.policy.situation.at
     }
 
     pub fn engaged(&self) -> Engaged {
-        self.at.engaged
+        self.policy.situation.at.engaged
     }
 
     fn situation(&self) -> Situation {
-        Situation {
-            at: self.at,
-            min_batch: self.policy.min_batch,
-            planned_on_cpu: self.policy.planned_on_cpu,
-            has_blocks: self.policy.has_blocks,
-            blockwise: self.policy.blockwise,
-            data_parallel: self.policy.data_parallel,
-            state_slots: self.policy.state_slots,
-            torchscript: self.policy.torchscript,
-        }
+        self.policy.situation
     }
 
     /// Engages a lever the spec asks for from the start (no OOM, nothing counted). Err: the
     /// reason it does not apply; the run goes on without it.
     pub fn engage_configured(&mut self, l: &dyn Lever) -> Result<(), String> {
-        if self.at.engaged.contains(l.name()) {
+        if self.policy.situation.at.engaged.contains(l.name()) {
             return Ok(());
         }
         l.applies(&self.situation())?;
-        self.at = Position {
-            clean_steps: self.at.clean_steps,
+        self.policy.situation.at = Position {
+            clean_steps: self.policy.situation.at.clean_steps,
             ..l.engaged(&self.situation())
         };
         Ok(())
@@ -254,7 +233,7 @@ impl Recovery {
         self.counts.events += 1;
         let first = !self.policy.reported;
         self.policy.reported = true;
-        let before = self.at;
+        let before = self.policy.situation.at;
         let mut skipped = vec![];
         let mut engaged = None;
         'actions: for a in &self.policy.on_oom {
@@ -273,13 +252,13 @@ impl Recovery {
             }
         }
         if let Some(l) = engaged {
-            self.at = l.engaged(&self.situation());
+            self.policy.situation.at = l.engaged(&self.situation());
             *self.counts.engaged.entry(l.counted_as().to_owned()).or_default() += 1;
         }
         Outcome {
             engaged: engaged.map(|l| l.name()),
             before,
-            after: self.at,
+            after: self.policy.situation.at,
             skipped,
             first,
         }
@@ -295,10 +274,10 @@ impl Recovery {
             return "after adding \"backoff\" to memory.on_oom, or with a smaller train.batch_size".into();
         }
         let mut ways = vec![];
-        if self.policy.min_batch > 1 {
+        if self.policy.situation.min_batch > 1 {
             ways.push(format!(
                 "after lowering memory.min_batch_size (now {})",
-                self.policy.min_batch
+                self.policy.situation.min_batch
             ));
         }
         let situation = self.situation();
@@ -318,16 +297,20 @@ impl Recovery {
     /// An optimizer step finished cleanly. Levers that let go after enough clean steps do
     /// (backoff: the micro-batch doubles, at most back to the configured one).
     pub fn on_clean_step(&mut self) -> Option<GrowBack> {
-        self.at.clean_steps += 1;
-        let before = self.at.shape;
-        let released = LEVERS
-            .iter()
-            .find_map(|l| l.released(&self.at, self.policy.configured, self.policy.grow_back_after))?;
-        self.at = released;
+        self.policy.situation.at.clean_steps += 1;
+        let before = self.policy.situation.at.shape;
+        let released = LEVERS.iter().find_map(|l| {
+            l.released(
+                &self.policy.situation.at,
+                self.policy.configured,
+                self.policy.grow_back_after,
+            )
+        })?;
+        self.policy.situation.at = released;
         self.counts.grow_backs += 1;
         Some(GrowBack {
             before,
-            after: self.at.shape,
+            after: self.policy.situation.at.shape,
         })
     }
 }
@@ -355,22 +338,25 @@ mod tests {
     fn policy(on_oom: Vec<OomAction>, min: i64, grow: i64, on_cpu: bool) -> Policy {
         Policy {
             on_oom,
-            min_batch: min,
             grow_back_after: grow,
             configured: shape(8, 1),
             eval_configured: 8,
-            planned_on_cpu: on_cpu,
-            has_blocks: true,
-            blockwise: true,
-            data_parallel: false,
-            state_slots: 2,
-            torchscript: false,
             reported: false,
+            situation: Situation {
+                at: fresh(shape(8, 1)),
+                min_batch: min,
+                planned_on_cpu: on_cpu,
+                has_blocks: true,
+                blockwise: true,
+                data_parallel: false,
+                state_slots: 2,
+                torchscript: false,
+            },
         }
     }
 
     fn machine(on_oom: Vec<OomAction>, min: i64, grow: i64, on_cpu: bool) -> Recovery {
-        Recovery::new(policy(on_oom, min, grow, on_cpu), fresh(shape(8, 1)), None)
+        Recovery::new(policy(on_oom, min, grow, on_cpu), None)
     }
 
     fn backoff_to(s: BatchShape) -> Decision {
@@ -461,7 +447,8 @@ mod tests {
         };
         let mut p = policy(vec![Cpu, Fail], 1, 0, false);
         p.reported = true;
-        let mut r = Recovery::new(p, at, None);
+        p.situation.at = at;
+        let mut r = Recovery::new(p, None);
         assert_eq!(r.shape(), shape(2, 4));
         let o = r.on_oom();
         assert!(!o.first, "the oom/ report of the earlier session stays");
@@ -493,8 +480,8 @@ mod tests {
     #[test]
     fn recompute_does_not_apply_to_a_model_without_blocks() {
         let mut p = policy(vec![Recompute, Fail], 1, 0, true);
-        p.has_blocks = false;
-        let mut r = Recovery::new(p, fresh(shape(8, 1)), None);
+        p.situation.has_blocks = false;
+        let mut r = Recovery::new(p, None);
         let o = r.on_oom();
         assert!(o.decision().is_fail());
         assert_eq!(
@@ -503,7 +490,7 @@ mod tests {
         );
         assert!(!r.engaged().contains("recompute"));
         assert_eq!(
-            r.engage_configured(&super::super::levers::Recompute),
+            r.engage_configured(&crate::policy::levers::Recompute),
             Err("the model is not a sequence of blocks".into()),
             "the spec's request gets the same reason"
         );
@@ -512,7 +499,7 @@ mod tests {
     #[test]
     fn the_spec_engages_a_lever_without_counting_an_oom() {
         let mut r = machine(vec![Recompute, Fail], 1, 0, false);
-        r.engage_configured(&super::super::levers::Recompute).unwrap();
+        r.engage_configured(&crate::policy::levers::Recompute).unwrap();
         assert!(r.engaged().contains("recompute"));
         assert_eq!(r.counts(), &counts(0, 0, 0, 0, 0));
         let o = r.on_oom();
@@ -594,7 +581,7 @@ mod tests {
             micro_batch: 1,
             clean: 2,
         };
-        let mut r = Recovery::new(policy(vec![Fail], 1, 0, true), fresh(shape(8, 1)), Some(at));
+        let mut r = Recovery::new(policy(vec![Fail], 1, 0, true), Some(at));
         assert_eq!(r.eval_position(), at, "a resumed run's validation position is kept");
         let o = r.on_eval_oom();
         assert_eq!(o.after, None);
@@ -606,7 +593,7 @@ mod tests {
             micro_batch: 32,
             clean: 0,
         };
-        let r = Recovery::new(policy(vec![Fail], 1, 0, true), fresh(shape(8, 1)), Some(saved));
+        let r = Recovery::new(policy(vec![Fail], 1, 0, true), Some(saved));
         assert_eq!(r.eval_micro_batch(), 8);
     }
 
@@ -626,20 +613,16 @@ mod tests {
         assert_eq!(r.advice(), "with a larger memory.limit or a smaller model");
         // An MLP (no blocks) under SGD without momentum's state slots: recomputation cannot
         // apply, and of offload only the gradients can move.
-        let mlp = Policy {
-            has_blocks: false,
-            blockwise: false,
-            ..policy(vec![Backoff, Fail], 1, 0, false)
-        };
-        let a = Recovery::new(mlp.clone(), fresh(shape(8, 1)), None).advice();
+        let mut mlp = policy(vec![Backoff, Fail], 1, 0, false);
+        mlp.situation.has_blocks = false;
+        mlp.situation.blockwise = false;
+        let a = Recovery::new(mlp.clone(), None).advice();
         assert!(a.contains("adding \"offload\" to memory.on_oom"), "{a}");
         assert!(!a.contains("recompute"), "{a}");
-        let nothing_moves = Policy {
-            data_parallel: true,
-            state_slots: 0,
-            ..mlp
-        };
-        let a = Recovery::new(nothing_moves, fresh(shape(8, 1)), None).advice();
+        let mut nothing_moves = mlp;
+        nothing_moves.situation.data_parallel = true;
+        nothing_moves.situation.state_slots = 0;
+        let a = Recovery::new(nothing_moves, None).advice();
         assert_eq!(a, "with a larger memory.limit or a smaller model");
     }
 }

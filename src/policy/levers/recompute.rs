@@ -1,23 +1,30 @@
 //! Activation checkpointing as a lever: the forward keeps only block boundaries and each block
 //! runs again in backward (`run::recompute`). Engaged by `train.activation_checkpointing` or by
 //! a "recompute" OOM decision; the micro-batch stays.
-use super::lever::{Lever, Parts, Position, Search, Situation};
+use super::lever::{About, Described, Lever, Position, Search, Situation, Target};
 use crate::estimate::Estimate;
 use crate::oom::BatchShape;
 
 pub struct Recompute;
 
+impl Recompute {
+    pub const ABOUT: About = About {
+        name: "recompute",
+        title: "activation checkpointing",
+        label: "recompute",
+        counted_as: "recomputes",
+        action: "recompute",
+        answers: "recompute",
+        search: Search::Toggle,
+        colour: [188, 189, 34],
+        said,
+        estimate,
+    };
+}
+
 impl Lever for Recompute {
-    fn name(&self) -> &'static str {
-        "recompute"
-    }
-
-    fn title(&self) -> &'static str {
-        "activation checkpointing"
-    }
-
-    fn counted_as(&self) -> &'static str {
-        "recomputes"
+    fn about(&self) -> &'static About {
+        &Self::ABOUT
     }
 
     fn applies(&self, s: &Situation) -> Result<(), String> {
@@ -30,24 +37,20 @@ impl Lever for Recompute {
         }
     }
 
-    fn engage(&self, parts: &mut Parts<'_>) {
-        parts.forward.recompute = true;
+    fn engage(&self, run: &mut dyn Target) {
+        run.recompute();
     }
+}
 
-    fn said(&self, before: &Position, _after: &Position, _configured: BatchShape) -> String {
-        format!(
-            "recomputing: activation checkpointing is on for the rest of the run, micro-batch stays {}",
-            before.shape.micro_batch
-        )
-    }
+fn said(before: &Position, _after: &Position, _configured: BatchShape) -> String {
+    format!(
+        "recomputing: activation checkpointing is on for the rest of the run, micro-batch stays {}",
+        before.shape.micro_batch
+    )
+}
 
-    fn estimate(&self, _e: &Estimate) -> String {
-        "activations: only block boundaries are kept, plus one block's at a time in backward; costs about one more forward per step".into()
-    }
-
-    fn search(&self) -> Search {
-        Search::Toggle
-    }
+fn estimate(_e: &Estimate) -> String {
+    "activations: only block boundaries are kept, plus one block's at a time in backward; costs about one more forward per step".into()
 }
 
 #[cfg(test)]

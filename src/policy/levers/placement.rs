@@ -1,6 +1,6 @@
 //! What the placement levers (state, gradients, activations, parameters to the host) share.
 use super::cpu::CpuFallback;
-use super::lever::{Lever, Situation};
+use super::lever::{Described, Lever, Situation};
 
 /// What every placement lever checks: not engaged yet, and a device to leave.
 pub fn applies(l: &dyn Lever, s: &Situation, what: &str) -> Result<(), String> {

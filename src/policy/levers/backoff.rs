@@ -2,23 +2,30 @@
 //! Engaged again and again down to `memory.min_batch_size`; released by doubling back after
 //! `memory.grow_back_after` clean steps. It changes only the position: the trainer reads the
 //! shape in force from `Recovery` at every step.
-use super::lever::{Lever, Position, Search, Situation};
+use super::lever::{About, Lever, Position, Search, Situation};
 use crate::estimate::Estimate;
 use crate::oom::BatchShape;
 
 pub struct Backoff;
 
+impl Backoff {
+    pub const ABOUT: About = About {
+        name: "backoff",
+        title: "halving the micro-batch",
+        label: "backoff",
+        counted_as: "backoffs",
+        action: "backoff",
+        answers: "backoff",
+        search: Search::Size,
+        colour: [255, 127, 14],
+        said,
+        estimate,
+    };
+}
+
 impl Lever for Backoff {
-    fn name(&self) -> &'static str {
-        "backoff"
-    }
-
-    fn title(&self) -> &'static str {
-        "halving the micro-batch"
-    }
-
-    fn counted_as(&self) -> &'static str {
-        "backoffs"
+    fn about(&self) -> &'static About {
+        &Self::ABOUT
     }
 
     fn applies(&self, s: &Situation) -> Result<(), String> {
@@ -56,27 +63,23 @@ impl Lever for Backoff {
             ..*at
         })
     }
+}
 
-    fn said(&self, before: &Position, after: &Position, configured: BatchShape) -> String {
-        format!(
-            "backing off: micro-batch {} -> {}, accumulation {} -> {} (effective batch stays {})",
-            before.shape.micro_batch,
-            after.shape.micro_batch,
-            before.shape.accumulation_steps,
-            after.shape.accumulation_steps,
-            configured.effective()
-        )
-    }
+fn said(before: &Position, after: &Position, configured: BatchShape) -> String {
+    format!(
+        "backing off: micro-batch {} -> {}, accumulation {} -> {} (effective batch stays {})",
+        before.shape.micro_batch,
+        after.shape.micro_batch,
+        before.shape.accumulation_steps,
+        after.shape.accumulation_steps,
+        configured.effective()
+    )
+}
 
-    fn estimate(&self, e: &Estimate) -> String {
-        format!(
-            "activations: shrink with the micro-batch, halved down to memory.min_batch_size (from {}); the effective batch stays {}",
-            e.micro_batch,
-            e.micro_batch * e.accumulation_steps
-        )
-    }
-
-    fn search(&self) -> Search {
-        Search::Size
-    }
+fn estimate(e: &Estimate) -> String {
+    format!(
+        "activations: shrink with the micro-batch, halved down to memory.min_batch_size (from {}); the effective batch stays {}",
+        e.micro_batch,
+        e.micro_batch * e.accumulation_steps
+    )
 }

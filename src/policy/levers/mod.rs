@@ -18,7 +18,7 @@ mod placement;
 mod recompute;
 
 use crate::estimate::Estimate;
-use crate::oom::BatchShape;
+use crate::spec::schema::{Memory, OomAction, Train};
 
 pub use backoff::Backoff;
 pub use cpu::CpuFallback;
@@ -26,7 +26,7 @@ pub use host_activations::HostActivations;
 pub use host_grads::HostGrads;
 pub use host_params::HostParams;
 pub use host_state::HostState;
-pub use lever::{Engaged, Lever, Parts, Position, Search, Situation};
+pub use lever::{About, Described, Engaged, Lever, Position, Search, Situation, Target};
 pub use recompute::Recompute;
 
 use crate::host::Home;
@@ -98,13 +98,12 @@ pub fn fit_line() -> String {
     format!("levers: {}", each.join("; "))
 }
 
-/// The levers the spec turns on from the start, with the key that does.
-pub fn configured(spec: &crate::spec::Spec) -> Vec<(&'static str, &'static dyn Lever)> {
+/// The levers the spec's sections turn on from the start, with the key that does.
+pub fn configured(train: &Train, m: &Memory) -> Vec<(&'static str, &'static dyn Lever)> {
     let mut on: Vec<(&'static str, &'static dyn Lever)> = vec![];
-    if spec.train.activation_checkpointing {
+    if train.activation_checkpointing {
         on.push(("train.activation_checkpointing", &Recompute));
     }
-    let m = &spec.memory;
     let placed: [(&'static str, Home, &'static dyn Lever); 4] = [
         ("memory.optimizer_state", m.optimizer_state, &HostState),
         ("memory.gradients", m.gradients, &HostGrads),
@@ -120,38 +119,22 @@ pub fn configured(spec: &crate::spec::Spec) -> Vec<(&'static str, &'static dyn L
     on
 }
 
-/// `check`'s levers section for a spec and its estimate: each lever as the run would start.
-pub fn check_lines(spec: &crate::spec::Spec, e: &Estimate) -> String {
-    let s = Situation {
-        at: Position {
-            shape: BatchShape {
-                micro_batch: spec.train.batch_size,
-                accumulation_steps: spec.train.accumulation_steps,
-            },
-            clean_steps: 0,
-            engaged: Engaged::default(),
-        },
-        min_batch: spec.memory.min_batch_size,
-        planned_on_cpu: spec.job.device == crate::spec::Device::Cpu,
-        has_blocks: e.has_blocks,
-        blockwise: e.blockwise,
-        data_parallel: false,
-        state_slots: e.state_per_weight as usize,
-        torchscript: spec.model.preset == "torchscript",
-    };
-    let on_oom: Vec<&str> = spec.memory.on_oom.iter().map(|a| a.name()).collect();
+/// `check`'s levers section: each lever as a run in situation `s` would start, under
+/// `memory.on_oom` and with the levers its spec turns on from the start (`configured`).
+pub fn check_lines(e: &Estimate, s: &Situation, on_oom: &[OomAction], configured: &[(&str, &dyn Lever)]) -> String {
+    let on_oom: Vec<&str> = on_oom.iter().map(|a| a.name()).collect();
     // With what each brings along (streamed parameters: recomputation, host state and gradients).
-    let by_spec = configured(spec).iter().fold(Engaged::default(), |e, (_, l)| {
+    let by_spec = configured.iter().fold(Engaged::default(), |e, (_, l)| {
         let at = Situation {
             at: Position { engaged: e, ..s.at },
-            ..s
+            ..*s
         };
         match l.applies(&at) {
             Ok(()) => l.engaged(&at).engaged,
             Err(_) => e.with(l.name()),
         }
     });
-    bill_lines(e, &s, &on_oom, by_spec)
+    bill_lines(e, s, &on_oom, by_spec)
 }
 
 /// `check`'s lines on the levers: what each would do to the bill, and when it comes into play

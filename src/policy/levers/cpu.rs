@@ -1,9 +1,7 @@
 //! The CPU fallback as a lever: parameters, their gradients and every optimizer's state move to
 //! the CPU and the run goes on there, slower. A resumed run that fell back stays on the CPU
 //! (the plan puts it there).
-use tch::Device;
-
-use super::lever::{Lever, Parts, Position, Search, Situation};
+use super::lever::{About, Described, Lever, Position, Search, Situation, Target};
 use crate::estimate::Estimate;
 use crate::human::human_bytes;
 use crate::oom::BatchShape;
@@ -14,32 +12,31 @@ pub struct CpuFallback;
 /// The precision a run continues in on the CPU: fp16 autocast there is 10-20x slower than bf16
 /// (measured on a 2-core machine), so fp16-mixed goes on as bf16-mixed. The loss scaler stays:
 /// scaling by a power of two and back is exact, and bf16 has fp32's range.
-fn precision_on_cpu(p: Precision) -> Precision {
+pub fn precision_on_cpu(p: Precision) -> Precision {
     match p {
         Precision::Fp16Mixed => Precision::Bf16Mixed,
         p => p,
     }
 }
 
+impl CpuFallback {
+    pub const ABOUT: About = About {
+        name: "cpu",
+        title: "the CPU fallback",
+        label: "CPU fallback",
+        counted_as: "cpu_fallbacks",
+        action: "move_to_cpu",
+        answers: "cpu",
+        search: Search::Never("fit looks for the fastest setting on the device; falling back to the CPU is a last resort for a run, not a setting"),
+        colour: [140, 86, 75],
+        said,
+        estimate,
+    };
+}
+
 impl Lever for CpuFallback {
-    fn name(&self) -> &'static str {
-        "cpu"
-    }
-
-    fn title(&self) -> &'static str {
-        "the CPU fallback"
-    }
-
-    fn counted_as(&self) -> &'static str {
-        "cpu_fallbacks"
-    }
-
-    fn label(&self) -> &'static str {
-        "CPU fallback"
-    }
-
-    fn action(&self) -> &'static str {
-        "move_to_cpu"
+    fn about(&self) -> &'static About {
+        &Self::ABOUT
     }
 
     fn applies(&self, s: &Situation) -> Result<(), String> {
@@ -57,53 +54,20 @@ impl Lever for CpuFallback {
         }
     }
 
-    /// `VarStore::set_device` alone would leave `.grad` behind on the GPU.
-    fn engage(&self, parts: &mut Parts<'_>) {
-        let cpu = Device::Cpu;
-        let model = &mut *parts.model;
-        tch::no_grad(|| {
-            for (_, p) in model.vs.variables() {
-                let g = p.grad();
-                if g.defined() && g.device() != cpu {
-                    g.shallow_clone().set_data(&g.to_device(cpu));
-                }
-            }
-        });
-        // Streamed parameters rest on the host, which is the CPU: they stay where they are
-        // and the run stops streaming them.
-        model.vs.set_device(cpu);
-        model.stream = None;
-        model.opt.to_device(cpu);
-        if let Some(a) = &mut parts.arch {
-            a.opt.to_device(cpu);
-        }
-        parts.forward.device = cpu;
-        let precision = &mut parts.forward.precision.precision;
-        if precision_on_cpu(*precision) != *precision {
-            tracing::warn!(
-                "on the CPU fp16 is many times slower than bf16: {} continues as {} (summary.json's precision.mode says so)",
-                precision.name(),
-                precision_on_cpu(*precision).name()
-            );
-            *precision = precision_on_cpu(*precision);
-        }
-        let _ = crate::shim::empty_cache();
+    fn engage(&self, run: &mut dyn Target) {
+        run.move_to_cpu(precision_on_cpu);
     }
+}
 
-    fn said(&self, _before: &Position, _after: &Position, _configured: BatchShape) -> String {
-        "MOVING THE RUN TO THE CPU as memory.on_oom says. It continues, slower.".into()
-    }
+fn said(_before: &Position, _after: &Position, _configured: BatchShape) -> String {
+    "MOVING THE RUN TO THE CPU as memory.on_oom says. It continues, slower.".into()
+}
 
-    fn estimate(&self, e: &Estimate) -> String {
-        format!(
-            "the whole bill ({} static, plus activations) moves to host memory and the run goes on on the CPU, many times slower",
-            human_bytes(e.total_bytes())
-        )
-    }
-
-    fn search(&self) -> Search {
-        Search::Never("fit looks for the fastest setting on the device; falling back to the CPU is a last resort for a run, not a setting")
-    }
+fn estimate(e: &Estimate) -> String {
+    format!(
+        "the whole bill ({} static, plus activations) moves to host memory and the run goes on on the CPU, many times slower",
+        human_bytes(e.total_bytes())
+    )
 }
 
 #[cfg(test)]

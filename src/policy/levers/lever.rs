@@ -1,10 +1,11 @@
-//! What every lever is: the trait, the position it acts on, and what it may look at. The
-//! registry (`levers`) lists them; nothing here depends on which levers exist.
+//! What every lever is: the trait of its decisions, the constant that describes it, what it asks
+//! of the run, the position it acts on, and what it may look at. The registry (`levers`) lists
+//! them; nothing here depends on which levers exist.
 use std::fmt;
 
-pub use super::super::parts::Parts;
 use crate::estimate::Estimate;
 use crate::oom::BatchShape;
+use crate::spec::schema::Precision;
 
 /// Where a run stands: the batch shape in force, the clean steps since the last OOM and the
 /// levers engaged. `Recovery` owns it; checkpoints save it and resumes restore it.
@@ -50,31 +51,58 @@ pub enum Search {
     Never(&'static str),
 }
 
-pub trait Lever: Sync {
+/// What a lever is called and how it is spoken of where nothing is being decided: one
+/// constant per lever (`ABOUT` in its file), so its wording lives in one place.
+pub struct About {
     /// The name `memory.on_oom`, checkpoints and records use.
-    fn name(&self) -> &'static str;
+    pub name: &'static str,
     /// What it is, in words ("activation checkpointing").
-    fn title(&self) -> &'static str;
+    pub title: &'static str,
     /// The report's name for its marks ("backoff").
-    fn label(&self) -> &'static str {
-        self.name()
-    }
+    pub label: &'static str,
     /// The summary's count of engagements (`oom.recomputes`).
-    fn counted_as(&self) -> &'static str;
+    pub counted_as: &'static str,
     /// What an OOM record's decision calls an engagement (`decision.action`).
-    fn action(&self) -> &'static str {
-        self.name()
-    }
+    pub action: &'static str,
     /// The `memory.on_oom` word that engages it ("offload" answers for every placement).
-    fn answers(&self) -> &'static str {
-        self.name()
-    }
+    pub answers: &'static str,
+    /// How `fit` searches it.
+    pub search: Search,
+    /// The colour of its marks in the report's charts.
+    pub colour: [u8; 3],
+    /// The line the run prints when an OOM engages it (before, after, and `configured`: the
+    /// spec's batch shape).
+    pub said: fn(&Position, &Position, BatchShape) -> String,
+    /// What engaging it does to the bill, for `check`.
+    pub estimate: fn(&Estimate) -> String,
+}
+
+/// What engaging a lever asks of the run. The levers decide; the run's parts, which implement
+/// this, move the tensors.
+pub trait Target {
+    /// Recompute each block in backward, keeping only block boundaries.
+    fn recompute(&mut self);
+    /// Keep the recomputed forward's block boundaries in host memory.
+    fn activations_to_host(&mut self);
+    /// The optimizer's state and the update to host memory.
+    fn state_to_host(&mut self);
+    /// Gradients accumulate in host memory.
+    fn grads_to_host(&mut self);
+    /// Parameters rest in host memory and stream to the device block by block.
+    fn stream_parameters(&mut self);
+    /// Everything to the CPU; `precision` says what the run's precision becomes there.
+    fn move_to_cpu(&mut self, precision: fn(Precision) -> Precision);
+}
+
+/// A lever's decisions. Everything else about it is its `About`.
+pub trait Lever: Sync {
+    fn about(&self) -> &'static About;
     /// Whether engaging it now could help; the reason when it could not.
     fn applies(&self, s: &Situation) -> Result<(), String>;
     /// The position once engaged (only asked when it applies).
     fn engaged(&self, s: &Situation) -> Position {
         Position {
-            engaged: s.at.engaged.with(self.name()),
+            engaged: s.at.engaged.with(self.about().name),
             clean_steps: 0,
             ..s.at
         }
@@ -83,14 +111,51 @@ pub trait Lever: Sync {
     fn released(&self, _at: &Position, _configured: BatchShape, _after_clean_steps: i64) -> Option<Position> {
         None
     }
-    /// What engaging it does to the parts (nothing for levers that only move the position).
-    fn engage(&self, _parts: &mut Parts<'_>) {}
-    /// The line the run prints when an OOM engages it (`configured`: the spec's batch shape).
+    /// What engaging it asks of the run (nothing for levers that only move the position).
+    fn engage(&self, _run: &mut dyn Target) {}
+}
+
+/// A lever's `About`, read as methods (`l.name()`), for concrete levers and `dyn Lever` alike.
+pub trait Described {
+    fn name(&self) -> &'static str;
+    fn title(&self) -> &'static str;
+    fn label(&self) -> &'static str;
+    fn counted_as(&self) -> &'static str;
+    fn action(&self) -> &'static str;
+    fn answers(&self) -> &'static str;
+    fn search(&self) -> &'static Search;
     fn said(&self, before: &Position, after: &Position, configured: BatchShape) -> String;
-    /// What engaging it does to the bill, for `check`.
     fn estimate(&self, e: &Estimate) -> String;
-    /// How `fit` searches it.
-    fn search(&self) -> Search;
+}
+
+impl<L: Lever + ?Sized> Described for L {
+    fn name(&self) -> &'static str {
+        self.about().name
+    }
+    fn title(&self) -> &'static str {
+        self.about().title
+    }
+    fn label(&self) -> &'static str {
+        self.about().label
+    }
+    fn counted_as(&self) -> &'static str {
+        self.about().counted_as
+    }
+    fn action(&self) -> &'static str {
+        self.about().action
+    }
+    fn answers(&self) -> &'static str {
+        self.about().answers
+    }
+    fn search(&self) -> &'static Search {
+        &self.about().search
+    }
+    fn said(&self, before: &Position, after: &Position, configured: BatchShape) -> String {
+        (self.about().said)(before, after, configured)
+    }
+    fn estimate(&self, e: &Estimate) -> String {
+        (self.about().estimate)(e)
+    }
 }
 
 /// The levers engaged, by name, in the order they were engaged (a small inline set, so
