@@ -163,7 +163,7 @@ pub struct Cap {
     pub fraction: Option<f64>,
 }
 
-/// Where tensors live for memory purposes: a CUDA device index, or the host.
+/// Where a run trains and its tensors live: a CUDA device index, or the host.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Place {
     Cpu,
@@ -175,6 +175,13 @@ impl Place {
         match d {
             tch::Device::Cuda(i) => Place::Cuda(i),
             _ => Place::Cpu,
+        }
+    }
+
+    pub fn tch(self) -> tch::Device {
+        match self {
+            Place::Cpu => tch::Device::Cpu,
+            Place::Cuda(i) => tch::Device::Cuda(i),
         }
     }
 }

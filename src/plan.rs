@@ -9,8 +9,9 @@ use serde::Serialize;
 
 use crate::alloc_conf::{self, Conflict, EnvSettings};
 use crate::checkpoint::{Store, TrainState};
+use crate::dist::World;
 use crate::exit::UsageError;
-pub use crate::memory::Cap;
+pub use crate::memory::{Cap, Place};
 use crate::oom::BatchShape;
 use crate::policy::levers::CpuFallback;
 use crate::spec::{self, Spec};
@@ -63,10 +64,43 @@ pub struct Facts {
     pub checkpoint: Option<(PathBuf, TrainState)>,
     /// That checkpoint's resolved spec, where it reads.
     pub checkpoint_spec: Option<toml::Table>,
+    /// This process's place in a data-parallel group, when it was launched as a rank.
+    pub rank: Option<RankFacts>,
 }
 
+/// What a data-parallel rank knows of itself and its machine before it joins its group.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankFacts {
+    pub rank: usize,
+    pub local_rank: usize,
+    /// Ranks on this machine, which share its cores.
+    pub local_size: usize,
+    pub cores: usize,
+    /// Where a rank other than 0 writes what nobody reads (its own directory, removed at the end).
+    pub private_dir: PathBuf,
+    /// The user set NCCL's blocking wait themselves.
+    pub nccl_blocking_wait_set: bool,
+}
+
+impl RankFacts {
+    pub fn of(w: &World) -> RankFacts {
+        RankFacts {
+            rank: w.rank,
+            local_rank: w.local_rank,
+            local_size: w.local_size,
+            cores: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            private_dir: std::env::temp_dir().join(format!("memtrain-rank{}-{}", w.rank, std::process::id())),
+            nccl_blocking_wait_set: std::env::var_os(NCCL_BLOCKING_WAIT).is_some(),
+        }
+    }
+}
+
+/// NCCL's blocking wait: without it `WorkNCCL::wait` does not block and a lost peer ends the
+/// process through the watchdog.
+pub const NCCL_BLOCKING_WAIT: &str = "TORCH_NCCL_BLOCKING_WAIT";
+
 impl Facts {
-    pub fn probe(spec: &Spec, request: &Request) -> anyhow::Result<Facts> {
+    pub fn probe(spec: &Spec, request: &Request, world: Option<&World>) -> anyhow::Result<Facts> {
         let run_dir = request.run_dir(spec);
         let cuda_devices = if spec.job.device != spec::Device::Cpu && shim::accelerator_available() {
             shim::device_count()?
@@ -108,23 +142,8 @@ impl Facts {
                 .collect(),
             run_dir_has_oom_report: run_dir.join("oom").exists(),
             checkpoint,
+            rank: world.map(RankFacts::of),
         })
-    }
-}
-
-/// Where the run trains.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DevicePlan {
-    Cpu,
-    Cuda(usize),
-}
-
-impl DevicePlan {
-    pub fn tch(self) -> tch::Device {
-        match self {
-            DevicePlan::Cpu => tch::Device::Cpu,
-            DevicePlan::Cuda(i) => tch::Device::Cuda(i),
-        }
     }
 }
 
@@ -143,10 +162,16 @@ pub struct Resume {
     pub state: TrainState,
 }
 
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct Plan {
+    /// The spec as resolved: defaults filled in, overrides applied.
+    pub spec: Spec,
+    /// The run's directory, where its records and checkpoints are.
     pub run_dir: PathBuf,
-    pub device: DevicePlan,
+    /// Where this process writes: the run directory, or a data-parallel follower's private one.
+    pub writes_to: PathBuf,
+    /// This process's device (a data-parallel rank's own GPU).
+    pub device: Place,
     pub cap: Option<Cap>,
     /// What the run may use of the device: the cap, else the CUDA device's total (None on the
     /// CPU).
@@ -154,7 +179,8 @@ pub struct Plan {
     pub alloc: AllocPlan,
     /// Variables to set before CUDA starts (allocator settings, symbolizer).
     pub env: Vec<(String, String)>,
-    /// libtorch CPU threads; None keeps libtorch's default.
+    /// libtorch CPU threads; None keeps libtorch's default. Data-parallel ranks split the
+    /// machine's cores unless the spec sets them.
     pub threads: Option<i32>,
     pub record_history: bool,
     /// The spec's batch shape (its product is the effective batch, which never changes).
@@ -180,63 +206,19 @@ impl Plan {
             accumulation_steps: spec.train.accumulation_steps,
         };
         let mut device = resolve_device(spec.job.device, facts.cuda_devices)?;
-        let mut start = fresh_state(configured);
-        let mut notices = vec![];
-        let mut resume = None;
-        let mut nothing_to_do = None;
-        if request.resuming() {
-            let checkpoint;
-            (checkpoint, start) = resumed_state(spec, facts, &run_dir, configured)?;
-            if start.levers.iter().any(|l| l == CpuFallback::ABOUT.name) {
-                // The run fell back to the CPU before this checkpoint; it continues there.
-                device = DevicePlan::Cpu;
-            }
-            if start.epoch >= spec.train.epochs {
-                nothing_to_do = Some(format!(
-                    "{} already finished {} epoch(s), which train.epochs ({}) does not exceed; raise it (e.g. --set train.epochs={}) to train further",
-                    run_dir.display(),
-                    start.epoch,
-                    spec.train.epochs,
-                    start.epoch + 1
-                ));
-            }
-            resume = Some(Resume {
-                checkpoint,
-                state: start.clone(),
-            });
-            if let Some(was) = &facts.checkpoint_spec {
-                notices.extend(data_changes(was, spec));
-            }
+        let Resumed {
+            start,
+            resume,
+            nothing_to_do,
+            mut notices,
+        } = resolve_resume(spec, request, facts, &run_dir, configured)?;
+        if start.levers.iter().any(|l| l == CpuFallback::ABOUT.name) {
+            // The run fell back to the CPU before this checkpoint; it continues there.
+            device = Place::Cpu;
         }
         let cap = resolve_cap(spec, device, facts)?;
-        // backend:cudaMallocAsync takes the fraction only through the allocator call (`run`
-        // makes it); in its configuration string the native allocator's key is ignored, and
-        // libtorch warns that it is.
-        let async_backend = facts
-            .alloc_env
-            .effective()
-            .is_some_and(|c| c.replace(' ', "").contains("backend:cudaMallocAsync"));
-        let fraction = cap
-            .as_ref()
-            .filter(|c| c.kind == "cuda_fraction" && !async_backend)
-            .and_then(|c| c.fraction);
-        let ours = alloc_conf::from_spec(&spec.memory.allocator, fraction);
-        let mut env = vec![];
-        let alloc = if ours.is_empty() {
-            AllocPlan {
-                conf: facts.alloc_env.effective().map(str::to_owned),
-                conflicts: vec![],
-            }
-        } else {
-            let (conf, conflicts) = alloc_conf::merge(facts.alloc_env.effective(), &ours);
-            env.push((alloc_conf::CUDA_VAR.to_owned(), conf.clone()));
-            env.push((alloc_conf::GENERIC_VAR.to_owned(), conf.clone()));
-            AllocPlan {
-                conf: Some(conf),
-                conflicts,
-            }
-        };
-        let record_history = spec.memory.record_history && matches!(device, DevicePlan::Cuda(_));
+        let (alloc, mut env) = resolve_alloc(spec, cap.as_ref(), facts);
+        let record_history = spec.memory.record_history && matches!(device, Place::Cuda(_));
         notices.extend(cuda_only_on_cpu(spec, record_history));
         notices.extend(unread_data_keys(&spec.data));
         if record_history && facts.symbolize_mode.is_none() {
@@ -244,18 +226,36 @@ impl Plan {
             // child carries on as a second memtrain holding a CUDA context. dladdr stays in-process.
             env.push(("TORCH_SYMBOLIZE_MODE".to_owned(), "dladdr".to_owned()));
         }
+        if let Some(r) = &facts.rank {
+            // Each rank on its own GPU: NCCL refuses two ranks on one.
+            device = rank_device(device, r.local_rank);
+            if let Some((k, v)) = nccl_env(device, r.nccl_blocking_wait_set) {
+                env.push((k.to_owned(), v.to_owned()));
+            }
+        }
+        let writes_to = match &facts.rank {
+            Some(r) if r.rank != 0 => r.private_dir.clone(),
+            _ => run_dir.clone(),
+        };
+        let threads = match (&facts.rank, spec.job.threads) {
+            (_, t) if t > 0 => Some(t as i32),
+            (Some(r), _) => Some((r.cores / r.local_size.max(1)).max(1) as i32),
+            (None, _) => None,
+        };
         let device_budget = match device {
-            DevicePlan::Cpu => None,
-            DevicePlan::Cuda(_) => cap.as_ref().map(|c| c.bytes).or(facts.cuda_total_bytes),
+            Place::Cpu => None,
+            Place::Cuda(_) => cap.as_ref().map(|c| c.bytes).or(facts.cuda_total_bytes),
         };
         Ok(Plan {
+            spec: spec.clone(),
             run_dir,
+            writes_to,
             device,
             device_budget,
             cap,
             alloc,
             env,
-            threads: (spec.job.threads > 0).then_some(spec.job.threads as i32),
+            threads,
             record_history,
             configured,
             start,
@@ -264,6 +264,100 @@ impl Plan {
             nothing_to_do,
             notices,
         })
+    }
+}
+
+/// Where a run starts: fresh, or from its run directory's latest checkpoint.
+struct Resumed {
+    start: TrainState,
+    resume: Option<Resume>,
+    nothing_to_do: Option<String>,
+    notices: Vec<String>,
+}
+
+fn resolve_resume(
+    spec: &Spec,
+    request: &Request,
+    facts: &Facts,
+    run_dir: &Path,
+    configured: BatchShape,
+) -> Result<Resumed, UsageError> {
+    let mut r = Resumed {
+        start: fresh_state(configured),
+        resume: None,
+        nothing_to_do: None,
+        notices: vec![],
+    };
+    if !request.resuming() {
+        return Ok(r);
+    }
+    let checkpoint;
+    (checkpoint, r.start) = resumed_state(spec, facts, run_dir, configured)?;
+    let start = &r.start;
+    if start.epoch >= spec.train.epochs {
+        r.nothing_to_do = Some(format!(
+            "{} already finished {} epoch(s), which train.epochs ({}) does not exceed; raise it (e.g. --set train.epochs={}) to train further",
+            run_dir.display(),
+            start.epoch,
+            spec.train.epochs,
+            start.epoch + 1
+        ));
+    }
+    r.resume = Some(Resume {
+        checkpoint,
+        state: start.clone(),
+    });
+    if let Some(was) = &facts.checkpoint_spec {
+        r.notices.extend(data_changes(was, spec));
+    }
+    Ok(r)
+}
+
+/// The allocator settings in force and the environment variables that set them.
+fn resolve_alloc(spec: &Spec, cap: Option<&Cap>, facts: &Facts) -> (AllocPlan, Vec<(String, String)>) {
+    // backend:cudaMallocAsync takes the fraction only through the allocator call (`run`
+    // makes it); in its configuration string the native allocator's key is ignored, and
+    // libtorch warns that it is.
+    let async_backend = facts
+        .alloc_env
+        .effective()
+        .is_some_and(|c| c.replace(' ', "").contains("backend:cudaMallocAsync"));
+    let fraction = cap
+        .filter(|c| c.kind == "cuda_fraction" && !async_backend)
+        .and_then(|c| c.fraction);
+    let ours = alloc_conf::from_spec(&spec.memory.allocator, fraction);
+    if ours.is_empty() {
+        let alloc = AllocPlan {
+            conf: facts.alloc_env.effective().map(str::to_owned),
+            conflicts: vec![],
+        };
+        return (alloc, vec![]);
+    }
+    let (conf, conflicts) = alloc_conf::merge(facts.alloc_env.effective(), &ours);
+    let env = vec![
+        (alloc_conf::CUDA_VAR.to_owned(), conf.clone()),
+        (alloc_conf::GENERIC_VAR.to_owned(), conf.clone()),
+    ];
+    let alloc = AllocPlan {
+        conf: Some(conf),
+        conflicts,
+    };
+    (alloc, env)
+}
+
+/// A data-parallel rank's device: `cuda:LOCAL_RANK` on GPUs, the CPU as planned.
+fn rank_device(planned: Place, local_rank: usize) -> Place {
+    match planned {
+        Place::Cuda(_) => Place::Cuda(local_rank),
+        Place::Cpu => Place::Cpu,
+    }
+}
+
+/// NCCL's blocking wait on GPUs, unless the user chose; Gloo has no such switch.
+fn nccl_env(device: Place, user_set: bool) -> Option<(&'static str, &'static str)> {
+    match (device, user_set) {
+        (Place::Cuda(_), false) => Some((NCCL_BLOCKING_WAIT, "1")),
+        _ => None,
     }
 }
 
@@ -413,12 +507,12 @@ fn check_run_dir(dir: &Path, resuming: bool, facts: &Facts) -> Result<(), UsageE
     Ok(())
 }
 
-fn resolve_device(wanted: spec::Device, cuda_devices: usize) -> Result<DevicePlan, UsageError> {
+fn resolve_device(wanted: spec::Device, cuda_devices: usize) -> Result<Place, UsageError> {
     match wanted {
-        spec::Device::Cpu => Ok(DevicePlan::Cpu),
-        spec::Device::Auto if cuda_devices > 0 => Ok(DevicePlan::Cuda(0)),
-        spec::Device::Auto => Ok(DevicePlan::Cpu),
-        spec::Device::Cuda(i) if i < cuda_devices => Ok(DevicePlan::Cuda(i)),
+        spec::Device::Cpu => Ok(Place::Cpu),
+        spec::Device::Auto if cuda_devices > 0 => Ok(Place::Cuda(0)),
+        spec::Device::Auto => Ok(Place::Cpu),
+        spec::Device::Cuda(i) if i < cuda_devices => Ok(Place::Cuda(i)),
         spec::Device::Cuda(i) => Err(UsageError(format!(
             "job.device is cuda:{i} but libtorch sees {cuda_devices} CUDA device(s) (see `memtrain info`); use device = \"auto\" or \"cpu\""
         ))),
@@ -427,10 +521,10 @@ fn resolve_device(wanted: spec::Device, cuda_devices: usize) -> Result<DevicePla
 
 /// memory.limit / memory.fraction as a cap: on CUDA a per-process fraction of the total the CUDA
 /// runtime reports for the device; on the CPU a cap on live tensor bytes (a fraction of RAM).
-fn resolve_cap(spec: &Spec, device: DevicePlan, facts: &Facts) -> Result<Option<Cap>, UsageError> {
+fn resolve_cap(spec: &Spec, device: Place, facts: &Facts) -> Result<Option<Cap>, UsageError> {
     let m = &spec.memory;
     match device {
-        DevicePlan::Cuda(i) => {
+        Place::Cuda(i) => {
             let Some(total) = facts.cuda_total_bytes else {
                 return match (m.limit, m.fraction) {
                     (None, None) => Ok(None),
@@ -450,7 +544,7 @@ fn resolve_cap(spec: &Spec, device: DevicePlan, facts: &Facts) -> Result<Option<
                 fraction: Some(fraction),
             }))
         }
-        DevicePlan::Cpu => {
+        Place::Cpu => {
             let bytes = match (m.limit, m.fraction) {
                 (Some(l), _) => l.0,
                 (None, Some(f)) => (f * facts.host_ram_bytes as f64) as u64,
@@ -517,6 +611,15 @@ pub fn reconcile(mut state: TrainState, configured: BatchShape, batch_size: i64)
 mod tests {
     use super::*;
 
+    #[test]
+    fn each_gpu_rank_takes_its_local_device_and_blocking_nccl_waits() {
+        assert_eq!(rank_device(Place::Cuda(0), 3), Place::Cuda(3));
+        assert_eq!(rank_device(Place::Cpu, 3), Place::Cpu);
+        assert_eq!(nccl_env(Place::Cuda(1), false), Some(("TORCH_NCCL_BLOCKING_WAIT", "1")));
+        assert_eq!(nccl_env(Place::Cuda(1), true), None, "the user's own setting stands");
+        assert_eq!(nccl_env(Place::Cpu, false), None, "Gloo has no such switch");
+    }
+
     fn spec(extra: &str) -> Spec {
         toml::from_str(&format!("[model]\npreset = \"mlp\"\n{extra}")).unwrap()
     }
@@ -550,7 +653,7 @@ mod tests {
     #[test]
     fn a_cpu_plan_caps_tensor_bytes_from_limit_or_fraction() {
         let p = Plan::resolve(&spec("[memory]\nlimit = \"100MiB\"\n"), &fresh(), &facts()).unwrap();
-        assert_eq!(p.device, DevicePlan::Cpu);
+        assert_eq!(p.device, Place::Cpu);
         assert_eq!(
             p.cap,
             Some(Cap {
@@ -575,7 +678,7 @@ mod tests {
             ..facts()
         };
         let p = Plan::resolve(&spec("[memory]\nlimit = \"2GiB\"\n"), &fresh(), &f).unwrap();
-        assert_eq!(p.device, DevicePlan::Cuda(0));
+        assert_eq!(p.device, Place::Cuda(0));
         let cap = p.cap.unwrap();
         assert_eq!(
             (cap.kind.as_str(), cap.bytes, cap.fraction),
@@ -615,13 +718,13 @@ mod tests {
             Plan::resolve(&spec("[job]\ndevice = \"auto\"\n"), &fresh(), &facts())
                 .unwrap()
                 .device,
-            DevicePlan::Cpu
+            Place::Cpu
         );
         assert_eq!(
             Plan::resolve(&spec("[job]\ndevice = \"auto\"\n"), &fresh(), &f)
                 .unwrap()
                 .device,
-            DevicePlan::Cuda(0)
+            Place::Cuda(0)
         );
         let e = Plan::resolve(&spec("[job]\ndevice = \"cuda:1\"\n"), &fresh(), &f).unwrap_err();
         assert!(e.0.contains("cuda:1 but libtorch sees 1"), "{}", e.0);
@@ -850,7 +953,7 @@ mod tests {
         let resume = resuming();
         let s = spec("[job]\ndevice = \"cuda\"\n[train]\nbatch_size = 8\nepochs = 1\n");
         let p = Plan::resolve(&s, &resume, &f).unwrap();
-        assert_eq!(p.device, DevicePlan::Cpu);
+        assert_eq!(p.device, Place::Cpu);
         assert!(p.nothing_to_do.unwrap().contains("--set train.epochs=2"));
     }
 }

@@ -20,7 +20,7 @@ use crate::cli::{Checkpointing, FitArgs};
 use crate::exit::{OomExit, UsageError};
 use crate::host::Home;
 use crate::human::{human_bytes, human_duration};
-use crate::plan::{DevicePlan, Facts, Plan, Request};
+use crate::plan::{Facts, Place, Plan, Request};
 use crate::records::{self, RunRecords, StepEvent};
 use crate::spec::{self, ByteSize, Precision};
 pub use search::{fastest, largest_fit, micro_batch_for, Measured};
@@ -448,7 +448,7 @@ fn parse_margin(text: &str, budget: u64) -> Result<u64, UsageError> {
 }
 
 fn resolve_budget(args: &FitArgs, plan: &Plan, facts: &Facts) -> Result<Budget> {
-    let cuda = matches!(plan.device, DevicePlan::Cuda(_));
+    let cuda = matches!(plan.device, Place::Cuda(_));
     let total = facts.cuda_total_bytes;
     let (bytes, source, written_as) = if let Some(l) = &args.limit {
         let b = ByteSize::parse(l).map_err(|e| UsageError(format!("--limit: {e}")))?;
@@ -560,9 +560,9 @@ pub fn fit(args: &FitArgs, quiet: bool) -> Result<()> {
         out: Some(scratch.0.join("plan")),
         resume: None,
     };
-    let facts = Facts::probe(&spec, &request)?;
+    let facts = Facts::probe(&spec, &request, None)?;
     let plan = Plan::resolve(&spec, &request, &facts)?;
-    let cuda = matches!(plan.device, DevicePlan::Cuda(_));
+    let cuda = matches!(plan.device, Place::Cuda(_));
     let budget = resolve_budget(args, &plan, &facts)?;
     let settings = settings(args, &spec, cuda)?;
     if let Some(out) = &args.write {

@@ -21,7 +21,7 @@ use crate::memory::CachePolicy;
 use crate::model::{self, Built, Net, ARCH_PREFIX};
 use crate::oom::{self, BatchShape, OomKind, StepError};
 use crate::optim::{Hyper, LrSchedule, Optimizer, Shard};
-use crate::plan::{DevicePlan, Plan};
+use crate::plan::{Place, Plan};
 use crate::policy::levers::{self, Described, Position, Situation};
 use crate::policy::recovery::{EvalPosition, Policy, Recovery};
 use crate::progress::Progress;
@@ -35,11 +35,23 @@ pub struct Session {
     pub quiet: bool,
 }
 
-impl Plan {
+/// Builds every part of the run from its plan alone. The run directory appears only once the
+/// model, the data and any checkpoint are known to be good.
+pub fn components(plan: &Plan, execution: Execution, session: Session) -> Result<Components> {
+    Factory { plan }.build(execution, session)
+}
+
+/// The factories, each reading the sections of the plan's spec its part needs.
+struct Factory<'p> {
+    plan: &'p Plan,
+}
+
+impl Factory<'_> {
     /// Builds every part of the run. The run directory appears only once the model, the data and
     /// any checkpoint are known to be good.
-    pub fn build(&self, spec: &Spec, mut execution: Execution, session: Session) -> Result<Components> {
-        let device = self.device.tch();
+    fn build(&self, mut execution: Execution, session: Session) -> Result<Components> {
+        let spec = &self.plan.spec;
+        let device = self.plan.device.tch();
         if spec.memory.parameters.is_host() && execution.group().is_some() {
             return Err(UsageError(
                 "memory.parameters = \"host\" streams the parameters through one process's device and cannot be data-parallel (the ranks reduce gradients on the device as backward makes them); keep \"device\" and shard the optimizer state (train.shard_optimizer_state = true), or train in one process".into(),
@@ -47,12 +59,12 @@ impl Plan {
             .into());
         }
         tch::manual_seed(spec.job.seed);
-        let (vs, built) = self.build_model(spec)?;
+        let (vs, built) = self.build_model()?;
         trainable(&vs, &spec.model.preset)?;
-        let data = self.load_data(spec, &built, device)?;
+        let data = self.load_data(&built, device)?;
         let (mut opt, arch) = {
             let _host = spec.memory.parameters.is_host().then(shim::HostScope::enter);
-            self.build_optimizers(spec, &vs, &execution)?
+            self.build_optimizers(&vs, &execution)?
         };
         // Parameters built on the host still stream to the run's device.
         opt.host_for(device);
@@ -60,17 +72,17 @@ impl Plan {
             opt.update_by_block(blocks);
         }
         let mut model = Model {
-            sched: self.schedule(spec, &data),
+            sched: self.schedule(&data),
             vs,
             net: built.net,
             opt,
             stream: None,
         };
-        let mut state = self.start.clone();
+        let mut state = self.plan.start.clone();
         let mut arch = arch.map(|(step, opt)| ArchStep::new(step, opt, state.arch.clone(), spec.job.seed));
         self.restore(&mut model, arch.as_mut(), device)?;
         scalers(spec, &mut state, arch.as_mut());
-        let recovery = self.recovery(spec, &state, &model, &execution)?;
+        let recovery = self.recovery(&state, &model, &execution)?;
         if spec.memory.parameters.is_host() && !recovery.engaged().contains(levers::HostParams.name()) {
             // Built on the host for streaming, which does not apply (the warning said why).
             setup_step(Phase::Model.label(), &|| None, &CHANGE_MODEL, || {
@@ -79,17 +91,10 @@ impl Plan {
             })?;
         }
         let spec_toml = spec::to_toml(spec);
-        fs::create_dir_all(&self.run_dir)
-            .with_context(|| format!("creating run directory {}", self.run_dir.display()))?;
-        atomic::write_atomic(&self.run_dir.join("config.resolved.toml"), spec_toml.as_bytes())?;
-        let out = self.outputs(
-            spec,
-            &spec_toml,
-            &state,
-            &data,
-            model.opt.implementation(),
-            session.quiet,
-        )?;
+        let dir = &self.plan.writes_to;
+        fs::create_dir_all(dir).with_context(|| format!("creating run directory {}", dir.display()))?;
+        atomic::write_atomic(&dir.join("config.resolved.toml"), spec_toml.as_bytes())?;
+        let out = self.outputs(&spec_toml, &state, &data, model.opt.implementation(), session.quiet)?;
         // Optimizer state needs no sharing: fresh, or read from the same checkpoint by every rank.
         let mut vars: Vec<(String, Tensor)> = model.vs.variables().into_iter().collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
@@ -98,7 +103,6 @@ impl Plan {
         let m = &spec.memory;
         Ok(Components {
             settings: LoopSettings {
-                job: spec.job.name.clone(),
                 epochs: spec.train.epochs,
                 seed: spec.job.seed,
                 log_every: spec.log.every_steps,
@@ -107,11 +111,11 @@ impl Plan {
                 clear_on_epoch_end: m.clear_on_epoch_end,
                 clear_after_checkpoint: m.clear_after_checkpoint,
                 preflight: m.preflight,
-                record_history: self.record_history,
+                record_history: self.plan.record_history,
                 max_steps: session.max_steps,
                 spec_toml,
-                cap: self.cap.clone(),
-                alloc_conf: self.alloc.conf.clone(),
+                cap: self.plan.cap.clone(),
+                alloc_conf: self.plan.alloc.conf.clone(),
             },
             model,
             arch,
@@ -138,9 +142,10 @@ impl Plan {
     /// The data sets, resident on the device where they fit its budget. A data file that does
     /// not fit the model is bad input, like a bad spec: exit 2; one that does not fit in memory
     /// is an OOM: exit 3.
-    fn load_data(&self, spec: &Spec, built: &Built, device: Device) -> Result<crate::data::Splits> {
+    fn load_data(&self, built: &Built, device: Device) -> Result<crate::data::Splits> {
+        let spec = &self.plan.spec;
         let mut data = {
-            let _squeeze = fault::squeeze_in(Phase::Data, self.start.global_step);
+            let _squeeze = fault::squeeze_in(Phase::Data, self.plan.start.global_step);
             let needs = data_size(&spec.data, &built.input_shape);
             setup_step(Phase::Data.label(), &|| needs.clone(), &CHANGE_DATA, || {
                 crate::data::load(&spec.data, &built.input_shape, built.num_classes, spec.job.seed)
@@ -159,7 +164,7 @@ impl Plan {
                 }
             })?
         };
-        if data.stay_resident(device, self.device_budget) {
+        if data.stay_resident(device, self.plan.device_budget) {
             // Steps then copy indices, not samples.
             data.train.keep_on(device);
             data.val.keep_on(device);
@@ -175,10 +180,11 @@ impl Plan {
     /// `memory.parameters = "host"` it stays in host memory to stream (counted as host on the
     /// CPU), so weights larger than the device can be. A TorchScript module is loaded on the
     /// device: its weights come from its file, and its code may hold tensors of its own.
-    fn build_model(&self, spec: &Spec) -> Result<(nn::VarStore, Built)> {
+    fn build_model(&self) -> Result<(nn::VarStore, Built)> {
+        let spec = &self.plan.spec;
         let on_host = spec.memory.parameters.is_host();
         let _host = on_host.then(shim::HostScope::enter);
-        let device = self.device.tch();
+        let device = self.plan.device.tch();
         let built_on = match spec.model.preset == "torchscript" {
             true => device,
             false => Device::Cpu,
@@ -187,7 +193,7 @@ impl Plan {
         let needs =
             || after_setup_oom(spec).map(|e| format!("its parameters are {}", human_bytes(e.parameter_bytes())));
         let built = {
-            let _squeeze = fault::squeeze_in(Phase::Model, self.start.global_step);
+            let _squeeze = fault::squeeze_in(Phase::Model, self.plan.start.global_step);
             setup_try(Phase::Model.label(), &needs, &CHANGE_MODEL, || {
                 model::build(&vs.root(), &spec.model)
             })?
@@ -199,7 +205,7 @@ impl Plan {
             init_from(&vs, path)?;
         }
         if !on_host && built_on != device {
-            let _squeeze = fault::squeeze_in(Phase::Model, self.start.global_step);
+            let _squeeze = fault::squeeze_in(Phase::Model, self.plan.start.global_step);
             setup_step(Phase::Model.label(), &needs, &CHANGE_MODEL, || vs.set_device(device))?;
         }
         Ok((vs, built))
@@ -209,10 +215,10 @@ impl Plan {
     /// preset's extra step with its own optimizer.
     fn build_optimizers(
         &self,
-        spec: &Spec,
         vs: &nn::VarStore,
         execution: &Execution,
     ) -> Result<(Optimizer, Option<(model::ExtraStep, Optimizer)>)> {
+        let spec = &self.plan.spec;
         let t = &spec.train;
         let (weights, arch) = split_params(vs);
         let shard = match execution.group() {
@@ -227,7 +233,7 @@ impl Plan {
         let from_start = levers::configured(&spec.train, &spec.memory)
             .into_iter()
             .map(|(_, l)| l.name())
-            .chain(self.start.levers.iter().map(String::as_str))
+            .chain(self.plan.start.levers.iter().map(String::as_str))
             .collect::<Vec<_>>();
         let home = match [levers::HostState.name(), levers::HostParams.name()]
             .iter()
@@ -253,16 +259,17 @@ impl Plan {
         Ok((opt, extra))
     }
 
-    fn schedule(&self, spec: &Spec, data: &Splits) -> LrSchedule {
+    fn schedule(&self, data: &Splits) -> LrSchedule {
+        let spec = &self.plan.spec;
         let t = &spec.train;
-        let effective = self.configured.effective();
+        let effective = self.plan.configured.effective();
         let steps_per_epoch = (data.train.len() + effective - 1) / effective;
         LrSchedule::from_train(t, steps_per_epoch * t.epochs, steps_per_epoch)
     }
 
     /// A resumed run's model, optimizer state and generators, from its checkpoint.
     fn restore(&self, model: &mut Model, arch: Option<&mut ArchStep>, device: Device) -> Result<()> {
-        let Some(r) = &self.resume else { return Ok(()) };
+        let Some(r) = &self.plan.resume else { return Ok(()) };
         let _squeeze = fault::squeeze_in(Phase::Resume, r.state.global_step);
         let what = format!("{} from {}", Phase::Resume.label(), r.checkpoint.display());
         let needs = Some(format!(
@@ -306,7 +313,8 @@ impl Plan {
     }
 
     /// Recovery at the run's position, with the levers the spec turns on engaged.
-    fn recovery(&self, spec: &Spec, state: &TrainState, model: &Model, execution: &Execution) -> Result<Recovery> {
+    fn recovery(&self, state: &TrainState, model: &Model, execution: &Execution) -> Result<Recovery> {
+        let spec = &self.plan.spec;
         let m = &spec.memory;
         let has_blocks = model.net.chain().is_some();
         // Checkpoints from before levers had names kept the spec's checkpointing flag even for a
@@ -319,7 +327,7 @@ impl Plan {
         let engaged = levers::from_names(&names).map_err(|e| {
             UsageError(format!(
                 "{}: {e}; a newer memtrain wrote it, so resume it with that one",
-                self.resume.as_ref().map_or_else(
+                self.plan.resume.as_ref().map_or_else(
                     || "the checkpoint".into(),
                     |r| r.checkpoint.join("state.json").display().to_string()
                 )
@@ -329,9 +337,9 @@ impl Plan {
             Policy {
                 on_oom: m.on_oom.clone(),
                 grow_back_after: m.grow_back_after,
-                configured: self.configured,
+                configured: self.plan.configured,
                 eval_configured: spec.train.eval_batch_size.unwrap_or(spec.train.batch_size),
-                reported: self.oom_reported,
+                reported: self.plan.oom_reported,
                 situation: Situation {
                     at: Position {
                         shape: BatchShape {
@@ -342,7 +350,7 @@ impl Plan {
                         engaged,
                     },
                     min_batch: m.min_batch_size,
-                    planned_on_cpu: self.device == DevicePlan::Cpu,
+                    planned_on_cpu: self.plan.device == Place::Cpu,
                     has_blocks,
                     blockwise: crate::model::blockwise(model.net.as_ref(), &model.vs),
                     data_parallel: execution.group().is_some(),
@@ -371,16 +379,16 @@ impl Plan {
     /// the cache policy.
     fn outputs(
         &self,
-        spec: &Spec,
         spec_toml: &str,
         state: &TrainState,
         data: &Splits,
         optimizer_impl: OptimizerImpl,
         quiet: bool,
     ) -> Result<Outputs> {
-        let run_dir = &self.run_dir;
-        let device = self.device.tch();
-        let effective = self.configured.effective();
+        let spec = &self.plan.spec;
+        let run_dir = &self.plan.writes_to;
+        let device = self.plan.device.tch();
+        let effective = self.plan.configured.effective();
         let mut recorder = Recorder::open(run_dir, spec_toml, spec.log.tensorboard)?;
         let (train_samples, val_samples) = (data.train.len(), data.val.len());
         let setup = crate::memory::sample(crate::memory::Place::of(device));
@@ -388,13 +396,13 @@ impl Plan {
             job: spec.job.name.clone(),
             step: state.global_step,
             device: device_name(device),
-            resumed: self.resume.is_some(),
+            resumed: self.plan.resume.is_some(),
             micro_batch: state.micro_batch,
             accumulation_steps: state.accumulation_steps,
             effective_batch: effective,
-            cap: self.cap.clone(),
-            allocator_conf: self.alloc.conf.clone(),
-            allocator_conflicts: self.alloc.conflicts.clone(),
+            cap: self.plan.cap.clone(),
+            allocator_conf: self.plan.alloc.conf.clone(),
+            allocator_conflicts: self.plan.alloc.conflicts.clone(),
             train_samples,
             val_samples,
             libtorch: shim::versions().libtorch,
@@ -418,7 +426,7 @@ impl Plan {
                 "the effective batch ({effective}) is more than the {train_samples} training samples: every step trains on all of them; lower train.batch_size or train.accumulation_steps, or give more data"
             );
         }
-        progress.println(&match &self.cap {
+        progress.println(&match &self.plan.cap {
             Some(c) if c.kind == "cuda_fraction" => format!(
                 "Memory cap: {} of GPU memory (per-process fraction {:.4})",
                 human_bytes(c.bytes),
@@ -427,7 +435,7 @@ impl Plan {
             Some(c) => format!("Memory cap: {} of CPU tensor memory", human_bytes(c.bytes)),
             None => "Memory cap: none".into(),
         });
-        if let Some(conf) = &self.alloc.conf {
+        if let Some(conf) = &self.plan.alloc.conf {
             progress.println(&format!("Allocator: {conf}"));
         }
         progress.println(&format!(

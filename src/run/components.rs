@@ -15,7 +15,6 @@ use crate::spec::Monitor;
 /// The loop's settings, taken from the spec once.
 #[derive(Debug, Clone)]
 pub struct LoopSettings {
-    pub job: String,
     pub epochs: i64,
     pub seed: i64,
     pub log_every: i64,

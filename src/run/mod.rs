@@ -24,7 +24,7 @@ use crate::human::device_name;
 use crate::memory::Cap;
 use crate::model;
 use crate::oom;
-use crate::plan::{DevicePlan, Facts, Plan, Request};
+use crate::plan::{Facts, Place, Plan, Request};
 use crate::records::Status;
 use crate::shim;
 use crate::spec::{self, Spec};
@@ -53,19 +53,22 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
         out: args.out.clone(),
         resume: args.resume.clone(),
     };
-    let facts = Facts::probe(&spec, &request)?;
-    let mut plan = Plan::resolve(&spec, &request, &facts)?;
+    let facts = Facts::probe(&spec, &request, world.as_ref())?;
+    let plan = Plan::resolve(&spec, &request, &facts)?;
+    drop(spec);
     // For `watch` and `clean`; the file goes when this returns, whatever the outcome.
     let _registration = crate::registry::register(
         world.as_ref().map(|w| w.rank),
-        &spec.job.name,
+        &plan.spec.job.name,
         &plan.run_dir,
         &device_name(plan.device.tch()),
     );
     // Before joining: a NCCL barrier's first CUDA allocation starts the caching allocator, which
     // reads its settings (the cap's fraction among them) once, then.
     set_environment(&plan);
-    let (execution, private_dir) = join(world, &mut plan)?;
+    let execution = join(world, &plan)?;
+    // A follower rank's records go to a directory of its own, removed when it is done.
+    let private_dir = (plan.writes_to != plan.run_dir).then(|| RemoveOnDrop(plan.writes_to.clone()));
     if let Some(msg) = &plan.nothing_to_do {
         // Nothing to train; leave the finished run's records exactly as they are.
         crate::progress::say(format_args!("{msg}"));
@@ -76,7 +79,7 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
         max_steps: args.max_steps,
         quiet,
     };
-    let parts = plan.build(&spec, execution, session)?;
+    let parts = build::components(&plan, execution, session)?;
     let leads = parts.execution.leads();
     let mut trainer = Trainer::new(parts, t_start)?;
     let result = trainer.train();
@@ -104,12 +107,12 @@ fn load_spec(args: &RunArgs, world: Option<&World>) -> Result<Spec> {
 }
 
 /// Data-parallel: every rank has resolved its plan (and checked the run directory) before rank
-/// 0 creates anything; ranks other than 0 write to a private directory that goes away.
-fn join(world: Option<World>, plan: &mut Plan) -> Result<(Execution, Option<RemoveOnDrop>)> {
+/// 0 creates anything; the plan gave each rank its device, threads and directory.
+fn join(world: Option<World>, plan: &Plan) -> Result<Execution> {
     let Some(w) = world else {
-        return Ok((Execution::Local, None));
+        return Ok(Execution::Local);
     };
-    if plan.device != DevicePlan::Cpu && !shim::dist::backends().nccl && w.size == 1 {
+    if plan.device != Place::Cpu && !shim::dist::backends().nccl && w.size == 1 {
         return Err(UsageError(format!(
             "{}=1 asks for a one-rank NCCL group on {}, and this memtrain was built without NCCL's headers; unset it, set job.device = \"cpu\" for a one-rank Gloo group, or build with a CUDA toolkit (see docs/data-parallel.md#building-with-gloo-and-nccl)",
             crate::dist::SINGLE_RANK_GROUP,
@@ -117,41 +120,23 @@ fn join(world: Option<World>, plan: &mut Plan) -> Result<(Execution, Option<Remo
         ))
         .into());
     }
-    if plan.device != DevicePlan::Cpu && !shim::dist::backends().nccl {
+    if plan.device != Place::Cpu && !shim::dist::backends().nccl {
         return Err(UsageError(format!(
             "data-parallel training on {} needs NCCL, and this memtrain was built without NCCL's headers; set job.device = \"cpu\" to train on Gloo, or rebuild after scripts/bootstrap, which installs them (see docs/data-parallel.md#building-with-gloo-and-nccl)",
             device_name(plan.device.tch())
         ))
         .into());
     }
-    // Each rank on its own GPU: NCCL refuses two ranks on one.
-    plan.device = rank_device(plan.device, w.local_rank);
-    if let Some((k, v)) = nccl_env(plan.device, std::env::var_os(NCCL_BLOCKING_WAIT).is_some()) {
-        // Edition 2021: safe. Before the group exists, so a lost peer comes back as an error
-        // from wait() (and rank 0 saves) instead of the watchdog ending the process.
-        std::env::set_var(k, v);
-    }
     if w.size == 1 {
         tracing::info!(
             "{}=1: training as a one-rank {} group",
             crate::dist::SINGLE_RANK_GROUP,
-            if plan.device == DevicePlan::Cpu { "Gloo" } else { "NCCL" }
+            if plan.device == Place::Cpu { "Gloo" } else { "NCCL" }
         );
     }
     let d = Dist::join(w, plan.device.tch())?;
     d.barrier()?;
-    let mut private_dir = None;
-    if d.rank() != 0 {
-        let dir = std::env::temp_dir().join(format!("memtrain-rank{}-{}", d.rank(), std::process::id()));
-        plan.run_dir = dir.clone();
-        private_dir = Some(RemoveOnDrop(dir));
-    }
-    if plan.threads.is_none() {
-        // The machine's cores split between this machine's ranks.
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        plan.threads = Some((cores / d.world.local_size).max(1) as _);
-    }
-    Ok((Execution::DataParallel(d), private_dir))
+    Ok(Execution::DataParallel(d))
 }
 
 /// Every run gets its report, interrupted and failed ones included; then the last words.
@@ -229,25 +214,6 @@ fn deterministic_requested() -> Result<bool> {
     }
 }
 
-const NCCL_BLOCKING_WAIT: &str = "TORCH_NCCL_BLOCKING_WAIT";
-
-/// A data-parallel rank's device: `cuda:LOCAL_RANK` on GPUs, the CPU as planned.
-fn rank_device(planned: DevicePlan, local_rank: usize) -> DevicePlan {
-    match planned {
-        DevicePlan::Cuda(_) => DevicePlan::Cuda(local_rank),
-        DevicePlan::Cpu => DevicePlan::Cpu,
-    }
-}
-
-/// NCCL's blocking wait, unless the user chose: without it `WorkNCCL::wait` does not block and a
-/// lost peer ends the process through the watchdog.
-fn nccl_env(device: DevicePlan, user_set: bool) -> Option<(&'static str, &'static str)> {
-    match (device, user_set) {
-        (DevicePlan::Cuda(_), false) => Some((NCCL_BLOCKING_WAIT, "1")),
-        _ => None,
-    }
-}
-
 /// `leads`: this process speaks for the run (one rank of a data-parallel group does).
 fn apply(plan: &Plan, leads: bool) -> Result<()> {
     if leads {
@@ -267,11 +233,11 @@ fn apply(plan: &Plan, leads: bool) -> Result<()> {
         tch::set_num_threads(n);
     }
     match (plan.device, &plan.cap) {
-        (DevicePlan::Cpu, Some(cap)) => shim::cpu_alloc_set_cap(Some(cap.bytes)),
+        (Place::Cpu, Some(cap)) => shim::cpu_alloc_set_cap(Some(cap.bytes)),
         // Also set in PYTORCH_CUDA_ALLOC_CONF for the native allocator; this call is the only
         // one cudaMallocAsync honours. A binary built without the CUDA runtime's headers has
         // only the configuration's fraction, which the native allocator still honours.
-        (DevicePlan::Cuda(i), Some(Cap { fraction: Some(f), .. })) => {
+        (Place::Cuda(i), Some(Cap { fraction: Some(f), .. })) => {
             if let Err(e) = shim::cuda_set_memory_fraction(*f, i) {
                 tracing::warn!(
                     "the cap on cuda:{i} rests on the allocator settings alone (backend:cudaMallocAsync ignores them): {e:#}"
@@ -280,7 +246,7 @@ fn apply(plan: &Plan, leads: bool) -> Result<()> {
         }
         _ => {}
     }
-    if let DevicePlan::Cuda(_) = plan.device {
+    if let Place::Cuda(_) = plan.device {
         // Not fatal: the OOM report then takes its snapshot after the attempt unwound.
         if let Err(e) = shim::keep_oom_snapshots() {
             tracing::warn!("the OOM report's snapshot will be taken after the failed step: {e:#}");
@@ -332,26 +298,5 @@ struct RemoveOnDrop(PathBuf);
 impl Drop for RemoveOnDrop {
     fn drop(&mut self) {
         let _ = fs::remove_dir_all(&self.0);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn each_gpu_rank_takes_its_local_device_and_blocking_nccl_waits() {
-        assert_eq!(rank_device(DevicePlan::Cuda(0), 3), DevicePlan::Cuda(3));
-        assert_eq!(rank_device(DevicePlan::Cpu, 3), DevicePlan::Cpu);
-        assert_eq!(
-            nccl_env(DevicePlan::Cuda(1), false),
-            Some(("TORCH_NCCL_BLOCKING_WAIT", "1"))
-        );
-        assert_eq!(
-            nccl_env(DevicePlan::Cuda(1), true),
-            None,
-            "the user's own setting stands"
-        );
-        assert_eq!(nccl_env(DevicePlan::Cpu, false), None, "Gloo has no such switch");
     }
 }
