@@ -53,7 +53,7 @@ fn launch_ranks(args: &crate::cli::RunArgs) -> Option<i32> {
     }
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
     let available = crate::sysmem::host_memory().ok().map(|h| h.ram_available_bytes);
-    if let Err(e) = crate::dist::launch::check_rank_count(n, cores, available) {
+    if let Err(e) = crate::parallel::launch::check_rank_count(n, cores, available) {
         eprintln!("error: {e}");
         return Some(exit::USAGE);
     }
@@ -72,20 +72,20 @@ fn launch_ranks(args: &crate::cli::RunArgs) -> Option<i32> {
             rest.push(a);
         }
     }
-    let timeout = match crate::dist::World::from_lookup(|k| match k {
+    let timeout = match crate::parallel::World::from_lookup(|k| match k {
         "RANK" => Some("0".into()),
         "WORLD_SIZE" => Some(n.to_string()),
         "MASTER_ADDR" => Some("127.0.0.1".into()),
         "MASTER_PORT" => Some("1".into()),
         _ => std::env::var(k).ok(),
     }) {
-        Ok(w) => w.map(|w| w.timeout).unwrap_or(crate::dist::DEFAULT_TIMEOUT),
+        Ok(w) => w.map(|w| w.timeout).unwrap_or(crate::parallel::DEFAULT_TIMEOUT),
         Err(e) => {
             eprintln!("error: {e:#}");
             return Some(exit::USAGE);
         }
     };
-    match crate::dist::launch::launch(n, &rest, timeout) {
+    match crate::parallel::launch::launch(n, &rest, timeout) {
         Ok(code) => Some(code),
         Err(e) => {
             eprintln!("error: {e:#}");

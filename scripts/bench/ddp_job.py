@@ -34,7 +34,7 @@ import reference  # noqa: E402
 
 
 def share(group, micro, rank, size):
-    """memtrain's dist::share: contiguous, at micro-batch boundaries when there are enough."""
+    """memtrain's parallel::share: contiguous, at micro-batch boundaries when there are enough."""
     chunks = -(-len(group) // micro)
     unit, units = (micro, chunks) if chunks >= size else (1, len(group))
     base, extra = divmod(units, size)

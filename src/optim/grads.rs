@@ -9,12 +9,13 @@
 //!
 //! On CUDA the pieces go down on the copy stream while backward goes on. A later piece lands in
 //! a staging buffer of its own and is added once it has arrived: at the next collection (the
-//! block before's downloads are done by then, or nearly) or at [`HostGrads::finish`].
+//! block before's downloads are done by then, or nearly) or at [`GradBuffers::finish`].
 use tch::Tensor;
 
 use crate::host::{Fence, Host};
 
-pub struct HostGrads {
+/// The host buffers that gradients accumulate in (the `host_gradients` lever engages them).
+pub struct GradBuffers {
     /// One host buffer per parameter, shaped like it.
     buffers: Vec<Tensor>,
     /// Whether this step has written buffer `i` (the step's first piece is copied, not added).
@@ -25,9 +26,9 @@ pub struct HostGrads {
     arrived: Option<Fence>,
 }
 
-impl HostGrads {
+impl GradBuffers {
     pub fn allocate(host: &Host, params: &[(String, Tensor)]) -> Self {
-        HostGrads {
+        GradBuffers {
             buffers: params.iter().map(|(_, p)| host.zeros_like(p)).collect(),
             written: vec![false; params.len()],
             pending: Vec::new(),

@@ -59,7 +59,7 @@ use crate::spec::schema::{OptimizerImpl, OptimizerKind, Train};
 pub use adam8::state_bytes_8bit;
 pub use clip::{clip_grad_norm, clip_grads};
 use forms::{Forms, Multipliers};
-use grads::HostGrads;
+use grads::GradBuffers;
 pub use implementation::{refusal, resolve, Placement};
 use implementation::{Batch, Implementation, Reserve};
 pub use quant::dynamic_map;
@@ -160,10 +160,10 @@ pub struct Optimizer {
     /// Where host-placed state and gradients are made.
     host: Host,
     /// `memory.gradients = "host"`: the step's gradients, collected off the device.
-    host_grads: Option<HostGrads>,
+    host_grads: Option<GradBuffers>,
     /// State on the host of a CUDA run with gradients on the device: where the update's
     /// gradients are staged once backward is done.
-    staged: Option<HostGrads>,
+    staged: Option<GradBuffers>,
     /// State on the host of a CUDA run: the parameters' host copies the update writes and
     /// uploads (see [`Masters`]).
     masters: Masters,
@@ -451,7 +451,7 @@ impl Optimizer {
         }
         let staged = self
             .staged
-            .get_or_insert_with(|| HostGrads::allocate(&self.host, &self.params));
+            .get_or_insert_with(|| GradBuffers::allocate(&self.host, &self.params));
         let fences = staged.stage(&self.host, &self.params, &live, runs);
         let on_host = live
             .iter()
@@ -649,7 +649,7 @@ impl Optimizer {
             Home::Host => Some(
                 self.host_grads
                     .take()
-                    .unwrap_or_else(|| HostGrads::allocate(&self.host, &self.params)),
+                    .unwrap_or_else(|| GradBuffers::allocate(&self.host, &self.params)),
             ),
             Home::Device => None,
         };

@@ -4,8 +4,8 @@ use anyhow::{Context, Result};
 use tch::Tensor;
 
 use crate::checkpoint::NamedTensors;
-use crate::dist::Dist;
 use crate::optim::Optimizer;
+use crate::parallel::Dist;
 use crate::records::RankPeak;
 
 pub enum Execution {
@@ -39,7 +39,7 @@ impl Execution {
     pub fn share<'a>(&self, group: &'a [i64], micro_batch: usize) -> (&'a [i64], bool) {
         match self.group() {
             None => (group, true),
-            Some(d) => match crate::dist::share(group, micro_batch, d.rank(), d.size()) {
+            Some(d) => match crate::parallel::share(group, micro_batch, d.rank(), d.size()) {
                 [] => (&group[..1], false),
                 s => (s, true),
             },

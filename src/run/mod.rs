@@ -18,12 +18,12 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 
 use crate::cli::RunArgs;
-use crate::dist::{Dist, World};
 use crate::exit::UsageError;
 use crate::human::device_name;
 use crate::memory::Cap;
 use crate::model;
 use crate::oom;
+use crate::parallel::{Dist, World};
 use crate::plan::{Facts, Place, Plan, Request};
 use crate::records::Status;
 use crate::shim;
@@ -115,7 +115,7 @@ fn join(world: Option<World>, plan: &Plan) -> Result<Execution> {
     if plan.device != Place::Cpu && !shim::dist::backends().nccl && w.size == 1 {
         return Err(UsageError(format!(
             "{}=1 asks for a one-rank NCCL group on {}, and this memtrain was built without NCCL's headers; unset it, set job.device = \"cpu\" for a one-rank Gloo group, or build with a CUDA toolkit (see docs/data-parallel.md#building-with-gloo-and-nccl)",
-            crate::dist::SINGLE_RANK_GROUP,
+            crate::parallel::SINGLE_RANK_GROUP,
             device_name(plan.device.tch())
         ))
         .into());
@@ -130,7 +130,7 @@ fn join(world: Option<World>, plan: &Plan) -> Result<Execution> {
     if w.size == 1 {
         tracing::info!(
             "{}=1: training as a one-rank {} group",
-            crate::dist::SINGLE_RANK_GROUP,
+            crate::parallel::SINGLE_RANK_GROUP,
             if plan.device == Place::Cpu { "Gloo" } else { "NCCL" }
         );
     }
