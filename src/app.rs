@@ -58,7 +58,7 @@ fn launch_ranks(args: &crate::cli::RunArgs) -> Option<i32> {
         return Some(exit::USAGE);
     }
     // A bad --rank-set is said once, here, rather than by every rank.
-    if let Err(e) = crate::run::rank_sets(&args.rank_set, usize::MAX, n) {
+    if let Err(e) = crate::spec::rank_sets(&args.rank_set, usize::MAX, n) {
         eprintln!("error: {e:#}");
         return Some(exit::USAGE);
     }

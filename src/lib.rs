@@ -1,21 +1,24 @@
 //! memtrain: a training runner for PyTorch models (through tch) built around GPU memory.
 //!
 //! Data flows one way: spec → plan → components → step pipeline → events → records. The layers,
-//! each using only those below it (`scripts/module-graph` shows there is no circle):
+//! each using only those below it (`scripts/module-graph src` lists every circle, and a test
+//! keeps that list empty):
 //!
 //! 1. commands: `main`, `cli`, `app` (hands each command its work), `info`, `fit`, `report`,
-//!    `watch`, `clean`, and `run::run` (plan → build → train → report);
-//! 2. the job: `spec` (reading, overriding and validating the TOML), `plan` (pure: what the run
-//!    will be), `estimate` (`check`);
-//! 3. the run's parts: `run`'s build, components, levers, recovery, step pipeline, forward part
-//!    and execution strategy; `dist` (data-parallel groups);
-//! 4. what a run is made of: `model` (presets), `data`, `optim`, `checkpoint`, `records`,
-//!    `scaler`, `memory` and `oom`, `alloc_conf`, `progress`, `signals`.
-//!    Each reads only its own section of the spec's schema (`spec::Model`, `spec::Data`,
-//!    `spec::Train`: plain data types), never the whole spec;
-//! 5. the ground: `shim` (the only C++ and the only caller of `torch_sys`), `sysmem`, `atomic`,
-//!    `human`, `exit`, `fault`, `procs` (other processes, from /proc) and `registry` (the
-//!    running memtrain processes, for `watch`, `info` and `clean`).
+//!    `watch`, `clean`, and `run::run` (facts → plan → components → trainer → report);
+//! 2. the job: `spec` (reading, overriding and validating the TOML), `plan` (`Facts::probe`, then
+//!    a pure `Plan::resolve` that nothing changes afterwards), `estimate` (`check`);
+//! 3. the run: `run`'s factory (`build::components`, from the plan alone), trainer, step
+//!    pipeline, forward part and execution strategy; `parallel` (data-parallel groups);
+//! 4. policy: `policy::levers` and `policy::recovery`, which decide and hold no tensors; `run`
+//!    carries out their decisions, `report`, `fit` and `check` describe them;
+//! 5. what a run is made of: `model` (presets), `data`, `optim`, `checkpoint`, `records`,
+//!    `scaler`, `memory` and `oom`, `host`, `alloc_conf`, `progress`, `signals`, `readback`.
+//!    Each reads only its own section of the spec's schema (`spec::schema`: plain data types),
+//!    never the whole spec;
+//! 6. the ground: `spec::schema` and `spec::error`, `shim` (the only C++ and the only caller of
+//!    `torch_sys`), `sysmem`, `atomic`, `human`, `exit`, `fault`, `procs` (other processes, from
+//!    /proc) and `registry` (the running memtrain processes, for `watch`, `info` and `clean`).
 pub mod alloc_conf;
 pub mod app;
 pub mod atomic;

@@ -81,7 +81,7 @@ impl Factory<'_> {
         let mut state = self.plan.start.clone();
         let mut arch = arch.map(|(step, opt)| ArchStep::new(step, opt, state.arch.clone(), spec.job.seed));
         self.restore(&mut model, arch.as_mut(), device)?;
-        scalers(spec, &mut state, arch.as_mut());
+        scalers(spec.train.precision, &mut state, arch.as_mut());
         let recovery = self.recovery(&state, &model, &execution)?;
         if spec.memory.parameters.is_host() && !recovery.engaged().contains(levers::HostParams.name()) {
             // Built on the host for streaming, which does not apply (the warning said why).
@@ -461,8 +461,8 @@ impl Factory<'_> {
 
 /// fp16-mixed starts (or, switched on at a resume, takes up) a loss scaler for each step that
 /// has one; other precisions drop them.
-fn scalers(spec: &Spec, state: &mut TrainState, arch: Option<&mut ArchStep>) {
-    let on = spec.train.precision.scales_loss();
+fn scalers(precision: Precision, state: &mut TrainState, arch: Option<&mut ArchStep>) {
+    let on = precision.scales_loss();
     for s in std::iter::once(&mut state.scaler).chain(arch.map(|a| &mut a.state.arch_scaler)) {
         match on {
             true => {

@@ -94,7 +94,7 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
 fn load_spec(args: &RunArgs, world: Option<&World>) -> Result<Spec> {
     let mut sets = args.spec.set.clone();
     match world {
-        Some(w) => sets.extend(rank_sets(&args.rank_set, w.rank, w.size)?),
+        Some(w) => sets.extend(spec::rank_sets(&args.rank_set, w.rank, w.size)?),
         None if !args.rank_set.is_empty() => {
             return Err(UsageError(
                 "--rank-set applies to data-parallel runs: add --nproc N (or launch with torchrun)".into(),
@@ -256,40 +256,6 @@ fn apply(plan: &Plan, leads: bool) -> Result<()> {
         shim::record_memory_history(true, 100_000).context("starting allocator history recording")?;
     }
     Ok(())
-}
-
-/// `--rank-set R:KEY=VALUE` entries that apply to `rank`, as `--set` values.
-pub(crate) fn rank_sets(entries: &[String], rank: usize, world: usize) -> Result<Vec<String>> {
-    let mut out = vec![];
-    for e in entries {
-        let (r, set) = e
-            .split_once(':')
-            .and_then(|(r, set)| Some((r.trim().parse::<usize>().ok()?, set)))
-            .ok_or_else(|| {
-                UsageError(format!(
-                    "--rank-set {e:?}: expected RANK:KEY=VALUE, e.g. 1:memory.limit=64MiB"
-                ))
-            })?;
-        // Ranks must agree on everything that decides which collectives they run (optimizer,
-        // sharding, batch, checkpoints); memory is what differs between devices.
-        if !set.trim_start().starts_with("memory.") {
-            return Err(UsageError(format!(
-                "--rank-set {e:?}: only memory.* keys can differ between ranks (e.g. 1:memory.limit=64MiB); use --set for the others"
-            ))
-            .into());
-        }
-        if r >= world {
-            return Err(UsageError(format!(
-                "--rank-set {e:?}: there is no rank {r}; the ranks are 0 to {}",
-                world - 1
-            ))
-            .into());
-        }
-        if r == rank {
-            out.push(set.to_owned());
-        }
-    }
-    Ok(out)
 }
 
 /// A directory removed when the run ends (a follower rank's private run directory).

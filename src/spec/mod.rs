@@ -42,6 +42,40 @@ impl Override {
     }
 }
 
+/// `--rank-set R:KEY=VALUE` entries that apply to `rank`, as `--set` values.
+pub fn rank_sets(entries: &[String], rank: usize, world: usize) -> anyhow::Result<Vec<String>> {
+    let mut out = vec![];
+    for e in entries {
+        let (r, set) = e
+            .split_once(':')
+            .and_then(|(r, set)| Some((r.trim().parse::<usize>().ok()?, set)))
+            .ok_or_else(|| {
+                crate::exit::UsageError(format!(
+                    "--rank-set {e:?}: expected RANK:KEY=VALUE, e.g. 1:memory.limit=64MiB"
+                ))
+            })?;
+        // Ranks must agree on everything that decides which collectives they run (optimizer,
+        // sharding, batch, checkpoints); memory is what differs between devices.
+        if !set.trim_start().starts_with("memory.") {
+            return Err(crate::exit::UsageError(format!(
+                "--rank-set {e:?}: only memory.* keys can differ between ranks (e.g. 1:memory.limit=64MiB); use --set for the others"
+            ))
+            .into());
+        }
+        if r >= world {
+            return Err(crate::exit::UsageError(format!(
+                "--rank-set {e:?}: there is no rank {r}; the ranks are 0 to {}",
+                world - 1
+            ))
+            .into());
+        }
+        if r == rank {
+            out.push(set.to_owned());
+        }
+    }
+    Ok(out)
+}
+
 /// A value typed as TOML (`8`, `true`, `["a"]`, `"x"`), or the text as a string when it is not
 /// valid TOML.
 pub fn toml_value(raw: &str) -> toml_edit::Value {

@@ -20,6 +20,7 @@ mod placement_stream;
 mod precision;
 mod reads;
 mod report;
+mod structure;
 mod training;
 mod validation;
 mod watch;
