@@ -136,9 +136,10 @@ fn parse_wanted(v: &str, rank: Option<&str>) -> Option<Wanted> {
 }
 
 /// Entering `phase` at global step `step` (the step being worked on, or the last one done
-/// outside the loop): squeezes the cap if the fault asks for this place. The returned guard
-/// lifts it again.
-pub fn squeeze_in(phase: Phase, step: i64) -> Squeeze {
+/// outside the loop; none for work outside the count, such as DARTS's architecture step):
+/// squeezes the cap if the fault asks for this place. The returned guard lifts it again.
+pub fn squeeze_in(phase: Phase, step: impl Into<Option<i64>>) -> Squeeze {
+    let step = step.into();
     static WANTED: OnceLock<Option<Wanted>> = OnceLock::new();
     let wanted = WANTED.get_or_init(|| {
         let optimizer = std::env::var(OOM_IN_OPTIMIZER).ok().map(|n| format!("optimizer:{n}"));
@@ -152,7 +153,7 @@ pub fn squeeze_in(phase: Phase, step: i64) -> Squeeze {
         }
         w
     });
-    let hit = wanted.is_some_and(|w| w.phase == phase && w.step.is_none_or(|s| s == step));
+    let hit = wanted.is_some_and(|w| w.phase == phase && w.step.is_none_or(|s| Some(s) == step));
     if !hit || FIRED.swap(true, Ordering::SeqCst) {
         return Squeeze { restore: None };
     }
@@ -161,7 +162,7 @@ pub fn squeeze_in(phase: Phase, step: i64) -> Squeeze {
     Squeeze { restore: Some(s.cap) }
 }
 
-pub fn squeeze_before_optimizer(step: i64) -> Squeeze {
+pub fn squeeze_before_optimizer(step: Option<i64>) -> Squeeze {
     squeeze_in(Phase::Optimizer, step)
 }
 

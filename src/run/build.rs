@@ -10,7 +10,7 @@ use super::components::{Components, LoopSettings, Outputs};
 use super::execution::Execution;
 use super::forward::{Forward, PrecisionStage};
 use super::levers::{self, Lever, Position};
-use super::parts::{ArchStep, Model};
+use super::parts::{ArchStep, Trained};
 use super::recovery::{EvalPosition, Policy, Recovery};
 use super::step::StepPipeline;
 use crate::checkpoint::{NamedTensors, Store, TrainState};
@@ -59,7 +59,7 @@ impl Plan {
         if let Some(blocks) = param_blocks(built.net.as_ref(), &vs, &opt) {
             opt.update_by_block(blocks);
         }
-        let mut model = Model {
+        let mut model = Trained {
             sched: self.schedule(spec, &data),
             vs,
             net: built.net,
@@ -261,7 +261,7 @@ impl Plan {
     }
 
     /// A resumed run's model, optimizer state and generators, from its checkpoint.
-    fn restore(&self, model: &mut Model, arch: Option<&mut ArchStep>, device: Device) -> Result<()> {
+    fn restore(&self, model: &mut Trained, arch: Option<&mut ArchStep>, device: Device) -> Result<()> {
         let Some(r) = &self.resume else { return Ok(()) };
         let _squeeze = fault::squeeze_in(Phase::Resume, r.state.global_step);
         let what = format!("{} from {}", Phase::Resume.label(), r.checkpoint.display());
@@ -306,7 +306,7 @@ impl Plan {
     }
 
     /// Recovery at the run's position, with the levers the spec turns on engaged.
-    fn recovery(&self, spec: &Spec, state: &TrainState, model: &Model, execution: &Execution) -> Result<Recovery> {
+    fn recovery(&self, spec: &Spec, state: &TrainState, model: &Trained, execution: &Execution) -> Result<Recovery> {
         let m = &spec.memory;
         let has_blocks = model.net.chain().is_some();
         // Checkpoints from before levers had names kept the spec's checkpointing flag even for a

@@ -61,8 +61,9 @@ pub struct Work<'a> {
     pub group: &'a [i64],
     pub micro_batch: usize,
     pub lr: f64,
-    /// The global step this work belongs to (1-based), for fault injection in tests.
-    pub step: i64,
+    /// The global step this work belongs to (1-based), for fault injection in tests; none for
+    /// DARTS's architecture step, which the count leaves out.
+    pub step: Option<i64>,
     /// The epoch (0-based) the samples are drawn in, which keys their augmentation.
     pub epoch: i64,
     /// fp16-mixed: the loss scale of this step.
@@ -202,8 +203,8 @@ impl StepPipeline {
         // unscale (the gradients are the optimizer's: on the device, or on the host; listed
         // only when a stage reads them)
         let grads = || -> Vec<Tensor> { opt.grads().into_iter().map(|(_, g)| g).collect() };
-        if work.step > 0 {
-            fault::plant_inf_at(work.step, grads);
+        if let Some(step) = work.step {
+            fault::plant_inf_at(step, grads);
         }
         // A fused optimizer divides the scale out in its kernel, as GradScaler.step has it do
         // when unscale_ was not called, so only the inf check runs here (a multiply by 1, as
