@@ -184,6 +184,22 @@ fn step_from(var: &'static str, cell: &'static OnceLock<Option<i64>>) -> Option<
     })
 }
 
+/// `MEMTRAIN_FAULT_OOM_IN_COLLECTIVE_AT_STEP=N`: at global step N's outcome exchange (the
+/// collective every data-parallel step ends with), the CPU cap is lowered to the bytes allocated,
+/// so making this rank's part of the collective fails for real while the others wait in it.
+/// `N@R` fires on data-parallel rank R only.
+pub const OOM_IN_COLLECTIVE: &str = "MEMTRAIN_FAULT_OOM_IN_COLLECTIVE_AT_STEP";
+
+pub fn squeeze_in_collective(step: Option<i64>) -> Squeeze {
+    static WANTED: OnceLock<Option<i64>> = OnceLock::new();
+    if step.is_none() || step_from(OOM_IN_COLLECTIVE, &WANTED) != step || FIRED.swap(true, Ordering::SeqCst) {
+        return Squeeze { restore: None };
+    }
+    let s = shim::cpu_alloc_stats();
+    shim::cpu_alloc_set_cap(Some(s.allocated.max(1)));
+    Squeeze { restore: Some(s.cap) }
+}
+
 /// `MEMTRAIN_FAULT_ABORT_SAVE_AT_STEP=N`: the checkpoint save for global step N aborts the
 /// process after writing its first file, as a power cut would.
 pub const ABORT_SAVE: &str = "MEMTRAIN_FAULT_ABORT_SAVE_AT_STEP";

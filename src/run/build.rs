@@ -544,7 +544,9 @@ const CHANGE_INIT_FROM: Remedy = Remedy::or("use a smaller model");
 fn setup_step<T>(what: &str, needs: Needs, change: &Remedy, f: impl FnOnce() -> T) -> Result<T> {
     oom::guarded(f).map_err(|e| match e {
         StepError::Oom { message, .. } => setup_oom(what, needs, change, &message).into(),
-        StepError::Other(m) | StepError::PeerLost(m) => anyhow::anyhow!("{what} failed: {m}"),
+        StepError::Other(m) | StepError::PeerLost(m) | StepError::OomInCollective(m) => {
+            anyhow::anyhow!("{what} failed: {m}")
+        }
     })
 }
 

@@ -183,7 +183,7 @@ fn report(trainer: &Trainer, run_dir: &std::path::Path, result: Result<Status>, 
             "out of memory in {}: {message}; skipped it, {redo}",
             crate::fault::Phase::Report.label()
         ),
-        Err(oom::StepError::Other(m) | oom::StepError::PeerLost(m)) => {
+        Err(oom::StepError::Other(m) | oom::StepError::PeerLost(m) | oom::StepError::OomInCollective(m)) => {
             tracing::warn!("could not write the report: {m}; {redo}")
         }
     }

@@ -5,6 +5,7 @@ use anyhow::Result;
 use tch::Device;
 
 use super::rollback::{Attempt, Rollback};
+use super::save::Apart;
 use super::terminal::Notice;
 use super::trainer::Trainer;
 use crate::exit::OomExit;
@@ -86,14 +87,19 @@ impl Trainer {
             } => (kind, message, work.phase_name(at)),
             StepError::Other(m) => return Err(anyhow::anyhow!("{} failed: {m}", work.name())),
             StepError::PeerLost(m) => {
-                let note = self.save_without_peers();
+                let note = self.save_without_peers(Apart::PeerLost);
                 return Err(anyhow::anyhow!("{} failed: {m}{note}", work.name()));
+            }
+            StepError::OomInCollective(m) => {
+                let note = self.save_without_peers(Apart::OutOfMemory);
+                return Err(OomExit(format!("{} failed: {m}{note}", work.name())).into());
             }
         };
         let outcome = self.recovery.on_oom();
         // The first OOM's report sees memory as the OOM left it: the gradients and the cached
         // segments (the fragmentation that may have caused it) are still there.
         let report = outcome.first.then(|| self.oom_report());
+        self.stager.failed_attempt(self.place());
         // Whatever the failed attempt left in the gradients goes, and their memory with it.
         self.model.opt.drop_grads();
         if let Some(a) = &mut self.arch {

@@ -21,28 +21,70 @@ use crate::records::{CheckpointEvent, Event, Status};
 use crate::shim;
 use tch::Device;
 
+/// Why a data-parallel rank can run no more collectives, which its checkpoint's reason says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Apart {
+    /// Another rank is gone.
+    PeerLost,
+    /// This rank ran out of memory inside a collective the others are in.
+    OutOfMemory,
+}
+
+impl Apart {
+    /// From a failed collective's message.
+    fn of(message: &str) -> Apart {
+        match oom::classify(message) {
+            Some(_) => Apart::OutOfMemory,
+            None => Apart::PeerLost,
+        }
+    }
+
+    fn reason(self) -> &'static str {
+        match self {
+            Apart::PeerLost => "rank lost",
+            Apart::OutOfMemory => "oom",
+        }
+    }
+
+    fn sharded(self) -> &'static str {
+        match self {
+            Apart::PeerLost => "the lost rank held part of it",
+            Apart::OutOfMemory => "gathering it needs the other ranks",
+        }
+    }
+}
+
 impl Trainer {
-    /// Another rank is gone mid-step, before any optimizer wrote: rank 0 saves the last
-    /// completed step on its own, without another collective (one would wait on the lost rank).
-    /// Sharded optimizer state cannot be saved: part of it was on the lost rank.
-    pub(super) fn save_without_peers(&mut self) -> String {
+    /// A collective failed mid-step, before any optimizer wrote: rank 0 saves the last
+    /// completed step on its own, without another collective (one would wait on the lost rank,
+    /// or on the one out of memory). Sharded optimizer state cannot be saved: part of it is on
+    /// the other ranks.
+    pub(super) fn save_without_peers(&mut self, why: Apart) -> String {
         let rank0 = self.execution.group().is_some_and(|d| d.rank() == 0);
-        let note = self.save_alone(rank0);
+        let note = self.save_alone(rank0, why);
         // After the save (dropping a group can block on a hung peer with NCCL); no collective
         // runs from here on.
         self.execution.lose_peers();
         note
     }
 
-    fn save_alone(&mut self, rank0: bool) -> String {
+    /// `save_without_peers` after a collective outside the step failed with `e`.
+    pub(super) fn save_after_failed_collective(&mut self, e: &anyhow::Error) -> String {
+        self.save_without_peers(Apart::of(&format!("{e:#}")))
+    }
+
+    fn save_alone(&mut self, rank0: bool, why: Apart) -> String {
         if !rank0 {
             String::new()
         } else if self.settings.max_steps.is_some() {
             "; no checkpoint (--max-steps)".into()
         } else if self.model.opt.shard().is_some() {
-            "; no checkpoint: the optimizer state is sharded and the lost rank held part of it; resume from the last one".into()
+            format!(
+                "; no checkpoint: the optimizer state is sharded and {}; resume from the last one",
+                why.sharded()
+            )
         } else {
-            match self.save_checkpoint("rank lost") {
+            match self.save_checkpoint(why.reason()) {
                 Ok(Some((p, _))) => format!(
                     "; the last completed step (epoch {} step {}) was saved to {}; continue with --resume",
                     self.state.epoch + 1,
@@ -140,7 +182,9 @@ impl Trainer {
                 None => return Err(e),
             },
             Err(StepError::Oom { message, .. }) => return Err(self.save_oom(message).into()),
-            Err(StepError::Other(m) | StepError::PeerLost(m)) => return Err(anyhow::anyhow!("{m}")),
+            Err(StepError::Other(m) | StepError::PeerLost(m) | StepError::OomInCollective(m)) => {
+                return Err(anyhow::anyhow!("{m}"))
+            }
         };
         let Some((path, size)) = saved else {
             return Ok(None);

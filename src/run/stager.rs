@@ -35,6 +35,33 @@ struct StagedRecord {
     steps: u32,
     /// The epoch's samples so far, this step's included.
     seen: u64,
+    /// Its step's host update finishes in the next step's forward: the record waits for it.
+    awaits_update: bool,
+}
+
+/// The optimizer's updates with its state on the host, for the step records. A host update by
+/// block is left for the next step's forward to finish, so a step's update is timed one step
+/// later; whether it is left is learned from the first step with the state on the host (an
+/// update that is not left has run by the step's end).
+#[derive(Debug, Default)]
+struct HostUpdates {
+    deferred: Option<bool>,
+    /// Update seconds not yet in a record.
+    seconds: Option<f64>,
+}
+
+fn add(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    match (a, b) {
+        (Some(x), Some(y)) => Some(x + y),
+        (x, y) => x.or(y),
+    }
+}
+
+impl StagedRecord {
+    fn took_update(&mut self, seconds: Option<f64>) {
+        self.event.host_update_seconds = add(self.event.host_update_seconds, seconds);
+        self.awaits_update = false;
+    }
 }
 
 /// What a logged step's record holds before its read: everything the loop knew at the step.
@@ -46,7 +73,6 @@ pub struct Logged {
     pub samples: i64,
     pub loss_scale: Option<f64>,
     pub skipped: bool,
-    pub host_update_seconds: Option<f64>,
     /// The epoch's samples so far, this step's included.
     pub seen: u64,
 }
@@ -79,6 +105,7 @@ pub struct Stager {
     staged: Option<StagedRecord>,
     /// Optimizer steps since `step_mark`.
     steps_since_mark: u32,
+    host: HostUpdates,
 }
 
 impl Stager {
@@ -94,6 +121,7 @@ impl Stager {
             epoch_step_seconds: 0.0,
             staged: None,
             steps_since_mark: 0,
+            host: HostUpdates::default(),
         }
     }
 
@@ -119,6 +147,42 @@ impl Stager {
         self.windows.reading_seconds += t.elapsed().as_secs_f64();
     }
 
+    /// A weight step is done: `ran`, the host update seconds that finished during it, belong to
+    /// this step when its update ran at once, or to the step before when updates are left for
+    /// the next forward (a record still waiting for them takes them).
+    pub fn host_updates(&mut self, on_host: bool, skipped: bool, ran: Option<f64>) {
+        if !on_host {
+            self.host.deferred = None;
+        } else if self.host.deferred.is_none() && !skipped {
+            self.host.deferred = Some(ran.is_none());
+        }
+        match self.staged.as_mut().filter(|s| s.awaits_update) {
+            Some(s) => s.took_update(ran),
+            None => self.host.seconds = add(self.host.seconds, ran),
+        }
+    }
+
+    /// Whether the staged record still waits for its step's host update.
+    pub fn awaits_update(&self) -> bool {
+        self.staged.as_ref().is_some_and(|s| s.awaits_update)
+    }
+
+    /// The staged record's step's host update, finished now.
+    pub fn update_in(&mut self, seconds: Option<f64>) {
+        if let Some(s) = self.staged.as_mut() {
+            s.took_update(seconds);
+        }
+    }
+
+    /// An attempt failed (out of memory): its peaks go into the windows as a step's would, so the
+    /// next record, the epoch and the run's summary take them in, whatever resets the counters
+    /// before the retry (a measured first step, a save at the run's end).
+    pub fn failed_attempt(&mut self, place: Place) {
+        let m = memory::step_reading(place);
+        self.windows.line.fold(&m);
+        self.windows.epoch.fold(&m);
+    }
+
     /// Stages a logged step's loss read and holds its record. True: the values are in already
     /// (the CPU), so the record can be collected at once.
     pub fn stage(&mut self, l: Logged) -> Result<bool> {
@@ -137,15 +201,17 @@ impl Stager {
             loss_scale: l.loss_scale,
             skipped: l.skipped,
             host_reads: self.reads.take(),
-            host_update_seconds: l.host_update_seconds,
+            host_update_seconds: self.host.seconds.take(),
             data_wait_seconds: self.data_wait.take_line(steps),
         };
-        let ready = read.ready() && !crate::fault::late_reads();
+        let awaits_update = self.host.deferred == Some(true);
+        let ready = read.ready() && !crate::fault::late_reads() && !awaits_update;
         self.staged = Some(StagedRecord {
             read,
             event,
             steps,
             seen: l.seen,
+            awaits_update,
         });
         Ok(ready)
     }
@@ -159,6 +225,7 @@ impl Stager {
             mut event,
             steps,
             seen,
+            ..
         }) = self.staged.take()
         else {
             return Ok(None);

@@ -42,9 +42,14 @@ fn other(e: anyhow::Error) -> StepError {
     StepError::Other(format!("{e:#}"))
 }
 
-/// A collective failed before the optimizer wrote anything.
+/// A collective failed before the optimizer wrote anything: another rank is gone, or this one
+/// ran out of memory inside it.
 fn peer_lost(e: anyhow::Error) -> StepError {
-    StepError::PeerLost(format!("{e:#}"))
+    let message = format!("{e:#}");
+    match oom::classify(&message) {
+        Some(_) => StepError::OomInCollective(message),
+        None => StepError::PeerLost(message),
+    }
 }
 
 /// The fixed parts of every step: the forward part and clipping.
@@ -276,7 +281,10 @@ impl StepPipeline {
                 correct: 0,
             },
         };
-        let agreed = d.exchange(&local).map_err(peer_lost)?;
+        let agreed = {
+            let _squeeze = fault::squeeze_in_collective(work.step);
+            d.exchange(&local).map_err(peer_lost)?
+        };
         if let Some(&first) = agreed.broken.first() {
             // Not an OOM: no recovery decision applies; every rank stops, the broken one with
             // its own error.

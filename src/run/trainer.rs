@@ -26,6 +26,7 @@ use crate::checkpoint::{Store, TrainState};
 use crate::data::{self, Splits};
 use crate::exit::Interrupted;
 use crate::fault::{self, Phase};
+use crate::host::Home;
 use crate::human::device_name;
 use crate::memory::{self, CachePolicy, ClearReason, Place};
 use crate::oom::{BatchShape, StepError};
@@ -392,6 +393,9 @@ impl Trainer {
             self.report_preflight()?;
         }
         let StepOutput { found_inf, stop } = out;
+        let on_host = self.model.opt.state_home() == Home::Host;
+        let ran = self.model.opt.take_host_update_seconds();
+        self.stager.host_updates(on_host, found_inf, ran);
         self.stager.data_wait.add(self.data.train.take_wait());
         self.record_shed()?;
         self.state.groups_done += 1;
@@ -407,8 +411,9 @@ impl Trainer {
             samples: group.len(),
             micro_batch: self.shape().micro_batch,
         };
-        self.after_clean_step()?;
+        // A grow-back follows the step that earned it, and so does its record.
         self.record_step(ran, lr, clock)?;
+        self.after_clean_step()?;
         crate::fault::sync_errors_after(self.state.global_step);
         Ok(Stepped { stop })
     }
@@ -439,7 +444,6 @@ impl Trainer {
                 samples: ran.samples as i64,
                 loss_scale: self.state.scaler.map(|s| s.scale),
                 skipped: ran.skipped,
-                host_update_seconds: self.model.opt.take_host_update_seconds(),
                 seen: clock.seen,
             };
             if self.stager.stage(logged)? {
@@ -459,6 +463,13 @@ impl Trainer {
 
     /// Writes the step record whose loss read is staged, once the read is in.
     pub(super) fn flush_record(&mut self) -> Result<()> {
+        if self.stager.awaits_update() {
+            // Written before the next step's forward would finish its step's host update: it
+            // finishes now.
+            self.model.opt.settle()?;
+            let seconds = self.model.opt.take_host_update_seconds();
+            self.stager.update_in(seconds);
+        }
         let Some(c) = self.stager.collect()? else {
             return Ok(());
         };
@@ -511,7 +522,7 @@ impl Trainer {
             Ok(r) => r,
             Err(e) => {
                 // Every step of the epoch is done: what is saved resumes at its end.
-                let note = self.save_without_peers();
+                let note = self.save_after_failed_collective(&e);
                 return Err(anyhow::anyhow!("gathering every rank's memory peaks: {e:#}{note}"));
             }
         };

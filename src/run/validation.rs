@@ -92,7 +92,7 @@ impl Trainer {
         let (own, broken) = match attempt {
             Ok(()) => (None, None),
             Err(StepError::Oom { kind, message, .. }) => (Some((kind, message)), None),
-            Err(StepError::Other(m) | StepError::PeerLost(m)) => (None, Some(m)),
+            Err(StepError::Other(m) | StepError::PeerLost(m) | StepError::OomInCollective(m)) => (None, Some(m)),
         };
         let Some(d) = self.execution.group() else {
             return match broken {
@@ -114,7 +114,7 @@ impl Trainer {
             Ok(a) => a,
             Err(e) => {
                 // Every step of the epoch is done: what is saved resumes at its end.
-                let note = self.save_without_peers();
+                let note = self.save_after_failed_collective(&e);
                 return Err(anyhow::anyhow!("validation: {e:#}{note}"));
             }
         };
@@ -134,6 +134,7 @@ impl Trainer {
     fn eval_oom(&mut self, kind: OomKind, message: String) -> Result<bool> {
         let o = self.recovery.on_eval_oom();
         let report = o.first.then(|| self.oom_report());
+        self.stager.failed_attempt(self.place());
         self.clear_cache(ClearReason::Oom)?;
         let met = OomMet {
             phase: "validation".into(),
