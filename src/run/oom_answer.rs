@@ -5,7 +5,6 @@ use anyhow::Result;
 use tch::Device;
 
 use super::rollback::{Attempt, Rollback};
-use super::save::Apart;
 use super::terminal::Notice;
 use super::trainer::Trainer;
 use crate::exit::OomExit;
@@ -76,6 +75,13 @@ impl Trainer {
         }
     }
 
+    /// A batch of `b` samples' shape, as the OOM records name the failing one.
+    fn input_shape(&self, b: i64) -> Vec<i64> {
+        let mut s = vec![b];
+        s.extend(self.data.train.sample_shape());
+        s
+    }
+
     /// Carries out the recovery machine's decision for one OOM. Ok: retry the failed work;
     /// Err: the run ends.
     fn handle_oom(&mut self, err: StepError, work: Attempt) -> Result<()> {
@@ -87,11 +93,11 @@ impl Trainer {
             } => (kind, message, work.phase_name(at)),
             StepError::Other(m) => return Err(anyhow::anyhow!("{} failed: {m}", work.name())),
             StepError::PeerLost(m) => {
-                let note = self.save_without_peers(Apart::PeerLost);
+                let note = self.save_after_failed_collective(&m);
                 return Err(anyhow::anyhow!("{} failed: {m}{note}", work.name()));
             }
             StepError::OomInCollective(m) => {
-                let note = self.save_without_peers(Apart::OutOfMemory);
+                let note = self.save_after_failed_collective(&m);
                 return Err(OomExit(format!("{} failed: {m}{note}", work.name())).into());
             }
         };

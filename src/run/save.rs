@@ -23,7 +23,7 @@ use tch::Device;
 
 /// Why a data-parallel rank can run no more collectives, which its checkpoint's reason says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Apart {
+enum Apart {
     /// Another rank is gone.
     PeerLost,
     /// This rank ran out of memory inside a collective the others are in.
@@ -59,7 +59,7 @@ impl Trainer {
     /// completed step on its own, without another collective (one would wait on the lost rank,
     /// or on the one out of memory). Sharded optimizer state cannot be saved: part of it is on
     /// the other ranks.
-    pub(super) fn save_without_peers(&mut self, why: Apart) -> String {
+    fn save_without_peers(&mut self, why: Apart) -> String {
         let rank0 = self.execution.group().is_some_and(|d| d.rank() == 0);
         let note = self.save_alone(rank0, why);
         // After the save (dropping a group can block on a hung peer with NCCL); no collective
@@ -68,9 +68,10 @@ impl Trainer {
         note
     }
 
-    /// `save_without_peers` after a collective outside the step failed with `e`.
-    pub(super) fn save_after_failed_collective(&mut self, e: &anyhow::Error) -> String {
-        self.save_without_peers(Apart::of(&format!("{e:#}")))
+    /// `save_without_peers` after a collective failed with `message`: a lost peer, or this
+    /// rank out of memory inside it.
+    pub(super) fn save_after_failed_collective(&mut self, message: &str) -> String {
+        self.save_without_peers(Apart::of(message))
     }
 
     fn save_alone(&mut self, rank0: bool, why: Apart) -> String {

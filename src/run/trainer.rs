@@ -218,12 +218,6 @@ impl Trainer {
         self.terminal.notice(n);
     }
 
-    pub(super) fn input_shape(&self, b: i64) -> Vec<i64> {
-        let mut s = vec![b];
-        s.extend(self.data.train.sample_shape());
-        s
-    }
-
     /// Reports the preflight: the first optimizer step of this session, measured. It is a real
     /// step (not a rehearsal), so it costs nothing and an OOM in it meets the policy at once.
     fn report_preflight(&mut self) -> Result<()> {
@@ -522,7 +516,7 @@ impl Trainer {
             Ok(r) => r,
             Err(e) => {
                 // Every step of the epoch is done: what is saved resumes at its end.
-                let note = self.save_after_failed_collective(&e);
+                let note = self.save_after_failed_collective(&format!("{e:#}"));
                 return Err(anyhow::anyhow!("gathering every rank's memory peaks: {e:#}{note}"));
             }
         };

@@ -114,7 +114,7 @@ impl Trainer {
             Ok(a) => a,
             Err(e) => {
                 // Every step of the epoch is done: what is saved resumes at its end.
-                let note = self.save_after_failed_collective(&e);
+                let note = self.save_after_failed_collective(&format!("{e:#}"));
                 return Err(anyhow::anyhow!("validation: {e:#}{note}"));
             }
         };
