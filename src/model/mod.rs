@@ -3,6 +3,7 @@
 //! Every preset is built into a `tch::nn::Path`, so all weights live in one VarStore and are
 //! saved and loaded by name.
 mod darts;
+mod darts_ops;
 mod layers;
 mod mlp;
 mod preset;

@@ -3,7 +3,7 @@
 use anyhow::Result;
 use tch::Device;
 
-use super::terminal::Notice;
+use super::terminal::{Lost, Notice};
 use super::trainer::Trainer;
 use crate::memory;
 use crate::readback;
@@ -30,7 +30,7 @@ impl Trainer {
         }
         let written = shim::memory_snapshot().and_then(|bytes| self.recorder.write_end_snapshot(&bytes));
         if let Err(e) = written {
-            self.say(Notice::Lost(format!("no allocator snapshot at the run's end: {e:#}")));
+            self.say(Notice::Lost(Lost::EndSnapshot, e));
         }
     }
 
@@ -45,7 +45,7 @@ impl Trainer {
         let ranks = match self.rank_peaks(allocated, reserved, rss) {
             Ok(r) => r,
             Err(e) => {
-                self.say(Notice::Lost(format!("the summary lists no per-rank peaks: {e:#}")));
+                self.say(Notice::Lost(Lost::RankPeaks, e));
                 Vec::new()
             }
         };

@@ -57,8 +57,18 @@ pub enum Notice {
         why: String,
         every: i64,
     },
-    /// Something that costs the run nothing else went wrong; the text says what.
-    Lost(String),
+    /// Something that costs the run nothing else could not be had, and why.
+    Lost(Lost, anyhow::Error),
+}
+
+/// What a run can lose without stopping.
+pub enum Lost {
+    /// A step record whose loss read failed.
+    StepRecord,
+    /// Every rank's peaks in the summary (data-parallel).
+    RankPeaks,
+    /// The allocator's history at the run's end (`memory.record_history`).
+    EndSnapshot,
 }
 
 pub struct Terminal {
@@ -164,7 +174,11 @@ impl Terminal {
             Notice::CheckpointSkipped { why, every } => tracing::warn!(
                 "{why}; skipped this checkpoint, training goes on (the next one is due after {every} more epoch(s))"
             ),
-            Notice::Lost(what) => tracing::warn!("{what}"),
+            Notice::Lost(what, e) => match what {
+                Lost::StepRecord => tracing::warn!("a step record is lost: {e:#}"),
+                Lost::RankPeaks => tracing::warn!("the summary lists no per-rank peaks: {e:#}"),
+                Lost::EndSnapshot => tracing::warn!("no allocator snapshot at the run's end: {e:#}"),
+            },
         }
     }
 }

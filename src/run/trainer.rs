@@ -21,7 +21,7 @@ use super::recovery::Recovery;
 use super::rollback::Attempt;
 use super::stager::{Logged, Stager};
 use super::step::{StepOutput, StepPipeline, Work};
-use super::terminal::{Notice, Terminal};
+use super::terminal::{Lost, Notice, Terminal};
 use crate::checkpoint::{Store, TrainState};
 use crate::data::{self, Splits};
 use crate::exit::Interrupted;
@@ -282,7 +282,7 @@ impl Trainer {
     /// a step record whose read failed is lost, with a warning, and nothing else.
     pub(super) fn flush_record_or_warn(&mut self) {
         if let Err(e) = self.flush_record() {
-            self.say(Notice::Lost(format!("a step record is lost: {e:#}")));
+            self.say(Notice::Lost(Lost::StepRecord, e));
         }
     }
 
