@@ -7,10 +7,20 @@ use super::terminal::{Lost, Notice};
 use super::trainer::Trainer;
 use crate::memory;
 use crate::readback;
-use crate::records::{Closing, PrecisionSummary, RankPeak, Status};
+use crate::records::{Closing, EpochResult, PrecisionSummary, RankPeak, Status};
 use crate::shim;
 
 impl Trainer {
+    /// The optimizer steps done so far, the run's position.
+    pub fn global_step(&self) -> i64 {
+        self.state.global_step
+    }
+
+    /// The last completed epoch's result, for the run's last words.
+    pub fn last(&self) -> Option<&EpochResult> {
+        self.run.last.as_ref()
+    }
+
     /// Data-parallel: every rank's peaks (a collective); empty for a single process.
     pub(super) fn rank_peaks(&self, allocated: Option<u64>, reserved: Option<u64>, rss: u64) -> Result<Vec<RankPeak>> {
         self.execution.peaks(RankPeak {

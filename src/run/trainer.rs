@@ -1,8 +1,9 @@
 //! The training loop: epochs of optimizer steps over groups of samples (the effective batch),
 //! split into micro-batches, through the step pipeline. Its collaborators each have a file:
-//! the retry wrapper (`oom_answer`, `rollback`), validation, checkpoint saving (`save`), the
-//! step records' staging (`stager`) and the terminal's lines (`terminal`). Every outcome leaves
-//! as an event, which the `Recorder` and the terminal both receive.
+//! the retry wrapper (`oom_answer`, `rollback`), `validation`, checkpoint saving (`save`), the
+//! step records' staging (`stager`), the session's end (`summary`) and the terminal's lines
+//! (`terminal`). Every outcome leaves as an event, which the `Recorder` and the terminal both
+//! receive; what only the terminal shows (the progress bar) is a notice.
 //!
 //! Invariant that makes OOM recovery exact: a group is a fixed list of sample indices and the
 //! step pipeline's gradient is the group mean however the group is split. A failed group
@@ -52,7 +53,7 @@ struct EpochClock {
 pub(super) struct LoopState {
     pub(super) t_start: Instant,
     stop: StopFlag,
-    last: Option<EpochResult>,
+    pub(super) last: Option<EpochResult>,
     steps: i64,
     preflight_pending: bool,
 }
@@ -577,15 +578,6 @@ impl Trainer {
             self.clear_cache(ClearReason::EpochEnd)?;
         }
         Ok(())
-    }
-
-    /// The optimizer steps done so far, the run's position.
-    pub fn global_step(&self) -> i64 {
-        self.state.global_step
-    }
-
-    pub fn last(&self) -> Option<&EpochResult> {
-        self.run.last.as_ref()
     }
 }
 
