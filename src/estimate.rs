@@ -200,7 +200,11 @@ pub fn estimate(spec: &Spec) -> Result<Estimate> {
             ))
             .into())
         }
-        Err(crate::oom::StepError::Other(m) | crate::oom::StepError::PeerLost(m)) => {
+        Err(
+            crate::oom::StepError::Other(m)
+            | crate::oom::StepError::PeerLost(m)
+            | crate::oom::StepError::OomInCollective(m),
+        ) => {
             anyhow::bail!("building the model to count its parameters failed: {m}")
         }
     };

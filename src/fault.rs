@@ -136,9 +136,10 @@ fn parse_wanted(v: &str, rank: Option<&str>) -> Option<Wanted> {
 }
 
 /// Entering `phase` at global step `step` (the step being worked on, or the last one done
-/// outside the loop): squeezes the cap if the fault asks for this place. The returned guard
-/// lifts it again.
-pub fn squeeze_in(phase: Phase, step: i64) -> Squeeze {
+/// outside the loop; none for work outside the count, such as DARTS's architecture step):
+/// squeezes the cap if the fault asks for this place. The returned guard lifts it again.
+pub fn squeeze_in(phase: Phase, step: impl Into<Option<i64>>) -> Squeeze {
+    let step = step.into();
     static WANTED: OnceLock<Option<Wanted>> = OnceLock::new();
     let wanted = WANTED.get_or_init(|| {
         let optimizer = std::env::var(OOM_IN_OPTIMIZER).ok().map(|n| format!("optimizer:{n}"));
@@ -152,7 +153,7 @@ pub fn squeeze_in(phase: Phase, step: i64) -> Squeeze {
         }
         w
     });
-    let hit = wanted.is_some_and(|w| w.phase == phase && w.step.is_none_or(|s| s == step));
+    let hit = wanted.is_some_and(|w| w.phase == phase && w.step.is_none_or(|s| Some(s) == step));
     if !hit || FIRED.swap(true, Ordering::SeqCst) {
         return Squeeze { restore: None };
     }
@@ -161,7 +162,7 @@ pub fn squeeze_in(phase: Phase, step: i64) -> Squeeze {
     Squeeze { restore: Some(s.cap) }
 }
 
-pub fn squeeze_before_optimizer(step: i64) -> Squeeze {
+pub fn squeeze_before_optimizer(step: Option<i64>) -> Squeeze {
     squeeze_in(Phase::Optimizer, step)
 }
 
@@ -181,6 +182,22 @@ fn step_from(var: &'static str, cell: &'static OnceLock<Option<i64>>) -> Option<
             None => Some(step),
         }
     })
+}
+
+/// `MEMTRAIN_FAULT_OOM_IN_COLLECTIVE_AT_STEP=N`: at global step N's outcome exchange (the
+/// collective every data-parallel step ends with), the CPU cap is lowered to the bytes allocated,
+/// so making this rank's part of the collective fails for real while the others wait in it.
+/// `N@R` fires on data-parallel rank R only.
+pub const OOM_IN_COLLECTIVE: &str = "MEMTRAIN_FAULT_OOM_IN_COLLECTIVE_AT_STEP";
+
+pub fn squeeze_in_collective(step: Option<i64>) -> Squeeze {
+    static WANTED: OnceLock<Option<i64>> = OnceLock::new();
+    if step.is_none() || step_from(OOM_IN_COLLECTIVE, &WANTED) != step || FIRED.swap(true, Ordering::SeqCst) {
+        return Squeeze { restore: None };
+    }
+    let s = shim::cpu_alloc_stats();
+    shim::cpu_alloc_set_cap(Some(s.allocated.max(1)));
+    Squeeze { restore: Some(s.cap) }
 }
 
 /// `MEMTRAIN_FAULT_ABORT_SAVE_AT_STEP=N`: the checkpoint save for global step N aborts the

@@ -91,6 +91,9 @@ pub enum StepError {
     /// Data-parallel: another rank stopped answering before this step wrote anything, so the
     /// state is the last completed step's and can still be saved.
     PeerLost(String),
+    /// Data-parallel: this rank ran out of memory inside a collective, which the others are
+    /// already in, so it cannot be retried; nothing was written, as with a lost peer.
+    OomInCollective(String),
     Other(String),
 }
 

@@ -7,7 +7,8 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use serde_json::Value;
 
-use super::{Budget, Measured, Probe, Setting};
+use super::search::Measured;
+use super::setting::{Budget, Probe, Setting};
 use crate::cli::FitArgs;
 use crate::exit::UsageError;
 use crate::human::{human_bytes, human_duration};

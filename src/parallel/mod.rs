@@ -278,7 +278,12 @@ impl Dist {
 
     pub fn exchange(&self, local: &Local) -> Result<Agreed> {
         let v = exchange_layout(self.world.size, self.world.rank, local);
-        let t = Tensor::from_slice(&v).to_kind(Kind::Double).to_device(self.device);
+        // Made while the others already wait in the collective: a buffer that cannot be made is
+        // a failure of the collective.
+        let t = Tensor::f_from_slice(&v)
+            .map_err(|e| self.explain(e.into()))?
+            .to_kind(Kind::Double)
+            .to_device(self.device);
         self.group.allreduce_sum(&t).map_err(|e| self.explain(e))?;
         let back = crate::readback::all(&t).context("reading the exchange")?;
         Ok(read_exchange(self.world.size, &back))

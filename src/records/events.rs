@@ -108,8 +108,9 @@ pub struct StepEvent {
     /// each read makes the host wait for the device.
     #[serde(default)]
     pub host_reads: u64,
-    /// With the optimizer state on the host: the CPU time of the update (every host update
-    /// since the previous step record), from the first write to the last upload issued.
+    /// With the optimizer state on the host: the CPU time of the update (the host updates of
+    /// the steps since the previous step record), from the first write to the last upload
+    /// issued.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_update_seconds: Option<f64>,
     /// The time a step waited for its training batches (made ahead by the loader, or gathered

@@ -9,7 +9,7 @@ use tch::{nn, Device, Tensor};
 use super::components::{Components, LoopSettings, Outputs};
 use super::execution::Execution;
 use super::forward::{Forward, PrecisionStage};
-use super::parts::{ArchStep, Model};
+use super::parts::{ArchStep, Trained};
 use super::step::StepPipeline;
 use crate::checkpoint::{NamedTensors, Store, TrainState};
 use crate::data::Splits;
@@ -71,7 +71,7 @@ impl Factory<'_> {
         if let Some(blocks) = param_blocks(built.net.as_ref(), &vs, &opt) {
             opt.update_by_block(blocks);
         }
-        let mut model = Model {
+        let mut model = Trained {
             sched: self.schedule(&data),
             vs,
             net: built.net,
@@ -268,7 +268,7 @@ impl Factory<'_> {
     }
 
     /// A resumed run's model, optimizer state and generators, from its checkpoint.
-    fn restore(&self, model: &mut Model, arch: Option<&mut ArchStep>, device: Device) -> Result<()> {
+    fn restore(&self, model: &mut Trained, arch: Option<&mut ArchStep>, device: Device) -> Result<()> {
         let Some(r) = &self.plan.resume else { return Ok(()) };
         let _squeeze = fault::squeeze_in(Phase::Resume, r.state.global_step);
         let what = format!("{} from {}", Phase::Resume.label(), r.checkpoint.display());
@@ -313,7 +313,7 @@ impl Factory<'_> {
     }
 
     /// Recovery at the run's position, with the levers the spec turns on engaged.
-    fn recovery(&self, state: &TrainState, model: &Model, execution: &Execution) -> Result<Recovery> {
+    fn recovery(&self, state: &TrainState, model: &Trained, execution: &Execution) -> Result<Recovery> {
         let spec = &self.plan.spec;
         let m = &spec.memory;
         let has_blocks = model.net.chain().is_some();
@@ -554,7 +554,9 @@ const CHANGE_INIT_FROM: Remedy = Remedy::or("use a smaller model");
 fn setup_step<T>(what: &str, needs: Needs, change: &Remedy, f: impl FnOnce() -> T) -> Result<T> {
     oom::guarded(f).map_err(|e| match e {
         StepError::Oom { message, .. } => setup_oom(what, needs, change, &message).into(),
-        StepError::Other(m) | StepError::PeerLost(m) => anyhow::anyhow!("{what} failed: {m}"),
+        StepError::Other(m) | StepError::PeerLost(m) | StepError::OomInCollective(m) => {
+            anyhow::anyhow!("{what} failed: {m}")
+        }
     })
 }
 

@@ -2,7 +2,7 @@
 //! value: the loop's settings, the parts (model, architecture step), the data, the step
 //! pipeline, recovery, where records and checkpoints go, and the execution strategy.
 use super::execution::Execution;
-use super::parts::{ArchStep, Model};
+use super::parts::{ArchStep, Trained};
 use super::step::StepPipeline;
 use crate::checkpoint::{Store, TrainState};
 use crate::data::Splits;
@@ -44,7 +44,7 @@ pub struct Outputs {
 /// Everything the trainer is built from.
 pub struct Components {
     pub settings: LoopSettings,
-    pub model: Model,
+    pub model: Trained,
     pub arch: Option<ArchStep>,
     pub data: Splits,
     pub pipeline: StepPipeline,

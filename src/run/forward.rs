@@ -87,8 +87,9 @@ pub struct Micro<'a> {
     pub loss_scale: Option<f64>,
     /// Parameters streamed by block: the recomputed pass brings each block in and sends it back.
     pub stream: Option<&'a Streamer>,
-    /// The global step this micro-batch belongs to, for fault injection in tests.
-    pub step: i64,
+    /// The global step this micro-batch belongs to, for fault injection in tests; none for
+    /// DARTS's architecture step, which the count leaves out.
+    pub step: Option<i64>,
 }
 
 /// What the step's optimizer does around one micro-batch's forward and backward: an update
@@ -108,7 +109,7 @@ pub trait Around {
 
 /// Entering a stage of the step: marked for the OOM guard, so an OOM names it, and squeezed
 /// where a test's fault asks for this stage (the guard lifts the squeeze).
-pub fn stage(phase: Phase, step: i64) -> fault::Squeeze {
+pub fn stage(phase: Phase, step: impl Into<Option<i64>>) -> fault::Squeeze {
     oom::entering(phase);
     fault::squeeze_in(phase, step)
 }

@@ -5,11 +5,18 @@ mod components;
 mod engage;
 mod execution;
 mod forward;
+mod oom_answer;
 mod parts;
+mod rollback;
+mod save;
+mod stager;
 mod step;
 mod stream;
+mod summary;
 mod tally;
+mod terminal;
 mod trainer;
+mod validation;
 
 use std::fs;
 use std::path::PathBuf;
@@ -160,7 +167,7 @@ fn report(trainer: &Trainer, run_dir: &std::path::Path, result: Result<Status>, 
             "out of memory in {}: {message}; skipped it, {redo}",
             crate::fault::Phase::Report.label()
         ),
-        Err(oom::StepError::Other(m) | oom::StepError::PeerLost(m)) => {
+        Err(oom::StepError::Other(m) | oom::StepError::PeerLost(m) | oom::StepError::OomInCollective(m)) => {
             tracing::warn!("could not write the report: {m}; {redo}")
         }
     }

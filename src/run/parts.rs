@@ -12,8 +12,8 @@ use crate::model::{ExtraStep, Net};
 use crate::oom::StepError;
 use crate::optim::{LrSchedule, Optimizer};
 
-/// The model and what trains its weights.
-pub struct Model {
+/// The model being trained and what trains its weights.
+pub struct Trained {
     pub vs: nn::VarStore,
     pub net: Box<dyn Net>,
     pub opt: Optimizer,
@@ -22,7 +22,7 @@ pub struct Model {
     pub stream: Option<Streamer>,
 }
 
-impl Model {
+impl Trained {
     /// The model's buffers (BatchNorm running statistics) in name order.
     pub fn buffers(&self) -> Vec<Tensor> {
         let mut v: Vec<(String, Tensor)> = self
@@ -81,7 +81,7 @@ impl ArchStep {
             group: &idx,
             micro_batch: idx.len(),
             lr: self.step.lr,
-            step: -1,
+            step: None,
             epoch: at.epoch,
             loss_scale: self.state.arch_scaler.map(|s| s.scale),
             buffers: at.buffers,
@@ -120,7 +120,7 @@ pub struct ArchAt<'a> {
 
 /// The parts a memory lever changes when engaged or released.
 pub struct Parts<'a> {
-    pub model: &'a mut Model,
+    pub model: &'a mut Trained,
     pub arch: Option<&'a mut ArchStep>,
     pub forward: &'a mut Forward,
 }

@@ -42,9 +42,14 @@ fn other(e: anyhow::Error) -> StepError {
     StepError::Other(format!("{e:#}"))
 }
 
-/// A collective failed before the optimizer wrote anything.
+/// A collective failed before the optimizer wrote anything: another rank is gone, or this one
+/// ran out of memory inside it.
 fn peer_lost(e: anyhow::Error) -> StepError {
-    StepError::PeerLost(format!("{e:#}"))
+    let message = format!("{e:#}");
+    match oom::classify(&message) {
+        Some(_) => StepError::OomInCollective(message),
+        None => StepError::PeerLost(message),
+    }
 }
 
 /// The fixed parts of every step: the forward part and clipping.
@@ -61,8 +66,9 @@ pub struct Work<'a> {
     pub group: &'a [i64],
     pub micro_batch: usize,
     pub lr: f64,
-    /// The global step this work belongs to (1-based), for fault injection in tests.
-    pub step: i64,
+    /// The global step this work belongs to (1-based), for fault injection in tests; none for
+    /// DARTS's architecture step, which the count leaves out.
+    pub step: Option<i64>,
     /// The epoch (0-based) the samples are drawn in, which keys their augmentation.
     pub epoch: i64,
     /// fp16-mixed: the loss scale of this step.
@@ -202,8 +208,8 @@ impl StepPipeline {
         // unscale (the gradients are the optimizer's: on the device, or on the host; listed
         // only when a stage reads them)
         let grads = || -> Vec<Tensor> { opt.grads().into_iter().map(|(_, g)| g).collect() };
-        if work.step > 0 {
-            fault::plant_inf_at(work.step, grads);
+        if let Some(step) = work.step {
+            fault::plant_inf_at(step, grads);
         }
         // A fused optimizer divides the scale out in its kernel, as GradScaler.step has it do
         // when unscale_ was not called, so only the inf check runs here (a multiply by 1, as
@@ -275,7 +281,10 @@ impl StepPipeline {
                 correct: 0,
             },
         };
-        let agreed = d.exchange(&local).map_err(peer_lost)?;
+        let agreed = {
+            let _squeeze = fault::squeeze_in_collective(work.step);
+            d.exchange(&local).map_err(peer_lost)?
+        };
         if let Some(&first) = agreed.broken.first() {
             // Not an OOM: no recovery decision applies; every rank stops, the broken one with
             // its own error.

@@ -463,3 +463,22 @@ fn a_one_rank_group_trains_as_one_process_does() {
         .run();
     assert!(bad.stderr.contains("lo"), "{}", bad.stderr);
 }
+
+/// A rank out of memory inside a collective (its part of the step's outcome exchange cannot be
+/// made while the others wait in it) cannot retry, but it lost no peer: the last completed step
+/// is saved as an OOM's, and the run ends as an OOM does.
+#[test]
+fn an_oom_inside_a_collective_saves_the_last_step_as_an_ooms() {
+    let r = mlp()
+        .set("train.epochs", 1)
+        .set("log.progress", "off")
+        .env("MEMTRAIN_TEST_SINGLE_RANK_GROUP", "1")
+        .env("MEMTRAIN_FAULT_OOM_IN_COLLECTIVE_AT_STEP", "2")
+        .exit(3)
+        .stderr_has("this rank ran out of memory inside a collective with the other ranks")
+        .stderr_has("the last completed step (epoch 1 step 1) was saved to")
+        .run();
+    let ck = r.checkpoints();
+    assert_eq!(ck.len(), 1, "{ck:?}");
+    assert_eq!((ck[0].reason.as_str(), ck[0].step), ("oom", 1), "{ck:?}");
+}

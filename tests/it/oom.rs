@@ -305,3 +305,42 @@ fn init_weights_larger_than_the_cap_exit_3_naming_the_sizes() {
     assert!(!r.stderr.contains("frame #"), "{}", r.stderr);
     assert!(!r.out.join("metrics.jsonl").exists(), "nothing was started");
 }
+
+/// A grow-back follows the step that earned it: its record comes after that step's, whether the
+/// step's record is written at once or waits for the next step (as on a GPU).
+#[test]
+fn a_grow_back_record_comes_after_the_record_of_the_step_it_follows() {
+    for late in ["0", "1"] {
+        let r = capped()
+            .name(&format!("late-{late}"))
+            .set("memory.grow_back_after", 1)
+            .set("log.every_steps", 1)
+            .env("MEMTRAIN_FAULT_LATE_READS", late)
+            .run();
+        let events = r.run_records().events;
+        let at = |want: &dyn Fn(&Event) -> bool| events.iter().position(want);
+        let grow_backs = r.grow_backs();
+        assert!(!grow_backs.is_empty(), "late reads {late}");
+        for g in grow_backs {
+            let step = at(&|e| matches!(e, Event::Step(s) if s.step == g.step)).expect("every step has its record");
+            let grow = at(&|e| matches!(e, Event::GrowBack(x) if x == &g)).expect("the grow-back's record");
+            assert!(
+                step < grow,
+                "late reads {late}: {g:?} is record {grow}, its step's is {step}"
+            );
+        }
+    }
+}
+
+/// The run's peak takes in the attempts that failed: a run that ends at its first OOM reports
+/// at least the peak its OOM report saw.
+#[test]
+fn the_summarys_peak_counts_the_peaks_of_failed_steps() {
+    let r = capped().set("memory.on_oom", policy(&["fail"])).exit(3).run();
+    let at_oom = r.oom_report().memory.peak_allocated_bytes.expect("a counted CPU peak");
+    let summary = r.summary().memory.peak_allocated_bytes.expect("a counted CPU peak");
+    assert!(
+        summary >= at_oom,
+        "summary.json's peak {summary} is below the OOM report's {at_oom}"
+    );
+}

@@ -365,3 +365,25 @@ fn sharded_state_on_the_host_trains_the_same_weights_on_two_ranks() {
         .stderr_has("data-parallel runs reduce the gradients on the device as backward makes them")
         .run();
 }
+
+/// With the state on the host, each step record says how long its host update took, the first
+/// record too: an update by block finishes in the next step's forward, so the record waits for
+/// it, whether records are written at once (the CPU) or a step late (as on a GPU).
+#[test]
+fn every_step_record_with_the_state_on_the_host_has_its_update_time() {
+    for late in ["0", "1"] {
+        let r = host(job().set("train.epochs", 1), &["optimizer_state"])
+            .name(&format!("late-{late}"))
+            .env("MEMTRAIN_FAULT_LATE_READS", late)
+            .run();
+        let steps = r.steps();
+        assert!(steps.len() >= 3, "{steps:?}");
+        for s in &steps {
+            assert!(
+                s.host_update_seconds.is_some_and(|t| t > 0.0),
+                "late reads {late}: step {} has no host update time: {s:?}",
+                s.step
+            );
+        }
+    }
+}
