@@ -7,6 +7,7 @@ mod forward;
 pub mod levers;
 mod parts;
 mod recovery;
+mod resume;
 mod step;
 mod stream;
 mod tally;

@@ -18,7 +18,7 @@ use super::execution::Execution;
 use super::forward::stage;
 use super::levers;
 use super::parts::{ArchAt, ArchStep, Model, Parts};
-use super::recovery::Recovery;
+use super::recovery::{Cause, Recovery};
 use super::step::{StepOutput, StepPipeline, Work};
 use super::tally::{Staged, Tally, Totals};
 use crate::checkpoint::{self, NamedTensors, TrainState};
@@ -329,19 +329,22 @@ impl Trainer {
     /// Carries out the recovery machine's decision for one OOM. Ok: retry the failed work;
     /// Err: the run ends.
     fn handle_oom(&mut self, err: StepError, phase: &str) -> Result<()> {
-        let (kind, message, phase) = match err {
+        let (kind, message, phase, cause) = match err {
             StepError::Oom {
                 kind,
                 message,
                 phase: at,
-            } => (kind, message, phase_name(phase, at)),
+            } => (kind, message, phase_name(phase, at), self.oom_cause(phase, at)),
             StepError::Other(m) => return Err(anyhow::anyhow!("{phase} failed: {m}")),
             StepError::PeerLost(m) => {
                 let note = self.save_without_peers();
                 return Err(anyhow::anyhow!("{phase} failed: {m}{note}"));
             }
         };
-        let outcome = self.recovery.on_oom();
+        let outcome = self.recovery.on_oom_from(cause);
+        if let Some(w) = self.recovery.cannot_fit() {
+            tracing::warn!("{w}");
+        }
         // The first OOM's report sees memory as the OOM left it: the gradients and the cached
         // segments (the fragmentation that may have caused it) are still there.
         let report = outcome.first.then(|| self.oom_report());
@@ -406,6 +409,27 @@ impl Trainer {
                 Err(OomExit(format!("out of memory in {phase}: {reason}; {note}")).into())
             }
         }
+    }
+
+    /// Whether an OOM was the static bill's: only the session's first update can tell, with
+    /// what it held and the largest parameter's update workspace against the run's cap.
+    fn oom_cause(&self, work: &str, at: Option<Phase>) -> Cause {
+        if work != PREFLIGHT || at != Some(Phase::Optimizer) {
+            return Cause::Step;
+        }
+        let held = memory::sample(self.place()).allocated_bytes.unwrap_or(0);
+        let workspace = self
+            .model
+            .opt
+            .params()
+            .iter()
+            .map(|(_, t)| memory::tensor_bytes(t))
+            .max();
+        Cause::of_first_update(
+            held,
+            workspace.unwrap_or(0),
+            self.settings.cap.as_ref().map(|c| c.bytes),
+        )
     }
 
     /// Another rank is gone mid-step, before any optimizer wrote: rank 0 saves the last
