@@ -63,6 +63,7 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
         &spec.job.name,
         &plan.run_dir,
         &device_name(plan.device.tch()),
+        args.max_steps,
     );
     // Before joining: a NCCL barrier's first CUDA allocation starts the caching allocator, which
     // reads its settings (the cap's fraction among them) once, then.
