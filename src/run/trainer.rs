@@ -412,9 +412,10 @@ impl Trainer {
     }
 
     /// Whether an OOM was the static bill's: only the session's first update can tell, with
-    /// what it held and the largest parameter's update workspace against the run's cap.
+    /// what it held and the largest parameter's update workspace against the run's cap. Not in a
+    /// group: a peer's OOM names no stage, and every rank must take the same decision.
     fn oom_cause(&self, work: &str, at: Option<Phase>) -> Cause {
-        if work != PREFLIGHT || at != Some(Phase::Optimizer) {
+        if work != PREFLIGHT || at != Some(Phase::Optimizer) || self.execution.group().is_some() {
             return Cause::Step;
         }
         let held = memory::sample(self.place()).allocated_bytes.unwrap_or(0);
