@@ -405,7 +405,9 @@ impl Store {
         Ok(state)
     }
 
-    pub fn load(dir: &Path) -> Result<Loaded> {
+    /// `state_home`: where the run keeps its optimizer state. State bound for the host is read
+    /// there, so the cap never holds it even for a moment (a CPU run counts it apart).
+    pub fn load(dir: &Path, state_home: crate::host::Home) -> Result<Loaded> {
         let state = Store::load_state(dir)?;
         // Saves are atomic, so a file that does not read was damaged after: the one before is whole.
         let damaged = |e: anyhow::Error| -> anyhow::Error {
@@ -418,7 +420,10 @@ impl Store {
         Ok(Loaded {
             dir: dir.to_owned(),
             model: read_safetensors(&dir.join("model.safetensors")).map_err(damaged)?,
-            optimizer: read_safetensors(&dir.join("optimizer.safetensors")).map_err(damaged)?,
+            optimizer: {
+                let _host = state_home.is_host().then(crate::shim::HostScope::enter);
+                read_safetensors(&dir.join("optimizer.safetensors")).map_err(damaged)?
+            },
             state,
         })
     }
@@ -501,7 +506,13 @@ mod tests {
             save(&store, step, loss);
         }
         assert_eq!(names(&store), ["step-000000002", "step-000000003", "step-000000004"]);
-        assert_eq!(Store::load(&store.latest().unwrap()).unwrap().state.global_step, 4);
+        assert_eq!(
+            Store::load(&store.latest().unwrap(), crate::host::Home::Device)
+                .unwrap()
+                .state
+                .global_step,
+            4
+        );
         // Resumed to monitor accuracy: the loss's best (0.1) is not compared with 0.2's accuracy.
         let by_acc = Store::new(dir.path(), 2, true, Monitor::ValAcc);
         by_acc.update_best("step-000000004", 0.2).unwrap();

@@ -318,6 +318,16 @@ impl fmt::Display for Estimate {
     }
 }
 
+/// `check`'s warning for a static bill over the cap; `run` repeats it when its first optimizer
+/// step finds the same.
+pub fn cannot_fit(device: u64, cap: u64) -> String {
+    format!(
+        "the device part of the bill, {}, is more than the {} cap (memory.limit) before any activation: this spec cannot fit.",
+        human_bytes(device),
+        human_bytes(cap)
+    )
+}
+
 impl Estimate {
     /// Each term with where the spec puts it, the device's share against the cap, and what
     /// would make it fit when it cannot.
@@ -367,12 +377,7 @@ impl Estimate {
             }
             return Ok(());
         }
-        writeln!(
-            f,
-            "WARNING: the device part of the bill, {}, is more than the {} cap (memory.limit) before any activation: this spec cannot fit.",
-            human_bytes(device),
-            human_bytes(cap)
-        )?;
+        writeln!(f, "WARNING: {}", cannot_fit(device, cap))?;
         match self.placements_to_fit(cap) {
             Some((keys, left)) => writeln!(
                 f,

@@ -188,6 +188,9 @@ pub struct Plan {
     /// The state training starts from: fresh, or the reconciled checkpoint's.
     pub start: TrainState,
     pub resume: Option<Resume>,
+    /// `memory.on_oom` lists "offload": a resume whose checkpoint does not fit beside the
+    /// optimizer state on the device moves the state to the host before reading it again.
+    pub offload_on_oom: bool,
     /// An earlier session already wrote `oom/`.
     pub oom_reported: bool,
     /// Set when a resumed run has nothing left to train; `run` says so and stops.
@@ -260,6 +263,7 @@ impl Plan {
             configured,
             start,
             resume,
+            offload_on_oom: spec.memory.on_oom.contains(&spec::OomAction::Offload),
             oom_reported: facts.run_dir_has_oom_report,
             nothing_to_do,
             notices,

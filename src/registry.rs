@@ -41,6 +41,9 @@ pub struct Entry {
     pub device: String,
     /// Unix time of registration.
     pub started_at: f64,
+    /// `--max-steps`: this session stops after that many optimizer steps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_steps: Option<i64>,
 }
 
 impl Entry {
@@ -76,8 +79,14 @@ impl Drop for Registration {
 }
 
 /// Registers this process. A failure is a warning: watching is no reason to stop training.
-pub fn register(rank: Option<usize>, job: &str, run_dir: &Path, device: &str) -> Option<Registration> {
-    match try_register(rank, job, run_dir, device) {
+pub fn register(
+    rank: Option<usize>,
+    job: &str,
+    run_dir: &Path,
+    device: &str,
+    max_steps: Option<i64>,
+) -> Option<Registration> {
+    match try_register(rank, job, run_dir, device, max_steps) {
         Ok(r) => Some(r),
         Err(e) => {
             tracing::warn!("this run is not registered for `memtrain watch` and `clean`: {e:#}");
@@ -86,7 +95,13 @@ pub fn register(rank: Option<usize>, job: &str, run_dir: &Path, device: &str) ->
     }
 }
 
-fn try_register(rank: Option<usize>, job: &str, run_dir: &Path, device: &str) -> Result<Registration> {
+fn try_register(
+    rank: Option<usize>,
+    job: &str,
+    run_dir: &Path,
+    device: &str,
+    max_steps: Option<i64>,
+) -> Result<Registration> {
     let me = Proc::read(std::process::id()).context("reading this process's /proc entry")?;
     let launcher = Proc::read(me.ppid);
     let dir = dir();
@@ -104,6 +119,7 @@ fn try_register(rank: Option<usize>, job: &str, run_dir: &Path, device: &str) ->
         started_at: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64()),
+        max_steps,
     };
     let path = dir.join(format!("{}.json", me.pid));
     crate::atomic::write_json(&path, &entry)?;
@@ -183,6 +199,7 @@ mod tests {
             run_dir: "/r".into(),
             device: "cpu".into(),
             started_at: 0.0,
+            max_steps: None,
         }
     }
 

@@ -4,7 +4,7 @@
 //! `memory.on_oom`'s levers and decides every transition; the levers say what applies. No
 //! libtorch in here: the trainer reports what happened (an OOM, a clean step) and carries out
 //! what comes back on the parts.
-use super::levers::{answering, lever, Described, Engaged, Lever, Position, Situation, LEVERS};
+use super::levers::{answering, lever, spec_key, Described, Engaged, Lever, Position, Situation, LEVERS, STATIC_BILL};
 use crate::oom::{BatchShape, Decision, OomCounts};
 use crate::spec::OomAction;
 
@@ -83,6 +83,31 @@ impl EvalOutcome {
     }
 }
 
+/// What ran out of memory, as the trainer measured it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cause {
+    /// Work that grows with the micro-batch (the activations) may have tipped it.
+    Step,
+    /// The session's first optimizer step held `held` bytes (parameters, gradients, optimizer
+    /// state and the update's workspace), more than the `cap`: no micro-batch makes room.
+    StaticBill { held: u64, cap: u64 },
+}
+
+impl Cause {
+    /// An OOM in the first optimizer step is the static bill's when what the step held, with the
+    /// update's largest workspace (one parameter's bytes), is over the run's cap. An allocation
+    /// refused under a lower cap than the run's (a fault's squeeze) is not: the bill fits.
+    pub fn of_first_update(held: u64, workspace: u64, cap: Option<u64>) -> Cause {
+        match cap {
+            Some(cap) if held + workspace > cap => Cause::StaticBill {
+                held: held + workspace,
+                cap,
+            },
+            _ => Cause::Step,
+        }
+    }
+}
+
 /// What recovery is told once, at the start of a run.
 #[derive(Debug, Clone)]
 pub struct Policy {
@@ -107,6 +132,11 @@ pub struct Recovery {
     policy: Policy,
     eval: EvalPosition,
     counts: OomCounts,
+    /// The latest OOM's cause (what the advice answers).
+    cause: Cause,
+    /// After an OOM of the static bill: the setting that moves its first term off the device,
+    /// as the run stood when it ran out.
+    to_fit: Option<String>,
 }
 
 impl Recovery {
@@ -125,6 +155,8 @@ impl Recovery {
             policy,
             eval,
             counts: OomCounts::new(LEVERS.iter().map(|l| l.counted_as())),
+            cause: Cause::Step,
+            to_fit: None,
         }
     }
 
@@ -230,6 +262,17 @@ impl Recovery {
     /// An OOM happened; the failed work will be retried unless nothing was engaged. Walks
     /// `memory.on_oom` in order: the first lever that applies wins.
     pub fn on_oom(&mut self) -> Outcome {
+        self.on_oom_from(Cause::Step)
+    }
+
+    /// `on_oom` for an OOM of known cause: one of the static bill skips the levers that cannot
+    /// shrink it (a smaller micro-batch, recomputation, activations on the host).
+    pub fn on_oom_from(&mut self, cause: Cause) -> Outcome {
+        self.cause = cause;
+        self.to_fit = match cause {
+            Cause::StaticBill { .. } => self.placement_to_fit(),
+            Cause::Step => None,
+        };
         self.counts.events += 1;
         let first = !self.policy.reported;
         self.policy.reported = true;
@@ -242,6 +285,13 @@ impl Recovery {
                 break;
             }
             for l in levers {
+                if !helps(l, cause) {
+                    skipped.push(format!(
+                        "{}: it does not shrink what the optimizer step holds (parameters, gradients and optimizer state)",
+                        l.name()
+                    ));
+                    continue;
+                }
                 match l.applies(&self.situation()) {
                     Ok(()) => {
                         engaged = Some(l);
@@ -269,6 +319,11 @@ impl Recovery {
     /// that lets backoff go further, and the other actions the policy does not list that have a
     /// lever that would apply now (no recomputation for a model that is not a chain of blocks).
     pub fn advice(&self) -> String {
+        if let Cause::StaticBill { .. } = self.cause {
+            let mut ways: Vec<String> = self.to_fit.iter().map(|k| format!("after setting {k}")).collect();
+            ways.push("with a larger memory.limit or a smaller model".into());
+            return ways.join(", or ");
+        }
         let on_oom = &self.policy.on_oom;
         if !on_oom.contains(&OomAction::Backoff) {
             return "after adding \"backoff\" to memory.on_oom, or with a smaller train.batch_size".into();
@@ -294,6 +349,30 @@ impl Recovery {
         ways.join(", or ")
     }
 
+    /// `check`'s cannot-fit warning, after an OOM of the static bill, with the setting that
+    /// moves the first term of it off the device.
+    pub fn cannot_fit(&self) -> Option<String> {
+        let Cause::StaticBill { held, cap } = self.cause else {
+            return None;
+        };
+        let warning = crate::estimate::cannot_fit(held, cap);
+        Some(match &self.to_fit {
+            Some(k) => format!("{warning} To fit, set {k}."),
+            None => warning,
+        })
+    }
+
+    /// The spec setting of the first lever that moves part of the static bill to the host and
+    /// applies now (`memory.optimizer_state = "host"` before the gradients).
+    fn placement_to_fit(&self) -> Option<String> {
+        let s = self.situation();
+        STATIC_BILL
+            .iter()
+            .filter(|l| l.applies(&s).is_ok())
+            .find_map(|l| spec_key(*l))
+            .map(|k| format!("{k} = \"host\""))
+    }
+
     /// An optimizer step finished cleanly. Levers that let go after enough clean steps do
     /// (backoff: the micro-batch doubles, at most back to the configured one).
     pub fn on_clean_step(&mut self) -> Option<GrowBack> {
@@ -312,6 +391,14 @@ impl Recovery {
             before,
             after: self.policy.situation.at.shape,
         })
+    }
+}
+
+/// Whether engaging `l` can answer an OOM of this cause.
+fn helps(l: &dyn Lever, cause: Cause) -> bool {
+    match cause {
+        Cause::Step => true,
+        Cause::StaticBill { .. } => STATIC_BILL.iter().any(|s| s.name() == l.name()),
     }
 }
 
@@ -595,6 +682,54 @@ mod tests {
         };
         let r = Recovery::new(policy(vec![Fail], 1, 0, true), Some(saved));
         assert_eq!(r.eval_micro_batch(), 8);
+    }
+
+    #[test]
+    fn an_oom_of_the_static_bill_skips_backoff_for_the_state_on_the_host() {
+        let cause = Cause::of_first_update(130 << 20, 32 << 20, Some(135 << 20));
+        assert_eq!(
+            cause,
+            Cause::StaticBill {
+                held: 162 << 20,
+                cap: 135 << 20
+            }
+        );
+        assert_eq!(
+            Cause::of_first_update(2 << 20, 1 << 20, Some(1 << 30)),
+            Cause::Step,
+            "a squeezed cap under a bill that fits the run's is no static OOM"
+        );
+        assert_eq!(Cause::of_first_update(2 << 20, 1 << 20, None), Cause::Step);
+        let mut r = machine(vec![Backoff, Offload, Fail], 1, 0, true);
+        let o = r.on_oom_from(cause);
+        assert_eq!(o.engaged, Some("host_optimizer_state"));
+        assert_eq!(o.after.shape, shape(8, 1), "the micro-batch is kept");
+        assert!(
+            o.skipped[0].starts_with("backoff: it does not shrink"),
+            "{:?}",
+            o.skipped
+        );
+        let w = r.cannot_fit().unwrap();
+        assert!(
+            w.ends_with("this spec cannot fit. To fit, set memory.optimizer_state = \"host\"."),
+            "as the run stood when it ran out: {w}"
+        );
+        // Without a lever for it in the policy the run stops at once, and says what fits.
+        let mut r = machine(vec![Backoff, Fail], 1, 0, true);
+        assert!(r.on_oom_from(cause).decision().is_fail());
+        assert_eq!(r.shape(), shape(8, 1));
+        assert_eq!(
+            r.advice(),
+            "after setting memory.optimizer_state = \"host\", or with a larger memory.limit or a smaller model"
+        );
+        assert!(r
+            .cannot_fit()
+            .unwrap()
+            .ends_with("To fit, set memory.optimizer_state = \"host\"."));
+        // A step OOM afterwards gets the usual advice again.
+        r.on_oom();
+        assert!(r.cannot_fit().is_none());
+        assert!(!r.advice().contains("memory.optimizer_state"));
     }
 
     #[test]

@@ -80,7 +80,8 @@ impl Factory<'_> {
         };
         let mut state = self.plan.start.clone();
         let mut arch = arch.map(|(step, opt)| ArchStep::new(step, opt, state.arch.clone(), spec.job.seed));
-        self.restore(&mut model, arch.as_mut(), device)?;
+        let moved = self.restore(&mut model, arch.as_mut(), device)?;
+        state.levers.extend(moved.map(String::from));
         scalers(spec.train.precision, &mut state, arch.as_mut());
         let recovery = self.recovery(&state, &model, &execution)?;
         if spec.memory.parameters.is_host() && !recovery.engaged().contains(levers::HostParams.name()) {
@@ -267,19 +268,18 @@ impl Factory<'_> {
         LrSchedule::from_train(t, steps_per_epoch * t.epochs, steps_per_epoch)
     }
 
-    /// A resumed run's model, optimizer state and generators, from its checkpoint.
-    fn restore(&self, model: &mut Trained, arch: Option<&mut ArchStep>, device: Device) -> Result<()> {
-        let Some(r) = &self.plan.resume else { return Ok(()) };
+    /// A resumed run's model, optimizer state and generators, from its checkpoint. Some: the
+    /// lever that moved the optimizer state to the host for the checkpoint to fit.
+    fn restore(&self, model: &mut Trained, arch: Option<&mut ArchStep>, device: Device) -> Result<Option<&str>> {
+        let Some(r) = &self.plan.resume else { return Ok(None) };
         let _squeeze = fault::squeeze_in(Phase::Resume, r.state.global_step);
         let what = format!("{} from {}", Phase::Resume.label(), r.checkpoint.display());
-        let needs = Some(format!(
-            "the checkpoint is {} on disk",
-            human_bytes(dir_bytes(&r.checkpoint))
-        ));
-        let ck = setup_try(&what, &|| needs.clone(), &CHANGE_RESUME, || Store::load(&r.checkpoint))?;
-        setup_try(&what, &|| needs.clone(), &CHANGE_RESUME, || {
-            copy_into(&model.vs, &ck.model, "checkpoint model")
-        })?;
+        let size = human_bytes(dir_bytes(&r.checkpoint));
+        let needs = || Some(format!("the checkpoint is {size} on disk"));
+        let read = |home| setup_try(&what, &needs, &CHANGE_RESUME, || Store::load(&r.checkpoint, home));
+        let (ck, moved) = super::resume::read(&mut model.opt, self.plan.offload_on_oom, read)?;
+        let copy = || copy_into(&model.vs, &ck.model, "checkpoint model");
+        setup_try(&what, &needs, &CHANGE_RESUME, copy)?;
         let pick = |prefix: &str| -> NamedTensors {
             ck.optimizer
                 .iter()
@@ -309,7 +309,7 @@ impl Factory<'_> {
             r.state.global_step,
             r.state.micro_batch
         );
-        Ok(())
+        Ok(moved)
     }
 
     /// Recovery at the run's position, with the levers the spec turns on engaged.

@@ -7,6 +7,7 @@ mod execution;
 mod forward;
 mod oom_answer;
 mod parts;
+mod resume;
 mod rollback;
 mod save;
 mod stager;
@@ -69,6 +70,7 @@ pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {
         &plan.spec.job.name,
         &plan.run_dir,
         &device_name(plan.device.tch()),
+        args.max_steps,
     );
     // Before joining: a NCCL barrier's first CUDA allocation starts the caching allocator, which
     // reads its settings (the cap's fraction among them) once, then.

@@ -8,9 +8,11 @@ use super::rollback::{Attempt, Rollback};
 use super::terminal::Notice;
 use super::trainer::Trainer;
 use crate::exit::OomExit;
+use crate::fault::Phase;
 use crate::memory::{self, ClearReason, Place};
 use crate::oom::{BatchShape, Decision, OomKind, StepError};
 use crate::policy::levers::Described;
+use crate::policy::recovery::Cause;
 use crate::records::{Event, OomEvent, OomReport, Status};
 use crate::shim;
 
@@ -86,12 +88,12 @@ impl Trainer {
     /// Carries out the recovery machine's decision for one OOM. Ok: retry the failed work;
     /// Err: the run ends.
     fn handle_oom(&mut self, err: StepError, work: Attempt) -> Result<()> {
-        let (kind, message, phase) = match err {
+        let (kind, message, phase, cause) = match err {
             StepError::Oom {
                 kind,
                 message,
                 phase: at,
-            } => (kind, message, work.phase_name(at)),
+            } => (kind, message, work.phase_name(at), self.oom_cause(work, at)),
             StepError::Other(m) => return Err(anyhow::anyhow!("{} failed: {m}", work.name())),
             StepError::PeerLost(m) => {
                 let note = self.save_after_failed_collective(&m);
@@ -102,7 +104,10 @@ impl Trainer {
                 return Err(OomExit(format!("{} failed: {m}{note}", work.name())).into());
             }
         };
-        let outcome = self.recovery.on_oom();
+        let outcome = self.recovery.on_oom_from(cause);
+        if let Some(w) = self.recovery.cannot_fit() {
+            self.say(Notice::CannotFit(w));
+        }
         // The first OOM's report sees memory as the OOM left it: the gradients and the cached
         // segments (the fragmentation that may have caused it) are still there.
         let report = outcome.first.then(|| self.oom_report());
@@ -143,6 +148,28 @@ impl Trainer {
         self.model.opt.settle()?;
         lever.engage(&mut self.parts());
         Ok(())
+    }
+
+    /// Whether an OOM was the static bill's: only the session's first update can tell, with
+    /// what it held and the largest parameter's update workspace against the run's cap. Not in a
+    /// group: a peer's OOM names no stage, and every rank must take the same decision.
+    fn oom_cause(&self, work: Attempt, at: Option<Phase>) -> Cause {
+        if work != Attempt::Preflight || at != Some(Phase::Optimizer) || self.execution.group().is_some() {
+            return Cause::Step;
+        }
+        let held = memory::sample(self.place()).allocated_bytes.unwrap_or(0);
+        let workspace = self
+            .model
+            .opt
+            .params()
+            .iter()
+            .map(|(_, t)| memory::tensor_bytes(t))
+            .max();
+        Cause::of_first_update(
+            held,
+            workspace.unwrap_or(0),
+            self.settings.cap.as_ref().map(|c| c.bytes),
+        )
     }
 
     /// `memory.on_oom` has nothing left to try: the last good state is saved, and the run ends.

@@ -34,6 +34,8 @@ pub enum Notice {
         reason: String,
         said: String,
     },
+    /// The OOM was the static bill's: `check`'s cannot-fit warning, with what to set.
+    CannotFit(String),
     /// `memory.on_oom` has nothing left to try: the run ends.
     OutOfOptions {
         phase: String,
@@ -153,6 +155,7 @@ impl Terminal {
                 reason,
                 said,
             } => tracing::warn!("out of memory in {phase} at epoch {epoch} step {step} on {device} ({reason}); {said}"),
+            Notice::CannotFit(w) => tracing::warn!("{w}"),
             Notice::OutOfOptions { phase, reason } => {
                 tracing::error!("out of memory in {phase} ({reason}); memory.on_oom has nothing left to try")
             }

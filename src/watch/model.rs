@@ -298,7 +298,9 @@ fn configured_epochs(dir: &Path) -> Option<i64> {
 
 /// Time left at the session's pace so far: its steps over the wall time since the process
 /// registered, so validation, checkpoints and stalls count, which a step's samples/s leaves out.
+/// A session under `--max-steps` ends after that many steps when its epochs do not end first.
 fn eta(e: &Entry, from_step: i64, step: i64, total_steps: i64, now: f64) -> Option<f64> {
+    let total_steps = e.max_steps.map_or(total_steps, |m| total_steps.min(from_step + m));
     let done = step - from_step;
     let elapsed = now - e.started_at;
     (done > 0 && elapsed > 0.0).then(|| (total_steps - step).max(0) as f64 * elapsed / done as f64)
@@ -546,6 +548,43 @@ mod tests {
         assert!(
             oom.contains("OOM in backward") && oom.contains("backoff to micro-batch 4"),
             "{oom}"
+        );
+    }
+
+    #[test]
+    fn the_time_left_ends_at_max_steps_when_they_end_the_session_first() {
+        let entry = |max_steps| Entry {
+            pid: 1,
+            started: 1,
+            launcher_pid: 0,
+            launcher_started: 0,
+            rank: None,
+            job: "j".into(),
+            run_dir: "/r".into(),
+            device: "cpu".into(),
+            started_at: 100.0,
+            max_steps,
+        };
+        // 5 steps in 10 s: 2 s a step.
+        assert_eq!(
+            eta(&entry(None), 0, 5, 100, 110.0),
+            Some(190.0),
+            "95 steps to the epochs' end"
+        );
+        assert_eq!(
+            eta(&entry(Some(6)), 0, 5, 100, 110.0),
+            Some(2.0),
+            "one step to --max-steps 6"
+        );
+        assert_eq!(
+            eta(&entry(Some(10)), 40, 45, 100, 110.0),
+            Some(10.0),
+            "a resumed session counts its steps from where it started"
+        );
+        assert_eq!(
+            eta(&entry(Some(500)), 0, 5, 100, 110.0),
+            Some(190.0),
+            "the epochs end first"
         );
     }
 

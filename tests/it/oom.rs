@@ -344,3 +344,98 @@ fn the_summarys_peak_counts_the_peaks_of_failed_steps() {
         "summary.json's peak {summary} is below the OOM report's {at_oom}"
     );
 }
+
+/// A static bill of 128 MiB (an MLP of 8.4M weights under Adam: parameters, gradients and two
+/// moments) under a 135 MiB cap: the first optimizer step's update cannot find its workspace
+/// at any micro-batch.
+fn static_bill() -> Test {
+    Test::new().spec(table(
+        "[job]\nthreads = 1\ndevice = \"cpu\"\n[model]\npreset = \"mlp\"\n[model.mlp]\ninputs = 2048\nhidden = [4096]\n\
+         num_classes = 4\n[data]\nsamples = 64\n[train]\nepochs = 1\nbatch_size = 16\noptimizer = \"adam\"\nlr = 0.001\n\
+         [log]\nprogress = \"lines\"\n[memory]\nlimit = \"135MiB\"\n",
+    ))
+}
+
+/// The ways the advice of a run that ran out of options offers, as `--set` arguments for the
+/// resume (`spec_on_oom`: the policy the run had); the ways no setting can follow (a larger
+/// cap or a smaller model) are left out.
+fn advice_as_settings(stderr: &str, spec_on_oom: &[&str]) -> Vec<String> {
+    let advice = stderr
+        .lines()
+        .find_map(|l| l.split_once("resume with --resume ").map(|(_, a)| a))
+        .unwrap_or_else(|| panic!("no advice in\n{stderr}"));
+    advice
+        .split(", or ")
+        .filter_map(|way| {
+            if let Some(setting) = way.strip_prefix("after setting ") {
+                let (key, value) = setting.split_once(" = ").expect("KEY = VALUE");
+                Some(format!("{key}={value}"))
+            } else if let Some(added) = way.strip_prefix("after adding ") {
+                let words = added
+                    .strip_suffix(" to memory.on_oom")
+                    .expect("adding to memory.on_oom");
+                let first = words.split(" or ").next().unwrap().to_owned();
+                let mut on_oom: Vec<String> = spec_on_oom.iter().map(|a| format!("\"{a}\"")).collect();
+                on_oom.insert(on_oom.len() - 1, first);
+                Some(format!("memory.on_oom=[{}]", on_oom.join(",")))
+            } else {
+                None
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn the_advice_after_an_oom_of_the_static_bill_trains_when_followed() {
+    let failed = static_bill().name("failed").exit(3).run();
+    let ways = advice_as_settings(&failed.stderr, &["backoff", "fail"]);
+    assert!(!ways.is_empty(), "the advice offers a setting: {}", failed.stderr);
+    for (i, way) in ways.iter().enumerate() {
+        // Each way from the same failure: a run of its own, resumed as the advice says.
+        let r = static_bill().name(&format!("way{i}")).exit(3).run();
+        r.resume().args(&["--set", way]).run();
+        let s = r.summary();
+        assert_eq!(s.status, Status::Completed, "after --set {way}");
+        assert_eq!(s.samples_trained, 51, "after --set {way}");
+    }
+    assert_eq!(ways[0], "memory.optimizer_state=\"host\"", "{ways:?}");
+    // The policy's own way: "offload" added to memory.on_oom moves the state to the host before
+    // the checkpoint's copy of it is read, where it would not fit beside the state on the device.
+    let r = static_bill().name("offload").exit(3).run();
+    r.resume()
+        .args(&["--set", "memory.on_oom=[\"backoff\",\"offload\",\"fail\"]"])
+        .stderr_has("the optimizer state moves to host memory and the checkpoint is read again")
+        .run();
+    assert_eq!(r.summary().status, Status::Completed);
+    assert!(r.starts().last().unwrap().resumed);
+}
+
+#[test]
+fn an_oom_of_the_static_bill_goes_to_the_lever_that_moves_it_not_to_backoff() {
+    let cannot_fit = "is more than the 135 MiB cap (memory.limit) before any activation: this spec cannot fit. \
+                      To fit, set memory.optimizer_state = \"host\".";
+    let r = static_bill()
+        .name("offload")
+        .set("memory.on_oom", policy(&["backoff", "offload", "fail"]))
+        .stderr_has(cannot_fit)
+        .stderr_has("skipped backoff: it does not shrink what the optimizer step holds")
+        .stderr_has("offloading: the optimizer state moves to host memory")
+        .run();
+    assert!(!r.stderr.contains("backing off"), "{}", r.stderr);
+    let ooms = r.ooms();
+    assert_eq!(ooms.len(), 1);
+    assert_eq!(ooms[0].phase, "optimizer step (preflight)");
+    assert_eq!(ooms[0].decision.action, "host_optimizer_state");
+    let s = r.summary();
+    assert_eq!(s.status, Status::Completed);
+    assert_eq!(s.batch.final_micro_batch, 16, "the micro-batch was never halved");
+    // Without such a lever in the policy the run stops at the first OOM, at micro-batch 16.
+    let r = static_bill().name("fails").exit(3).stderr_has(cannot_fit).run();
+    assert!(!r.stderr.contains("backing off"), "{}", r.stderr);
+    let ooms = r.ooms();
+    assert_eq!(ooms.len(), 1);
+    assert_eq!(
+        (ooms[0].micro_batch_before, ooms[0].decision.action.as_str()),
+        (16, "fail")
+    );
+}

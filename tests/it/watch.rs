@@ -182,6 +182,37 @@ fn watch_once_shows_a_live_run_from_its_records_and_a_finished_one_from_its_summ
 }
 
 #[test]
+fn watch_counts_the_time_left_to_max_steps() {
+    let t = Test::new();
+    let mut reap = Reap::default();
+    let spawned = Instant::now();
+    // 135 steps in all; this session stops after 6, and waits after its 5th.
+    let mut run = t
+        .clone()
+        .name("t")
+        .args(&["--max-steps", "6"])
+        .env(RUNS_DIR, &registry(&t))
+        .env(AWAIT, "5")
+        .exit(130)
+        .spawn();
+    reap.add(run.pid() as u32);
+    run.await_stderr("fault: waiting for a signal at step 5");
+    let json: Value = serde_json::from_str(&command(&t, &["watch", "--once", "--json"]).run().stdout).unwrap();
+    let since_spawn = spawned.elapsed().as_secs_f64();
+    let eta = json["jobs"][0]["eta_seconds"]
+        .as_f64()
+        .expect("a running job's time left");
+    // One step left at the pace of five: at most a fifth of the time the session has run, where
+    // the 130 steps to the last epoch would take 26 times it.
+    assert!(
+        eta > 0.0 && eta <= since_spawn / 5.0,
+        "{eta} s left after {since_spawn} s: {json:#}"
+    );
+    run.signal(libc::SIGINT);
+    run.finish();
+}
+
+#[test]
 fn watch_refuses_what_is_not_a_run_directory() {
     let t = Test::new();
     let missing = t.dir().join("nowhere").display().to_string();

@@ -43,6 +43,10 @@ pub static LEVERS: &[&dyn Lever] = &[
     &CpuFallback,
 ];
 
+/// The levers that shrink what the optimizer step holds whatever the micro-batch (parameters,
+/// gradients and optimizer state): the only ones that can answer an OOM of the static bill.
+pub static STATIC_BILL: &[&dyn Lever] = &[&HostState, &HostGrads, &HostParams, &CpuFallback];
+
 /// The levers a `memory.on_oom` word engages, in the order tried ("offload": each placement in
 /// turn; the others: their one lever). Empty for "fail".
 pub fn answering(word: &str) -> Vec<&'static dyn Lever> {
@@ -104,19 +108,31 @@ pub fn configured(train: &Train, m: &Memory) -> Vec<(&'static str, &'static dyn 
     if train.activation_checkpointing {
         on.push(("train.activation_checkpointing", &Recompute));
     }
-    let placed: [(&'static str, Home, &'static dyn Lever); 4] = [
-        ("memory.optimizer_state", m.optimizer_state, &HostState),
-        ("memory.gradients", m.gradients, &HostGrads),
-        ("memory.activations", m.activations, &HostActivations),
-        ("memory.parameters", m.parameters, &HostParams),
-    ];
     on.extend(
-        placed
+        placements(m)
             .into_iter()
             .filter(|(_, h, _)| h.is_host())
             .map(|(k, _, l)| (k, l)),
     );
     on
+}
+
+/// Each placement lever with the spec key that turns it on and where that key puts its term.
+fn placements(m: &Memory) -> [(&'static str, Home, &'static dyn Lever); 4] {
+    [
+        ("memory.optimizer_state", m.optimizer_state, &HostState),
+        ("memory.gradients", m.gradients, &HostGrads),
+        ("memory.activations", m.activations, &HostActivations),
+        ("memory.parameters", m.parameters, &HostParams),
+    ]
+}
+
+/// The spec key that turns `l` on from the start (set to "host"), for a placement lever.
+pub fn spec_key(l: &dyn Lever) -> Option<&'static str> {
+    placements(&Memory::default())
+        .into_iter()
+        .find(|(_, _, p)| p.name() == l.name())
+        .map(|(k, _, _)| k)
 }
 
 /// `check`'s levers section: each lever as a run in situation `s` would start, under
