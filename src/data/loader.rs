@@ -7,8 +7,9 @@
 //! indices and epoch alone ([`Source::gather_into`]), and a request that is not the next planned
 //! one (a retried step, a changed micro-batch before the plan follows) is gathered on the spot.
 //! So the batches, and training, are the same for any number of threads and any depth.
-use std::collections::{BTreeMap, VecDeque};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::collections::{BTreeMap, TryReserveError, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 
 use super::gather::{Source, Staged};
@@ -229,6 +230,22 @@ fn work(shared: &Shared) {
             },
         );
         drop(s);
+        // A batch whose buffer cannot be had is no reason to stop training: the loader keeps
+        // one batch fewer ahead, and the batch goes back to the plan.
+        if reserve(&shared.source, &idx, &mut out).is_err() {
+            s = shared.lock();
+            s.started.remove(&seq);
+            if s.generation == generation {
+                s.todo.push_front((seq, idx));
+            }
+            let from = s.depth;
+            s.depth -= 1;
+            let available = crate::sysmem::available_bytes().unwrap_or(0);
+            s.shed.push((from, from - 1, available));
+            s.free.clear();
+            shared.ready.notify_all();
+            continue;
+        }
         // A batch that cannot be made (a defect, a file gone bad) is taken off the plan: the step
         // then makes it itself and the error surfaces there, instead of the step waiting forever.
         let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -248,10 +265,40 @@ fn work(shared: &Shared) {
     }
 }
 
-/// Available RAM when it is below [`LOW_MEMORY`].
+/// Room in `out` for the batch of `idx`, asked of the allocator so that a refusal is an error
+/// here rather than an abort of the process where the batch is gathered.
+fn reserve(source: &Source, idx: &[i64], out: &mut Staged) -> Result<(), TryReserveError> {
+    let values = idx.len() * source.store.sample_values();
+    if alloc_fault() {
+        // Ask for more than any machine has: the allocator's refusal is real.
+        out.x.try_reserve_exact(isize::MAX as usize / 8)?;
+    }
+    out.x.clear();
+    out.x.try_reserve_exact(values)?;
+    out.y.clear();
+    out.y.try_reserve_exact(idx.len())
+}
+
+/// `MEMTRAIN_FAULT_LOADER_ALLOC_FAILS=N`, a test hook: the loader threads' first N batch
+/// buffers are refused by the allocator.
+fn alloc_fault() -> bool {
+    static LEFT: OnceLock<AtomicU64> = OnceLock::new();
+    let left = LEFT.get_or_init(|| {
+        AtomicU64::new(
+            std::env::var("MEMTRAIN_FAULT_LOADER_ALLOC_FAILS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
+        )
+    });
+    left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+        .is_ok()
+}
+
+/// Available RAM (under the cgroup's limit, where there is one) when it is below [`LOW_MEMORY`].
 fn memory_is_low() -> Option<u64> {
-    let avail = crate::sysmem::host_memory().ok()?.ram_available_bytes;
-    (avail > 0 && avail < low_memory()).then_some(avail)
+    let avail = crate::sysmem::available_bytes()?;
+    (avail < low_memory()).then_some(avail)
 }
 
 /// [`LOW_MEMORY`], or `MEMTRAIN_FAULT_LOW_MEMORY_BYTES` (a test hook: any available RAM below it

@@ -173,6 +173,38 @@ fn synthetic_keys_set_for_a_file_are_said_to_be_unread() {
     );
 }
 
+#[test]
+fn a_batch_buffer_the_allocator_refuses_sheds_prefetch_depth() {
+    let t = Test::new();
+    let root = imagefolder(t.dir(), "images", 16, 20, 4);
+    let base = vit_job(&t, &root, 16, 8).set("train.epochs", 1);
+    let want = base.clone().name("plain").set("data.prefetch", 0).run().final_bytes();
+    // The loader's first two batch buffers are refused: it keeps fewer batches ahead, says so,
+    // and trains the same.
+    let refused = base
+        .name("refused")
+        .set("data.prefetch", 3)
+        .set("data.workers", 1)
+        .env("MEMTRAIN_FAULT_LOADER_ALLOC_FAILS", "2")
+        .stderr_has("the data loader keeps 1 micro-batch(es) ahead instead of 2")
+        .run();
+    assert_eq!(refused.summary().status, Status::Completed);
+    assert!(
+        refused.final_bytes() == want,
+        "the loader that shed depth trained otherwise"
+    );
+    let shed: Vec<(i64, i64)> = refused
+        .run_records()
+        .events
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Prefetch(p) => Some((p.prefetch_before, p.prefetch)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(shed, vec![(3, 2), (2, 1)]);
+}
+
 /// The largest anonymous RSS (`RssAnon`) of `pid` while it runs, polled.
 fn peak_rss_anon(pid: i32) -> std::thread::JoinHandle<u64> {
     std::thread::spawn(move || {
