@@ -205,6 +205,70 @@ fn a_batch_buffer_the_allocator_refuses_sheds_prefetch_depth() {
     assert_eq!(shed, vec![(3, 2), (2, 1)]);
 }
 
+/// A directory nothing can be written in while it lives, even by root (which file modes do not
+/// stop): read-only by its mode, and immutable where the mode does not hold.
+struct ReadOnly(PathBuf);
+
+impl ReadOnly {
+    fn new(dir: &Path) -> ReadOnly {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o555)).unwrap();
+        let probe = dir.join("probe");
+        if std::fs::write(&probe, b"").is_ok() {
+            std::fs::remove_file(&probe).unwrap();
+            let ok = std::process::Command::new("chattr").arg("+i").arg(dir).status();
+            assert!(
+                ok.is_ok_and(|s| s.success()) && std::fs::write(&probe, b"").is_err(),
+                "cannot make {} read-only here",
+                dir.display()
+            );
+        }
+        ReadOnly(dir.to_path_buf())
+    }
+}
+
+impl Drop for ReadOnly {
+    fn drop(&mut self) {
+        use std::os::unix::fs::PermissionsExt;
+        let _ = std::process::Command::new("chattr").arg("-i").arg(&self.0).status();
+        let _ = std::fs::set_permissions(&self.0, std::fs::Permissions::from_mode(0o755));
+    }
+}
+
+#[test]
+fn an_image_tree_whose_parent_is_read_only_keeps_its_cache_in_data_cache_dir() {
+    let t = Test::new();
+    let parent = t.dir().join("mount");
+    let root = imagefolder(&parent, "images", 16, 20, 4);
+    let _ro = ReadOnly::new(&parent);
+    let base = vit_job(&t, &root, 16, 8).set("train.epochs", 1);
+    // Beside the tree nothing can be written: decoded into memory, with the way out named.
+    let memory = base
+        .clone()
+        .name("beside")
+        .stderr_has("could not write the image cache")
+        .stderr_has("set data.cache_dir")
+        .run();
+    let cache = t.dir().join("cache");
+    let kept = base.clone().name("kept").set("data.cache_dir", cache.to_str().unwrap());
+    let first = kept.clone().name("first").run();
+    assert!(!first.stderr.contains("could not write"), "{}", first.stderr);
+    let files: Vec<_> = std::fs::read_dir(&cache)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(
+        files.len() == 1 && files[0].to_string_lossy().starts_with("imagefolder-16px-3ch-"),
+        "{files:?}"
+    );
+    // A later run reads that cache (a tree changed under it would make a new one): the same
+    // training, from the same bytes.
+    let again = kept.name("again").run();
+    assert_eq!(std::fs::read_dir(&cache).unwrap().count(), 1);
+    assert!(again.final_bytes() == first.final_bytes() && first.final_bytes() == memory.final_bytes());
+    assert!(!cache_beside(&root).exists());
+}
+
 /// The largest anonymous RSS (`RssAnon`) of `pid` while it runs, polled.
 fn peak_rss_anon(pid: i32) -> std::thread::JoinHandle<u64> {
     std::thread::spawn(move || {

@@ -3,7 +3,7 @@
 //! Images are decoded in parallel, resized to fill `image_size`² and centre-cropped
 //! (torchvision's `Resize(s)` + `CenterCrop(s)`), and written a chunk at a time to a cache file
 //! beside the tree, `root.memtrain-cache/imagefolder-<size>px-<C>ch-<key>.safetensors` (see
-//! [`cache_dir`]), where the key hashes every file's path, size and modification time: a later
+//! [`cache_dir`]; `data.cache_dir` puts it elsewhere), where the key hashes every file's path, size and modification time: a later
 //! run with the same files and size starts from the cache; a changed file makes a new one.
 //!
 //! A batch's pixels become float32 in [0, 1]. The cache is read in place through a memory map;
@@ -146,8 +146,10 @@ fn cache_key(root: &Path, files: &[(PathBuf, i64)], size: i64, channels: i64) ->
     format!("{h:016x}")
 }
 
-pub fn cache_path(root: &Path, files: &[(PathBuf, i64)], size: i64, channels: i64) -> PathBuf {
-    cache_dir(root).join(cache_name(root, files, size, channels))
+/// Where the cache of the tree at `root` is kept: `data.cache_dir` where set (for a tree whose
+/// parent cannot be written), else beside the tree ([`cache_dir`]).
+fn cache_home(root: &Path, data: &Data) -> PathBuf {
+    data.cache_dir.clone().unwrap_or_else(|| cache_dir(root))
 }
 
 fn cache_name(root: &Path, files: &[(PathBuf, i64)], size: i64, channels: i64) -> String {
@@ -175,9 +177,16 @@ const IN_TREE_CACHE: &str = ".memtrain-cache";
 
 /// A cache inside the tree that matches the files: read, with the advice to move it beside
 /// the tree.
-fn in_tree_cache(root: &Path, files: &[(PathBuf, i64)], size: i64, channels: i64, key: &str) -> Option<Xy> {
+fn in_tree_cache(
+    root: &Path,
+    files: &[(PathBuf, i64)],
+    size: i64,
+    channels: i64,
+    key: &str,
+    home: &Path,
+) -> Option<Xy> {
     let inside = root.join(IN_TREE_CACHE);
-    let beside = cache_dir(root);
+    let beside = home.to_path_buf();
     if inside == beside {
         return None;
     }
@@ -204,7 +213,8 @@ pub fn read_imagefolder(root: &Path, size: i64, channels: i64, key: &str, data: 
     if !data.memory_map {
         check_budget(n, &[channels, size, size], &what)?;
     }
-    let cache = cache_path(root, &files, size, channels);
+    let home = cache_home(root, data);
+    let cache = home.join(cache_name(root, &files, size, channels));
     let opened = |xy: Xy| match data.memory_map {
         true => xy,
         false => Xy {
@@ -216,7 +226,7 @@ pub fn read_imagefolder(root: &Path, size: i64, channels: i64, key: &str, data: 
         tracing::info!("{key}: {n} images from the cache {}", cache.display());
         return Ok((opened(xy), classes));
     }
-    if let Some(xy) = in_tree_cache(root, &files, size, channels, key) {
+    if let Some(xy) = in_tree_cache(root, &files, size, channels, key, &home) {
         return Ok((opened(xy), classes));
     }
     let t0 = std::time::Instant::now();
@@ -243,13 +253,17 @@ pub fn read_imagefolder(root: &Path, size: i64, channels: i64, key: &str, data: 
         }
         Err(e) => {
             tracing::warn!(
-                "{key}: could not write the image cache {} ({e:#}); decoding into memory, and the next run decodes again",
-                cache.display()
+                "{key}: could not write the image cache {} ({e:#}); decoding into memory, and the next run decodes again{}",
+                cache.display(),
+                match data.cache_dir {
+                    None => "; set data.cache_dir to a writable directory to keep the cache there",
+                    Some(_) => "",
+                }
             );
             check_budget(n, &[channels, size, size], &what).map_err(|refused| {
                 anyhow!(
-                    "{refused:#}; the images go to memory only because their cache could not be written in {} ({e:#}): free space there or make it writable, and the next run writes it",
-                    cache_dir(root).display()
+                    "{refused:#}; the images go to memory only because their cache could not be written in {} ({e:#}): free space there or make it writable (or set data.cache_dir to one that is), and the next run writes it",
+                    home.display()
                 )
             })?;
             let mut pixels = Vec::with_capacity(n as usize * (channels * size * size) as usize);
@@ -412,6 +426,10 @@ mod tests {
     use crate::data::load;
     use crate::spec::{Data, DataSource};
     use tch::Kind;
+
+    fn cache_path(root: &Path, files: &[(PathBuf, i64)], size: i64, channels: i64) -> PathBuf {
+        cache_dir(root).join(cache_name(root, files, size, channels))
+    }
 
     /// Pixel bytes and labels, as tensors.
     #[derive(Debug)]
