@@ -139,13 +139,17 @@ pub(super) fn checked_store(x: Store, y: Tensor, what: &str, model: &ModelKeys) 
         shape.extend_from_slice(want);
         x.reshaped(shape)
     };
+    // A mapped file is checked as batches read it: a scan here would read the whole file
+    // before the first step, however large.
     let finite = x.elem.is_integer()
+        || x.is_mapped()
         || x.bytes()
             .chunks_exact(4)
             .all(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")).is_finite());
     if !finite {
         bail!("{what}: x contains NaN or infinite values");
     }
+    let unchecked = (!x.elem.is_integer() && x.is_mapped()).then(|| what.into());
     let y = y.to_kind(Kind::Int64);
     let (lo, hi) = (y.min().int64_value(&[]), y.max().int64_value(&[]));
     let k = model.num_classes;
@@ -160,7 +164,9 @@ pub(super) fn checked_store(x: Store, y: Tensor, what: &str, model: &ModelKeys) 
         );
     }
     let labels = Vec::<i64>::try_from(&y.contiguous()).expect("int64 labels");
-    Ok(Dataset::of(x, labels))
+    let mut d = Dataset::of(x, labels);
+    d.recipe().unchecked = unchecked;
+    Ok(d)
 }
 
 /// Refuses a file read whole (not mapped) whose arrays would not fit in host memory: a

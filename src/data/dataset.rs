@@ -8,7 +8,7 @@ use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 
 use super::augment::Augmenter;
-use super::gather::{Recipe, Source, Staged};
+use super::gather::{NotFinite, Recipe, Source, Staged};
 use super::loader::Loader;
 use super::store::Store;
 use crate::spec::Data;
@@ -36,6 +36,8 @@ struct Resident {
     y: Tensor,
     rows: Option<Tensor>,
     norm: Option<(Tensor, Tensor)>,
+    /// A sample that is not finite, found when the set was copied over: the first batch says so.
+    bad: Option<NotFinite>,
 }
 
 impl Dataset {
@@ -113,10 +115,11 @@ impl Dataset {
             Some(l) => l.take(idx, epoch),
             None => {
                 let mut s = Staged::default();
-                self.source.gather_into(idx, epoch, &mut s);
-                s
+                self.source.gather_into(idx, epoch, &mut s).map(|()| s)
             }
         };
+        // Inside the step's guard, which turns the panic into the run's error.
+        let staged = staged.unwrap_or_else(|e| panic!("{e}"));
         self.wait_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
         let xy = self.tensors(&staged);
         if let Some(l) = &self.loader {
@@ -160,7 +163,20 @@ impl Dataset {
             let t = |v: &[f32]| Tensor::from_slice(v).view(shape.as_slice()).to_device(device);
             (t(m), t(d))
         });
+        // The copy reads every sample anyway: a set checked as it is read is checked here.
+        let bad = self.source.recipe.unchecked.as_ref().and_then(|what| {
+            let row = (0..self.source.store.shape[0]).find(|&r| {
+                let mut v = vec![0f32; self.source.store.sample_values()];
+                self.source.store.elem.to_f32(self.source.store.row(r), &mut v);
+                !v.iter().all(|x| x.is_finite())
+            })?;
+            Some(NotFinite {
+                what: what.clone(),
+                row,
+            })
+        });
         self.resident = Some(Resident {
+            bad,
             x: self.source.store.tensor().to_device(device),
             y: Tensor::from_slice(&self.source.labels).to_device(device),
             rows: self.source.rows.as_ref().map(|r| Tensor::from_slice(r)),
@@ -217,9 +233,12 @@ impl Dataset {
             Arc::make_mut(&mut plain.recipe).augment = None;
             let mut s = Staged::default();
             let idx = Vec::<i64>::try_from(idx).expect("int64 indices");
-            plain.gather_into(&idx, 0, &mut s);
+            plain.gather_into(&idx, 0, &mut s).unwrap_or_else(|e| panic!("{e}"));
             return self.tensors(&s);
         };
+        if let Some(bad) = &r.bad {
+            panic!("{bad}");
+        }
         let rows = match &r.rows {
             Some(rows) => rows.index_select(0, idx),
             None => idx.shallow_clone(),

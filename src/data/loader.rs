@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 
-use super::gather::{Source, Staged};
+use super::gather::{NotFinite, Source, Staged};
 
 /// A batch the plan holds: its sample indices, and its buffer once made.
 struct Slot {
@@ -107,7 +107,7 @@ impl Loader {
 
     /// The batch of `idx` in `epoch`: the staged one when it is next in the plan (waiting for
     /// it if a thread is making it), else made here.
-    pub fn take(&self, idx: &[i64], epoch: i64) -> Staged {
+    pub fn take(&self, idx: &[i64], epoch: i64) -> Result<Staged, NotFinite> {
         let mut s = self.shared.lock();
         loop {
             if s.epoch != epoch {
@@ -124,7 +124,7 @@ impl Loader {
                     head.remove();
                     drop(s);
                     self.shared.ready.notify_all();
-                    return staged;
+                    return Ok(staged);
                 }
                 s = self.shared.ready.wait(s).unwrap_or_else(|e| e.into_inner());
                 continue;
@@ -141,8 +141,8 @@ impl Loader {
         }
         let mut out = s.free.pop().unwrap_or_default();
         drop(s);
-        self.shared.source.gather_into(idx, epoch, &mut out);
-        out
+        self.shared.source.gather_into(idx, epoch, &mut out)?;
+        Ok(out)
     }
 
     /// A taken batch's buffer, for the next batch.
@@ -246,18 +246,18 @@ fn work(shared: &Shared) {
             shared.ready.notify_all();
             continue;
         }
-        // A batch that cannot be made (a defect, a file gone bad) is taken off the plan: the step
-        // then makes it itself and the error surfaces there, instead of the step waiting forever.
+        // A batch that cannot be made (a defect, a sample that is not finite) is taken off the
+        // plan: the step then makes it itself and the error surfaces there, instead of the step
+        // waiting forever.
         let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            shared.source.gather_into(&idx, epoch, &mut out);
-            out
+            shared.source.gather_into(&idx, epoch, &mut out).map(|()| out)
         }));
         s = shared.lock();
         let current = s.generation == generation;
         match (made, s.started.get_mut(&seq)) {
-            (Ok(out), Some(slot)) if current => slot.staged = Some(out),
-            (Ok(out), _) => s.free.push(out),
-            (Err(_), _) => {
+            (Ok(Ok(out)), Some(slot)) if current => slot.staged = Some(out),
+            (Ok(Ok(out)), _) => s.free.push(out),
+            (Ok(Err(_)) | Err(_), _) => {
                 s.started.remove(&seq);
             }
         }
