@@ -1,6 +1,7 @@
 //! Host memory as the kernel reports it: RAM totals, this process's RSS and its high-water mark.
 //! (The CPU cap is not here: the counting allocator in the shim enforces it on tensor bytes.)
 use std::fs;
+use std::path::Path;
 use std::sync::OnceLock;
 
 use anyhow::{Context, Result};
@@ -26,6 +27,73 @@ pub fn host_memory() -> Result<HostMemory> {
         ram_total_bytes: kb_field(&text, "MemTotal").unwrap_or(0),
         ram_available_bytes: kb_field(&text, "MemAvailable").unwrap_or(0),
     })
+}
+
+/// RAM this process can still take: the kernel's `MemAvailable`, or less where the process's
+/// cgroup has a memory limit with less room left under it (a container on a large host sees the
+/// host's RAM in /proc/meminfo, not its own limit). None where neither is known.
+pub fn available_bytes() -> Option<u64> {
+    let ram = host_memory().ok().map(|h| h.ram_available_bytes).filter(|&b| b > 0);
+    let cgroup = fs::read_to_string("/proc/self/cgroup")
+        .ok()
+        .and_then(|c| cgroup_room(&c, |p| fs::read_to_string(Path::new(CGROUP_ROOT).join(p)).ok()));
+    match (ram, cgroup) {
+        (Some(r), Some(c)) => Some(r.min(c)),
+        (r, c) => r.or(c),
+    }
+}
+
+const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+
+/// Bytes left under the tightest memory limit of the cgroup that `self_cgroup` (the text of
+/// /proc/self/cgroup) names, or of any cgroup above it, reading each file through `read` (a path
+/// under /sys/fs/cgroup): cgroup v2's `memory.max` minus `memory.current`, or v1's
+/// `memory.limit_in_bytes` minus `memory.usage_in_bytes`. None where no limit is set.
+pub fn cgroup_room(self_cgroup: &str, read: impl Fn(&str) -> Option<String>) -> Option<u64> {
+    let mut room = None;
+    for line in self_cgroup.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (Some(_), Some(controllers), Some(path)) = (parts.next(), parts.next(), parts.next()) else {
+            continue;
+        };
+        let (dir, limit, usage) = match controllers {
+            "" => ("", "memory.max", "memory.current"),
+            c if c.split(',').any(|c| c == "memory") => ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes"),
+            _ => continue,
+        };
+        // The cgroup and each above it, up to the root; a container sees its own as "/".
+        let mut at = path.trim_matches('/').to_owned();
+        loop {
+            let file = |name: &str| {
+                let p = [dir, at.as_str(), name]
+                    .iter()
+                    .filter(|s| !s.is_empty())
+                    .copied()
+                    .collect::<Vec<_>>();
+                read(&p.join("/"))
+            };
+            if let Some(r) = file(limit).and_then(|l| limit_room(&l, &file(usage)?)) {
+                room = Some(room.map_or(r, |x: u64| x.min(r)));
+            }
+            match at.rfind('/') {
+                Some(i) => at.truncate(i),
+                None if !at.is_empty() => at.clear(),
+                None => break,
+            }
+        }
+    }
+    room
+}
+
+/// Room under a limit (`max`, or a number of bytes) with `usage` bytes used; None for no limit.
+/// cgroup v1 writes "no limit" as a number near 2^63.
+fn limit_room(limit: &str, usage: &str) -> Option<u64> {
+    let limit: u64 = limit.trim().parse().ok()?;
+    if limit >= 1 << 62 {
+        return None;
+    }
+    let usage: u64 = usage.trim().parse().ok()?;
+    Some(limit.saturating_sub(usage))
 }
 
 /// (current RSS, peak RSS since start or the last `reset_peak_rss`) in bytes.
@@ -106,6 +174,59 @@ mod tests {
         assert_eq!(kb_field(t, "MemTotal"), Some(16318940 * 1024));
         assert_eq!(kb_field(t, "MemAvailable"), Some(9000 * 1024));
         assert_eq!(kb_field(t, "Missing"), None);
+    }
+
+    /// A fake /sys/fs/cgroup: file contents by path.
+    fn files<'a>(list: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |p: &str| list.iter().find(|(k, _)| *k == p).map(|(_, v)| v.to_string())
+    }
+
+    #[test]
+    fn cgroup_v2_room_is_the_tightest_limit_less_usage() {
+        // A container: its own cgroup is the namespace's root.
+        let v2 = files(&[("memory.max", "1073741824\n"), ("memory.current", "268435456\n")]);
+        assert_eq!(cgroup_room("0::/\n", &v2), Some(768 << 20));
+        // No limit.
+        let max = files(&[("memory.max", "max\n"), ("memory.current", "268435456\n")]);
+        assert_eq!(cgroup_room("0::/\n", &max), None);
+        // A nested cgroup under a tighter parent: the parent's room counts.
+        let nested = files(&[
+            ("ci/job/memory.max", "max\n"),
+            ("ci/job/memory.current", "100\n"),
+            ("ci/memory.max", "1000\n"),
+            ("ci/memory.current", "400\n"),
+        ]);
+        assert_eq!(cgroup_room("0::/ci/job\n", &nested), Some(600));
+        // Over the limit (reclaim pending): no room, not an underflow.
+        let over = files(&[("memory.max", "100"), ("memory.current", "150")]);
+        assert_eq!(cgroup_room("0::/", &over), Some(0));
+    }
+
+    #[test]
+    fn cgroup_v1_room_reads_the_memory_controller() {
+        let text = "9:name=systemd:/\n4:memory:/docker/abc\n1:cpu,cpuacct:/\n0::/\n";
+        let v1 = files(&[
+            ("memory/docker/abc/memory.limit_in_bytes", "2147483648\n"),
+            ("memory/docker/abc/memory.usage_in_bytes", "1073741824\n"),
+            ("memory/memory.limit_in_bytes", "9223372036854771712\n"),
+            ("memory/memory.usage_in_bytes", "5\n"),
+        ]);
+        assert_eq!(cgroup_room(text, &v1), Some(1 << 30));
+        // v1's "no limit" is a number near 2^63.
+        let unlimited = files(&[
+            ("memory/docker/abc/memory.limit_in_bytes", "9223372036854771712\n"),
+            ("memory/docker/abc/memory.usage_in_bytes", "1073741824\n"),
+        ]);
+        assert_eq!(cgroup_room(text, &unlimited), None);
+        assert_eq!(cgroup_room("", &unlimited), None, "no cgroup file");
+        assert_eq!(cgroup_room(text, files(&[])), None, "no cgroup filesystem");
+    }
+
+    #[test]
+    fn available_memory_is_known_here() {
+        let a = available_bytes().expect("this host reports its memory");
+        let ram = host_memory().unwrap().ram_available_bytes;
+        assert!(a > 0 && a <= ram, "{a} of {ram}");
     }
 
     #[test]

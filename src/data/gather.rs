@@ -17,6 +17,27 @@ pub struct Recipe {
     /// (x - mean) / std per channel (the sample's first dimension); one value for all.
     pub norm: Option<(Vec<f32>, Vec<f32>)>,
     pub augment: Option<Augmenter>,
+    /// The file of float samples not checked for NaN and infinities when opened (read in place,
+    /// so opening reads none of them), named as "data.path x.safetensors": each sample is
+    /// checked as a batch reads it. None: checked whole when loaded, or integers.
+    pub unchecked: Option<Arc<str>>,
+}
+
+/// A sample with a NaN or an infinity, found as a batch read it: its file and its index there.
+#[derive(Debug)]
+pub struct NotFinite {
+    pub what: Arc<str>,
+    pub row: i64,
+}
+
+impl std::fmt::Display for NotFinite {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}: x contains NaN or infinite values (sample {}, counting from 0); replace or drop that sample",
+            self.what, self.row
+        )
+    }
 }
 
 /// A batch staged on the host: float32 samples and int64 labels.
@@ -58,7 +79,7 @@ impl Source {
 
     /// The samples `idx` (indices into this set) of `epoch` into `out`, whose buffers are
     /// reused.
-    pub fn gather_into(&self, idx: &[i64], epoch: i64, out: &mut Staged) {
+    pub fn gather_into(&self, idx: &[i64], epoch: i64, out: &mut Staged) -> Result<(), NotFinite> {
         let per = self.store.sample_values();
         out.x.clear();
         out.x.resize(idx.len() * per, 0.0);
@@ -69,20 +90,29 @@ impl Source {
             match &self.recipe.augment {
                 Some(a) => {
                     scratch.resize(per, 0.0);
-                    self.convert(self.row(k), &mut scratch);
+                    self.convert(self.row(k), &mut scratch)?;
                     let [c, h, w] = self.store.shape[1..] else {
                         unreachable!("augmentation is refused for samples other than [C, H, W]")
                     };
                     a.crop_into(&scratch, [c, h, w], a.draw(epoch, k), o);
                 }
-                None => self.convert(self.row(k), o),
+                None => self.convert(self.row(k), o)?,
             }
         }
+        Ok(())
     }
 
     /// Stored sample `r` as float32, divided and normalized, into `out`.
-    fn convert(&self, r: i64, out: &mut [f32]) {
+    fn convert(&self, r: i64, out: &mut [f32]) -> Result<(), NotFinite> {
         self.store.elem.to_f32(self.store.row(r), out);
+        if let Some(what) = &self.recipe.unchecked {
+            if !out.iter().all(|v| v.is_finite()) {
+                return Err(NotFinite {
+                    what: what.clone(),
+                    row: r,
+                });
+            }
+        }
         if let Some(d) = self.recipe.divisor {
             out.iter_mut().for_each(|v| *v /= d);
         }
@@ -93,5 +123,6 @@ impl Source {
                 *v = (*v - mean[c]) / std[c];
             }
         }
+        Ok(())
     }
 }

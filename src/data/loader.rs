@@ -7,11 +7,12 @@
 //! indices and epoch alone ([`Source::gather_into`]), and a request that is not the next planned
 //! one (a retried step, a changed micro-batch before the plan follows) is gathered on the spot.
 //! So the batches, and training, are the same for any number of threads and any depth.
-use std::collections::{BTreeMap, VecDeque};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::collections::{BTreeMap, TryReserveError, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 
-use super::gather::{Source, Staged};
+use super::gather::{NotFinite, Source, Staged};
 
 /// A batch the plan holds: its sample indices, and its buffer once made.
 struct Slot {
@@ -106,7 +107,7 @@ impl Loader {
 
     /// The batch of `idx` in `epoch`: the staged one when it is next in the plan (waiting for
     /// it if a thread is making it), else made here.
-    pub fn take(&self, idx: &[i64], epoch: i64) -> Staged {
+    pub fn take(&self, idx: &[i64], epoch: i64) -> Result<Staged, NotFinite> {
         let mut s = self.shared.lock();
         loop {
             if s.epoch != epoch {
@@ -123,7 +124,7 @@ impl Loader {
                     head.remove();
                     drop(s);
                     self.shared.ready.notify_all();
-                    return staged;
+                    return Ok(staged);
                 }
                 s = self.shared.ready.wait(s).unwrap_or_else(|e| e.into_inner());
                 continue;
@@ -140,8 +141,8 @@ impl Loader {
         }
         let mut out = s.free.pop().unwrap_or_default();
         drop(s);
-        self.shared.source.gather_into(idx, epoch, &mut out);
-        out
+        self.shared.source.gather_into(idx, epoch, &mut out)?;
+        Ok(out)
     }
 
     /// A taken batch's buffer, for the next batch.
@@ -229,18 +230,34 @@ fn work(shared: &Shared) {
             },
         );
         drop(s);
-        // A batch that cannot be made (a defect, a file gone bad) is taken off the plan: the step
-        // then makes it itself and the error surfaces there, instead of the step waiting forever.
+        // A batch whose buffer cannot be had is no reason to stop training: the loader keeps
+        // one batch fewer ahead, and the batch goes back to the plan.
+        if reserve(&shared.source, &idx, &mut out).is_err() {
+            s = shared.lock();
+            s.started.remove(&seq);
+            if s.generation == generation {
+                s.todo.push_front((seq, idx));
+            }
+            let from = s.depth;
+            s.depth -= 1;
+            let available = crate::sysmem::available_bytes().unwrap_or(0);
+            s.shed.push((from, from - 1, available));
+            s.free.clear();
+            shared.ready.notify_all();
+            continue;
+        }
+        // A batch that cannot be made (a defect, a sample that is not finite) is taken off the
+        // plan: the step then makes it itself and the error surfaces there, instead of the step
+        // waiting forever.
         let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            shared.source.gather_into(&idx, epoch, &mut out);
-            out
+            shared.source.gather_into(&idx, epoch, &mut out).map(|()| out)
         }));
         s = shared.lock();
         let current = s.generation == generation;
         match (made, s.started.get_mut(&seq)) {
-            (Ok(out), Some(slot)) if current => slot.staged = Some(out),
-            (Ok(out), _) => s.free.push(out),
-            (Err(_), _) => {
+            (Ok(Ok(out)), Some(slot)) if current => slot.staged = Some(out),
+            (Ok(Ok(out)), _) => s.free.push(out),
+            (Ok(Err(_)) | Err(_), _) => {
                 s.started.remove(&seq);
             }
         }
@@ -248,10 +265,40 @@ fn work(shared: &Shared) {
     }
 }
 
-/// Available RAM when it is below [`LOW_MEMORY`].
+/// Room in `out` for the batch of `idx`, asked of the allocator so that a refusal is an error
+/// here rather than an abort of the process where the batch is gathered.
+fn reserve(source: &Source, idx: &[i64], out: &mut Staged) -> Result<(), TryReserveError> {
+    let values = idx.len() * source.store.sample_values();
+    if alloc_fault() {
+        // Ask for more than any machine has: the allocator's refusal is real.
+        out.x.try_reserve_exact(isize::MAX as usize / 8)?;
+    }
+    out.x.clear();
+    out.x.try_reserve_exact(values)?;
+    out.y.clear();
+    out.y.try_reserve_exact(idx.len())
+}
+
+/// `MEMTRAIN_FAULT_LOADER_ALLOC_FAILS=N`, a test hook: the loader threads' first N batch
+/// buffers are refused by the allocator.
+fn alloc_fault() -> bool {
+    static LEFT: OnceLock<AtomicU64> = OnceLock::new();
+    let left = LEFT.get_or_init(|| {
+        AtomicU64::new(
+            std::env::var("MEMTRAIN_FAULT_LOADER_ALLOC_FAILS")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
+        )
+    });
+    left.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+        .is_ok()
+}
+
+/// Available RAM (under the cgroup's limit, where there is one) when it is below [`LOW_MEMORY`].
 fn memory_is_low() -> Option<u64> {
-    let avail = crate::sysmem::host_memory().ok()?.ram_available_bytes;
-    (avail > 0 && avail < low_memory()).then_some(avail)
+    let avail = crate::sysmem::available_bytes()?;
+    (avail < low_memory()).then_some(avail)
 }
 
 /// [`LOW_MEMORY`], or `MEMTRAIN_FAULT_LOW_MEMORY_BYTES` (a test hook: any available RAM below it

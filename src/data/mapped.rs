@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use tch::{Kind, Tensor};
 
-use super::store::{Elem, Map, Store};
+use super::store::{span, Elem, Map, Store};
 
 /// `x` mapped, `y` in memory.
 pub struct Xy {
@@ -21,14 +21,6 @@ struct Entry {
     kind: Kind,
     shape: Vec<i64>,
     offset: usize,
-}
-
-/// Bytes of `shape` at `elt` bytes an element; None for a negative dimension or a size that
-/// does not fit (a header that lies).
-pub fn span(shape: &[i64], elt: usize) -> Option<usize> {
-    shape
-        .iter()
-        .try_fold(elt, |acc, &d| acc.checked_mul(usize::try_from(d).ok()?))
 }
 
 impl Entry {

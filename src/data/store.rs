@@ -180,7 +180,7 @@ impl Store {
 
     /// `len` bytes at `offset` of a mapped file, holding samples of `shape`.
     pub fn mapped(map: Arc<Map>, offset: usize, elem: Elem, shape: Vec<i64>) -> Result<Store> {
-        let Some(len) = super::mapped::span(&shape, elem.size()) else {
+        let Some(len) = span(&shape, elem.size()) else {
             bail!("the file's header gives an impossible shape {shape:?}");
         };
         let end = offset.saturating_add(len);
@@ -249,4 +249,12 @@ impl Store {
             }
         }
     }
+}
+
+/// Bytes of `shape` at `elt` bytes an element; None for a negative dimension or a size that
+/// does not fit (a header that lies).
+pub fn span(shape: &[i64], elt: usize) -> Option<usize> {
+    shape
+        .iter()
+        .try_fold(elt, |acc, &d| acc.checked_mul(usize::try_from(d).ok()?))
 }

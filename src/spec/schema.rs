@@ -204,6 +204,9 @@ pub struct Data {
     /// Read the imagefolder cache and uncompressed npz/safetensors files through a memory map
     /// (the page cache holds what fits); false loads them whole into memory.
     pub memory_map: bool,
+    /// imagefolder: where the decoded cache is kept; none: beside the tree.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cache_dir: Option<PathBuf>,
 }
 
 impl Data {
@@ -275,6 +278,7 @@ impl Default for Data {
             prefetch: 2,
             workers: 0,
             memory_map: true,
+            cache_dir: None,
         }
     }
 }

@@ -173,6 +173,208 @@ fn synthetic_keys_set_for_a_file_are_said_to_be_unread() {
     );
 }
 
+#[test]
+fn a_batch_buffer_the_allocator_refuses_sheds_prefetch_depth() {
+    let t = Test::new();
+    let root = imagefolder(t.dir(), "images", 16, 20, 4);
+    let base = vit_job(&t, &root, 16, 8).set("train.epochs", 1);
+    let want = base.clone().name("plain").set("data.prefetch", 0).run().final_bytes();
+    // The loader's first two batch buffers are refused: it keeps fewer batches ahead, says so,
+    // and trains the same.
+    let refused = base
+        .name("refused")
+        .set("data.prefetch", 3)
+        .set("data.workers", 1)
+        .env("MEMTRAIN_FAULT_LOADER_ALLOC_FAILS", "2")
+        .stderr_has("the data loader keeps 1 micro-batch(es) ahead instead of 2")
+        .run();
+    assert_eq!(refused.summary().status, Status::Completed);
+    assert!(
+        refused.final_bytes() == want,
+        "the loader that shed depth trained otherwise"
+    );
+    let shed: Vec<(i64, i64)> = refused
+        .run_records()
+        .events
+        .into_iter()
+        .filter_map(|e| match e {
+            Event::Prefetch(p) => Some((p.prefetch_before, p.prefetch)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(shed, vec![(3, 2), (2, 1)]);
+}
+
+/// A directory nothing can be written in while it lives, even by root (which file modes do not
+/// stop): read-only by its mode, and immutable where the mode does not hold.
+struct ReadOnly(PathBuf);
+
+impl ReadOnly {
+    fn new(dir: &Path) -> ReadOnly {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o555)).unwrap();
+        let probe = dir.join("probe");
+        if std::fs::write(&probe, b"").is_ok() {
+            std::fs::remove_file(&probe).unwrap();
+            let ok = std::process::Command::new("chattr").arg("+i").arg(dir).status();
+            assert!(
+                ok.is_ok_and(|s| s.success()) && std::fs::write(&probe, b"").is_err(),
+                "cannot make {} read-only here",
+                dir.display()
+            );
+        }
+        ReadOnly(dir.to_path_buf())
+    }
+}
+
+impl Drop for ReadOnly {
+    fn drop(&mut self) {
+        use std::os::unix::fs::PermissionsExt;
+        let _ = std::process::Command::new("chattr").arg("-i").arg(&self.0).status();
+        let _ = std::fs::set_permissions(&self.0, std::fs::Permissions::from_mode(0o755));
+    }
+}
+
+#[test]
+fn an_image_tree_whose_parent_is_read_only_keeps_its_cache_in_data_cache_dir() {
+    let t = Test::new();
+    let parent = t.dir().join("mount");
+    let root = imagefolder(&parent, "images", 16, 20, 4);
+    let _ro = ReadOnly::new(&parent);
+    let base = vit_job(&t, &root, 16, 8).set("train.epochs", 1);
+    // Beside the tree nothing can be written: decoded into memory, with the way out named.
+    let memory = base
+        .clone()
+        .name("beside")
+        .stderr_has("could not write the image cache")
+        .stderr_has("set data.cache_dir")
+        .run();
+    let cache = t.dir().join("cache");
+    let kept = base.clone().name("kept").set("data.cache_dir", cache.to_str().unwrap());
+    let first = kept.clone().name("first").run();
+    assert!(!first.stderr.contains("could not write"), "{}", first.stderr);
+    let files: Vec<_> = std::fs::read_dir(&cache)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(
+        files.len() == 1 && files[0].to_string_lossy().starts_with("imagefolder-16px-3ch-"),
+        "{files:?}"
+    );
+    // A later run reads that cache (a tree changed under it would make a new one): the same
+    // training, from the same bytes.
+    let again = kept.name("again").run();
+    assert_eq!(std::fs::read_dir(&cache).unwrap().count(), 1);
+    assert!(again.final_bytes() == first.final_bytes() && first.final_bytes() == memory.final_bytes());
+    assert!(!cache_beside(&root).exists());
+}
+
+/// A safetensors file of `n` float32 samples of `d` values and uint8 labels 0, whose samples are
+/// a hole (zeros, read as such) unless `rows` gives some: made at once whatever its size.
+fn sparse_safetensors(path: &Path, n: u64, d: u64, rows: &[(u64, f32)]) {
+    use std::io::{Seek, SeekFrom, Write};
+    let header = serde_json::json!({
+        "y": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]},
+        "x": {"dtype": "F32", "shape": [n, d], "data_offsets": [n, n + n * d * 4]},
+    })
+    .to_string();
+    let header = format!("{header:<width$}", width = header.len().div_ceil(8) * 8);
+    let mut f = std::fs::File::create(path).unwrap();
+    f.write_all(&(header.len() as u64).to_le_bytes()).unwrap();
+    f.write_all(header.as_bytes()).unwrap();
+    f.write_all(&vec![0u8; n as usize]).unwrap();
+    let x = 8 + header.len() as u64 + n;
+    for &(row, v) in rows {
+        f.seek(SeekFrom::Start(x + row * d * 4)).unwrap();
+        f.write_all(&v.to_le_bytes()).unwrap();
+    }
+    f.set_len(x + n * d * 4).unwrap();
+}
+
+/// An MLP on `d` values a sample from the safetensors file `path`, validated on `val`.
+fn mlp_on(t: &Test, path: &Path, val: &Path, d: u64) -> Test {
+    t.clone().spec(table(&format!(
+        "[job]\nthreads = 1\ndevice = \"cpu\"\n[model]\npreset = \"mlp\"\n[model.mlp]\ninputs = {d}\nhidden = [8]\nnum_classes = 2\n\
+         [data]\nsource = \"safetensors\"\npath = \"{}\"\nval_path = \"{}\"\n\
+         [train]\nepochs = 1\nbatch_size = 4\noptimizer = \"sgd\"\nlr = 0.1\n[log]\nprogress = \"off\"\n",
+        path.display(),
+        val.display()
+    )))
+}
+
+/// The largest resident size of `pid`'s mappings of `file` while it runs, polled.
+fn peak_file_rss(pid: i32, file: PathBuf) -> std::thread::JoinHandle<u64> {
+    std::thread::spawn(move || {
+        let name = file.to_string_lossy().into_owned();
+        let mut peak = 0;
+        while let Ok(smaps) = std::fs::read_to_string(format!("/proc/{pid}/smaps")) {
+            let mut mine = false;
+            let mut rss = 0;
+            for l in smaps.lines() {
+                // A mapping's header line starts with its address range; its fields follow.
+                if l.split_whitespace()
+                    .next()
+                    .is_some_and(|a| a.contains('-') && !a.ends_with(':'))
+                {
+                    mine = l.ends_with(&name);
+                } else if let Some(kb) = l.strip_prefix("Rss:").filter(|_| mine) {
+                    rss += kb
+                        .split_whitespace()
+                        .next()
+                        .and_then(|v| v.parse::<u64>().ok())
+                        .unwrap_or(0)
+                        * 1024;
+                }
+            }
+            peak = peak.max(rss);
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        peak
+    })
+}
+
+#[test]
+fn a_mapped_float_set_of_gigabytes_is_checked_as_batches_read_it() {
+    let t = Test::new();
+    const D: u64 = 1024;
+    // 3 GiB of samples; every step reads 4 of them (16 KiB).
+    let (big, val) = (t.dir().join("big.safetensors"), t.dir().join("val.safetensors"));
+    sparse_safetensors(&big, 3 << 18, D, &[]);
+    sparse_safetensors(&val, 8, D, &[]);
+    let running = mlp_on(&t, &big, &val, D)
+        .name("big")
+        .args(&["--max-steps", "3"])
+        .spawn();
+    let peak = peak_file_rss(running.pid(), big.canonicalize().unwrap());
+    let out = running.finish();
+    let peak = peak.join().unwrap();
+    eprintln!("3 GiB mapped: {} KiB resident at most", peak >> 10);
+    assert_eq!(out.summary().status, Status::StepLimit, "{}", out.stderr);
+    assert!(
+        peak < 16 << 20,
+        "3 GiB mapped: {} MiB of it resident by the third step",
+        peak >> 20
+    );
+    // A sample that is not finite is still refused, by its file and its index.
+    let bad = t.dir().join("bad.safetensors");
+    sparse_safetensors(&bad, 20, D, &[(5, f32::NAN)]);
+    mlp_on(&t, &bad, &val, D)
+        .name("nan")
+        .exit_in(&[1, 2, 3])
+        .stderr_has(&format!(
+            "data.path {}: x contains NaN or infinite values (sample 5,",
+            bad.display()
+        ))
+        .run();
+    // Read whole, the whole file is checked at the start, as before.
+    mlp_on(&t, &bad, &val, D)
+        .name("whole")
+        .set("data.memory_map", false)
+        .exit(2)
+        .stderr_has("x contains NaN or infinite values")
+        .run();
+}
+
 /// The largest anonymous RSS (`RssAnon`) of `pid` while it runs, polled.
 fn peak_rss_anon(pid: i32) -> std::thread::JoinHandle<u64> {
     std::thread::spawn(move || {

@@ -1,20 +1,14 @@
-//! Image sources: CIFAR-10's binary batches and torchvision's `ImageFolder` layout.
-//!
-//! - `cifar10`: a directory (or its `cifar-10-batches-bin` subdirectory) with `data_batch_1.bin`
-//!   … `data_batch_5.bin` (training) and `test_batch.bin` (validation). Each record is one label
-//!   byte and 3072 pixel bytes, the red, green and blue 32×32 planes.
-//! - `imagefolder`: `root/<class>/<image>` with JPEG and PNG files; classes are the directory
-//!   names in sorted order (label 0 is the first), as torchvision's `ImageFolder` numbers them.
-//!   Images are decoded in parallel, resized to fill `image_size`² and centre-cropped
-//!   (torchvision's `Resize(s)` + `CenterCrop(s)`), and written a chunk at a time to a cache file
-//!   beside the tree, `root.memtrain-cache/imagefolder-<size>px-<C>ch-<key>.safetensors` (see
-//!   [`cache_dir`]), where the key hashes
-//!   every file's path, size and modification time: a later run with the same files and size
-//!   starts from the cache; a changed file makes a new one.
+//! `imagefolder`: `root/<class>/<image>` with JPEG and PNG files; classes are the directory
+//! names in sorted order (label 0 is the first), as torchvision's `ImageFolder` numbers them.
+//! Images are decoded in parallel, resized to fill `image_size`² and centre-cropped
+//! (torchvision's `Resize(s)` + `CenterCrop(s)`), and written a chunk at a time to a cache file
+//! beside the tree, `root.memtrain-cache/imagefolder-<size>px-<C>ch-<key>.safetensors` (see
+//! [`cache_dir`]; `data.cache_dir` puts it elsewhere), where the key hashes every file's path, size and modification time: a later
+//! run with the same files and size starts from the cache; a changed file makes a new one.
 //!
 //! A batch's pixels become float32 in [0, 1]. The cache is read in place through a memory map;
-//! what is read whole (CIFAR-10, or a cache with `data.memory_map = false`) is first checked
-//! against the host-memory budget (available RAM, and the CPU cap on CPU runs).
+//! read whole (`data.memory_map = false`) it is first checked against the host-memory budget
+//! (available RAM, and the CPU cap on CPU runs).
 use std::fs;
 use std::path::{Path, PathBuf};
 
@@ -22,141 +16,63 @@ use anyhow::{anyhow, bail, Context, Result};
 use rayon::prelude::*;
 use tch::Tensor;
 
-use super::mapped::{self, Xy};
-use super::store::{Elem, Store};
-use crate::human::human_bytes;
-use crate::spec::Data;
-
-/// Pixel bytes `[N, C, H, W]` as uint8 and labels `[N]` as int64.
-#[derive(Debug)]
-pub struct Images {
-    pub x: Tensor,
-    pub y: Tensor,
-}
-
-impl Images {
-    /// The pixels (uint8; a batch divides them by 255 once it is float32) and the labels.
-    pub fn into_parts(self) -> (Tensor, Tensor) {
-        (self.x, self.y)
-    }
-}
-
-/// Refuses images whose pixel bytes would not fit in host memory, where they are read whole:
-/// they stay uint8 at rest, and only batches become float32.
-pub fn check_budget(n: i64, sample: &[i64], what: &str) -> Result<()> {
-    let need = (n * sample.iter().product::<i64>()) as u64;
-    let shape = sample.iter().map(|d| d.to_string()).collect::<Vec<_>>().join("×");
-    check_memory(
-        need,
-        what,
-        &format!("{n} images of {shape} are kept whole in memory as uint8"),
-        "use a smaller image size (data.image_size and the model's), fewer images, or a machine with more memory",
-    )
-}
-
-/// Refuses `need` bytes of data that `why` must be in memory when they exceed the host-memory
-/// budget: available RAM and, on CPU runs, what is left under the CPU cap.
-pub fn check_memory(need: u64, what: &str, why: &str, fix: &str) -> Result<()> {
-    let host = crate::sysmem::host_memory().ok();
-    let available = host.map(|h| h.ram_available_bytes).filter(|&b| b > 0);
-    let cpu = crate::shim::cpu_alloc_stats();
-    let cap = cpu.cap.map(|c| c.saturating_sub(cpu.allocated));
-    let budget = match (available, cap) {
-        (Some(a), Some(c)) => Some(a.min(c)),
-        (a, c) => a.or(c),
-    };
-    if let Some(b) = budget.filter(|&b| need > b) {
-        bail!(
-            "{what}: needs {} in memory ({why}), more than the host-memory budget of {} ({}{}); {fix}",
-            human_bytes(need),
-            human_bytes(b),
-            available
-                .map(|a| format!("{} of RAM available", human_bytes(a)))
-                .unwrap_or_else(|| "RAM unknown".into()),
-            cap.map(|c| format!(", {} left under the CPU cap memory.limit", human_bytes(c)))
-                .unwrap_or_default(),
-        );
-    }
-    Ok(())
-}
-
-// ---------------------------------------------------------------------------------------------
-// CIFAR-10
-
-const CIFAR_RECORD: usize = 1 + 3 * 32 * 32;
-
-fn cifar_dir(dir: &Path) -> PathBuf {
-    let sub = dir.join("cifar-10-batches-bin");
-    if !dir.join("test_batch.bin").exists() && sub.is_dir() {
-        sub
-    } else {
-        dir.to_path_buf()
-    }
-}
-
-/// The files of the training (`data_batch_1..5`) or test split, all required.
-pub fn cifar10_files(dir: &Path, train: bool, key: &str) -> Result<Vec<PathBuf>> {
-    let dir = cifar_dir(dir);
-    let names: Vec<String> = if train {
-        (1..=5).map(|i| format!("data_batch_{i}.bin")).collect()
-    } else {
-        vec!["test_batch.bin".into()]
-    };
-    let missing: Vec<&str> = names
-        .iter()
-        .filter(|n| !dir.join(n).is_file())
-        .map(String::as_str)
-        .collect();
-    if !missing.is_empty() {
-        bail!(
-            "{key} {}: lacks {}; it must hold CIFAR-10's binary version (cifar-10-binary.tar.gz, extracted: data_batch_1.bin … data_batch_5.bin, test_batch.bin)",
-            dir.display(),
-            missing.join(", ")
-        );
-    }
-    Ok(names.iter().map(|n| dir.join(n)).collect())
-}
-
-pub fn read_cifar10(files: &[PathBuf], key: &str) -> Result<Images> {
-    let mut sizes = vec![];
-    for f in files {
-        let len = fs::metadata(f)
-            .with_context(|| format!("{key} {}: cannot read it", f.display()))?
-            .len() as usize;
-        if len == 0 || !len.is_multiple_of(CIFAR_RECORD) {
-            bail!(
-                "{key} {}: is {len} bytes, not a whole number of {CIFAR_RECORD}-byte CIFAR-10 records; is it truncated, or the Python version of the data set?",
-                f.display()
-            );
-        }
-        sizes.push(len / CIFAR_RECORD);
-    }
-    let n: usize = sizes.iter().sum();
-    check_budget(n as i64, &[3, 32, 32], &format!("{key} (CIFAR-10)"))?;
-    let mut pixels = Vec::with_capacity(n * (CIFAR_RECORD - 1));
-    let mut labels = Vec::with_capacity(n);
-    for f in files {
-        let bytes = fs::read(f).with_context(|| format!("{key} {}: cannot read it", f.display()))?;
-        for (i, r) in bytes.chunks_exact(CIFAR_RECORD).enumerate() {
-            if r[0] > 9 {
-                bail!(
-                    "{key} {}: record {i} has label {}; CIFAR-10 labels are 0 to 9 (is this CIFAR-100?)",
-                    f.display(),
-                    r[0]
-                );
-            }
-            labels.push(r[0] as i64);
-            pixels.extend_from_slice(&r[1..]);
-        }
-    }
-    Ok(Images {
-        x: Tensor::from_slice(&pixels).reshape([n as i64, 3, 32, 32]),
-        y: Tensor::from_slice(&labels),
-    })
-}
+use super::{Opened, Part, Reader, Want};
+use crate::data::check::{check_budget, required_path};
+use crate::data::mapped::{self, Xy};
+use crate::data::store::{Elem, Store};
+use crate::spec::schema::Data;
 
 // ---------------------------------------------------------------------------------------------
 // ImageFolder
+
+pub struct ImageFolder;
+
+impl Reader for ImageFolder {
+    /// The tree's images are resized to the model's size unless `data.image_size` says one; the
+    /// channel count is the model's (it decodes to 1 or 3): 0.
+    fn sample_shape(&self, data: &Data, _: &Path) -> Result<Option<Vec<i64>>> {
+        Ok((data.image_size > 0).then(|| vec![0, data.image_size, data.image_size]))
+    }
+
+    fn open(&self, want: &Want) -> Result<Opened> {
+        let (data, input_shape) = (want.data, want.input_shape);
+        let root = required_path(data)?;
+        let (channels, size) = match input_shape {
+            [c, h, w] if h == w => (*c, *h),
+            _ => bail!(
+                "data.source = \"imagefolder\" needs a model that takes square images [C, S, S], but it takes {input_shape:?}"
+            ),
+        };
+        if data.image_size > 0 && data.image_size != size {
+            bail!(
+                "data.image_size = {} but the model takes {size}×{size} images; set data.image_size = {size} (or leave it out), or the model's image_size = {}",
+                data.image_size,
+                data.image_size
+            );
+        }
+        let (imgs, classes) = read_imagefolder(root, size, channels, "data.path", data)?;
+        let train = Part::new(imgs.x, imgs.y, format!("data.path {}", root.display())).pixels();
+        let Some(v) = &data.val_path else {
+            return Ok(Opened { train, val: None });
+        };
+        let (imgs, vclasses) = read_imagefolder(v, size, channels, "data.val_path", data)?;
+        if vclasses != classes {
+            bail!(
+                "data.val_path {}: has classes {vclasses:?} but data.path has {classes:?}; both need the same class directories",
+                v.display()
+            );
+        }
+        let val = Part::new(imgs.x, imgs.y, format!("data.val_path {}", v.display())).pixels();
+        Ok(Opened { train, val: Some(val) })
+    }
+
+    fn how_read(&self, data: &Data) -> &'static str {
+        match data.memory_map {
+            true => "its cache read in place through a memory map",
+            false => "read whole into memory",
+        }
+    }
+}
 
 const EXTENSIONS: &[&str] = &["jpg", "jpeg", "png"];
 
@@ -230,8 +146,10 @@ fn cache_key(root: &Path, files: &[(PathBuf, i64)], size: i64, channels: i64) ->
     format!("{h:016x}")
 }
 
-pub fn cache_path(root: &Path, files: &[(PathBuf, i64)], size: i64, channels: i64) -> PathBuf {
-    cache_dir(root).join(cache_name(root, files, size, channels))
+/// Where the cache of the tree at `root` is kept: `data.cache_dir` where set (for a tree whose
+/// parent cannot be written), else beside the tree ([`cache_dir`]).
+fn cache_home(root: &Path, data: &Data) -> PathBuf {
+    data.cache_dir.clone().unwrap_or_else(|| cache_dir(root))
 }
 
 fn cache_name(root: &Path, files: &[(PathBuf, i64)], size: i64, channels: i64) -> String {
@@ -259,9 +177,16 @@ const IN_TREE_CACHE: &str = ".memtrain-cache";
 
 /// A cache inside the tree that matches the files: read, with the advice to move it beside
 /// the tree.
-fn in_tree_cache(root: &Path, files: &[(PathBuf, i64)], size: i64, channels: i64, key: &str) -> Option<Xy> {
+fn in_tree_cache(
+    root: &Path,
+    files: &[(PathBuf, i64)],
+    size: i64,
+    channels: i64,
+    key: &str,
+    home: &Path,
+) -> Option<Xy> {
     let inside = root.join(IN_TREE_CACHE);
-    let beside = cache_dir(root);
+    let beside = home.to_path_buf();
     if inside == beside {
         return None;
     }
@@ -288,7 +213,8 @@ pub fn read_imagefolder(root: &Path, size: i64, channels: i64, key: &str, data: 
     if !data.memory_map {
         check_budget(n, &[channels, size, size], &what)?;
     }
-    let cache = cache_path(root, &files, size, channels);
+    let home = cache_home(root, data);
+    let cache = home.join(cache_name(root, &files, size, channels));
     let opened = |xy: Xy| match data.memory_map {
         true => xy,
         false => Xy {
@@ -300,7 +226,7 @@ pub fn read_imagefolder(root: &Path, size: i64, channels: i64, key: &str, data: 
         tracing::info!("{key}: {n} images from the cache {}", cache.display());
         return Ok((opened(xy), classes));
     }
-    if let Some(xy) = in_tree_cache(root, &files, size, channels, key) {
+    if let Some(xy) = in_tree_cache(root, &files, size, channels, key, &home) {
         return Ok((opened(xy), classes));
     }
     let t0 = std::time::Instant::now();
@@ -327,13 +253,17 @@ pub fn read_imagefolder(root: &Path, size: i64, channels: i64, key: &str, data: 
         }
         Err(e) => {
             tracing::warn!(
-                "{key}: could not write the image cache {} ({e:#}); decoding into memory, and the next run decodes again",
-                cache.display()
+                "{key}: could not write the image cache {} ({e:#}); decoding into memory, and the next run decodes again{}",
+                cache.display(),
+                match data.cache_dir {
+                    None => "; set data.cache_dir to a writable directory to keep the cache there",
+                    Some(_) => "",
+                }
             );
             check_budget(n, &[channels, size, size], &what).map_err(|refused| {
                 anyhow!(
-                    "{refused:#}; the images go to memory only because their cache could not be written in {} ({e:#}): free space there or make it writable, and the next run writes it",
-                    cache_dir(root).display()
+                    "{refused:#}; the images go to memory only because their cache could not be written in {} ({e:#}): free space there or make it writable (or set data.cache_dir to one that is), and the next run writes it",
+                    home.display()
                 )
             })?;
             let mut pixels = Vec::with_capacity(n as usize * (channels * size * size) as usize);
@@ -492,67 +422,20 @@ fn decode(path: &Path, size: u32, channels: i64) -> Result<Vec<u8>> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::load;
     use super::*;
-    use crate::spec::{Data, DataSource};
+    use crate::data::load;
+    use crate::spec::schema::{Data, DataSource};
     use tch::Kind;
 
-    fn record(label: u8, seed: u8) -> Vec<u8> {
-        let mut r = vec![label];
-        r.extend((0..3072u32).map(|i| (i as u8).wrapping_mul(seed)));
-        r
+    fn cache_path(root: &Path, files: &[(PathBuf, i64)], size: i64, channels: i64) -> PathBuf {
+        cache_dir(root).join(cache_name(root, files, size, channels))
     }
 
-    #[test]
-    fn cifar10_reads_binary_batches() {
-        let dir = tempfile::tempdir().unwrap();
-        let sub = dir.path().join("cifar-10-batches-bin");
-        fs::create_dir(&sub).unwrap();
-        for i in 1..=5u8 {
-            let mut b = record(i, i);
-            b.extend(record(9, 7));
-            fs::write(sub.join(format!("data_batch_{i}.bin")), b).unwrap();
-        }
-        fs::write(sub.join("test_batch.bin"), record(0, 3)).unwrap();
-        let d = Data {
-            source: DataSource::Cifar10,
-            path: Some(dir.path().to_path_buf()),
-            ..Default::default()
-        };
-        let s = load(&d, &[3, 32, 32], 10, 0).unwrap();
-        assert_eq!(s.train.samples().size(), vec![10, 3, 32, 32]);
-        assert_eq!(
-            Vec::<i64>::try_from(&s.train.labels()).unwrap(),
-            vec![1, 9, 2, 9, 3, 9, 4, 9, 5, 9]
-        );
-        assert_eq!(s.val.len(), 1);
-        // Planes are R, G, B of 1024 bytes each; pixel (c, r, k) is byte 1024c + 32r + k.
-        let px = s.train.samples().double_value(&[2, 1, 0, 5]); // batch 2, record 0: seed 2
-        assert!((px - ((1024u32 + 5) as u8).wrapping_mul(2) as f64 / 255.0).abs() < 1e-6);
-        // Normalised per channel.
-        let n = load(
-            &Data {
-                mean: vec![0.5, 0.5, 0.5],
-                std: vec![0.5, 0.5, 0.5],
-                ..d.clone()
-            },
-            &[3, 32, 32],
-            10,
-            0,
-        )
-        .unwrap();
-        assert!(n.train.samples().min().double_value(&[]) >= -1.0 && n.train.samples().max().double_value(&[]) <= 1.0);
-        assert!(n.train.samples().min().double_value(&[]) < 0.0);
-        // Missing and truncated files.
-        fs::remove_file(sub.join("data_batch_4.bin")).unwrap();
-        let e = format!("{:#}", load(&d, &[3, 32, 32], 10, 0).unwrap_err());
-        assert!(
-            e.contains("lacks data_batch_4.bin") && e.contains("binary version"),
-            "{e}"
-        );
-        fs::write(sub.join("data_batch_4.bin"), [1u8; 100]).unwrap();
-        let e = format!("{:#}", load(&d, &[3, 32, 32], 10, 0).unwrap_err());
-        assert!(e.contains("not a whole number of 3073-byte"), "{e}");
+    /// Pixel bytes and labels, as tensors.
+    #[derive(Debug)]
+    struct Images {
+        x: Tensor,
+        y: Tensor,
     }
 
     fn write_image(path: &Path, w: u32, h: u32, v: u8) {
@@ -652,18 +535,5 @@ mod tests {
         fs::write(root.join("a_cat").join("3.png"), b"not a png").unwrap();
         let e = format!("{:#}", read(&root, 6, 3).unwrap_err());
         assert!(e.contains("3.png") && e.contains("cannot decode"), "{e}");
-    }
-
-    #[test]
-    fn data_beyond_the_host_budget_is_refused_with_sizes() {
-        let e = format!(
-            "{:#}",
-            check_budget(1 << 40, &[3, 224, 224], "data.path x").unwrap_err()
-        );
-        assert!(
-            e.contains("images of 3×224×224 are kept whole in memory") && e.contains("host-memory budget"),
-            "{e}"
-        );
-        check_budget(10, &[3, 8, 8], "data.path x").unwrap();
     }
 }

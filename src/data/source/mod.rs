@@ -1,0 +1,93 @@
+//! Data sources (`data.source`), one file each behind [`Reader`]: each probes its sample shape,
+//! opens its samples (in memory or mapped) with their labels, and says how `check` should describe
+//! the way it reads them. What they share (the checks against the model, the held-out split,
+//! normalization, augmentation and the loader) happens once, in the caller.
+//!
+//! A new source: copy `synthetic.rs` (or `safetensors.rs` for a file), add its variant to
+//! `spec::DataSource` and one line to [`reader`].
+use std::path::Path;
+
+use anyhow::Result;
+use tch::Tensor;
+
+use super::store::Store;
+use crate::spec::schema::{Data, DataSource};
+
+mod arrays;
+mod cifar10;
+pub(super) mod imagefolder;
+mod mnist;
+pub(super) mod npz;
+mod safetensors;
+mod synthetic;
+
+/// The reader of each source: the one place where sources are listed.
+pub(super) fn reader(source: DataSource) -> &'static dyn Reader {
+    match source {
+        DataSource::Synthetic => &synthetic::Synthetic,
+        DataSource::Npz => &npz::Npz,
+        DataSource::Safetensors => &safetensors::Safetensors,
+        DataSource::Mnist => &mnist::Mnist,
+        DataSource::Cifar10 => &cifar10::Cifar10,
+        DataSource::Imagefolder => &imagefolder::ImageFolder,
+    }
+}
+
+/// One data source.
+pub(super) trait Reader: Sync {
+    /// The shape of one sample as the source has it of its own, read cheaply (file headers, not
+    /// the samples), at `path` (`data.path`); None where the data follows the model.
+    fn sample_shape(&self, data: &Data, path: &Path) -> Result<Option<Vec<i64>>>;
+
+    /// The training samples and labels, and the validation ones where the source has them apart
+    /// (else they are held out of the training set by `data.val_fraction`).
+    fn open(&self, want: &Want) -> Result<Opened>;
+
+    /// How `check` says the set is read (after "the set ").
+    fn how_read(&self, data: &Data) -> &'static str;
+}
+
+/// What a run asks of a source.
+pub(super) struct Want<'a> {
+    pub data: &'a Data,
+    /// The model's per-sample shape.
+    pub input_shape: &'a [i64],
+    pub num_classes: i64,
+    pub seed: i64,
+}
+
+/// Samples and labels as a source opened them, not yet checked against the model.
+pub(super) struct Part {
+    pub x: Store,
+    pub y: Tensor,
+    /// The key and file they came from, for errors: "data.path foo.npz".
+    pub what: String,
+    /// What a float32 sample is divided by (uint8 pixels: 255).
+    pub divisor: Option<f64>,
+}
+
+impl Part {
+    pub fn new(x: Store, y: Tensor, what: String) -> Part {
+        Part {
+            x,
+            y,
+            what,
+            divisor: None,
+        }
+    }
+
+    /// Pixels, divided by 255 once float32.
+    pub fn pixels(self) -> Part {
+        Part {
+            divisor: Some(255.0),
+            ..self
+        }
+    }
+}
+
+/// A source's sets.
+pub(super) struct Opened {
+    pub train: Part,
+    /// None: held out of `train`.
+    pub val: Option<Part>,
+}
