@@ -49,7 +49,9 @@ def main():
             for rep in range(a.reps):
                 order = ("a", "b") if rep % 2 == 0 else ("b", "a")
                 for side in order:
-                    ns = SimpleNamespace(memtrain=getattr(a, side), threads=a.threads, device=a.device)
+                    ns = SimpleNamespace(
+                        memtrain=getattr(a, side), threads=a.threads, device=a.device, memtrain_set=[], alloc_conf=None
+                    )
                     r = driver.run_memtrain(ns, jw, job, setting, f"{side}{rep}")
                     runs[side].append(r)
                     steps[side] = losses(os.path.join(jw, f"mt-{job}-{setting[0]}-{side}{rep}"))
