@@ -148,7 +148,8 @@ fn spec_size(b: ByteSize) -> toml_edit::Value {
     }
 }
 
-fn settings(args: &FitArgs, spec: &spec::Spec, cuda: bool) -> Result<Vec<Setting>> {
+fn settings(args: &FitArgs, plan: &Plan, cuda: bool) -> Result<Vec<Setting>> {
+    let spec = &plan.spec;
     // The spec's own setting first: the others must beat it clearly to be recommended.
     let precisions: Vec<Precision> = if args.precisions.is_empty() {
         let mixed = if cuda {
@@ -209,7 +210,7 @@ pub fn fit(args: &FitArgs, quiet: bool) -> Result<()> {
     let plan = Plan::resolve(&spec, &request, &facts)?;
     let cuda = matches!(plan.device, Place::Cuda(_));
     let budget = resolve_budget(args, &plan, &facts)?;
-    let settings = settings(args, &spec, cuda)?;
+    let settings = settings(args, &plan, cuda)?;
     if let Some(out) = &args.write {
         writable_file(out)?;
     }
@@ -245,7 +246,7 @@ pub fn fit(args: &FitArgs, quiet: bool) -> Result<()> {
     let mut candidates = vec![];
     let mut settings = settings;
     for (i, setting) in settings.iter_mut().enumerate() {
-        let (result, candidate) = search_setting(&mut prober, *setting, effective, &spec, &say)?;
+        let (result, candidate) = search_setting(&mut prober, *setting, effective, &plan, &say)?;
         // The rung of the placement ladder the search settled on.
         *setting = result.setting;
         results.push(result);
@@ -285,12 +286,13 @@ pub fn fit(args: &FitArgs, quiet: bool) -> Result<()> {
     }
     match report.recommendation {
         Some(_) => Ok(()),
-        None => Err(nothing_fits(&report, &spec, &budget)),
+        None => Err(nothing_fits(&report, &plan, &budget)),
     }
 }
 
 /// Why there is no recommendation: no setting applies (exit 2), or nothing fits (exit 3).
-fn nothing_fits(report: &Report, spec: &spec::Spec, budget: &Budget) -> anyhow::Error {
+fn nothing_fits(report: &Report, plan: &Plan, budget: &Budget) -> anyhow::Error {
+    let spec = &plan.spec;
     if !report.settings.iter().any(|s| s.applicable) {
         return UsageError(format!(
             "no setting applies: the {} preset is not a sequence of blocks, so activation checkpointing does not apply to it; use --checkpointing off or both",
@@ -320,9 +322,10 @@ fn search_setting(
     prober: &mut Prober,
     setting: Setting,
     effective: i64,
-    spec: &spec::Spec,
+    plan: &Plan,
     say: &dyn Fn(String),
 ) -> Result<(SettingResult, Option<Measured>)> {
+    let spec = &plan.spec;
     let mut setting = setting;
     let found = loop {
         let found = largest_fit(effective, |b| prober.probe(setting, b));

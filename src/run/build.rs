@@ -26,7 +26,7 @@ use crate::policy::levers::{self, Described, Position, Situation};
 use crate::policy::recovery::{EvalPosition, Policy, Recovery};
 use crate::progress::Progress;
 use crate::records::{Event, Recorder, StartEvent};
-use crate::spec::{self, OptimizerImpl, Precision, Spec};
+use crate::spec::{self, OptimizerImpl, Precision};
 use crate::{atomic, shim};
 
 /// What the command line adds to the plan.
@@ -191,8 +191,10 @@ impl Factory<'_> {
             false => Device::Cpu,
         };
         let mut vs = nn::VarStore::new(built_on);
-        let needs =
-            || after_setup_oom(spec).map(|e| format!("its parameters are {}", human_bytes(e.parameter_bytes())));
+        let needs = || {
+            self.after_setup_oom()
+                .map(|e| format!("its parameters are {}", human_bytes(e.parameter_bytes())))
+        };
         let built = {
             let _squeeze = fault::squeeze_in(Phase::Model, self.plan.start.global_step);
             setup_try(Phase::Model.label(), &needs, &CHANGE_MODEL, || {
@@ -243,8 +245,10 @@ impl Factory<'_> {
             true => Home::Host,
             false => Home::Device,
         };
-        let needs =
-            || after_setup_oom(spec).map(|e| format!("the optimizer state is {}", human_bytes(e.optimizer_bytes())));
+        let needs = || {
+            self.after_setup_oom()
+                .map(|e| format!("the optimizer state is {}", human_bytes(e.optimizer_bytes())))
+        };
         let opt = setup_step(OPTIMIZER_STATE, &needs, &CHANGE_OPTIMIZER, || {
             Optimizer::placed(Hyper::from_train(t), weights, shard, home)
         })?;
@@ -373,6 +377,16 @@ impl Factory<'_> {
             }
         }
         Ok(recovery)
+    }
+
+    /// The static estimate, for the message of an OOM while building the model or its optimizer
+    /// state. Counting builds the model once more on the host, so it is done only then, with the CPU
+    /// cap lifted: the run ends on this error, and the cap has been read for the message.
+    fn after_setup_oom(&self) -> Option<crate::estimate::Estimate> {
+        shim::cpu_alloc_set_cap(None);
+        oom::guarded(|| crate::estimate::estimate(&self.plan.spec).ok())
+            .ok()
+            .flatten()
     }
 
     /// The records (with the start event), the terminal and its opening lines, checkpoints and
@@ -574,14 +588,6 @@ fn setup_try<T>(what: &str, needs: Needs, change: &Remedy, f: impl FnOnce() -> R
 
 /// What a set-up phase holds, said only once it ran out of memory (it may take work).
 type Needs<'a> = &'a dyn Fn() -> Option<String>;
-
-/// The static estimate, for the message of an OOM while building the model or its optimizer
-/// state. Counting builds the model once more on the host, so it is done only then, with the CPU
-/// cap lifted: the run ends on this error, and the cap has been read for the message.
-fn after_setup_oom(spec: &Spec) -> Option<crate::estimate::Estimate> {
-    shim::cpu_alloc_set_cap(None);
-    oom::guarded(|| crate::estimate::estimate(spec).ok()).ok().flatten()
-}
 
 fn setup_oom(what: &str, needs: Needs, change: &Remedy, message: &str) -> OomExit {
     let kind = oom::classify(message);
