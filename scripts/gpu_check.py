@@ -733,6 +733,109 @@ def judge_group_oom(plain, group, plain_records, group_records, backend="NCCL"):
                  seen, ok)
 
 
+STATIC_OFFLOAD = "static bill: offload first"
+STATIC_ADVICE = "static bill: exit 3 with advice"
+ADVICE_RESUME = "static bill: advice followed"
+STATE_ON_HOST = 'memory.optimizer_state="host"'  # the advice's setting, as `--set` takes it
+
+
+def advice_ways(stderr):
+    """The settings the advice of a run that ran out of options offers, as `--set KEY=VALUE`
+    arguments, word for word ("resume with --resume ... after setting KEY = VALUE, or ...")."""
+    line = next((l for l in stderr.splitlines() if "resume with --resume" in l), None)
+    if line is None:
+        return []
+    ways = []
+    for way in line.split("resume with --resume", 1)[1].split(", or "):
+        _, found, setting = way.partition("after setting ")
+        if found and " = " in setting:
+            key, value = setting.split(" = ", 1)
+            ways.append(f"{key.strip()}={value.strip()}")
+    return ways
+
+
+def judge_static_offload(rc, records, summary, micro):
+    """Parameters, gradients and Adam state over the cap at any micro-batch: with "offload" in
+    memory.on_oom the first OOM (the first update's) moves the state to the host at the
+    configured micro-batch, no backoff tried first, and the run trains to its end."""
+    expected = f"first OOM's decision host_optimizer_state at micro-batch {micro}, no backoff; exit 0, completed"
+    ooms = of_type(records, "oom")
+    first = ooms[0] if ooms else {}
+    starts = of_type(records, "start")
+    trained, wanted = (summary or {}).get("samples_trained"), (starts[0].get("train_samples") if starts else None)
+    ok = (
+        rc == 0
+        and get(first, "decision.action") == "host_optimizer_state"
+        and first.get("micro_batch_before") == micro
+        and (get(summary, "oom.backoffs") or 0) == 0
+        and get(summary, "batch.final_micro_batch") == micro
+        and (summary or {}).get("status") == "completed"
+        and str((summary or {}).get("device", "")).startswith(DEVICE)
+        and trained is not None and trained == wanted
+    )
+    seen = (
+        f"exit {rc}; {len(ooms)} OOM(s), first in {first.get('phase')!r} at micro-batch {first.get('micro_batch_before')}"
+        f" -> {get(first, 'decision.action')}; {get(summary, 'oom.backoffs')} backoff(s), final micro-batch "
+        f"{get(summary, 'batch.final_micro_batch')}, {(summary or {}).get('status')} on {(summary or {}).get('device')},"
+        f" {trained} of {wanted} samples"
+    )
+    return Check(STATIC_OFFLOAD, expected, seen, ok)
+
+
+def judge_static_advice(rc, records, stderr):
+    """The same without "offload": the first OOM ends the run (exit 3) without backing off, and
+    the advice names the setting that moves the state off the device."""
+    expected = f'exit 3, no backoff, the advice\'s first way {STATE_ON_HOST}'
+    ooms = of_type(records, "oom")
+    decisions = [get(o, "decision.action") for o in ooms]
+    ways = advice_ways(stderr)
+    ok = rc == 3 and decisions == ["fail"] and ways[:1] == [STATE_ON_HOST]
+    seen = f"exit {rc}; OOM decisions {decisions}; advice ways {ways}"
+    return Check(STATIC_ADVICE, expected, seen, ok)
+
+
+def judge_advice_resume(failed_rc, way, rc, records, summary):
+    """The failed run resumed with --set exactly as its advice printed it: the checkpoint's
+    optimizer state is read into host memory and the run trains to its end."""
+    expected = f"exit 3, then --resume --set {STATE_ON_HOST}: exit 0, resumed, every sample trained"
+    starts = of_type(records, "start")
+    last = starts[-1] if starts else {}
+    trained, wanted = (summary or {}).get("samples_trained"), last.get("train_samples")
+    ok = (
+        failed_rc == 3
+        and way == STATE_ON_HOST
+        and rc == 0
+        and last.get("resumed") is True
+        and (summary or {}).get("status") == "completed"
+        and str((summary or {}).get("device", "")).startswith(DEVICE)
+        and trained is not None and trained == wanted
+    )
+    seen = (
+        f"failed with exit {failed_rc}, way {way!r}; resumed exit {rc}, {len(starts)} start(s), last resumed "
+        f"{last.get('resumed')}; {(summary or {}).get('status')} on {(summary or {}).get('device')}, "
+        f"{trained} of {wanted} samples"
+    )
+    return Check(ADVICE_RESUME, expected, seen, ok)
+
+
+COLLECTIVE_SAID = "this rank ran out of memory inside a collective with the other ranks"
+
+
+def judge_collective_oom(rc, records, stderr, at, backend="NCCL"):
+    """A one-rank group whose rank runs out of memory making its part of the outcome exchange at
+    step `at` (the hook refuses the host buffer the exchange is built from): a collective cannot
+    be retried, so the run ends as an OOM does, exit 3, the last completed step saved as `oom`."""
+    name = f"{backend} collective OOM"
+    expected = f"one-rank {backend} group; exit 3, said why, one checkpoint: reason oom at step {at - 1}"
+    ckpts = [(c.get("reason"), c.get("step")) for c in of_type(records, "checkpoint")]
+    group = f"one-rank {backend} group" in stderr
+    said = COLLECTIVE_SAID in stderr
+    ok = group and rc == 3 and said and ckpts == [("oom", at - 1)]
+    seen = (f"{'formed' if group else 'no'} one-rank {backend} group; exit {rc}; "
+            f"{'said' if said else 'did not say'} it ran out inside a collective; checkpoints {ckpts}")
+    return Check(name, expected, seen, ok)
+
+
 def judge_eval_oom(clean, hit, clean_records, hit_records, weights_equal, eval_batch):
     """A CUDA OOM in validation halves validation's micro-batch only: training's shape, its losses
     and its final weights are those of the run whose validation fitted."""
@@ -1561,6 +1664,71 @@ def check_group_oom(r, probe):
     return [judge_group_oom(summary_of(plain), summary_of(group), records_of(plain), records_of(group), backend)]
 
 
+# An MLP whose first weight is all but the whole model: 8192 x 8192 fp32, P = 256 MiB. The
+# weights and Adam's state (3P) are made at set-up and the gradients (P) in the first backward;
+# the first update then asks for its workspace (foreach Adam: one temporary the size of the
+# largest parameter, P). The cap, 4P + P/2, holds the first 4P with room for the activations,
+# the data and cuBLAS's workspace (tens of MiB) but not the update's: at that OOM what is held
+# with the workspace is over the cap, which is how memtrain tells an OOM of the static bill
+# (no micro-batch makes room). With the state on the host the device holds about 2P.
+STATIC_BILL_MLP = (8192, 8192)
+STATIC_BILL = """[job]
+name = "gpu-check-static-bill"
+device = "{device}"
+[model]
+preset = "mlp"
+[model.mlp]
+inputs = {inputs}
+hidden = [{hidden}]
+num_classes = 4
+[data]
+samples = 64
+[train]
+epochs = 1
+batch_size = 16
+optimizer = "adam"
+lr = 0.001
+[log]
+progress = "off"
+[memory]
+limit = "{limit}MiB"
+"""
+
+
+def static_bill_spec(r):
+    inputs, hidden = STATIC_BILL_MLP
+    params = inputs * hidden + hidden + hidden * 4 + 4
+    limit = -(-(18 * params) // MiB)  # 4P + P/2 (P = 4 bytes a parameter), in MiB, rounded up
+    return spec_file(r, "static-bill", STATIC_BILL.format(device=DEVICE, inputs=inputs, hidden=hidden, limit=limit))
+
+
+def check_static_bill(r, probe):
+    spec = static_bill_spec(r)
+    p, out = r.run("static-bill-offload", spec, ['memory.on_oom=["backoff","offload","fail"]'])
+    rows = [judge_static_offload(p.rc, records_of(out), summary_of(out), 16)]
+    q, failed = r.run("static-bill-fails", spec, ['memory.on_oom=["backoff","fail"]'])
+    rows.append(judge_static_advice(q.rc, records_of(failed), q.stderr))
+    return rows
+
+
+def check_advice_resume(r, probe):
+    spec = static_bill_spec(r)
+    p, out = r.run("advice-fails", spec, ['memory.on_oom=["backoff","fail"]'])
+    ways = advice_ways(p.stderr)
+    if p.rc != 3 or not ways:
+        return [judge_advice_resume(p.rc, ways[0] if ways else None, None, [], None)]
+    # The advice's first way, word for word, as `--set` takes it.
+    q = r.mt("advice-resume", ["run", spec, "--resume", out, "--set", ways[0]])
+    return [judge_advice_resume(p.rc, ways[0], q.rc, records_of(out), summary_of(out))]
+
+
+def check_collective_oom(r, probe):
+    backend = "NCCL" if DEVICE == "cuda" else "Gloo"
+    env = {"MEMTRAIN_TEST_SINGLE_RANK_GROUP": "1", "MEMTRAIN_FAULT_OOM_IN_COLLECTIVE_AT_STEP": "2"}
+    p, out = r.run("collective-oom", DIGITS, [dev(), "train.epochs=1"], env=env)
+    return [judge_collective_oom(p.rc, records_of(out), p.stderr, 2, backend)]
+
+
 def check_darts(r, probe):
     # configs/darts_4gb.toml sets memory.fraction, which memtrain refuses beside memory.limit
     # (and --set cannot remove a key), so the check runs a copy without that line.
@@ -1712,6 +1880,9 @@ CHECKS = [
     ("optimizers", check_optimizers, [f"optimizer {i}" for i, _ in OPTIMIZER_IMPLS]),
     ("single_rank", check_single_rank, ["NCCL one-rank group"]),
     ("group_oom", check_group_oom, ["NCCL group backs off"]),
+    ("static_bill", check_static_bill, [STATIC_OFFLOAD, STATIC_ADVICE]),
+    ("advice_resume", check_advice_resume, [ADVICE_RESUME]),
+    ("collective_oom", check_collective_oom, ["NCCL collective OOM"]),
     ("darts", check_darts, ["darts_4gb under 4 GiB"]),
     ("eval_oom", check_eval_oom, ["validation OOM (1 GiB cap)"]),
     ("cache_clear", check_cache_clear, ["cache clear cost"]),

@@ -265,6 +265,58 @@ class Judges(unittest.TestCase):
         self.assertFalse(g.judge_group_oom(done, dict(done, status="oom"), recs, recs).ok)
         self.assertFalse(g.judge_group_oom(done, done, recs, [step(1, 2.0), step(2, 1.6)]).ok, "other losses")
 
+    def test_the_advice_is_read_word_for_word(self):
+        said = ('error: out of memory in optimizer step (preflight): CUDA out of memory. ...; last good state saved '
+                'to /tmp/x/checkpoints/step-000000000; resume with --resume after setting memory.optimizer_state = '
+                '"host", or after setting train.optimizer_state_bits = 8, or with a larger memory.limit or a smaller model')
+        self.assertEqual(g.advice_ways("ok\n" + said + "\n"),
+                         ['memory.optimizer_state="host"', "train.optimizer_state_bits=8"])
+        self.assertEqual(g.advice_ways("error: out of memory; no checkpoint (--max-steps)"), [])
+
+    def test_a_static_bill_goes_to_the_host_at_the_configured_micro_batch(self):
+        start = {"type": "start", "train_samples": 51}
+        oom = {"type": "oom", "phase": "optimizer step (preflight)", "micro_batch_before": 16,
+               "decision": {"action": "host_optimizer_state"}}
+        done = {"status": "completed", "device": "cuda:0", "samples_trained": 51, "oom": {"backoffs": 0},
+                "batch": {"final_micro_batch": 16}}
+        self.assertTrue(g.judge_static_offload(0, [start, oom], done, 16).ok)
+        backed = dict(oom, micro_batch_before=8)
+        halved = {"type": "oom", "micro_batch_before": 16, "decision": {"action": "backoff"}}
+        self.assertFalse(g.judge_static_offload(0, [start, halved, backed], done, 16).ok, "a backoff first")
+        self.assertFalse(g.judge_static_offload(0, [start], done, 16).ok, "no OOM: the cap did not bind")
+        self.assertFalse(g.judge_static_offload(3, [start, oom], dict(done, status="oom"), 16).ok)
+        self.assertFalse(g.judge_static_offload(0, [start, oom], dict(done, device="cpu"), 16).ok, "fell back")
+        self.assertFalse(g.judge_static_offload(0, [start, oom], dict(done, samples_trained=48), 16).ok)
+
+    def test_a_static_bill_without_offload_stops_and_names_the_setting(self):
+        fail = {"type": "oom", "decision": {"action": "fail"}}
+        said = 'error: ...; resume with --resume after setting memory.optimizer_state = "host", or with a larger memory.limit'
+        self.assertTrue(g.judge_static_advice(3, [fail], said).ok)
+        self.assertFalse(g.judge_static_advice(0, [fail], said).ok)
+        self.assertFalse(g.judge_static_advice(3, [{"type": "oom", "decision": {"action": "backoff"}}, fail], said).ok,
+                         "backed off first")
+        self.assertFalse(g.judge_static_advice(3, [fail], "error: ...; resume with --resume with a larger memory.limit").ok)
+
+    def test_the_advice_followed_trains_to_the_end(self):
+        way = 'memory.optimizer_state="host"'
+        recs = [{"type": "start", "resumed": False, "train_samples": 51},
+                {"type": "start", "resumed": True, "train_samples": 51}]
+        done = {"status": "completed", "device": "cuda:0", "samples_trained": 51}
+        self.assertTrue(g.judge_advice_resume(3, way, 0, recs, done).ok)
+        self.assertFalse(g.judge_advice_resume(3, way, 1, recs, dict(done, status="failed")).ok)
+        self.assertFalse(g.judge_advice_resume(3, way, 0, recs[:1], done).ok, "not resumed")
+        self.assertFalse(g.judge_advice_resume(0, way, 0, recs, done).ok, "the first run did not fail")
+        self.assertFalse(g.judge_advice_resume(3, "memory.limit=1GiB", 0, recs, done).ok, "another way")
+
+    def test_an_oom_inside_a_collective_ends_as_an_oom_with_the_last_step_saved(self):
+        said = "memtrain: one-rank NCCL group\nerror: ... this rank ran out of memory inside a collective with the other ranks"
+        ck = [{"type": "checkpoint", "reason": "oom", "step": 1}]
+        self.assertTrue(g.judge_collective_oom(3, ck, said, 2).ok)
+        self.assertFalse(g.judge_collective_oom(0, ck, said, 2).ok, "the hook did not fire")
+        self.assertFalse(g.judge_collective_oom(3, [dict(ck[0], reason="failure")], said, 2).ok)
+        self.assertFalse(g.judge_collective_oom(3, ck, said.replace("NCCL", "Gloo"), 2).ok, "no NCCL group")
+        self.assertTrue(g.judge_collective_oom(3, ck, said.replace("NCCL", "Gloo"), 2, "Gloo").ok)
+
     def test_inf_step(self):
         recs = [step(1, 2.0, skipped=False, loss_scale=65536.0), step(2, 1.9, skipped=False, loss_scale=65536.0),
                 step(3, 1.8, skipped=True, loss_scale=32768.0), step(4, 1.7, skipped=False, loss_scale=32768.0)]
@@ -529,12 +581,13 @@ class Rehearsal(unittest.TestCase):
     def setUp(self):
         self.tmp = tempfile.TemporaryDirectory()
         self.r = g.Runner(os.environ["MEMTRAIN_BIN"], sys.executable, self.tmp.name, budget=300, cmd_timeout=240)
-        self.saved = (g.DEVICE, g.VIT, g.RESNET, g.TWINS)
+        self.saved = (g.DEVICE, g.VIT, g.RESNET, g.TWINS, g.STATIC_BILL_MLP)
         g.DEVICE, g.VIT, g.RESNET = "cpu", SMALL_VIT, SMALL_RESNET
         g.TWINS = [("darts", "darts_tiny"), ("vit", "vit")]
+        g.STATIC_BILL_MLP = (2048, 4096)  # P = 32 MiB, the bill of tests/it/oom.rs's static_bill()
 
     def tearDown(self):
-        g.DEVICE, g.VIT, g.RESNET, g.TWINS = self.saved
+        g.DEVICE, g.VIT, g.RESNET, g.TWINS, g.STATIC_BILL_MLP = self.saved
         self.tmp.cleanup()
 
     def rows(self, fn):
@@ -554,6 +607,17 @@ class Rehearsal(unittest.TestCase):
     def test_a_capped_one_rank_gloo_group_backs_off(self):
         (c,) = self.rows(g.check_group_oom)
         self.assertEqual(c.name, "Gloo group backs off")
+        self.assertTrue(c.ok, c)
+
+    def test_a_static_bill_offloads_or_stops_with_advice_that_works(self):
+        rows = self.rows(g.check_static_bill) + self.rows(g.check_advice_resume)
+        self.assertEqual([c.name for c in rows], [g.STATIC_OFFLOAD, g.STATIC_ADVICE, g.ADVICE_RESUME])
+        for c in rows:
+            self.assertTrue(c.ok, c)
+
+    def test_an_oom_inside_a_gloo_collective(self):
+        (c,) = self.rows(g.check_collective_oom)
+        self.assertEqual(c.name, "Gloo collective OOM")
         self.assertTrue(c.ok, c)
 
     def test_resume_restores_the_generator(self):
