@@ -131,7 +131,12 @@ fn info(json: bool) -> Result<()> {
 
 fn check(args: &SpecArgs) -> Result<()> {
     let loaded = spec::load_args(&args.file, &args.set, &crate::model::validate)?;
-    let est = crate::estimate::estimate(&loaded.spec)?;
+    let est = crate::estimate::estimate(&crate::estimate::Sections {
+        model: &loaded.spec.model,
+        train: &loaded.spec.train,
+        memory: &loaded.spec.memory,
+        device: loaded.spec.job.device,
+    })?;
     if let Some(n) = crate::plan::unread_data_keys(&loaded.spec.data) {
         tracing::warn!("{n}");
     }

@@ -8,7 +8,7 @@ use crate::host::Home;
 use crate::human::{human_bytes, human_count};
 use crate::model;
 use crate::optim::{state_bytes_8bit, Hyper};
-use crate::spec::{Precision, Spec};
+use crate::spec::schema::{Device, Memory, Model, Precision, Train};
 
 #[derive(Debug, Clone)]
 pub struct Estimate {
@@ -168,11 +168,11 @@ impl Estimate {
 
 /// The implementation a run of `spec` would use; "auto" on `job.device = "auto"` depends on
 /// the machine, so both outcomes are named.
-fn impl_words(spec: &Spec) -> String {
+fn impl_words(job: &Sections) -> String {
     use crate::spec::{Device, OptimizerImpl};
-    let asked = spec.train.optimizer_impl;
-    let placement = crate::spec::optimizer_placement(spec);
-    let device = match spec.job.device {
+    let asked = job.train.optimizer_impl;
+    let placement = crate::spec::optimizer_placement(job.train, job.memory);
+    let device = match job.device {
         Device::Cpu => tch::Device::Cpu,
         Device::Cuda(i) => tch::Device::Cuda(i),
         Device::Auto
@@ -189,9 +189,17 @@ fn impl_words(spec: &Spec) -> String {
     }
 }
 
-pub fn estimate(spec: &Spec) -> Result<Estimate> {
+/// The sections of a spec the estimate reads.
+pub struct Sections<'a> {
+    pub model: &'a Model,
+    pub train: &'a Train,
+    pub memory: &'a Memory,
+    pub device: Device,
+}
+
+pub fn estimate(job: &Sections) -> Result<Estimate> {
     // Counting builds the model on the host; one too large for it is said, not a panic.
-    let c = match crate::oom::guarded(|| model::counts(&spec.model)) {
+    let c = match crate::oom::guarded(|| model::counts(job.model)) {
         Ok(counted) => counted?,
         Err(crate::oom::StepError::Oom { message, .. }) => {
             return Err(crate::exit::OomExit(format!(
@@ -209,13 +217,13 @@ pub fn estimate(spec: &Spec) -> Result<Estimate> {
         }
     };
     let (weights, arch, buffers) = (c.weights, c.arch_weights, c.buffers);
-    let state_per_weight = match spec.train.optimizer_state_bits {
+    let state_per_weight = match job.train.optimizer_state_bits {
         8 => 2,
-        _ => Hyper::from_train(&spec.train).state_slots().len() as u64,
+        _ => Hyper::from_train(job.train).state_slots().len() as u64,
     };
-    let t = &spec.train;
+    let t = job.train;
     Ok(Estimate {
-        preset: spec.model.preset.clone(),
+        preset: job.model.preset.clone(),
         weights,
         arch_weights: arch,
         buffers,
@@ -225,15 +233,15 @@ pub fn estimate(spec: &Spec) -> Result<Estimate> {
         state_bits: t.optimizer_state_bits,
         weight_sizes: c.weight_sizes,
         optimizer: format!("{:?}", t.optimizer).to_lowercase(),
-        optimizer_impl: impl_words(spec),
+        optimizer_impl: impl_words(job),
         micro_batch: t.batch_size,
         accumulation_steps: t.accumulation_steps,
         has_blocks: c.has_blocks,
         blockwise: c.blockwise,
-        homes: Homes::of(&spec.memory),
-        cap: spec.memory.limit.map(|l| l.0),
+        homes: Homes::of(job.memory),
+        cap: job.memory.limit.map(|l| l.0),
         input_shape: c.input_shape.clone(),
-        gpu: spec.job.device != crate::spec::Device::Cpu,
+        gpu: job.device != crate::spec::Device::Cpu,
     })
 }
 
@@ -401,11 +409,17 @@ mod tests {
 
     #[test]
     fn mlp_counts_match_the_layers() {
-        let spec: Spec = toml::from_str(
+        let spec: crate::spec::Spec = toml::from_str(
             "[model]\npreset = \"mlp\"\n[model.mlp]\ninputs = 10\nhidden = [20]\nnum_classes = 3\n[train]\noptimizer = \"adam\"\n",
         )
         .unwrap();
-        let e = estimate(&spec).unwrap();
+        let e = estimate(&Sections {
+            model: &spec.model,
+            train: &spec.train,
+            memory: &spec.memory,
+            device: spec.job.device,
+        })
+        .unwrap();
         assert_eq!(e.weights, 10 * 20 + 20 + 20 * 3 + 3);
         assert_eq!(e.parameter_bytes(), e.weights * 4);
         assert_eq!(e.optimizer_bytes(), e.weights * 8);

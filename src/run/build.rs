@@ -384,9 +384,18 @@ impl Factory<'_> {
     /// cap lifted: the run ends on this error, and the cap has been read for the message.
     fn after_setup_oom(&self) -> Option<crate::estimate::Estimate> {
         shim::cpu_alloc_set_cap(None);
-        oom::guarded(|| crate::estimate::estimate(&self.plan.spec).ok())
+        let spec = &self.plan.spec;
+        oom::guarded(|| {
+            crate::estimate::estimate(&crate::estimate::Sections {
+                model: &spec.model,
+                train: &spec.train,
+                memory: &spec.memory,
+                device: spec.job.device,
+            })
             .ok()
-            .flatten()
+        })
+        .ok()
+        .flatten()
     }
 
     /// The records (with the start event), the terminal and its opening lines, checkpoints and

@@ -290,17 +290,16 @@ fn optimizer_state_bits(p: &mut Problems, t: &Train) {
 fn optimizer_impl(p: &mut Problems, s: &Spec) {
     let asked = s.train.optimizer_impl;
     let key = "train.optimizer_impl";
-    if let Some(why) = crate::optim::refusal(asked, placement(s)) {
+    if let Some(why) = crate::optim::refusal(asked, placement(&s.train, &s.memory)) {
         p.push((key.into(), why));
     }
 }
 
 /// Where the spec places the optimizer's state and gradients from the start (streamed
 /// parameters bring both to the host).
-pub fn placement(s: &Spec) -> crate::optim::Placement {
-    let m = &s.memory;
+pub fn placement(t: &Train, m: &Memory) -> crate::optim::Placement {
     crate::optim::Placement {
-        state_bits: s.train.optimizer_state_bits,
+        state_bits: t.optimizer_state_bits,
         state_on_host: m.optimizer_state.is_host() || m.parameters.is_host(),
         grads_on_host: m.gradients.is_host() || m.parameters.is_host(),
     }
