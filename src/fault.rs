@@ -157,6 +157,12 @@ pub fn squeeze_in(phase: Phase, step: impl Into<Option<i64>>) -> Squeeze {
     if !hit || FIRED.swap(true, Ordering::SeqCst) {
         return Squeeze { restore: None };
     }
+    squeeze_now()
+}
+
+/// The CPU cap lowered to what is allocated now, so the next allocation fails for real; the
+/// guard puts the cap back.
+fn squeeze_now() -> Squeeze {
     let s = shim::cpu_alloc_stats();
     shim::cpu_alloc_set_cap(Some(s.allocated.max(1)));
     Squeeze { restore: Some(s.cap) }
@@ -195,9 +201,7 @@ pub fn squeeze_in_collective(step: Option<i64>) -> Squeeze {
     if step.is_none() || step_from(OOM_IN_COLLECTIVE, &WANTED) != step || FIRED.swap(true, Ordering::SeqCst) {
         return Squeeze { restore: None };
     }
-    let s = shim::cpu_alloc_stats();
-    shim::cpu_alloc_set_cap(Some(s.allocated.max(1)));
-    Squeeze { restore: Some(s.cap) }
+    squeeze_now()
 }
 
 /// `MEMTRAIN_FAULT_ABORT_SAVE_AT_STEP=N`: the checkpoint save for global step N aborts the

@@ -195,6 +195,18 @@ impl Drop for Loader {
     }
 }
 
+impl State {
+    /// One batch fewer ahead, recorded with the memory available then; the spare buffers past
+    /// the new depth go. Returns the new depth.
+    fn shed_level(&mut self, available: u64) -> usize {
+        let from = self.depth;
+        self.depth -= 1;
+        self.shed.push((from, self.depth, available));
+        self.free.truncate(self.depth);
+        self.depth
+    }
+}
+
 /// A loader thread: makes the next planned batch whenever the depth allows.
 fn work(shared: &Shared) {
     let mut s = shared.lock();
@@ -208,11 +220,7 @@ fn work(shared: &Shared) {
         }
         if s.depth > 1 {
             if let Some(avail) = memory_is_low() {
-                let from = s.depth;
-                s.depth -= 1;
-                s.shed.push((from, from - 1, avail));
-                let depth = s.depth;
-                s.free.truncate(depth);
+                let depth = s.shed_level(avail);
                 // One level per batch made: the memory a level frees shows before the next look.
                 if s.started.len() >= depth {
                     continue;
@@ -238,10 +246,7 @@ fn work(shared: &Shared) {
             if s.generation == generation {
                 s.todo.push_front((seq, idx));
             }
-            let from = s.depth;
-            s.depth -= 1;
-            let available = crate::sysmem::available_bytes().unwrap_or(0);
-            s.shed.push((from, from - 1, available));
+            s.shed_level(crate::sysmem::available_bytes().unwrap_or(0));
             s.free.clear();
             shared.ready.notify_all();
             continue;

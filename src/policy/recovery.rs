@@ -4,7 +4,7 @@
 //! `memory.on_oom`'s levers and decides every transition; the levers say what applies. No
 //! libtorch in here: the trainer reports what happened (an OOM, a clean step) and carries out
 //! what comes back on the parts.
-use super::levers::{answering, lever, spec_key, Described, Engaged, Lever, Position, Situation, LEVERS, STATIC_BILL};
+use super::levers::{answering, lever, Described, Engaged, Lever, Position, Situation, LEVERS};
 use crate::oom::{BatchShape, Decision, OomCounts};
 use crate::spec::OomAction;
 
@@ -366,10 +366,10 @@ impl Recovery {
     /// applies now (`memory.optimizer_state = "host"` before the gradients).
     fn placement_to_fit(&self) -> Option<String> {
         let s = self.situation();
-        STATIC_BILL
+        LEVERS
             .iter()
-            .filter(|l| l.applies(&s).is_ok())
-            .find_map(|l| spec_key(*l))
+            .filter(|l| l.about().moves_static_bill && l.applies(&s).is_ok())
+            .find_map(|l| l.about().setting)
             .map(|k| format!("{k} = \"host\""))
     }
 
@@ -398,7 +398,7 @@ impl Recovery {
 fn helps(l: &dyn Lever, cause: Cause) -> bool {
     match cause {
         Cause::Step => true,
-        Cause::StaticBill { .. } => STATIC_BILL.iter().any(|s| s.name() == l.name()),
+        Cause::StaticBill { .. } => l.about().moves_static_bill,
     }
 }
 

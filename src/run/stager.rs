@@ -57,6 +57,15 @@ fn add(a: Option<f64>, b: Option<f64>) -> Option<f64> {
     }
 }
 
+impl StepWindows {
+    /// A memory reading now, into both windows.
+    fn fold(&mut self, place: Place) {
+        let m = memory::step_reading(place);
+        self.line.fold(&m);
+        self.epoch.fold(&m);
+    }
+}
+
 impl StagedRecord {
     fn took_update(&mut self, seconds: Option<f64>) {
         self.event.host_update_seconds = add(self.event.host_update_seconds, seconds);
@@ -140,9 +149,7 @@ impl Stager {
     pub fn stepped(&mut self, place: Place) {
         self.steps_since_mark += 1;
         let t = Instant::now();
-        let m = memory::step_reading(place);
-        self.windows.line.fold(&m);
-        self.windows.epoch.fold(&m);
+        self.windows.fold(place);
         self.windows.readings += 1;
         self.windows.reading_seconds += t.elapsed().as_secs_f64();
     }
@@ -178,9 +185,7 @@ impl Stager {
     /// next record, the epoch and the run's summary take them in, whatever resets the counters
     /// before the retry (a measured first step, a save at the run's end).
     pub fn failed_attempt(&mut self, place: Place) {
-        let m = memory::step_reading(place);
-        self.windows.line.fold(&m);
-        self.windows.epoch.fold(&m);
+        self.windows.fold(place);
     }
 
     /// Stages a logged step's loss read and holds its record. True: the values are in already

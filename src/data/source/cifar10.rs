@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use tch::Tensor;
 
-use super::{Opened, Part, Reader, Want};
-use crate::data::check::{check_budget, required_path, stored};
+use super::{pixel_part, val_dir, Opened, Reader, Want};
+use crate::data::check::{check_budget, required_path};
 use crate::spec::schema::Data;
 
 pub struct Cifar10;
@@ -22,16 +22,10 @@ impl Reader for Cifar10 {
     fn open(&self, want: &Want) -> Result<Opened> {
         let data = want.data;
         let dir = required_path(data)?;
-        let (vkey, vdir) = match &data.val_path {
-            Some(v) => ("data.val_path", v.as_path()),
-            None => ("data.path", dir),
-        };
+        let (vkey, vdir) = val_dir(data, dir);
         let train_files = cifar10_files(dir, true, "data.path")?;
         let val_files = cifar10_files(vdir, false, vkey)?;
-        let part = |files: &[PathBuf], key: &str, what: String| -> Result<Part> {
-            let (x, y) = read_cifar10(files, key)?;
-            Ok(Part::new(stored(x, &what)?, y, what).pixels())
-        };
+        let part = |files: &[PathBuf], key: &str, what| pixel_part(read_cifar10, files, key, what);
         let train = part(
             &train_files,
             "data.path",

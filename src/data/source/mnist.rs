@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use tch::Tensor;
 
-use super::{Opened, Part, Reader, Want};
-use crate::data::check::{required_path, stored};
+use super::{pixel_part, val_dir, Opened, Reader, Want};
+use crate::data::check::required_path;
 use crate::spec::schema::Data;
 
 pub struct Mnist;
@@ -23,10 +23,7 @@ impl Reader for Mnist {
     fn open(&self, want: &Want) -> Result<Opened> {
         let data = want.data;
         let dir = required_path(data)?;
-        let (vkey, vdir) = match &data.val_path {
-            Some(v) => ("data.val_path", v.as_path()),
-            None => ("data.path", dir),
-        };
+        let (vkey, vdir) = val_dir(data, dir);
         // Look for every file first, so one error lists all that are missing.
         let (train_files, val_files) = if vdir == dir {
             let mut f = mnist_files(dir, &["train", "t10k"], "data.path")?;
@@ -38,10 +35,7 @@ impl Reader for Mnist {
                 mnist_files(vdir, &["t10k"], vkey)?,
             )
         };
-        let part = |files: &[PathBuf], key: &str, what: String| -> Result<Part> {
-            let (x, y) = read_mnist_pair(files, key)?;
-            Ok(Part::new(stored(x, &what)?, y, what).pixels())
-        };
+        let part = |files: &[PathBuf], key: &str, what| pixel_part(read_mnist_pair, files, key, what);
         let train = part(
             &train_files,
             "data.path",

@@ -85,6 +85,27 @@ impl Part {
     }
 }
 
+/// Where a source with a test split of its own reads validation from: `data.val_path`, else its
+/// test files beside the training ones in `data.path` (`dir`).
+fn val_dir<'a>(data: &'a Data, dir: &'a Path) -> (&'static str, &'a Path) {
+    match &data.val_path {
+        Some(v) => ("data.val_path", v.as_path()),
+        None => ("data.path", dir),
+    }
+}
+
+/// Pixels read whole: the samples and labels `read` gets from `files` (named by `key` in its
+/// errors), stored as `what` and divided by 255 once float32.
+fn pixel_part(
+    read: impl Fn(&[std::path::PathBuf], &str) -> Result<(Tensor, Tensor)>,
+    files: &[std::path::PathBuf],
+    key: &str,
+    what: String,
+) -> Result<Part> {
+    let (x, y) = read(files, key)?;
+    Ok(Part::new(super::check::stored(x, &what)?, y, what).pixels())
+}
+
 /// A source's sets.
 pub(super) struct Opened {
     pub train: Part,

@@ -18,6 +18,8 @@ impl Backoff {
         answers: "backoff",
         search: Search::Size,
         colour: [255, 127, 14],
+        setting: None,
+        moves_static_bill: false,
         said,
         estimate,
     };

@@ -29,6 +29,8 @@ impl CpuFallback {
         answers: "cpu",
         search: Search::Never("fit looks for the fastest setting on the device; falling back to the CPU is a last resort for a run, not a setting"),
         colour: [140, 86, 75],
+        setting: None,
+        moves_static_bill: true,
         said,
         estimate,
     };

@@ -18,6 +18,8 @@ impl HostActivations {
         answers: "offload",
         search: Search::Ladder,
         colour: [117, 107, 177],
+        setting: Some("memory.activations"),
+        moves_static_bill: false,
         said,
         estimate,
     };

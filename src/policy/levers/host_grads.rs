@@ -20,6 +20,8 @@ impl HostGrads {
         answers: "offload",
         search: Search::Ladder,
         colour: [117, 107, 177],
+        setting: Some("memory.gradients"),
+        moves_static_bill: true,
         said,
         estimate,
     };

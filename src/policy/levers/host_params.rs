@@ -27,6 +27,8 @@ impl HostParams {
         answers: "offload",
         search: Search::Ladder,
         colour: [227, 119, 194],
+        setting: Some("memory.parameters"),
+        moves_static_bill: true,
         said,
         estimate,
     };

@@ -20,6 +20,8 @@ impl HostState {
         answers: "offload",
         search: Search::Ladder,
         colour: [117, 107, 177],
+        setting: Some("memory.optimizer_state"),
+        moves_static_bill: true,
         said,
         estimate,
     };

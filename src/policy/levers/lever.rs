@@ -70,6 +70,11 @@ pub struct About {
     pub search: Search,
     /// The colour of its marks in the report's charts.
     pub colour: [u8; 3],
+    /// The spec key that turns it on from the start (the placements: set to "host"), if any.
+    pub setting: Option<&'static str>,
+    /// It shrinks what the optimizer step holds whatever the micro-batch (parameters, gradients,
+    /// optimizer state), so it can answer an OOM of the static bill.
+    pub moves_static_bill: bool,
     /// The line the run prints when an OOM engages it (before, after, and `configured`: the
     /// spec's batch shape).
     pub said: fn(&Position, &Position, BatchShape) -> String,

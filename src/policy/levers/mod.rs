@@ -29,8 +29,6 @@ pub use host_state::HostState;
 pub use lever::{About, Described, Engaged, Lever, Position, Search, Situation, Target};
 pub use recompute::Recompute;
 
-use crate::host::Home;
-
 /// Every lever, in the order `check` lists them and an OOM action that answers for several
 /// tries them. Adding one: its file and one line here.
 pub static LEVERS: &[&dyn Lever] = &[
@@ -42,10 +40,6 @@ pub static LEVERS: &[&dyn Lever] = &[
     &Backoff,
     &CpuFallback,
 ];
-
-/// The levers that shrink what the optimizer step holds whatever the micro-batch (parameters,
-/// gradients and optimizer state): the only ones that can answer an OOM of the static bill.
-pub static STATIC_BILL: &[&dyn Lever] = &[&HostState, &HostGrads, &HostParams, &CpuFallback];
 
 /// The levers a `memory.on_oom` word engages, in the order tried ("offload": each placement in
 /// turn; the others: their one lever). Empty for "fail".
@@ -104,35 +98,18 @@ pub fn fit_line() -> String {
 
 /// The levers the spec's sections turn on from the start, with the key that does.
 pub fn configured(train: &Train, m: &Memory) -> Vec<(&'static str, &'static dyn Lever)> {
-    let mut on: Vec<(&'static str, &'static dyn Lever)> = vec![];
-    if train.activation_checkpointing {
-        on.push(("train.activation_checkpointing", &Recompute));
-    }
-    on.extend(
-        placements(m)
-            .into_iter()
-            .filter(|(_, h, _)| h.is_host())
-            .map(|(k, _, l)| (k, l)),
-    );
-    on
-}
-
-/// Each placement lever with the spec key that turns it on and where that key puts its term.
-fn placements(m: &Memory) -> [(&'static str, Home, &'static dyn Lever); 4] {
-    [
-        ("memory.optimizer_state", m.optimizer_state, &HostState),
-        ("memory.gradients", m.gradients, &HostGrads),
-        ("memory.activations", m.activations, &HostActivations),
-        ("memory.parameters", m.parameters, &HostParams),
-    ]
-}
-
-/// The spec key that turns `l` on from the start (set to "host"), for a placement lever.
-pub fn spec_key(l: &dyn Lever) -> Option<&'static str> {
-    placements(&Memory::default())
+    let from_start: [(bool, &'static dyn Lever); 5] = [
+        (train.activation_checkpointing, &Recompute),
+        (m.optimizer_state.is_host(), &HostState),
+        (m.gradients.is_host(), &HostGrads),
+        (m.activations.is_host(), &HostActivations),
+        (m.parameters.is_host(), &HostParams),
+    ];
+    from_start
         .into_iter()
-        .find(|(_, _, p)| p.name() == l.name())
-        .map(|(k, _, _)| k)
+        .filter(|(on, _)| *on)
+        .map(|(_, l)| (l.about().setting.expect("a lever the spec turns on names its key"), l))
+        .collect()
 }
 
 /// `check`'s levers section: each lever as a run in situation `s` would start, under

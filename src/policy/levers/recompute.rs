@@ -17,6 +17,8 @@ impl Recompute {
         answers: "recompute",
         search: Search::Toggle,
         colour: [188, 189, 34],
+        setting: Some("train.activation_checkpointing"),
+        moves_static_bill: false,
         said,
         estimate,
     };
