@@ -173,6 +173,12 @@ fn data(p: &mut Problems, d: &Data) {
             "is only read for data.source = \"imagefolder\" (other sources keep their size)".into(),
         ));
     }
+    if d.cache_dir.is_some() && d.source != DataSource::Imagefolder {
+        p.push((
+            "data.cache_dir".into(),
+            "is only read for data.source = \"imagefolder\" (the cache of its decoded images); remove it".into(),
+        ));
+    }
     if d.mean.len() != d.std.len() {
         p.push((
             "data.std".into(),

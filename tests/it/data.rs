@@ -236,6 +236,17 @@ impl Drop for ReadOnly {
 }
 
 #[test]
+fn data_cache_dir_is_refused_for_a_source_without_an_image_cache() {
+    Test::new()
+        .command("check")
+        .set("data.cache_dir", "/tmp/anywhere")
+        .exit(2)
+        .stderr_has("data.cache_dir")
+        .stderr_has("is only read for data.source = \"imagefolder\"")
+        .run();
+}
+
+#[test]
 fn an_image_tree_whose_parent_is_read_only_keeps_its_cache_in_data_cache_dir() {
     let t = Test::new();
     let parent = t.dir().join("mount");
