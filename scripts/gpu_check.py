@@ -1862,6 +1862,44 @@ def check_no_warnings(r, probe):
     return [judge_no_warnings(r.stderrs)]
 
 
+RESIDENT_NAN = "resident set: NaN named"
+
+
+def write_nan_safetensors(path, n=64, bad=5):
+    """A float32 set `x` [n, 8, 8] (0.5 everywhere, NaN in sample `bad`) and int64 labels `y`
+    of 10 classes, as a .safetensors file, which memtrain reads in place (mapped)."""
+    x = [0.5] * (n * 64)
+    x[bad * 64 + 3] = float("nan")
+    xb = struct.pack(f"<{len(x)}f", *x)
+    yb = struct.pack(f"<{n}q", *[i % 10 for i in range(n)])
+    header = {
+        "x": {"dtype": "F32", "shape": [n, 8, 8], "data_offsets": [0, len(xb)]},
+        "y": {"dtype": "I64", "shape": [n], "data_offsets": [len(xb), len(xb) + len(yb)]},
+    }
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + xb + yb)
+
+
+def judge_resident_nan(rc, stderr, path, bad=5):
+    """A mapped float32 set is checked for NaN as it is read; kept resident on the GPU, it is
+    read when copied there, and the first batch names the file and the sample."""
+    want = f"data.path {path}: x contains NaN or infinite values (sample {bad},"
+    expected = f"exit 1-3 naming {want!r}, no panic"
+    line = next((l for l in stderr.splitlines() if "NaN" in l), stderr.strip()[-300:])
+    ok = rc in (1, 2, 3) and want in stderr and "panicked" not in stderr
+    return Check(RESIDENT_NAN, expected, f"exit {rc}; {line[:300]}", ok)
+
+
+def check_resident_nan(r, probe):
+    path = r.path("nan.safetensors")
+    write_nan_safetensors(path)
+    sets = [dev(), 'data.source="safetensors"', f'data.path="{path}"', "data.val_fraction=0.25", "train.epochs=1"]
+    p, _ = r.run("resident-nan", DIGITS, sets)
+    return [judge_resident_nan(p.rc, p.stderr, path)]
+
+
 # In order of what matters most when the budget runs short; (name, function, rows it yields).
 CHECKS = [
     ("info", check_info, ["info vs torch.cuda"]),
@@ -1883,6 +1921,7 @@ CHECKS = [
     ("static_bill", check_static_bill, [STATIC_OFFLOAD, STATIC_ADVICE]),
     ("advice_resume", check_advice_resume, [ADVICE_RESUME]),
     ("collective_oom", check_collective_oom, ["NCCL collective OOM"]),
+    ("resident_nan", check_resident_nan, [RESIDENT_NAN]),
     ("darts", check_darts, ["darts_4gb under 4 GiB"]),
     ("eval_oom", check_eval_oom, ["validation OOM (1 GiB cap)"]),
     ("cache_clear", check_cache_clear, ["cache clear cost"]),

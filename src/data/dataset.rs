@@ -165,9 +165,10 @@ impl Dataset {
         });
         // The copy reads every sample anyway: a set checked as it is read is checked here.
         let bad = self.source.recipe.unchecked.as_ref().and_then(|what| {
-            let row = (0..self.source.store.shape[0]).find(|&r| {
-                let mut v = vec![0f32; self.source.store.sample_values()];
-                self.source.store.elem.to_f32(self.source.store.row(r), &mut v);
+            let store = &self.source.store;
+            let mut v = vec![0f32; store.sample_values()];
+            let row = (0..store.shape[0]).find(|&r| {
+                store.elem.to_f32(store.row(r), &mut v);
                 !v.iter().all(|x| x.is_finite())
             })?;
             Some(NotFinite {

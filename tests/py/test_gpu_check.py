@@ -256,6 +256,14 @@ class Judges(unittest.TestCase):
                                 "no memory.limit bound it, so the GPU's own memory ran out")
         self.assertFalse(g.judge_setup_oom(3, uncapped).ok, "the cap not named")
 
+    def test_a_resident_nan_is_named_by_file_and_sample(self):
+        said = "error: training step failed: data.path /t/nan.safetensors: x contains NaN or infinite values (sample 5, counting from 0); replace or drop that sample"
+        self.assertTrue(g.judge_resident_nan(1, said, "/t/nan.safetensors").ok)
+        self.assertFalse(g.judge_resident_nan(0, said, "/t/nan.safetensors").ok, "it trained")
+        self.assertFalse(g.judge_resident_nan(1, said.replace("sample 5", "sample 6"), "/t/nan.safetensors").ok)
+        self.assertFalse(g.judge_resident_nan(1, "thread 'main' panicked at src/data/dataset.rs:\n" + said,
+                                              "/t/nan.safetensors").ok, "a raw panic")
+
     def test_a_group_backs_off_as_the_run_without_one(self):
         done = {"status": "completed", "oom": {"backoffs": 1}, "batch": {"final_micro_batch": 512},
                 "memory": {"ranks": [{"rank": 0}]}}
@@ -594,6 +602,10 @@ class Rehearsal(unittest.TestCase):
         rows = fn(self.r, {})
         self.assertTrue(rows)
         return rows
+
+    def test_a_nan_in_a_mapped_set_is_named(self):
+        (c,) = self.rows(g.check_resident_nan)
+        self.assertTrue(c.ok, c)
 
     def test_fp16_inf(self):
         (c,) = self.rows(g.check_fp16_inf)
