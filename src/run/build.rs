@@ -207,6 +207,7 @@ impl Factory<'_> {
         if let Some(path) = &spec.model.init_from {
             init_from(&vs, path)?;
         }
+        model::freeze_base(&vs, &spec.model)?;
         if !on_host && built_on != device {
             let _squeeze = fault::squeeze_in(Phase::Model, self.plan.start.global_step);
             setup_step(Phase::Model.label(), &needs, &CHANGE_MODEL, || vs.set_device(device))?;
