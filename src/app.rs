@@ -140,6 +140,11 @@ fn check(args: &SpecArgs) -> Result<()> {
     if let Some(n) = crate::plan::unread_data_keys(&loaded.spec.data) {
         tracing::warn!("{n}");
     }
+    if let Ok(Some(classes)) = crate::data::classes::probe(&loaded.spec.data) {
+        if let Some(n) = crate::model::class_notice(&loaded.spec.model, &classes, &loaded.spec.data) {
+            tracing::warn!("{n}");
+        }
+    }
     crate::outln!("# {}: valid. Resolved spec:", loaded.path.display())?;
     crate::out!("{}", spec::to_toml(&loaded.spec))?;
     crate::outln!()?;

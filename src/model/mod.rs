@@ -14,6 +14,7 @@ use anyhow::Result;
 use serde::de::DeserializeOwned;
 use tch::{nn, Device};
 
+use crate::data::classes::DataClasses;
 use crate::spec::schema::{Data, Model};
 
 pub use darts::{derive_genotype, Darts, DartsOptions};
@@ -221,6 +222,66 @@ pub fn follow_data(preset: &str, m: &mut Model, data: &DataImages) -> Vec<(Strin
     problems
 }
 
+/// Presets whose head follows the data's classes where the spec leaves `num_classes` out; a
+/// TorchScript module's output width is its own.
+const CLASS_PRESETS: &[&str] = &["mlp", "darts", "resnet18", "resnet34", "resnet50", "vit"];
+
+/// A classifier's `num_classes` from the data's classes where the spec leaves it out; one the
+/// spec sets below the data's classes is a problem (its labels would not fit the head).
+pub fn follow_classes(preset: &str, m: &mut Model, classes: &DataClasses, source: &str) -> Vec<(String, String)> {
+    let key = format!("model.{preset}.num_classes");
+    let toml::Value::Table(table) = m
+        .options
+        .entry(preset.to_owned())
+        .or_insert_with(|| toml::Value::Table(Default::default()))
+    else {
+        return vec![];
+    };
+    let n = classes.count();
+    match table.get("num_classes").map(toml::Value::as_integer) {
+        // Not an integer: the preset's own check says so.
+        Some(None) => vec![],
+        None if n < 2 => vec![(
+            key,
+            format!(
+                "cannot follow the data: it has {} ({source}), and a classifier needs at least 2; give the data more classes, or set num_classes",
+                classes.describe()
+            ),
+        )],
+        None => {
+            table.insert("num_classes".into(), toml::Value::Integer(n));
+            vec![]
+        }
+        Some(Some(k)) if k < n => vec![(
+            key,
+            format!(
+                "is {k}, but the data has {} ({source}); set it to {n}, or leave it out to follow the data",
+                classes.describe()
+            ),
+        )],
+        Some(Some(_)) => vec![],
+    }
+}
+
+/// What `run` and `check` say when the model has more classes than the data: the extra
+/// outputs of the head train only as classes no sample has.
+pub fn class_notice(m: &Model, classes: &DataClasses, data: &Data) -> Option<String> {
+    if !CLASS_PRESETS.contains(&m.preset.as_str()) {
+        return None;
+    }
+    let k = m.options.get(&m.preset)?.get("num_classes")?.as_integer()?;
+    let n = classes.count();
+    (k > n).then(|| {
+        format!(
+            "model.{}.num_classes is {k}, but the data has {} ({}): {} of the head's outputs belong to no sample; leave num_classes out to follow the data",
+            m.preset,
+            classes.describe(),
+            data_words(data),
+            k - n
+        )
+    })
+}
+
 /// The preset checks of a spec, and its options table completed with the defaults (so the
 /// resolved spec that `check` prints and runs record shows every option).
 pub fn validate(m: &mut Model, data: &Data) -> Vec<(String, String)> {
@@ -263,6 +324,15 @@ pub fn validate(m: &mut Model, data: &Data) -> Vec<(String, String)> {
                 source: data_words(data),
             };
             let follow = follow_data(p.name(), m, &from);
+            if !follow.is_empty() {
+                return follow;
+            }
+        }
+    }
+    if CLASS_PRESETS.contains(&p.name()) {
+        // As above: a data set that cannot be read is reported where it is loaded.
+        if let Ok(Some(classes)) = crate::data::classes::probe(data) {
+            let follow = follow_classes(p.name(), m, &classes, &data_words(data));
             if !follow.is_empty() {
                 return follow;
             }

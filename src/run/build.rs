@@ -95,6 +95,7 @@ impl Factory<'_> {
         let dir = &self.plan.writes_to;
         fs::create_dir_all(dir).with_context(|| format!("creating run directory {}", dir.display()))?;
         atomic::write_atomic(&dir.join("config.resolved.toml"), spec_toml.as_bytes())?;
+        crate::data::classes::ClassNames::of_run(&spec.data, built.num_classes)?.write(dir)?;
         let out = self.outputs(&spec_toml, &state, &data, model.opt.implementation(), session.quiet)?;
         // Optimizer state needs no sharing: fresh, or read from the same checkpoint by every rank.
         let mut vars: Vec<(String, Tensor)> = model.vs.variables().into_iter().collect();
