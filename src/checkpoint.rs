@@ -285,6 +285,12 @@ impl Store {
         monitor_in(&Store::spec_of(&self.dir.join(step))?)
     }
 
+    /// The checkpoint `checkpoints/best.json` of a run directory names, where it is there.
+    pub fn best_in(run_dir: &Path) -> Option<PathBuf> {
+        let best: Best = serde_json::from_slice(&fs::read(run_dir.join("checkpoints/best.json")).ok()?).ok()?;
+        Some(run_dir.join("checkpoints").join(best.step)).filter(|d| d.is_dir())
+    }
+
     /// A checkpoint's resolved spec (its spec.toml), where it reads.
     pub fn spec_of(dir: &Path) -> Option<toml::Table> {
         fs::read_to_string(dir.join("spec.toml")).ok()?.parse().ok()

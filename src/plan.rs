@@ -158,6 +158,25 @@ pub struct AllocPlan {
     pub conflicts: Vec<Conflict>,
 }
 
+/// Where a command other than `run` works, and under what cap (`eval`).
+#[derive(Debug, Clone)]
+pub struct Placement {
+    pub device: Place,
+    pub cap: Option<Cap>,
+    /// Variables to set before CUDA starts (the allocator's settings, the cap's fraction).
+    pub env: Vec<(String, String)>,
+}
+
+impl Placement {
+    /// The spec's device and cap, resolved as a run resolves them.
+    pub fn resolve(spec: &Spec, facts: &Facts) -> Result<Placement, UsageError> {
+        let device = resolve_device(spec.job.device, facts.cuda_devices)?;
+        let cap = resolve_cap(spec, device, facts)?;
+        let (_, env) = resolve_alloc(spec, cap.as_ref(), facts);
+        Ok(Placement { device, cap, env })
+    }
+}
+
 /// Where a resumed run picks up.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Resume {

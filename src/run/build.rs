@@ -661,7 +661,7 @@ fn split_params(vs: &nn::VarStore) -> (NamedTensors, NamedTensors) {
     all.into_iter().partition(|(n, _)| !n.starts_with(ARCH_PREFIX))
 }
 /// Copies named tensors into the VarStore, insisting that names and shapes match exactly.
-fn copy_into(vs: &nn::VarStore, tensors: &[(String, Tensor)], what: &str) -> Result<()> {
+pub fn copy_into(vs: &nn::VarStore, tensors: &[(String, Tensor)], what: &str) -> Result<()> {
     let vars = vs.variables();
     let mut missing: Vec<&str> = vars
         .keys()

@@ -37,7 +37,7 @@ use crate::records::Status;
 use crate::shim;
 use crate::spec::{self, Spec};
 
-pub use build::init_from;
+pub use build::{copy_into, init_from};
 use execution::Execution;
 use trainer::Trainer;
 
