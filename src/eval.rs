@@ -305,6 +305,9 @@ fn pass(net: &dyn model::Net, set: &Dataset, place: Place, micro_batch: i64, cla
 }
 
 fn chunk(net: &dyn model::Net, set: &Dataset, idx: &[i64], device: Device, classes: i64) -> Chunk {
+    // The test hook that puts an OOM in validation (MEMTRAIN_FAULT_OOM_IN=validation) puts one
+    // here: evaluation is a validation pass.
+    let _squeeze = crate::fault::squeeze_in(crate::fault::Phase::Validation, None);
     let (x, y) = set.batch(&Tensor::from_slice(idx));
     let y = y.to_device(device);
     let logits = net.forward_t(&x.to_device(device), false).to_kind(Kind::Float);

@@ -499,15 +499,9 @@ fn resume_hint(dir: &Path) -> String {
 }
 
 /// What a run writes at the top of its directory besides `metrics.jsonl` and `checkpoints/`
-/// (and `config.resolved.toml`, which a run that stopped in its set-up may leave alone).
-const RUN_OUTPUTS: [&str; 6] = [
-    "summary.json",
-    "report.html",
-    "oom",
-    "snapshot.pickle",
-    "tensorboard",
-    crate::data::classes::CLASSES_FILE,
-];
+/// (and `config.resolved.toml` and `classes.json`, which a run that stopped in its set-up may
+/// leave alone).
+const RUN_OUTPUTS: [&str; 5] = ["summary.json", "report.html", "oom", "snapshot.pickle", "tensorboard"];
 
 /// A run directory that already holds a run, or files a run would write, is never overwritten
 /// silently.

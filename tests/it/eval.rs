@@ -66,6 +66,21 @@ fn eval_gives_the_runs_own_validation_figures_and_top5() {
         "{}",
         o.stdout
     );
+    // Out of memory in the first micro-batch (a real allocation failure under the lowered CPU
+    // cap): halved, and the same figures.
+    let squeezed = t.dir().join("squeezed.json");
+    let newest = newest.to_str().unwrap();
+    eval(
+        &t,
+        &[&dir, "--checkpoint", newest, "--json", squeezed.to_str().unwrap()],
+    )
+    .env("MEMTRAIN_FAULT_OOM_IN", "validation")
+    .stderr_has("eval: out of memory at a micro-batch of 32")
+    .stderr_has("going on at 16")
+    .run();
+    let s = report(&squeezed);
+    assert_eq!((r.micro_batch, s.micro_batch), (32, 16));
+    assert!((s.loss - r.loss).abs() < 1e-6 && s.accuracy == r.accuracy, "{s:?}");
     // Without --checkpoint: the best one, which is one of the run's.
     eval(&t, &[&dir, "--json", t.dir().join("best.json").to_str().unwrap()]).run();
     let best = report(&t.dir().join("best.json"));

@@ -38,14 +38,19 @@ pub(super) fn open(want: &Want, format: &Format) -> Result<Opened> {
 }
 
 /// The labels' range over `data.path` and `data.val_path`: `y` read alone where the file maps,
-/// else the file read whole.
+/// else the file read whole (where it fits in memory, as loading checks).
 pub(super) fn classes(data: &Data, path: &Path, format: &Format) -> Result<Option<DataClasses>> {
     let mut top = None;
     for (key, p) in [("data.path", Some(path)), ("data.val_path", data.val_path.as_deref())] {
         let Some(p) = p else { continue };
         let y = match (format.mapped)(p) {
             Some(m) => m.y,
-            None => (format.whole)(p, &format!("{key} {}", p.display()))?.1,
+            None => {
+                // Read whole only where loading would read it whole too.
+                let what = format!("{key} {}", p.display());
+                check_whole_file(p, data, &what)?;
+                (format.whole)(p, &what)?.1
+            }
         };
         let y = Vec::<i64>::try_from(&y.to_kind(tch::Kind::Int64).flatten(0, -1))?;
         top = top.max(label_range(y));
