@@ -402,6 +402,37 @@ mod tests {
     }
 
     #[test]
+    fn classifiers_follow_the_datas_classes_unless_told_otherwise() {
+        let three = DataClasses::Named(vec!["a".into(), "b".into(), "c".into()]);
+        let data = Data::default();
+        let mut m = model("resnet18", "image_size = 32");
+        assert!(follow_classes("resnet18", &mut m, &three, "here").is_empty());
+        assert_eq!(option(&m, "resnet18", "num_classes"), Some(3));
+        assert_eq!(class_notice(&m, &three, &data), None);
+        // Set above the data's: kept, and said.
+        let mut m = model("vit", "num_classes = 1000");
+        assert!(follow_classes("vit", &mut m, &three, "here").is_empty());
+        let notice = class_notice(&m, &three, &data).unwrap();
+        assert!(
+            notice.contains("997 of the head's outputs belong to no sample"),
+            "{notice}"
+        );
+        // Set below: refused, naming both.
+        let mut m = model("mlp", "num_classes = 2");
+        let p = follow_classes("mlp", &mut m, &DataClasses::Range(10), "here");
+        assert_eq!(p[0].0, "model.mlp.num_classes");
+        assert!(p[0].1.contains("is 2, but the data has labels 0 to 9"), "{p:?}");
+        // One class cannot make a classifier; a value of the wrong type is the preset's to say.
+        let mut m = model("mlp", "");
+        assert_eq!(follow_classes("mlp", &mut m, &DataClasses::Range(1), "here").len(), 1);
+        let mut m = model("mlp", "num_classes = \"x\"");
+        assert!(follow_classes("mlp", &mut m, &three, "here").is_empty());
+        // A TorchScript module's width is its own.
+        let m = model("torchscript", "num_classes = 1000");
+        assert_eq!(class_notice(&m, &three, &data), None);
+    }
+
+    #[test]
     fn image_models_follow_the_data_unless_told_otherwise() {
         // Left out: taken from the data, channels too.
         let mut m = model("resnet18", "num_classes = 10");
