@@ -25,6 +25,7 @@ pub fn main(cli: Cli) -> i32 {
         Command::Watch(args) => crate::watch::watch(&args),
         Command::Clean(args) => crate::clean::clean(&args),
         Command::Export(args) => crate::export::export(&args),
+        Command::Eval(args) => crate::eval::eval(&args),
     };
     match result {
         Ok(()) => exit::OK,
@@ -140,6 +141,11 @@ fn check(args: &SpecArgs) -> Result<()> {
     })?;
     if let Some(n) = crate::plan::unread_data_keys(&loaded.spec.data) {
         tracing::warn!("{n}");
+    }
+    if let Ok(Some(classes)) = crate::data::classes::probe(&loaded.spec.data) {
+        if let Some(n) = crate::model::class_notice(&loaded.spec.model, &classes, &loaded.spec.data) {
+            tracing::warn!("{n}");
+        }
     }
     crate::outln!("# {}: valid. Resolved spec:", loaded.path.display())?;
     crate::out!("{}", spec::to_toml(&loaded.spec))?;

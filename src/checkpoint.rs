@@ -366,6 +366,12 @@ impl Store {
         monitor_in(&Store::spec_of(&self.dir.join(step))?)
     }
 
+    /// The checkpoint `checkpoints/best.json` of a run directory names, where it is there.
+    pub fn best_in(run_dir: &Path) -> Option<PathBuf> {
+        let best: Best = serde_json::from_slice(&fs::read(run_dir.join("checkpoints/best.json")).ok()?).ok()?;
+        Some(run_dir.join("checkpoints").join(best.step)).filter(|d| d.is_dir())
+    }
+
     /// A checkpoint's resolved spec (its spec.toml), where it reads.
     pub fn spec_of(dir: &Path) -> Option<toml::Table> {
         fs::read_to_string(dir.join("spec.toml")).ok()?.parse().ok()
@@ -452,13 +458,6 @@ impl Store {
 
     pub fn latest(&self) -> Option<PathBuf> {
         self.list().pop()
-    }
-
-    /// The best checkpoint of a run directory, where it keeps one.
-    pub fn best_in(run_dir: &Path) -> Option<PathBuf> {
-        let store = Store::new(run_dir, 1, true, Monitor::ValLoss);
-        let dir = store.dir.join(store.best()?.step);
-        dir.is_dir().then_some(dir)
     }
 
     /// The newest finished checkpoint of a run directory.

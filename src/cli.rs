@@ -39,6 +39,9 @@ pub enum Command {
     /// A live view of the GPUs, who holds their memory, and each running (or given) memtrain
     /// job's memory timeline and events; refreshes every second. q, Esc or Ctrl-C quits.
     Watch(WatchArgs),
+    /// Evaluate a run's best checkpoint on its validation data or another image folder: loss,
+    /// accuracy, top-5 and a per-class table, printed and written as JSON.
+    Eval(EvalArgs),
     /// End processes that hold memory for nothing: this user's orphaned memtrain runs, or the
     /// processes named with --pid. Lists them only, unless --yes.
     Clean(CleanArgs),
@@ -89,6 +92,23 @@ pub struct WatchArgs {
     /// With --once: print the frame's model as one JSON object (fields in docs/outputs.md#watch---once---json).
     #[arg(long, requires = "once")]
     pub json: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct EvalArgs {
+    /// A run directory written by `memtrain run`.
+    pub run_dir: PathBuf,
+    /// An image folder (root/<class>/<image>) to evaluate on instead of the run's validation
+    /// data; its classes are matched to the run's by name (classes.json).
+    #[arg(long, value_name = "PATH")]
+    pub data: Option<PathBuf>,
+    /// The weights to evaluate: a model.safetensors or a checkpoint directory (default: the
+    /// run's best checkpoint, else its newest).
+    #[arg(long, value_name = "FILE")]
+    pub checkpoint: Option<PathBuf>,
+    /// Where to write the results (default: RUN_DIR/eval.json).
+    #[arg(long, value_name = "OUT")]
+    pub json: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]

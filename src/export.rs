@@ -9,13 +9,14 @@ use std::collections::BTreeMap;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use tch::{nn, Device, Tensor};
 
 use crate::checkpoint::{self, BaseRef, Store};
 use crate::cli::{ExportArgs, ExportFormat};
 use crate::exit::UsageError;
 use crate::model::{self, lora};
+use crate::run::Kept;
 use crate::spec::schema::Spec;
 
 pub fn export(args: &ExportArgs) -> Result<()> {
@@ -83,27 +84,7 @@ impl Trained {
         };
         let vs = nn::VarStore::new(Device::Cpu);
         let built = tch::no_grad(|| model::build(&vs.root(), &spec.model))?;
-        let kept = crate::checkpoint::read_safetensors(&ck.join("model.safetensors"))?;
-        let recorded = BaseRef::in_checkpoint(&ck)?;
-        let adapted = model::lora_options(&spec.model)?.is_some();
-        if let Some(path) = &spec.model.init_from {
-            if let Some(then) = &recorded {
-                let now = BaseRef::of(path).with_context(|| format!("model.init_from {}", path.display()))?;
-                if &now != then {
-                    return Err(UsageError(format!(
-                        "the checkpoint {} holds adapters trained over the base {then}, but model.init_from now reads {now}: \
-                         put the base it was trained on back at {}",
-                        ck.display(),
-                        then.path.display()
-                    ))
-                    .into());
-                }
-            }
-            if recorded.is_some() || adapted {
-                crate::run::init_from(&vs, path)?;
-            }
-        }
-        copy_named(&vs, &kept, &ck)?;
+        let adapted = weights_into(&vs, &spec, &ck.join("model.safetensors"))?;
         Ok(Trained {
             spec,
             vs,
@@ -150,6 +131,44 @@ impl Trained {
     }
 }
 
+/// A checkpoint's weights (its `model.safetensors`) into the model built from its run's spec:
+/// where the checkpoint keeps
+/// only what trained over a frozen base (LoRA), the base first, from `model.init_from`, which must
+/// still be the file it names. True when the model has adapters.
+pub fn weights_into(vs: &nn::VarStore, spec: &Spec, file: &Path) -> Result<bool> {
+    let kept = crate::checkpoint::read_safetensors(file)?;
+    let ck = file.parent().unwrap_or(Path::new("."));
+    let recorded = BaseRef::in_checkpoint(ck)?;
+    let adapted = model::lora_options(&spec.model)?.is_some();
+    if let Some(path) = &spec.model.init_from {
+        if let Some(then) = &recorded {
+            let now = BaseRef::of(path).with_context(|| format!("model.init_from {}", path.display()))?;
+            if &now != then {
+                return Err(UsageError(format!(
+                    "the checkpoint {} holds adapters trained over the base {then}, but model.init_from now reads {now}: \
+                     put the base it was trained on back at {}",
+                    ck.display(),
+                    then.path.display()
+                ))
+                .into());
+            }
+        }
+        if recorded.is_some() || adapted {
+            crate::run::init_from(vs, path)?;
+        }
+    }
+    // A checkpoint over a frozen base holds what trains: the adapters and the extras.
+    let rule = match (recorded.is_some() || adapted, model::lora_options(&spec.model)?) {
+        (true, Some(o)) => Kept::Trained {
+            names: vs.variables().into_keys().filter(|n| o.trains(n)).collect(),
+            base: None,
+        },
+        _ => Kept::Whole,
+    };
+    crate::run::copy_into(vs, &kept, &format!("the checkpoint {}", file.display()), &rule)?;
+    Ok(adapted)
+}
+
 /// The weight an adapter merges into, and which `d`-row slice of it: the packed in-projection's
 /// query, key and value parts are its slices 0, 1 and 2.
 fn merged_into(layer: &str) -> (String, i64) {
@@ -159,30 +178,6 @@ fn merged_into(layer: &str) -> (String, i64) {
         }
     }
     (format!("{layer}.weight"), 0)
-}
-
-/// The checkpoint's tensors into the model's variables of the same names and shapes.
-fn copy_named(vs: &nn::VarStore, tensors: &[(String, Tensor)], ck: &Path) -> Result<()> {
-    let vars = vs.variables();
-    for (name, t) in tensors {
-        let Some(v) = vars.get(name) else {
-            bail!(UsageError(format!(
-                "the checkpoint {} has {name}, which the run's model (from its config.resolved.toml) does not: \
-                 it is a checkpoint of another model",
-                ck.display()
-            )));
-        };
-        if v.size() != t.size() {
-            bail!(UsageError(format!(
-                "the checkpoint {}'s {name} is {:?}, the run's model has {:?}: it is a checkpoint of another model",
-                ck.display(),
-                t.size(),
-                v.size()
-            )));
-        }
-        tch::no_grad(|| v.shallow_clone().copy_(t));
-    }
-    Ok(())
 }
 
 /// The tensors under the format's names, and its `config.json` where it has one.
@@ -208,11 +203,7 @@ fn cannot_hold(format: ExportFormat, what: &str) -> anyhow::Error {
 }
 
 /// The vit preset's variables under torchvision's (its own), timm's or Hugging Face's names.
-fn vit_names(
-    spec: &Spec,
-    mut vars: BTreeMap<String, Tensor>,
-    format: ExportFormat,
-) -> Result<Exported> {
+fn vit_names(spec: &Spec, mut vars: BTreeMap<String, Tensor>, format: ExportFormat) -> Result<Exported> {
     let o = vit_options(spec)?;
     if o.pre_norm || !o.patch_bias || o.projection_dim > 0 || o.activation != model::Activation::Gelu {
         return Err(cannot_hold(
@@ -320,11 +311,7 @@ fn hf_vit_config(o: &model::VitOptions) -> serde_json::Value {
 }
 
 /// ResNets: torchvision's names are timm's; Hugging Face's ResNet is another architecture.
-fn resnet_names(
-    spec: &Spec,
-    vars: BTreeMap<String, Tensor>,
-    format: ExportFormat,
-) -> Result<Exported> {
+fn resnet_names(spec: &Spec, vars: BTreeMap<String, Tensor>, format: ExportFormat) -> Result<Exported> {
     match format {
         ExportFormat::Torchvision | ExportFormat::Timm => Ok((vars.into_iter().collect(), None)),
         ExportFormat::Huggingface => Err(cannot_hold(

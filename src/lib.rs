@@ -27,6 +27,7 @@ pub mod clean;
 pub mod cli;
 pub mod data;
 pub mod estimate;
+pub mod eval;
 pub mod exit;
 pub mod export;
 pub mod fault;

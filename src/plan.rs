@@ -9,6 +9,7 @@ use serde::Serialize;
 
 use crate::alloc_conf::{self, Conflict, EnvSettings};
 use crate::checkpoint::{Store, TrainState};
+use crate::data::classes::DataClasses;
 use crate::exit::UsageError;
 pub use crate::memory::{Cap, Place};
 use crate::oom::BatchShape;
@@ -66,6 +67,8 @@ pub struct Facts {
     pub checkpoint_spec: Option<toml::Table>,
     /// This process's place in a data-parallel group, when it was launched as a rank.
     pub rank: Option<RankFacts>,
+    /// The data's own classes, where it has them and they read (else loading says why).
+    pub data_classes: Option<DataClasses>,
 }
 
 /// What a data-parallel rank knows of itself and its machine before it joins its group.
@@ -143,6 +146,7 @@ impl Facts {
             run_dir_has_oom_report: run_dir.join("oom").exists(),
             checkpoint,
             rank: world.map(RankFacts::of),
+            data_classes: crate::data::classes::probe(&spec.data).ok().flatten(),
         })
     }
 }
@@ -152,6 +156,25 @@ impl Facts {
 pub struct AllocPlan {
     pub conf: Option<String>,
     pub conflicts: Vec<Conflict>,
+}
+
+/// Where a command other than `run` works, and under what cap (`eval`).
+#[derive(Debug, Clone)]
+pub struct Placement {
+    pub device: Place,
+    pub cap: Option<Cap>,
+    /// Variables to set before CUDA starts (the allocator's settings, the cap's fraction).
+    pub env: Vec<(String, String)>,
+}
+
+impl Placement {
+    /// The spec's device and cap, resolved as a run resolves them.
+    pub fn resolve(spec: &Spec, facts: &Facts) -> Result<Placement, UsageError> {
+        let device = resolve_device(spec.job.device, facts.cuda_devices)?;
+        let cap = resolve_cap(spec, device, facts)?;
+        let (_, env) = resolve_alloc(spec, cap.as_ref(), facts);
+        Ok(Placement { device, cap, env })
+    }
 }
 
 /// Where a resumed run picks up.
@@ -224,6 +247,12 @@ impl Plan {
         let record_history = spec.memory.record_history && matches!(device, Place::Cuda(_));
         notices.extend(cuda_only_on_cpu(spec, record_history));
         notices.extend(unread_data_keys(&spec.data));
+        notices.extend(
+            facts
+                .data_classes
+                .as_ref()
+                .and_then(|c| crate::model::class_notice(&spec.model, c, &spec.data)),
+        );
         if record_history && facts.symbolize_mode.is_none() {
             // 2.11 symbolizes recorded stacks by forking addr2line; without binutils the forked
             // child carries on as a second memtrain holding a CUDA context. dladdr stays in-process.
@@ -470,7 +499,8 @@ fn resume_hint(dir: &Path) -> String {
 }
 
 /// What a run writes at the top of its directory besides `metrics.jsonl` and `checkpoints/`
-/// (and `config.resolved.toml`, which a run that stopped in its set-up may leave alone).
+/// (and `config.resolved.toml` and `classes.json`, which a run that stopped in its set-up may
+/// leave alone).
 const RUN_OUTPUTS: [&str; 5] = ["summary.json", "report.html", "oom", "snapshot.pickle", "tensorboard"];
 
 /// A run directory that already holds a run, or files a run would write, is never overwritten

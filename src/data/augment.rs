@@ -1,5 +1,7 @@
-//! Augmentation of training images: torchvision's `RandomCrop(size, padding)` (the padding
-//! filled with black, that is 0 before normalisation) and `RandomHorizontalFlip(0.5)`.
+//! Augmentation of training images: torchvision's `RandomResizedCrop` ([`super::resized_crop`])
+//! and `ColorJitter` ([`super::jitter`]) on the pixels in [0, 1] before normalisation, then
+//! `RandomCrop(size, padding)` (the padding filled with black, that is 0 before normalisation)
+//! and `RandomHorizontalFlip(0.5)` on the normalised image.
 //!
 //! Each sample's crop offset and flip are drawn from a generator keyed by (seed, epoch, sample
 //! index), never from torch's generator: a resumed run, and a run whose micro-batch an OOM
@@ -7,9 +9,15 @@
 #[cfg(test)]
 use tch::{Kind, Tensor};
 
+use super::jitter::{self, Jitter};
+use super::resized_crop::{draw_box, resized_crop_into};
 use super::rng::{stream, SplitMix64};
+use crate::spec::schema::ResizedCrop;
 
 const TAG_AUGMENT: u64 = 0x6175_676d_656e_7400; // "augment"
+                                                // Streams of their own, so the crop-and-flip draws stay those of runs without them.
+const TAG_RESIZED_CROP: u64 = 0x7272_635f_626f_7800; // "rrc_box"
+const TAG_JITTER: u64 = 0x6a69_7474_6572_0000; // "jitter"
 
 #[derive(Debug, Clone)]
 pub struct Augmenter {
@@ -20,6 +28,8 @@ pub struct Augmenter {
     pub fill: Vec<f64>,
     /// Samples in the training set, so (epoch, index) pairs never share a stream.
     pub samples: i64,
+    pub resized_crop: Option<ResizedCrop>,
+    pub jitter: Option<Jitter>,
 }
 
 /// One sample's draw.
@@ -31,12 +41,32 @@ pub struct Draw {
 }
 
 impl Augmenter {
+    fn stream(&self, tag: u64, epoch: i64, index: i64) -> SplitMix64 {
+        stream(self.seed, tag, epoch.wrapping_mul(self.samples).wrapping_add(index))
+    }
+
+    /// Whether some augmentation works on the pixels before they are normalised.
+    pub fn on_pixels(&self) -> bool {
+        self.resized_crop.is_some() || self.jitter.is_some()
+    }
+
+    /// The resized crop and colour jitter of sample `index` in `epoch`, in place on `img`
+    /// (`[C, H, W]`, values in [0, 1]); `tmp` is scratch.
+    pub fn pixels_into(&self, img: &mut [f32], [c, h, w]: [i64; 3], epoch: i64, index: i64, tmp: &mut Vec<f32>) {
+        let shape = [c as usize, h as usize, w as usize];
+        if let Some(rc) = &self.resized_crop {
+            let b = draw_box(rc, shape[1], shape[2], &mut self.stream(TAG_RESIZED_CROP, epoch, index));
+            let src = img.to_vec();
+            resized_crop_into(&src, shape, b, img, tmp);
+        }
+        if let Some(j) = &self.jitter {
+            let adjust = j.draw(&mut self.stream(TAG_JITTER, epoch, index));
+            jitter::apply(&adjust, img, shape[0]);
+        }
+    }
+
     pub fn draw(&self, epoch: i64, index: i64) -> Draw {
-        let mut r: SplitMix64 = stream(
-            self.seed,
-            TAG_AUGMENT,
-            epoch.wrapping_mul(self.samples).wrapping_add(index),
-        );
+        let mut r: SplitMix64 = self.stream(TAG_AUGMENT, epoch, index);
         let span = 2 * self.padding as u64 + 1;
         let dy = r.below(span) as i64;
         let dx = r.below(span) as i64;
@@ -116,6 +146,8 @@ mod tests {
             flip,
             fill: vec![-1.0],
             samples: 100,
+            resized_crop: None,
+            jitter: None,
         }
     }
 

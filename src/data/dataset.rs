@@ -91,6 +91,12 @@ impl Dataset {
         d
     }
 
+    /// Each label `l` becomes `map[l]` (another folder's classes as the model numbers them).
+    pub fn relabel(&mut self, map: &[i64]) {
+        let labels = Arc::make_mut(&mut self.source.labels);
+        labels.iter_mut().for_each(|l| *l = map[*l as usize]);
+    }
+
     pub fn augment(&self) -> Option<&Augmenter> {
         self.source.recipe.augment.as_ref()
     }

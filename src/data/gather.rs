@@ -1,6 +1,7 @@
 //! A batch made from stored samples, in plain Rust off libtorch's allocator: each sample is read
 //! from its store (memory or a map), converted to float32, divided, normalized and augmented
-//! into a staging buffer. Every value is computed with the float32 operations, in the order, that
+//! into a staging buffer (a resized crop and colour jitter work on the pixels before they are
+//! normalized). Every value is computed with the float32 operations, in the order, that
 //! `Tensor::to_kind`, `/` and `(x - mean) / std` use, so a batch is bit for bit the one a tensor
 //! pipeline would make. A batch depends only on its sample indices and epoch; the loader's
 //! threads call this in any order.
@@ -85,15 +86,21 @@ impl Source {
         out.x.resize(idx.len() * per, 0.0);
         out.y.clear();
         out.y.extend(idx.iter().map(|&k| self.labels[self.row(k) as usize]));
-        let mut scratch = vec![];
+        let (mut scratch, mut tmp) = (vec![], vec![]);
         for (o, &k) in out.x.chunks_exact_mut(per.max(1)).zip(idx) {
             match &self.recipe.augment {
                 Some(a) => {
                     scratch.resize(per, 0.0);
-                    self.convert(self.row(k), &mut scratch)?;
                     let [c, h, w] = self.store.shape[1..] else {
                         unreachable!("augmentation is refused for samples other than [C, H, W]")
                     };
+                    if a.on_pixels() {
+                        self.pixels(self.row(k), &mut scratch)?;
+                        a.pixels_into(&mut scratch, [c, h, w], epoch, k, &mut tmp);
+                        self.normalize(&mut scratch);
+                    } else {
+                        self.convert(self.row(k), &mut scratch)?;
+                    }
                     a.crop_into(&scratch, [c, h, w], a.draw(epoch, k), o);
                 }
                 None => self.convert(self.row(k), o)?,
@@ -104,6 +111,13 @@ impl Source {
 
     /// Stored sample `r` as float32, divided and normalized, into `out`.
     fn convert(&self, r: i64, out: &mut [f32]) -> Result<(), NotFinite> {
+        self.pixels(r, out)?;
+        self.normalize(out);
+        Ok(())
+    }
+
+    /// Stored sample `r` as float32 and divided (pixels in [0, 1]), into `out`.
+    fn pixels(&self, r: i64, out: &mut [f32]) -> Result<(), NotFinite> {
         self.store.elem.to_f32(self.store.row(r), out);
         if let Some(what) = &self.recipe.unchecked {
             if !out.iter().all(|v| v.is_finite()) {
@@ -116,6 +130,11 @@ impl Source {
         if let Some(d) = self.recipe.divisor {
             out.iter_mut().for_each(|v| *v /= d);
         }
+        Ok(())
+    }
+
+    /// `(x - mean) / std` per channel, in place.
+    fn normalize(&self, out: &mut [f32]) {
         if let Some((mean, std)) = &self.recipe.norm {
             let plane = out.len() / self.store.shape.get(1).copied().unwrap_or(1).max(1) as usize;
             for (i, v) in out.iter_mut().enumerate() {
@@ -123,6 +142,5 @@ impl Source {
                 *v = (*v - mean[c]) / std[c];
             }
         }
-        Ok(())
     }
 }

@@ -20,10 +20,13 @@ use crate::spec::schema::Data;
 
 mod augment;
 mod check;
+pub mod classes;
 mod dataset;
 mod gather;
+pub mod jitter;
 mod loader;
 mod mapped;
+pub mod resized_crop;
 mod rng;
 mod source;
 mod split;
@@ -34,6 +37,7 @@ mod wait;
 
 pub use augment::{Augmenter, Draw};
 pub use dataset::{workers, Dataset, Splits};
+use jitter::Jitter;
 use source::{reader, Opened, Part, Want};
 pub use split::epoch_order;
 pub use wait::DataWait;
@@ -52,10 +56,15 @@ pub fn load(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) -> Re
         let sample = s.train.sample_shape();
         if sample.len() != 3 {
             bail!(
-                "data.augment: random crops and flips need images [C, H, W], but the samples have shape {sample:?}; remove [data.augment]"
+                "data.augment: random crops, flips and colour jitter need images [C, H, W], but the samples have shape {sample:?}; remove [data.augment]"
             );
         }
         let c = sample[0] as usize;
+        if data.augment.color_jitter.is_some() && c != 1 && c != 3 {
+            bail!(
+                "data.augment.color_jitter: adjusts images of 1 or 3 channels (gray or RGB), but the samples have {c} (shape {sample:?}); remove color_jitter"
+            );
+        }
         let fill = (0..c)
             .map(|i| match data.mean.len() {
                 0 => 0.0,
@@ -70,6 +79,8 @@ pub fn load(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) -> Re
             flip: data.augment.horizontal_flip,
             fill,
             samples,
+            resized_crop: data.augment.random_resized_crop,
+            jitter: data.augment.color_jitter.as_ref().map(Jitter::of),
         }));
     }
     Ok(s)

@@ -90,6 +90,8 @@ fn only_small_unaugmented_data_stays_on_a_cuda_device() {
         flip: true,
         fill: vec![0.0],
         samples: 80,
+        resized_crop: None,
+        jitter: None,
     }));
     assert!(
         !augmented.stay_resident(cuda, Some(1 << 40)),
@@ -112,6 +114,8 @@ fn augmented_images() -> (Dataset, Tensor, Augmenter, (Tensor, Tensor)) {
         flip: true,
         fill: mean.iter().zip(std).map(|(m, s)| -m / s).collect(),
         samples: 20,
+        resized_crop: None,
+        jitter: None,
     };
     d.set_augment(Some(aug.clone()));
     let t = |v: &[f64]| Tensor::from_slice(v).to_kind(Kind::Float).view([1, 3, 1, 1]);
@@ -144,6 +148,39 @@ fn batches_equal_a_tensor_pipeline_bit_for_bit() {
             "{kind:?}"
         );
     }
+}
+
+#[test]
+fn resized_crops_and_jitter_are_the_same_at_any_worker_count() {
+    use crate::spec::schema::{ColorJitter, ResizedCrop, Spread};
+    let (full, _, mut aug, _) = augmented_images();
+    aug.resized_crop = Some(ResizedCrop::default());
+    aug.jitter = Some(Jitter::of(&ColorJitter {
+        brightness: Some(Spread::By(0.4)),
+        contrast: Some(Spread::By(0.4)),
+        saturation: Some(Spread::By(0.4)),
+        hue: Some(Spread::By(0.1)),
+    }));
+    let mut d = Dataset::from_source(full.source.clone());
+    d.set_augment(Some(aug));
+    let plan: Vec<Vec<i64>> = (0..5).map(|i| vec![(3 * i) % 20, (7 * i + 1) % 20, 19 - i]).collect();
+    let want: Vec<Tensor> = plan.iter().map(|b| d.batch_at(b, 3).0).collect();
+    let plain = full.batch_at(&plan[0], 3).0;
+    assert!(!want[0].equal(&plain), "the pixels were augmented");
+    for threads in [1, 2, 4] {
+        let mut l = Dataset::from_source(d.source.clone());
+        l.start_loader(&Data {
+            prefetch: 3,
+            workers: threads,
+            ..Data::default()
+        });
+        l.plan(3, plan.clone());
+        for (b, w) in plan.iter().zip(&want) {
+            assert!(l.batch_at(b, 3).0.equal(w), "{threads} workers");
+        }
+    }
+    // Another epoch draws other boxes and factors.
+    assert!(!d.batch_at(&plan[0], 4).0.equal(&want[0]));
 }
 
 #[test]

@@ -15,6 +15,7 @@ use anyhow::Result;
 use serde::de::DeserializeOwned;
 use tch::{nn, Device};
 
+use crate::data::classes::DataClasses;
 use crate::spec::schema::{Data, Model};
 
 pub use darts::{derive_genotype, Darts, DartsOptions};
@@ -227,6 +228,66 @@ pub fn follow_data(preset: &str, m: &mut Model, data: &DataImages) -> Vec<(Strin
     problems
 }
 
+/// Presets whose head follows the data's classes where the spec leaves `num_classes` out; a
+/// TorchScript module's output width is its own.
+const CLASS_PRESETS: &[&str] = &["mlp", "darts", "resnet18", "resnet34", "resnet50", "vit"];
+
+/// A classifier's `num_classes` from the data's classes where the spec leaves it out; one the
+/// spec sets below the data's classes is a problem (its labels would not fit the head).
+pub fn follow_classes(preset: &str, m: &mut Model, classes: &DataClasses, source: &str) -> Vec<(String, String)> {
+    let key = format!("model.{preset}.num_classes");
+    let toml::Value::Table(table) = m
+        .options
+        .entry(preset.to_owned())
+        .or_insert_with(|| toml::Value::Table(Default::default()))
+    else {
+        return vec![];
+    };
+    let n = classes.count();
+    match table.get("num_classes").map(toml::Value::as_integer) {
+        // Not an integer: the preset's own check says so.
+        Some(None) => vec![],
+        None if n < 2 => vec![(
+            key,
+            format!(
+                "cannot follow the data: it has {} ({source}), and a classifier needs at least 2; give the data more classes, or set num_classes",
+                classes.describe()
+            ),
+        )],
+        None => {
+            table.insert("num_classes".into(), toml::Value::Integer(n));
+            vec![]
+        }
+        Some(Some(k)) if k < n => vec![(
+            key,
+            format!(
+                "is {k}, but the data has {} ({source}); set it to {n}, or leave it out to follow the data",
+                classes.describe()
+            ),
+        )],
+        Some(Some(_)) => vec![],
+    }
+}
+
+/// What `run` and `check` say when the model has more classes than the data: the extra
+/// outputs of the head train only as classes no sample has.
+pub fn class_notice(m: &Model, classes: &DataClasses, data: &Data) -> Option<String> {
+    if !CLASS_PRESETS.contains(&m.preset.as_str()) {
+        return None;
+    }
+    let k = m.options.get(&m.preset)?.get("num_classes")?.as_integer()?;
+    let n = classes.count();
+    (k > n).then(|| {
+        format!(
+            "model.{}.num_classes is {k}, but the data has {} ({}): {} of the head's outputs belong to no sample; leave num_classes out to follow the data",
+            m.preset,
+            classes.describe(),
+            data_words(data),
+            k - n
+        )
+    })
+}
+
 /// The preset checks of a spec, and its options table completed with the defaults (so the
 /// resolved spec that `check` prints and runs record shows every option).
 pub fn validate(m: &mut Model, data: &Data) -> Vec<(String, String)> {
@@ -269,6 +330,15 @@ pub fn validate(m: &mut Model, data: &Data) -> Vec<(String, String)> {
                 source: data_words(data),
             };
             let follow = follow_data(p.name(), m, &from);
+            if !follow.is_empty() {
+                return follow;
+            }
+        }
+    }
+    if CLASS_PRESETS.contains(&p.name()) {
+        // As above: a data set that cannot be read is reported where it is loaded.
+        if let Ok(Some(classes)) = crate::data::classes::probe(data) {
+            let follow = follow_classes(p.name(), m, &classes, &data_words(data));
             if !follow.is_empty() {
                 return follow;
             }
@@ -420,6 +490,37 @@ mod tests {
 
     fn option(m: &Model, preset: &str, key: &str) -> Option<i64> {
         m.options[preset].get(key).and_then(toml::Value::as_integer)
+    }
+
+    #[test]
+    fn classifiers_follow_the_datas_classes_unless_told_otherwise() {
+        let three = DataClasses::Named(vec!["a".into(), "b".into(), "c".into()]);
+        let data = Data::default();
+        let mut m = model("resnet18", "image_size = 32");
+        assert!(follow_classes("resnet18", &mut m, &three, "here").is_empty());
+        assert_eq!(option(&m, "resnet18", "num_classes"), Some(3));
+        assert_eq!(class_notice(&m, &three, &data), None);
+        // Set above the data's: kept, and said.
+        let mut m = model("vit", "num_classes = 1000");
+        assert!(follow_classes("vit", &mut m, &three, "here").is_empty());
+        let notice = class_notice(&m, &three, &data).unwrap();
+        assert!(
+            notice.contains("997 of the head's outputs belong to no sample"),
+            "{notice}"
+        );
+        // Set below: refused, naming both.
+        let mut m = model("mlp", "num_classes = 2");
+        let p = follow_classes("mlp", &mut m, &DataClasses::Range(10), "here");
+        assert_eq!(p[0].0, "model.mlp.num_classes");
+        assert!(p[0].1.contains("is 2, but the data has labels 0 to 9"), "{p:?}");
+        // One class cannot make a classifier; a value of the wrong type is the preset's to say.
+        let mut m = model("mlp", "");
+        assert_eq!(follow_classes("mlp", &mut m, &DataClasses::Range(1), "here").len(), 1);
+        let mut m = model("mlp", "num_classes = \"x\"");
+        assert!(follow_classes("mlp", &mut m, &three, "here").is_empty());
+        // A TorchScript module's width is its own.
+        let m = model("torchscript", "num_classes = 1000");
+        assert_eq!(class_notice(&m, &three, &data), None);
     }
 
     #[test]

@@ -96,6 +96,7 @@ impl Factory<'_> {
         let dir = &self.plan.writes_to;
         fs::create_dir_all(dir).with_context(|| format!("creating run directory {}", dir.display()))?;
         atomic::write_atomic(&dir.join("config.resolved.toml"), spec_toml.as_bytes())?;
+        crate::data::classes::ClassNames::of_run(&spec.data, built.num_classes)?.write(dir)?;
         let out = self.outputs(&spec_toml, &state, &data, model.opt.implementation(), session.quiet)?;
         // Optimizer state needs no sharing: fresh, or read from the same checkpoint by every rank.
         let mut vars: Vec<(String, Tensor)> = model.vs.variables().into_iter().collect();
@@ -619,7 +620,7 @@ fn split_params(vs: &nn::VarStore) -> (NamedTensors, NamedTensors) {
 }
 /// Copies named tensors into the VarStore's variables that `kept` keeps, insisting that names
 /// and shapes match exactly.
-fn copy_into(vs: &nn::VarStore, tensors: &[(String, Tensor)], what: &str, kept: &Kept) -> Result<()> {
+pub fn copy_into(vs: &nn::VarStore, tensors: &[(String, Tensor)], what: &str, kept: &Kept) -> Result<()> {
     let vars: std::collections::HashMap<String, Tensor> =
         vs.variables().into_iter().filter(|(n, _)| kept.keeps(n)).collect();
     let mut missing: Vec<&str> = vars

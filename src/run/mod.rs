@@ -37,8 +37,9 @@ use crate::records::Status;
 use crate::shim;
 use crate::spec::{self, Spec};
 
-pub use build::init_from;
+pub use build::{copy_into, init_from};
 use execution::Execution;
+pub use parts::Kept;
 use trainer::Trainer;
 
 pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {

@@ -197,9 +197,80 @@ fn data(p: &mut Problems, d: &Data) {
             ));
         }
     }
-    at_least(p, "data.augment.crop_padding", d.augment.crop_padding, 0);
+    named_normalization(p, d);
+    augment(p, &d.augment);
     at_least(p, "data.prefetch", d.prefetch, 0);
     at_least(p, "data.workers", d.workers, 0);
+}
+
+/// `data.normalize` fills `mean` and `std` when resolved: other values beside it are a conflict.
+fn named_normalization(p: &mut Problems, d: &Data) {
+    if let Some(n) = d.normalize {
+        let (mean, std) = n.constants();
+        if d.mean != mean || d.std != std {
+            p.push((
+                "data.normalize".into(),
+                "is set, and so are data.mean and data.std; give the name or the numbers, not both".into(),
+            ));
+        }
+    }
+}
+
+/// A `[min, max]` pair: finite, increasing, and inside `lo..=hi` (`shown`).
+fn pair_in(p: &mut Problems, key: &str, v: [f64; 2], lo: f64, hi: f64, shown: &str) {
+    let ok = v.iter().all(|x| x.is_finite() && (lo..=hi).contains(x)) && v[0] <= v[1];
+    if !ok {
+        p.push((
+            key.into(),
+            format!(
+                "must be [min, max] with {shown} and min <= max, got [{}, {}]",
+                v[0], v[1]
+            ),
+        ));
+    }
+}
+
+fn augment(p: &mut Problems, a: &Augment) {
+    at_least(p, "data.augment.crop_padding", a.crop_padding, 0);
+    if let Some(c) = &a.random_resized_crop {
+        pair_in(
+            p,
+            "data.augment.random_resized_crop.scale",
+            c.scale,
+            f64::MIN_POSITIVE,
+            1.0,
+            "0 < min, max <= 1",
+        );
+        pair_in(
+            p,
+            "data.augment.random_resized_crop.ratio",
+            c.ratio,
+            f64::MIN_POSITIVE,
+            f64::MAX,
+            "0 < min",
+        );
+    }
+    let Some(j) = &a.color_jitter else { return };
+    for (name, v) in [
+        ("brightness", j.brightness),
+        ("contrast", j.contrast),
+        ("saturation", j.saturation),
+    ] {
+        let key = format!("data.augment.color_jitter.{name}");
+        match v {
+            Some(Spread::By(x)) if !(x.is_finite() && x >= 0.0) => {
+                p.push((key, format!("must be a number >= 0 or [min, max], got {x}")))
+            }
+            Some(Spread::Range(r)) => pair_in(p, &key, r, 0.0, f64::MAX, "0 <= min"),
+            _ => {}
+        }
+    }
+    let key = "data.augment.color_jitter.hue";
+    match j.hue {
+        Some(Spread::By(x)) => in_range(p, key, x, 0.0, 0.5, "[0, 0.5]"),
+        Some(Spread::Range(r)) => pair_in(p, key, r, -0.5, 0.5, "-0.5 <= min, max <= 0.5"),
+        None => {}
+    }
 }
 
 fn source_name(s: DataSource) -> &'static str {

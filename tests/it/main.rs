@@ -7,6 +7,8 @@ mod cpu_allocator;
 mod data;
 mod distributed;
 mod docs;
+mod eval;
+mod finetune_data;
 mod fit;
 mod foundation;
 mod gpu_check;

@@ -6,9 +6,11 @@ use std::path::Path;
 use anyhow::{bail, Result};
 use tch::Tensor;
 
+use super::{label_range, DataClasses};
 use super::{Opened, Part, Want};
 use crate::data::check::{check_whole_file, required_path, stored};
 use crate::data::mapped::Xy;
+use crate::spec::schema::Data;
 
 /// How one array-file format is read.
 pub(super) struct Format {
@@ -33,6 +35,27 @@ pub(super) fn open(want: &Want, format: &Format) -> Result<Opened> {
     let train = read("data.path", required_path(data)?)?;
     let val = data.val_path.as_deref().map(|v| read("data.val_path", v)).transpose()?;
     Ok(Opened { train, val })
+}
+
+/// The labels' range over `data.path` and `data.val_path`: `y` read alone where the file maps,
+/// else the file read whole (where it fits in memory, as loading checks).
+pub(super) fn classes(data: &Data, path: &Path, format: &Format) -> Result<Option<DataClasses>> {
+    let mut top = None;
+    for (key, p) in [("data.path", Some(path)), ("data.val_path", data.val_path.as_deref())] {
+        let Some(p) = p else { continue };
+        let y = match (format.mapped)(p) {
+            Some(m) => m.y,
+            None => {
+                // Read whole only where loading would read it whole too.
+                let what = format!("{key} {}", p.display());
+                check_whole_file(p, data, &what)?;
+                (format.whole)(p, &what)?.1
+            }
+        };
+        let y = Vec::<i64>::try_from(&y.to_kind(tch::Kind::Int64).flatten(0, -1))?;
+        top = top.max(label_range(y));
+    }
+    Ok(top.map(DataClasses::Range))
 }
 
 /// How `check` says an array file is read.

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use tch::Tensor;
 
+use super::DataClasses;
 use super::{pixel_part, val_dir, Opened, Reader, Want};
 use crate::data::check::{check_budget, required_path};
 use crate::spec::schema::Data;
@@ -37,6 +38,11 @@ impl Reader for Cifar10 {
 
     fn how_read(&self, _: &Data) -> &'static str {
         "read whole into memory"
+    }
+
+    /// CIFAR-10's labels are 0 to 9, whatever the files hold (a label over 9 is refused).
+    fn classes(&self, _: &Data, _: &Path) -> Result<Option<DataClasses>> {
+        Ok(Some(DataClasses::Range(10)))
     }
 }
 

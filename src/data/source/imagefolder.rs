@@ -16,6 +16,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use rayon::prelude::*;
 use tch::Tensor;
 
+use super::DataClasses;
 use super::{Opened, Part, Reader, Want};
 use crate::data::check::{check_budget, required_path};
 use crate::data::mapped::{self, Xy};
@@ -72,6 +73,12 @@ impl Reader for ImageFolder {
             false => "read whole into memory",
         }
     }
+
+    /// The class directories' names (`data.val_path` must have the same ones: opening the set
+    /// says so when it does not).
+    fn classes(&self, _: &Data, root: &Path) -> Result<Option<DataClasses>> {
+        Ok(Some(DataClasses::Named(class_dirs(root, "data.path")?)))
+    }
 }
 
 const EXTENSIONS: &[&str] = &["jpg", "jpeg", "png"];
@@ -79,8 +86,8 @@ const EXTENSIONS: &[&str] = &["jpg", "jpeg", "png"];
 /// Image files with their labels.
 type Labelled = Vec<(PathBuf, i64)>;
 
-/// Class names (sorted) and (file, label) pairs, sorted by class then file name.
-pub fn scan_folder(root: &Path, key: &str) -> Result<(Vec<String>, Labelled)> {
+/// The class directories of a tree, sorted: hidden ones (a dot first) are not classes.
+pub fn class_dirs(root: &Path, key: &str) -> Result<Vec<String>> {
     let mut classes: Vec<String> = fs::read_dir(root)
         .with_context(|| format!("{key} {}: cannot list it", root.display()))?
         .filter_map(|e| e.ok())
@@ -95,6 +102,12 @@ pub fn scan_folder(root: &Path, key: &str) -> Result<(Vec<String>, Labelled)> {
             root.display()
         );
     }
+    Ok(classes)
+}
+
+/// Class names (sorted) and (file, label) pairs, sorted by class then file name.
+pub fn scan_folder(root: &Path, key: &str) -> Result<(Vec<String>, Labelled)> {
+    let classes = class_dirs(root, key)?;
     let mut files = vec![];
     for (label, c) in classes.iter().enumerate() {
         let mut these: Vec<PathBuf> = fs::read_dir(root.join(c))

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{bail, Context, Result};
 use tch::Tensor;
 
+use super::{label_range, DataClasses};
 use super::{pixel_part, val_dir, Opened, Reader, Want};
 use crate::data::check::required_path;
 use crate::spec::schema::Data;
@@ -47,6 +48,25 @@ impl Reader for Mnist {
 
     fn how_read(&self, _: &Data) -> &'static str {
         "read whole into memory"
+    }
+
+    /// The labels' range over the train and t10k label files (the image files are not read).
+    fn classes(&self, data: &Data, dir: &Path) -> Result<Option<DataClasses>> {
+        let (vkey, vdir) = val_dir(data, dir);
+        let mut top = None;
+        for (key, d, split) in [("data.path", dir, "train"), (vkey, vdir, "t10k")] {
+            let [_, labels] = mnist_names(split);
+            let Some(file) = [labels.clone(), labels.replacen("-idx", ".idx", 1)]
+                .into_iter()
+                .map(|n| d.join(n))
+                .find(|p| p.is_file())
+            else {
+                continue; // opening the set names every missing file
+            };
+            let (_, y) = read_idx(&file, 1, key)?;
+            top = top.max(label_range(y.into_iter().map(i64::from)));
+        }
+        Ok(top.map(DataClasses::Range))
     }
 }
 

@@ -45,6 +45,10 @@ pub(super) trait Reader: Sync {
 
     /// How `check` says the set is read (after "the set ").
     fn how_read(&self, data: &Data) -> &'static str;
+
+    /// The classes of the set at `path` (`data.path`) and `data.val_path`, read cheaply (the
+    /// labels alone where the file allows); None where the data follows the model.
+    fn classes(&self, data: &Data, path: &Path) -> Result<Option<DataClasses>>;
 }
 
 /// What a run asks of a source.
@@ -111,4 +115,36 @@ pub(super) struct Opened {
     pub train: Part,
     /// None: held out of `train`.
     pub val: Option<Part>,
+}
+
+/// The classes a data set has of its own.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DataClasses {
+    /// Named classes (an imagefolder's directories), in index order.
+    Named(Vec<String>),
+    /// Class indices `0..n`, the labels' range (the largest label + 1).
+    Range(i64),
+}
+
+impl DataClasses {
+    pub fn count(&self) -> i64 {
+        match self {
+            DataClasses::Named(n) => n.len() as i64,
+            DataClasses::Range(n) => *n,
+        }
+    }
+
+    /// How a message names them: "3 classes (cat, dog, fish)" or "labels 0 to 4".
+    pub fn describe(&self) -> String {
+        match self {
+            DataClasses::Named(n) if n.len() <= 8 => format!("{} class(es) ({})", n.len(), n.join(", ")),
+            DataClasses::Named(n) => format!("{} classes ({}, ...)", n.len(), n[..8].join(", ")),
+            DataClasses::Range(n) => format!("labels 0 to {}, so {n} class(es)", n - 1),
+        }
+    }
+}
+
+/// The largest label + 1 of `labels` (None when there are none).
+pub(crate) fn label_range(labels: impl IntoIterator<Item = i64>) -> Option<i64> {
+    labels.into_iter().max().map(|m| m.max(0) + 1)
 }

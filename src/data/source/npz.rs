@@ -8,6 +8,7 @@ use anyhow::{anyhow, Result};
 use tch::Tensor;
 
 use super::arrays::{self, take_xy, Format};
+use super::DataClasses;
 use super::{Opened, Reader, Want};
 use crate::data::mapped;
 use crate::data::store::Map;
@@ -31,6 +32,10 @@ impl Reader for Npz {
 
     fn how_read(&self, data: &Data) -> &'static str {
         arrays::how_read(data.memory_map)
+    }
+
+    fn classes(&self, data: &Data, path: &Path) -> Result<Option<DataClasses>> {
+        arrays::classes(data, path, &FORMAT)
     }
 }
 

@@ -8,6 +8,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use tch::Tensor;
 
 use super::arrays::{self, take_xy, Format};
+use super::DataClasses;
 use super::{Opened, Reader, Want};
 use crate::data::mapped;
 use crate::spec::schema::Data;
@@ -30,6 +31,10 @@ impl Reader for Safetensors {
 
     fn how_read(&self, data: &Data) -> &'static str {
         arrays::how_read(data.memory_map)
+    }
+
+    fn classes(&self, data: &Data, path: &Path) -> Result<Option<DataClasses>> {
+        arrays::classes(data, path, &FORMAT)
     }
 }
 

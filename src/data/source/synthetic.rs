@@ -8,6 +8,7 @@ use std::path::Path;
 use anyhow::{bail, Result};
 use tch::Tensor;
 
+use super::DataClasses;
 use super::{Opened, Part, Reader, Want};
 use crate::data::rng::stream;
 use crate::data::split::{permutation, val_count};
@@ -27,6 +28,11 @@ impl Reader for Synthetic {
 
     fn open(&self, want: &Want) -> Result<Opened> {
         synthetic(want)
+    }
+
+    /// Synthetic samples are made for the model's classes.
+    fn classes(&self, _: &Data, _: &Path) -> Result<Option<DataClasses>> {
+        Ok(None)
     }
 
     fn how_read(&self, _: &Data) -> &'static str {
