@@ -24,6 +24,9 @@ pub trait Net: std::fmt::Debug {
     fn chain(&self) -> Option<&dyn Chain> {
         None
     }
+    /// `train.freeze_batchnorm_stats`: whether the model's BatchNorm layers whose parameters
+    /// are all frozen run in eval mode; a model without such layers ignores it.
+    fn keep_frozen_norm_stats(&self, _on: bool) {}
 }
 
 /// A model as a sequence of blocks: block 0 takes `[input]`, each block takes the previous

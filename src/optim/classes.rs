@@ -110,6 +110,23 @@ impl Optimizer {
         self.masters.drop_all();
     }
 
+    /// (gradient bytes of one step: every parameter that trains; bytes of the state this
+    /// process holds). Reads sizes only: no need to settle a pending update.
+    pub fn trained_bytes(&self) -> (u64, u64) {
+        let grads = self
+            .params
+            .iter()
+            .zip(&self.class_of)
+            .filter(|(_, c)| c.is_some())
+            .map(|((_, p), _)| crate::memory::tensor_bytes(p))
+            .sum();
+        let state = (0..self.params.len())
+            .flat_map(|i| self.state.of(i))
+            .map(crate::memory::tensor_bytes)
+            .sum();
+        (grads, state)
+    }
+
     /// The step count at which frozen parameters were unfrozen, if they were.
     pub fn unfrozen_at(&self) -> Option<i64> {
         self.classes.iter().map(|c| c.start).filter(|s| *s > 0).max()

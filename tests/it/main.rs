@@ -7,6 +7,7 @@ mod cpu_allocator;
 mod data;
 mod distributed;
 mod docs;
+mod finetune_groups;
 mod fit;
 mod foundation;
 mod gpu_check;
