@@ -327,7 +327,7 @@ pub fn param_infos(vs: &nn::VarStore, net: &dyn Net) -> Vec<crate::optim::ParamI
         .into_iter()
         .filter(|(n, _)| !n.starts_with(ARCH_PREFIX))
         .map(|(name, t)| crate::optim::ParamInfo {
-            block: net.chain().and_then(|c| c.block_of(&name)),
+            layer: net.chain().and_then(|c| c.layer_of(&name)),
             ndim: t.dim(),
             numel: t.numel() as u64,
             name,

@@ -42,6 +42,12 @@ pub trait Chain {
     fn block_of(&self, _var: &str) -> Option<usize> {
         None
     }
+
+    /// The layer id `train.layer_decay` gives the variable, as timm's `param_groups_layer_decay`
+    /// does for the model: by default the block that uses it.
+    fn layer_of(&self, var: &str) -> Option<usize> {
+        self.block_of(var)
+    }
 }
 
 /// Every variable of `vs` by the block that uses it (`Chain::block_of`), or the name of one

@@ -269,6 +269,14 @@ impl Chain for Vit {
 
     /// The embedding: `conv_proj`, `class_token`, `encoder.pos_embedding`; encoder layer `N`:
     /// block `N + 1`; the head: `encoder.ln`, `heads`.
+    /// timm's: the final norm is the last encoder block's layer, the head one above it.
+    fn layer_of(&self, var: &str) -> Option<usize> {
+        match var.starts_with("encoder.ln.") {
+            true => Some(self.layers.len()),
+            false => self.block_of(var),
+        }
+    }
+
     fn block_of(&self, var: &str) -> Option<usize> {
         if let Some(rest) = var.strip_prefix("encoder.layers.encoder_layer_") {
             let n: usize = rest.split('.').next()?.parse().ok()?;

@@ -5,8 +5,8 @@
 //! The rules are timm's where timm has one: `no_decay` is `param_groups_weight_decay`'s
 //! (`ndim <= 1`, a name ending in `.bias`, or the model's `no_weight_decay()` set: class token
 //! and position embedding), and `layer_decay` is `param_groups_layer_decay`'s, with the layer id
-//! of a parameter the block of the model's chain that uses it (for the `vit` preset exactly
-//! timm's: 0 for the embeddings, `i + 1` for encoder block `i`, the last for the final norm and
+//! of a parameter from the model's chain (for the `vit` preset exactly timm's: 0 for the
+//! embeddings, `i + 1` for encoder block `i`, the last block's for the final norm, one more for
 //! the head), scaled by `decay^(layers - 1 - id)`.
 use serde::Serialize;
 
@@ -21,8 +21,9 @@ pub struct ParamInfo {
     pub name: String,
     pub ndim: usize,
     pub numel: u64,
-    /// The block of the model's chain that uses it (None: no chain, or outside every block).
-    pub block: Option<usize>,
+    /// Its layer id for `layer_decay` (the model chain's `layer_of`; None: no chain, or outside
+    /// every block).
+    pub layer: Option<usize>,
 }
 
 /// One parameter group: what its parameters train with.
@@ -125,13 +126,13 @@ fn unmatched(t: &Train, params: &[ParamInfo]) -> Result<(), String> {
 
 /// (layer id of each parameter, layer count), from the chain's blocks.
 fn layers_of(params: &[ParamInfo]) -> Result<(usize, usize), String> {
-    if let Some(p) = params.iter().find(|p| p.block.is_none()) {
+    if let Some(p) = params.iter().find(|p| p.layer.is_none()) {
         return Err(format!(
             "train.layer_decay needs a model built as a sequence of blocks (the vit preset), and {} belongs to no block",
             p.name
         ));
     }
-    let count = params.iter().filter_map(|p| p.block).max().unwrap_or(0) + 1;
+    let count = params.iter().filter_map(|p| p.layer).max().unwrap_or(0) + 1;
     Ok((0, count))
 }
 
@@ -153,7 +154,7 @@ fn setting(t: &Train, p: &ParamInfo, layers: Option<(usize, usize)>) -> GroupSet
         }
     }
     if let (Some(decay), Some((_, count))) = (t.layer_decay, layers) {
-        let id = p.block.expect("checked by layers_of");
+        let id = p.layer.expect("checked by layers_of");
         words.push(format!("layer {id}"));
         // As Python's `decay ** n`: libm's pow, not repeated multiplication.
         lr_scale *= decay.powf((count - 1 - id) as f64);
@@ -213,7 +214,7 @@ mod tests {
             name: name.into(),
             ndim,
             numel: 4,
-            block: Some(block),
+            layer: Some(block),
         }
     }
 
@@ -226,7 +227,7 @@ mod tests {
             info("encoder.layers.encoder_layer_0.mlp.0.weight", 2, 1),
             info("encoder.layers.encoder_layer_0.ln_1.weight", 1, 1),
             info("encoder.layers.encoder_layer_1.mlp.0.weight", 2, 2),
-            info("encoder.ln.weight", 1, 3),
+            info("encoder.ln.weight", 1, 2),
             info("heads.head.weight", 2, 3),
             info("heads.head.bias", 1, 3),
         ]
@@ -325,9 +326,9 @@ mod tests {
         };
         let g = Groups::resolve(&t, &vit()).unwrap();
         let scales: Vec<f64> = g.of.iter().map(|s| g.settings[s.unwrap()].lr_scale).collect();
-        assert_eq!(scales, [0.125, 0.125, 0.125, 0.125, 0.25, 0.25, 0.5, 1.0, 1.0, 1.0]);
+        assert_eq!(scales, [0.125, 0.125, 0.125, 0.125, 0.25, 0.25, 0.5, 0.5, 1.0, 1.0]);
         let no_blocks = vec![ParamInfo {
-            block: None,
+            layer: None,
             ..info("fc.weight", 2, 0)
         }];
         assert!(Groups::resolve(&t, &no_blocks)

@@ -115,7 +115,7 @@ fn frozen_parameters_stay_and_cost_no_gradient_or_state() {
             let l = r
                 .stdout
                 .lines()
-                .find(|l| l.starts_with(key))
+                .find(|l| l.starts_with(key) && !l.contains('='))
                 .unwrap_or_else(|| panic!("no {key} line: {}", r.stdout));
             let rest = l[key.len()..].trim_start();
             rest.split_whitespace().take(2).collect::<Vec<_>>().join(" ")
@@ -405,12 +405,16 @@ fn python_json(dir: &Path, code: &str) -> serde_json::Value {
 fn gradual_unfreezing_is_exact_across_a_resume() {
     let t = Test::new();
     let dir = t.dir().to_path_buf();
-    let extra = "epochs = 2\nunfreeze_at_epoch = 2\nfreeze = [\"conv1.*\", \"bn1.*\", \"layer1.*\"]";
-    let spec = table(&resnet_job(&dir, "8", extra));
+    let extra = "unfreeze_at_epoch = 2\nfreeze = [\"conv1.*\", \"bn1.*\", \"layer1.*\"]";
+    let spec = table(&resnet_job(&dir, "8", extra).replace("epochs = 1", "epochs = 2"));
     let through = t.clone().name("through").spec(spec.clone()).run();
     let init = tensors(&dir.join("init.safetensors"));
     let epoch1 = through.out.join("checkpoints");
-    let mut dirs: Vec<_> = std::fs::read_dir(&epoch1).unwrap().map(|e| e.unwrap().path()).collect();
+    let mut dirs: Vec<_> = std::fs::read_dir(&epoch1)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("step-")))
+        .collect();
     dirs.sort();
     let first = tensors(&dirs[0].join("model.safetensors"));
     let last = tensors(&through.final_model());
@@ -420,7 +424,17 @@ fn gradual_unfreezing_is_exact_across_a_resume() {
     let s = through.summary().training.unwrap();
     assert_eq!(s.frozen_parameters, 0);
     assert!(s.groups.iter().any(|g| g.start_step == 2), "{s:?}");
-    let stopped = Test::new().name("stopped").spec(spec).args(&["--max-steps", "3"]).run();
+    let stopped = Test::new()
+        .name("stopped")
+        .spec(spec)
+        .interrupt_after_step(3)
+        .exit(130)
+        .run();
+    assert_eq!(
+        stopped.final_state()["unfrozen_at"],
+        2,
+        "the checkpoint says when they started"
+    );
     let resumed = stopped.resume().run();
     for (name, t) in &last {
         assert!(
