@@ -3,11 +3,10 @@
 //! which frozen parameters were unfrozen (`train.unfreeze_at_epoch`). A class steps as PyTorch
 //! steps a param group: its learning rate is the scheduled one times its scale, and its Adam
 //! bias corrections count its own steps, as a group added by `add_param_group` counts them.
-use serde::Serialize;
 use tch::Tensor;
 
 use super::grads::GradBuffers;
-use super::groups::{GroupSetting, Groups};
+use super::groups::{GroupReport, GroupSetting, Groups};
 use super::rule::Step;
 use super::shard::steps_param;
 use super::Optimizer;
@@ -31,18 +30,6 @@ impl Class {
             .collect();
         (classes, g.of.clone())
     }
-}
-
-/// One parameter group as the summary lists it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct GroupReport {
-    pub name: String,
-    pub parameters: u64,
-    pub tensors: usize,
-    pub lr_scale: f64,
-    pub weight_decay: f64,
-    /// The optimizer step its parameters started training at (0, or when they were unfrozen).
-    pub start_step: i64,
 }
 
 impl Optimizer {

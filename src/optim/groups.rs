@@ -15,6 +15,18 @@ use crate::spec::schema::Train;
 /// The names timm's ViT lists in `no_weight_decay()`, as memtrain's (torchvision's) names.
 const NO_DECAY_NAMES: &[&str] = &["class_token", "encoder.pos_embedding"];
 
+/// One parameter group as the summary lists it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GroupReport {
+    pub name: String,
+    pub parameters: u64,
+    pub tensors: usize,
+    pub lr_scale: f64,
+    pub weight_decay: f64,
+    /// The optimizer step its parameters started training at (0, or when they were unfrozen).
+    pub start_step: i64,
+}
+
 /// What the resolution needs to know of one parameter.
 #[derive(Debug, Clone)]
 pub struct ParamInfo {

@@ -60,12 +60,10 @@ use crate::host::{Fence, Home, Host};
 use crate::shim::HostScope;
 use crate::spec::schema::{OptimizerImpl, OptimizerKind, Train};
 pub use adam8::state_bytes_8bit;
-use classes::Class;
-pub use classes::GroupReport;
 pub use clip::{clip_grad_norm, clip_grads};
 use forms::{Forms, Multipliers};
 use grads::GradBuffers;
-pub use groups::{excluded_from_decay, glob, GroupSetting, Groups, ParamInfo};
+pub use groups::{excluded_from_decay, glob, GroupReport, GroupSetting, Groups, ParamInfo};
 pub use implementation::{refusal, resolve, Placement};
 use implementation::{Batch, Implementation, Reserve};
 use masters::{update_runs, Masters};
@@ -159,7 +157,7 @@ pub struct Optimizer {
     /// group's weight decay, and its multipliers.
     rules: Vec<Box<dyn Rule>>,
     multipliers: Vec<Multipliers>,
-    classes: Vec<Class>,
+    classes: Vec<classes::Class>,
     /// Each parameter's class; None: frozen (no gradient, no state).
     class_of: Vec<Option<usize>>,
     /// Shallow clones of the VarStore variables: in-place updates reach the model.
@@ -269,7 +267,7 @@ impl Optimizer {
         let rule = hyper.rule();
         let device = params.first().map_or(Device::Cpu, |(_, p)| p.device());
         let host = Host::new(device);
-        let (classes, class_of) = Class::of_groups(&groups);
+        let (classes, class_of) = classes::Class::of_groups(&groups);
         for ((_, p), c) in params.iter().zip(&class_of) {
             if c.is_none() {
                 // A frozen parameter never gets a gradient.

@@ -26,7 +26,7 @@ pub struct Closing {
     pub oom: OomCounts,
     pub precision: PrecisionSummary,
     pub host_reads: u64,
-    pub training: Option<super::TrainingSummary>,
+    pub training: Option<super::events::TrainingSummary>,
 }
 
 #[derive(Debug, Default)]

@@ -3,20 +3,12 @@
 use anyhow::Result;
 use tch::nn;
 
-use super::parts::Trained;
+use super::parts::{Trained, Unfreeze};
 use crate::exit::UsageError;
 use crate::model::{self, Net};
 use crate::optim::{GroupReport, Groups};
 use crate::records::{GroupLine, TrainingSummary};
 use crate::spec::schema::Train;
-
-/// `train.unfreeze_at_epoch`: at the start of `epoch` (0-based) the frozen parameters start
-/// training in the groups of `all`.
-#[derive(Debug, Clone)]
-pub struct Unfreeze {
-    pub epoch: i64,
-    pub all: Groups,
-}
 
 /// The weights' groups under `t` (frozen ones without one), and the unfreezing it asks for.
 /// Err: a pattern that matches no weight, a freeze of everything, a layer decay without blocks,

@@ -21,7 +21,15 @@ pub struct Trained {
     /// `memory.parameters = "host"`: the variables rest on the host, streamed block by block.
     pub stream: Option<Streamer>,
     /// `train.unfreeze_at_epoch`: when the frozen parameters start training.
-    pub unfreeze: Option<super::finetune::Unfreeze>,
+    pub unfreeze: Option<Unfreeze>,
+}
+
+/// `train.unfreeze_at_epoch`: at the start of `epoch` (0-based) the frozen parameters start
+/// training in the groups of `all`.
+#[derive(Debug, Clone)]
+pub struct Unfreeze {
+    pub epoch: i64,
+    pub all: crate::optim::Groups,
 }
 
 impl Trained {

@@ -443,3 +443,39 @@ fn gradual_unfreezing_is_exact_across_a_resume() {
         );
     }
 }
+
+/// The host levers with frozen parameters: optimizer state, gradients and streamed parameters
+/// in host memory train to the same bits as on the device, keep the frozen tensors, and hold no
+/// state for them.
+#[test]
+fn host_levers_train_frozen_models_exactly() {
+    let t = Test::new();
+    let dir = t.dir().to_path_buf();
+    // "auto" would be fused for state on the host, which rounds otherwise than "single".
+    let extra = format!("{BACKBONE}\noptimizer_impl = \"single\"");
+    let device = t
+        .clone()
+        .name("device")
+        .spec(table(&resnet_job(&dir, "8", &extra)))
+        .run();
+    let want = tensors(&device.final_model());
+    let bytes = device.summary().training.unwrap();
+    for (name, memory) in [
+        ("state", "optimizer_state = \"host\""),
+        ("grads", "optimizer_state = \"host\"\ngradients = \"host\""),
+        ("params", "parameters = \"host\""),
+    ] {
+        let spec = resnet_job(&dir, "8", &extra).replace("[log]", &format!("[memory]\n{memory}\n[log]"));
+        let r = Test::new().name(name).spec(table(&spec)).run();
+        let got = tensors(&r.final_model());
+        for (n, w) in &want {
+            assert!(
+                same_bits(w, tensor(&got, n)),
+                "{memory}: {n} differs from the device run's"
+            );
+        }
+        let b = r.summary().training.unwrap();
+        assert_eq!(b.optimizer_state_bytes, bytes.optimizer_state_bytes, "{memory}");
+        assert_eq!(b.gradient_bytes, bytes.gradient_bytes, "{memory}");
+    }
+}
