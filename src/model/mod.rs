@@ -305,10 +305,13 @@ pub fn buffers(vs: &nn::VarStore) -> Vec<(String, tch::Tensor)> {
     split_variables(vs).1
 }
 
+/// Variables by name.
+type Named = Vec<(String, tch::Tensor)>;
+
 /// (parameters, buffers). A variable is a parameter when the VarStore lists it as trainable,
 /// whatever its `requires_grad` (freezing turns that off); the list holds the same tensors,
 /// so they are told apart by their storage.
-fn split_variables(vs: &nn::VarStore) -> (Vec<(String, tch::Tensor)>, Vec<(String, tch::Tensor)>) {
+fn split_variables(vs: &nn::VarStore) -> (Named, Named) {
     let trainable: std::collections::HashSet<usize> =
         vs.trainable_variables().iter().map(|t| t.data_ptr() as usize).collect();
     let mut vars: Vec<(String, tch::Tensor)> = vs.variables().into_iter().collect();
@@ -348,7 +351,7 @@ pub fn counts(model: &Model, train: &crate::spec::schema::Train) -> Result<Count
         ..Counts::default()
     };
     let infos = param_infos(&vs, built.net.as_ref());
-    let groups = crate::optim::Groups::resolve(train, &infos).map_err(|e| crate::exit::UsageError(e))?;
+    let groups = crate::optim::Groups::resolve(train, &infos).map_err(crate::exit::UsageError)?;
     let frozen: std::collections::HashSet<&str> = match train.unfreeze_at_epoch {
         Some(_) => Default::default(),
         None => infos
