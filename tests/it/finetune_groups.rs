@@ -311,6 +311,20 @@ fn parameter_groups_match_pytorch_param_groups_bit_for_bit() {
     assert_eq!(scale_of("param_groups[1]"), Some((0.5, 0.1, 64 * 32)));
     assert_eq!(scale_of("no_decay"), Some((1.0, 0.0, 32)));
     assert_eq!(training.frozen_parameters, 64 * 64 + 64);
+    // The run says its groups as it starts, and `memtrain report` lists them.
+    for text in [
+        &r.stderr,
+        &Test::new()
+            .no_spec()
+            .command("report")
+            .arg(r.out.to_str().unwrap())
+            .run()
+            .stdout,
+    ] {
+        assert!(text.contains("group param_groups[1]: "), "{text}");
+        assert!(text.contains("lr x0.5, weight decay 0.1"), "{text}");
+        assert!(text.contains("frozen: "), "{text}");
+    }
 }
 
 /// `layer_decay` and `no_decay` on the vit preset against timm's `param_groups_layer_decay` and
@@ -478,4 +492,59 @@ fn host_levers_train_frozen_models_exactly() {
         assert_eq!(b.optimizer_state_bytes, bytes.optimizer_state_bytes, "{memory}");
         assert_eq!(b.gradient_bytes, bytes.gradient_bytes, "{memory}");
     }
+}
+
+/// `fit` measures the frozen model's smaller bill: at the same micro-batch its probe's peak is
+/// lower by about the frozen weights' gradients and AdamW state (3 × 4 bytes a weight).
+#[test]
+fn fit_sees_the_frozen_models_smaller_footprint() {
+    let t = Test::new();
+    let dir = t.dir().to_path_buf();
+    let peaks = |name: &str, extra: &str| -> Vec<(i64, u64)> {
+        let args = [
+            "--limit",
+            "4GiB",
+            "--precision",
+            "fp32",
+            "--checkpointing",
+            "off",
+            "--steps",
+            "2",
+            "--json",
+        ];
+        let o = Test::new()
+            .name(name)
+            .command("fit")
+            .spec(table(&resnet_job(&dir, "8", extra)))
+            .args(&args)
+            .run();
+        let r: serde_json::Value = serde_json::from_str(&o.stdout).unwrap();
+        r["probes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|p| p["fits"] == true)
+            .map(|p| (p["micro_batch"].as_i64().unwrap(), p["peak_bytes"].as_u64().unwrap()))
+            .collect()
+    };
+    let full = peaks("full", "");
+    let frozen = peaks("frozen", "freeze = [\"layer4.*\"]");
+    let init = tensors(&dir.join("init.safetensors"));
+    let layer4: u64 = init
+        .iter()
+        .filter(|(n, _)| n.starts_with("layer4.") && !n.contains("running_") && !n.ends_with("tracked"))
+        .map(|(_, t)| t.numel() as u64)
+        .sum();
+    let (b, p_full) = *full.last().expect("a probe fits");
+    let p_frozen = frozen
+        .iter()
+        .find(|(m, _)| *m == b)
+        .expect("the same micro-batch probed")
+        .1;
+    let saved = p_full as f64 - p_frozen as f64;
+    let want = (layer4 * 12) as f64;
+    assert!(
+        saved > 0.9 * want,
+        "fit's peak fell by {saved} bytes at micro-batch {b}, the frozen gradients and state are {want}"
+    );
 }
