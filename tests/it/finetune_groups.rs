@@ -191,10 +191,11 @@ fn frozen_batchnorm_statistics_follow_the_option() {
     );
 }
 
-/// The mlp with a frozen first layer, two parameter groups, `no_decay` and a warmup: per-step
-/// losses and final weights equal PyTorch's AdamW with the same param groups, bit for bit.
-#[test]
-fn parameter_groups_match_pytorch_param_groups_bit_for_bit() {
+/// The mlp with a frozen first layer, two parameter groups, `no_decay` and a warmup, trained by
+/// `optimizer` (spec keys and the reference's arguments) in `implementation`: memtrain's run,
+/// once its per-step losses and final weights are checked against PyTorch's with the same
+/// param groups (bit for bit).
+fn groups_case(optimizer: (&str, &[&str]), implementation: &str) -> Outcome {
     let t = Test::new();
     let dir = t.dir().to_path_buf();
     let init = [
@@ -230,7 +231,7 @@ fn parameter_groups_match_pytorch_param_groups_bit_for_bit() {
          [model.mlp]\ninputs = 64\nhidden = [64, 32]\nnum_classes = 4\n\
          [data]\nsource = \"npz\"\npath = \"{d}\"\nval_path = \"{v}\"\n\
          [train]\nepochs = 1\nbatch_size = 2\naccumulation_steps = 2\ngrad_clip_norm = 1.0\n\
-         optimizer = \"adamw\"\nlr = 0.003\nweight_decay = 0.01\nwarmup_steps = 5\n\
+         {optimizer}\noptimizer_impl = \"{implementation}\"\nwarmup_steps = 5\n\
          freeze = [\"fc0.*\"]\nno_decay = true\n\
          [[train.param_groups]]\nmatch = [\"fc2.*\"]\nlr_scale = 10.0\n\
          [[train.param_groups]]\nmatch = [\"fc1.weight\"]\nlr_scale = 0.5\nweight_decay = 0.1\n\
@@ -238,12 +239,13 @@ fn parameter_groups_match_pytorch_param_groups_bit_for_bit() {
         init = dir.join("init.safetensors").display(),
         d = dir.join("d.npz").display(),
         v = dir.join("v.npz").display(),
+        optimizer = optimizer.0,
     );
     let r = t.spec(table(&spec)).run();
     // The same groups for PyTorch, first match wins: fc2's bias without decay (no_decay), fc2's
     // weight at the default decay, fc1's weight at its own, fc1's bias without decay.
     let groups = r#"[[["fc2.bias"], 10.0, 0.0], [["fc2.weight"], 10.0, null], [["fc1.weight"], 0.5, 0.1], [["fc1.bias"], 1.0, 0.0]]"#;
-    let args = [
+    let mut args = vec![
         "train",
         "--model",
         "mlp:init.safetensors",
@@ -259,12 +261,8 @@ fn parameter_groups_match_pytorch_param_groups_bit_for_bit() {
         "1.0",
         "--seed",
         "3",
-        "--optimizer",
-        "adamw",
-        "--lr",
-        "0.003",
-        "--weight-decay",
-        "0.01",
+        "--impl",
+        implementation,
         "--warmup",
         "5",
         "--freeze",
@@ -272,6 +270,7 @@ fn parameter_groups_match_pytorch_param_groups_bit_for_bit() {
         "--groups",
         groups,
     ];
+    args.extend_from_slice(optimizer.1);
     let py: serde_json::Value = serde_json::from_str(&reference(&dir, &args)).unwrap();
     let theirs: Vec<f64> = py["losses"]
         .as_array()
@@ -296,8 +295,25 @@ fn parameter_groups_match_pytorch_param_groups_bit_for_bit() {
             .zip(&want)
             .filter(|(a, b)| a.to_bits() != b.to_bits())
             .count();
-        assert_eq!(differ, 0, "{differ} of {name}'s values differ from PyTorch's");
+        assert_eq!(
+            differ, 0,
+            "{implementation} {}: {differ} of {name}'s values differ from PyTorch's",
+            optimizer.0
+        );
     }
+    r
+}
+
+const ADAMW: (&str, &[&str]) = (
+    "optimizer = \"adamw\"\nlr = 0.003\nweight_decay = 0.01",
+    &["--optimizer", "adamw", "--lr", "0.003", "--weight-decay", "0.01"],
+);
+
+/// AdamW with the groups, bit for bit; the summary, the run's start and `memtrain report` list
+/// the groups.
+#[test]
+fn parameter_groups_match_pytorch_param_groups_bit_for_bit() {
+    let r = groups_case(ADAMW, "single");
     let training = r.summary().training.unwrap();
     let scale_of = |n: &str| {
         training
@@ -324,6 +340,32 @@ fn parameter_groups_match_pytorch_param_groups_bit_for_bit() {
         assert!(text.contains("group param_groups[1]: "), "{text}");
         assert!(text.contains("lr x0.5, weight decay 0.1"), "{text}");
         assert!(text.contains("frozen: "), "{text}");
+    }
+}
+
+/// SGD with momentum and Adam too, and the foreach and fused implementations, which run each
+/// group's update with its own numbers (as PyTorch's do per param group).
+#[test]
+fn parameter_groups_match_pytorch_in_every_optimizer_and_implementation() {
+    let sgd: (&str, &[&str]) = (
+        "optimizer = \"sgd\"\nlr = 0.05\nmomentum = 0.9\nweight_decay = 0.0005",
+        &[
+            "--optimizer",
+            "sgd",
+            "--lr",
+            "0.05",
+            "--momentum",
+            "0.9",
+            "--weight-decay",
+            "0.0005",
+        ],
+    );
+    let adam: (&str, &[&str]) = (
+        "optimizer = \"adam\"\nlr = 0.003\nweight_decay = 0.01",
+        &["--optimizer", "adam", "--lr", "0.003", "--weight-decay", "0.01"],
+    );
+    for (optimizer, implementation) in [(sgd, "single"), (sgd, "fused"), (adam, "foreach"), (ADAMW, "fused")] {
+        groups_case(optimizer, implementation);
     }
 }
 

@@ -313,14 +313,15 @@ def cmd_train(a):
         "foreach": dict(foreach=True, fused=False),
         "fused": dict(foreach=False, fused=True),
     }[a.impl]
+    groups = param_groups(a, named, frozen)
     if a.optimizer == "sgd":
         opt = torch.optim.SGD(
-            params, lr=a.lr, momentum=a.momentum, nesterov=a.nesterov, weight_decay=a.weight_decay, **impl
+            groups, lr=a.lr, momentum=a.momentum, nesterov=a.nesterov, weight_decay=a.weight_decay, **impl
         )
     elif a.optimizer == "adam":
-        opt = torch.optim.Adam(params, lr=a.lr, weight_decay=a.weight_decay, **impl)
+        opt = torch.optim.Adam(groups, lr=a.lr, weight_decay=a.weight_decay, **impl)
     else:
-        opt = torch.optim.AdamW(param_groups(a, named, frozen), lr=a.lr, weight_decay=a.weight_decay, **impl)
+        opt = torch.optim.AdamW(groups, lr=a.lr, weight_decay=a.weight_decay, **impl)
     # fp16: GradScaler's defaults, as memtrain's scaler (init 2^16, growth interval 2000).
     scaler = torch.amp.GradScaler("cpu") if a.autocast == "fp16" else None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.autocast)
