@@ -724,7 +724,7 @@ impl Optimizer {
             // spec changed, which the user decides.
             return Err(crate::exit::UsageError(format!(
                 "the checkpoint's optimizer state does not fit this run's {} optimizer ({}): resume with the \
-                 train.optimizer and train.optimizer_state_bits the checkpoint was written with (its spec.toml)",
+                 train.optimizer and train.optimizer_state_bits the checkpoint was written with (its spec.toml), and its train.freeze",
                 format!("{:?}", self.hyper.kind).to_lowercase(),
                 problems.join("; ")
             ))
