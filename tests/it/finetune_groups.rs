@@ -590,3 +590,33 @@ fn fit_sees_the_frozen_models_smaller_footprint() {
         "fit's peak fell by {saved} bytes at micro-batch {b}, the frozen gradients and state are {want}"
     );
 }
+
+/// Data-parallel: two ranks train a model with a frozen layer and a parameter group as one
+/// process does (the gradient reducer holds only what trains), with the optimizer state
+/// sharded or not, and the frozen layer stays as it started.
+#[test]
+fn two_ranks_train_frozen_layers_and_groups_as_one_process_does() {
+    for shard in [false, true] {
+        let t = Test::new()
+            .set("train.epochs", 1)
+            .set("train.batch_size", 64)
+            .set("train.accumulation_steps", 2)
+            .set("train.shard_optimizer_state", shard)
+            .set("train.freeze", toml::Value::Array(vec!["fc0.weight".into()]))
+            .set("train.weight_decay", 0.01)
+            .set("train.no_decay", true);
+        let one = t.clone().name("one").run();
+        let two = t.clone().name("two").args(&["--nproc", "2"]).run();
+        let (a, b) = (step_losses(&one), step_losses(&two));
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(&b) {
+            assert!((x - y).abs() <= 1e-6 * x.abs(), "shard {shard}: {x} vs {y}");
+        }
+        let (ta, tb) = (tensors(&one.final_model()), tensors(&two.final_model()));
+        for (n, x) in &ta {
+            let gap = (x - tensor(&tb, n)).abs().max().double_value(&[]);
+            assert!(gap <= 1e-6, "shard {shard}: {n} differs by {gap}");
+        }
+        assert_eq!(two.summary().training.unwrap().frozen_parameters, 64 * 32);
+    }
+}
