@@ -520,6 +520,8 @@ fn host_levers_train_frozen_models_exactly() {
         ("state", "optimizer_state = \"host\""),
         ("grads", "optimizer_state = \"host\"\ngradients = \"host\""),
         ("params", "parameters = \"host\""),
+        // Checkpointing: the frozen stem's blocks start no backward of their own.
+        ("acts", "activations = \"host\""),
     ] {
         let spec = resnet_job(&dir, "8", &extra).replace("[log]", &format!("[memory]\n{memory}\n[log]"));
         let r = Test::new().name(name).spec(table(&spec)).run();
