@@ -55,6 +55,10 @@ pub struct TrainState {
     /// The monitored metric at this checkpoint, when validation ran.
     pub monitored: Option<f64>,
     pub finished: bool,
+    /// `train.unfreeze_at_epoch`: the optimizer step count at which the frozen parameters
+    /// started training, once they have.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unfrozen_at: Option<i64>,
 }
 
 /// `checkpoint.monitor` of a resolved spec.
@@ -570,6 +574,7 @@ mod tests {
             scaler: None,
             monitored,
             finished: false,
+            unfrozen_at: None,
         }
     }
 

@@ -13,7 +13,11 @@ use crate::spec::schema::{Device, Memory, Model, Precision, Train};
 #[derive(Debug, Clone)]
 pub struct Estimate {
     pub preset: String,
+    /// Trained weights (frozen ones apart).
     pub weights: u64,
+    /// Weights `train.freeze` keeps from training for the whole run: parameters without a
+    /// gradient or optimizer state.
+    pub frozen: u64,
     pub arch_weights: u64,
     /// Non-trained state such as BatchNorm running statistics.
     pub buffers: u64,
@@ -73,7 +77,7 @@ type Placement = (&'static str, fn(&mut Homes));
 impl Estimate {
     /// Trained values plus buffers, all of which live on the device.
     pub fn parameter_bytes(&self) -> u64 {
-        (self.weights + self.arch_weights + self.buffers) * self.bytes_per_value
+        (self.weights + self.frozen + self.arch_weights + self.buffers) * self.bytes_per_value
     }
     pub fn gradient_bytes(&self) -> u64 {
         (self.weights + self.arch_weights) * self.bytes_per_value
@@ -160,7 +164,7 @@ impl Estimate {
     /// as the forward runs (its cast cache), at most the trained weights at 2 bytes.
     pub fn autocast_cache_bytes(&self) -> u64 {
         match self.precision.autocast() {
-            Some(_) => (self.weights + self.arch_weights) * 2,
+            Some(_) => (self.weights + self.frozen + self.arch_weights) * 2,
             None => 0,
         }
     }
@@ -199,7 +203,7 @@ pub struct Sections<'a> {
 
 pub fn estimate(job: &Sections) -> Result<Estimate> {
     // Counting builds the model on the host; one too large for it is said, not a panic.
-    let c = match crate::oom::guarded(|| model::counts(job.model)) {
+    let c = match crate::oom::guarded(|| model::counts(job.model, job.train)) {
         Ok(counted) => counted?,
         Err(crate::oom::StepError::Oom { message, .. }) => {
             return Err(crate::exit::OomExit(format!(
@@ -225,6 +229,7 @@ pub fn estimate(job: &Sections) -> Result<Estimate> {
     Ok(Estimate {
         preset: job.model.preset.clone(),
         weights,
+        frozen: c.frozen,
         arch_weights: arch,
         buffers,
         bytes_per_value: t.precision.bytes(),
@@ -260,6 +265,9 @@ impl fmt::Display for Estimate {
             self.preset,
             human_count(self.weights)
         )?;
+        if self.frozen > 0 {
+            write!(f, " + {} frozen (train.freeze)", human_count(self.frozen))?;
+        }
         if self.arch_weights > 0 {
             write!(f, " + {} architecture weights", human_count(self.arch_weights))?;
         }

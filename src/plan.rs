@@ -613,6 +613,7 @@ pub fn fresh_state(shape: BatchShape) -> TrainState {
         scaler: None,
         monitored: None,
         finished: false,
+        unfrozen_at: None,
     }
 }
 

@@ -13,6 +13,9 @@ pub struct BatchNorm2d {
     running_mean: Tensor,
     running_var: Tensor,
     num_batches_tracked: Tensor,
+    /// `train.freeze_batchnorm_stats`: with weight and bias frozen, the layer runs as in eval
+    /// mode (its running statistics normalize and stay unchanged).
+    frozen_stats: std::sync::atomic::AtomicBool,
 }
 
 impl BatchNorm2d {
@@ -28,10 +31,24 @@ impl BatchNorm2d {
                 Tensor::zeros([], (Kind::Int64, p.device())),
                 false,
             ),
+            frozen_stats: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
+    /// Whether a layer whose weight and bias are both frozen keeps its running statistics.
+    pub fn keep_stats_when_frozen(&self, on: bool) {
+        self.frozen_stats.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Training mode for this forward: off where the layer is frozen and keeps its statistics
+    /// (decided at each forward, so unfreezing the layer brings it back).
+    fn trains(&self, train: bool) -> bool {
+        let frozen = !self.weight.requires_grad() && !self.bias.requires_grad();
+        train && !(frozen && self.frozen_stats.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
     pub fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
+        let train = self.trains(train);
         if train {
             // Not used with a fixed momentum, but part of the state a torchvision user expects.
             let _ = self.num_batches_tracked.shallow_clone().g_add_scalar_(1);

@@ -31,6 +31,8 @@ pub struct Counts {
     pub buffers: u64,
     /// The value count of each trained (non-architecture) tensor, in VarStore order.
     pub weight_sizes: Vec<u64>,
+    /// Weights `train.freeze` keeps from training (not in `weights`): no gradient, no state.
+    pub frozen: u64,
     /// The model is a sequence of blocks (levers that work block by block apply).
     pub has_blocks: bool,
     /// Each variable belongs to one block, so parameters can stream block by block.
@@ -426,9 +428,28 @@ fn no_target(o: &lora::LoraOptions, preset: &str, offered: &[String]) -> crate::
     ))
 }
 
+/// With `[model.lora]`, the parameters that do not train (the base), by name.
+pub fn lora_frozen(vs: &nn::VarStore, model: &Model) -> Result<Vec<String>> {
+    let Some(o) = lora_options(model)? else {
+        return Ok(vec![]);
+    };
+    Ok(parameters(vs)
+        .into_iter()
+        .map(|(n, _)| n)
+        .filter(|n| !o.trains(n))
+        .collect())
+}
+
+/// `train` with `names` frozen too: LoRA's base is frozen as `train.freeze` freezes, so the
+/// optimizer, the gradient buffers, the host levers and `check` leave it out alike.
+pub fn with_frozen(train: &crate::spec::schema::Train, names: Vec<String>) -> crate::spec::schema::Train {
+    let mut t = train.clone();
+    t.freeze.extend(names);
+    t
+}
+
 /// With `[model.lora]`, everything but the adapters and the extras stops training: its
-/// variables no longer require a gradient, so the optimizer, the gradient buffers and `check`'s
-/// count leave them out.
+/// variables no longer require a gradient.
 pub fn freeze_base(vs: &nn::VarStore, model: &Model) -> Result<()> {
     let Some(o) = lora_options(model)? else {
         return Ok(());
@@ -451,8 +472,55 @@ pub fn blockwise(net: &dyn Net, vs: &nn::VarStore) -> bool {
     net.chain().is_some_and(|c| block_vars(c, vs).is_ok())
 }
 
-/// Static counts for `memtrain check`: a CPU build's variables by role.
-pub fn counts(model: &Model) -> Result<Counts> {
+/// The VarStore's parameters (variables made trainable, frozen ones included: a frozen
+/// parameter does not require a gradient but is no buffer), by name in name order.
+pub fn parameters(vs: &nn::VarStore) -> Vec<(String, tch::Tensor)> {
+    split_variables(vs).0
+}
+
+/// The VarStore's buffers (BatchNorm's running statistics: variables that never train), by
+/// name in name order.
+pub fn buffers(vs: &nn::VarStore) -> Vec<(String, tch::Tensor)> {
+    split_variables(vs).1
+}
+
+/// Variables by name.
+type Named = Vec<(String, tch::Tensor)>;
+
+/// (parameters, buffers). A variable is a parameter when the VarStore lists it as trainable,
+/// whatever its `requires_grad` (freezing turns that off); the list holds the same tensors,
+/// so they are told apart by their storage.
+fn split_variables(vs: &nn::VarStore) -> (Named, Named) {
+    let trainable: std::collections::HashSet<usize> =
+        vs.trainable_variables().iter().map(|t| t.data_ptr() as usize).collect();
+    let mut vars: Vec<(String, tch::Tensor)> = vs.variables().into_iter().collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    vars.into_iter().partition(|(_, t)| match t.numel() {
+        // No storage to tell by: an empty tensor is what requires_grad says.
+        0 => t.requires_grad(),
+        _ => trainable.contains(&(t.data_ptr() as usize)),
+    })
+}
+
+/// The weights (parameters other than architecture weights) in name order, as parameter
+/// groups see them: with their block of the model's chain.
+pub fn param_infos(vs: &nn::VarStore, net: &dyn Net) -> Vec<crate::optim::ParamInfo> {
+    parameters(vs)
+        .into_iter()
+        .filter(|(n, _)| !n.starts_with(ARCH_PREFIX))
+        .map(|(name, t)| crate::optim::ParamInfo {
+            layer: net.chain().and_then(|c| c.layer_of(&name)),
+            ndim: t.dim(),
+            numel: t.numel() as u64,
+            name,
+        })
+        .collect()
+}
+
+/// Static counts for `memtrain check`: a CPU build's variables by role, with the weights that
+/// `train` freezes for the whole run apart (a run that unfreezes them later needs room for them
+/// by then, so they count as trained). Err: a `train` pattern that matches no weight.
+pub fn counts(model: &Model, train: &crate::spec::schema::Train) -> Result<Counts> {
     let vs = nn::VarStore::new(Device::Cpu);
     let built = tch::no_grad(|| build(&vs.root(), model))?;
     freeze_base(&vs, model)?;
@@ -462,11 +530,25 @@ pub fn counts(model: &Model) -> Result<Counts> {
         input_shape: built.input_shape.clone(),
         ..Counts::default()
     };
+    let infos = param_infos(&vs, built.net.as_ref());
+    let train = &with_frozen(train, lora_frozen(&vs, model)?);
+    let groups = crate::optim::Groups::resolve(train, &infos).map_err(crate::exit::UsageError)?;
+    let frozen: std::collections::HashSet<&str> = match train.unfreeze_at_epoch {
+        Some(_) => Default::default(),
+        None => infos
+            .iter()
+            .zip(&groups.of)
+            .filter(|(_, g)| g.is_none())
+            .map(|(p, _)| p.name.as_str())
+            .collect(),
+    };
     drop(built);
     for (name, t) in vs.variables() {
         let n = t.numel() as u64;
         if name.starts_with(ARCH_PREFIX) {
             c.arch_weights += n;
+        } else if frozen.contains(name.as_str()) {
+            c.frozen += n;
         } else if t.requires_grad() {
             c.weights += n;
             c.weight_sizes.push(n);
@@ -598,16 +680,20 @@ mod tests {
             ("resnet50", "num_classes = 1000", 25_557_032),
             ("vit", "num_classes = 1000", 86_567_656), // vit_b_16
         ] {
-            let c = counts(&model(preset, options)).unwrap();
+            let c = counts(&model(preset, options), &Default::default()).unwrap();
             assert_eq!(c.weights, params, "{preset}");
             assert_eq!(c.arch_weights, 0);
         }
         // The small stem is a 3×3 instead of a 7×7 convolution: 64·3·(49 − 9) fewer weights.
-        let c = counts(&model("resnet18", "num_classes = 1000\nsmall_stem = true")).unwrap();
+        let c = counts(
+            &model("resnet18", "num_classes = 1000\nsmall_stem = true"),
+            &Default::default(),
+        )
+        .unwrap();
         assert_eq!(c.weights, 11_689_512 - 64 * 3 * 40);
         // resnet18's BatchNorm buffers: running mean and variance per channel plus one counter
         // per BatchNorm (20 of them).
-        let c = counts(&model("resnet18", "num_classes = 10")).unwrap();
+        let c = counts(&model("resnet18", "num_classes = 10"), &Default::default()).unwrap();
         assert_eq!(c.buffers, 2 * 4800 + 20);
     }
 

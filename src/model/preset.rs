@@ -34,6 +34,9 @@ pub trait Net: std::fmt::Debug {
     fn adaptable(&self) -> Vec<String> {
         vec![]
     }
+    /// `train.freeze_batchnorm_stats`: whether the model's BatchNorm layers whose parameters
+    /// are all frozen run in eval mode; a model without such layers ignores it.
+    fn keep_frozen_norm_stats(&self, _on: bool) {}
 }
 
 /// A model as a sequence of blocks: block 0 takes `[input]`, each block takes the previous
@@ -48,6 +51,12 @@ pub trait Chain {
     /// is used outside one block (or the chain does not say), and parameters cannot stream.
     fn block_of(&self, _var: &str) -> Option<usize> {
         None
+    }
+
+    /// The layer id `train.layer_decay` gives the variable, as timm's `param_groups_layer_decay`
+    /// does for the model: by default the block that uses it.
+    fn layer_of(&self, var: &str) -> Option<usize> {
+        self.block_of(var)
     }
 }
 

@@ -258,6 +258,15 @@ impl Chain for ResNet {
 }
 
 impl Net for ResNet {
+    fn keep_frozen_norm_stats(&self, on: bool) {
+        self.bn1.keep_stats_when_frozen(on);
+        for b in &self.blocks {
+            for (_, bn) in b.convs.iter().chain(&b.downsample) {
+                bn.keep_stats_when_frozen(on);
+            }
+        }
+    }
+
     fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
         run_chain(self, xs, train)
     }

@@ -403,6 +403,14 @@ impl Chain for Vit {
         vec![out]
     }
 
+    /// timm's: the final norm is the last encoder block's layer, the head one above it.
+    fn layer_of(&self, var: &str) -> Option<usize> {
+        match var.starts_with("encoder.ln.") {
+            true => Some(self.layers.len()),
+            false => self.block_of(var),
+        }
+    }
+
     /// The embedding: `conv_proj`, `class_token`, `encoder.pos_embedding`, `ln_pre`; encoder
     /// layer `N`: block `N + 1`; the head: `encoder.ln`, `projection`, `heads`.
     fn block_of(&self, var: &str) -> Option<usize> {

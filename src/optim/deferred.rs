@@ -31,6 +31,8 @@ use crate::shim::HostScope;
 /// One run of a host update: a range of the live parameters, all of one block.
 pub(super) struct Run {
     pub block: usize,
+    /// The class (parameter group) of every parameter of the run.
+    pub class: usize,
     pub range: Range<usize>,
     /// Gradients staged off the device: when this run's have landed.
     pub arrival: Option<Fence>,
@@ -132,11 +134,12 @@ impl Optimizer {
             landed.host_waits();
         }
         let t0 = std::time::Instant::now();
+        let step = self.class_step(run.class, p.step);
         // Whatever the update allocates is the host's: on the CPU, never against the device's
         // cap (it may run inside the next step's forward).
         let _host = HostScope::enter();
         let Optimizer {
-            rule,
+            rules,
             params,
             state,
             multipliers,
@@ -149,13 +152,13 @@ impl Optimizer {
         let chunk = &p.live[run.range];
         tch::no_grad(|| {
             implementation.apply(Batch {
-                rule: &**rule,
-                step: p.step,
+                rule: &*rules[run.class],
+                step,
                 params: &mut p.targets,
                 live: chunk,
                 state,
                 workspace: &p.workspace,
-                multipliers,
+                multipliers: &multipliers[run.class],
                 forms_of: *forms_of,
                 grads_on_host: false,
                 grad_scale: &p.grad_scale,

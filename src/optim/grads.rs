@@ -27,9 +27,17 @@ pub struct GradBuffers {
 }
 
 impl GradBuffers {
-    pub fn allocate(host: &Host, params: &[(String, Tensor)]) -> Self {
+    /// Buffers for the parameters that train (`class_of[i]` is Some); a frozen one has none.
+    pub fn allocate(host: &Host, params: &[(String, Tensor)], class_of: &[Option<usize>]) -> Self {
         GradBuffers {
-            buffers: params.iter().map(|(_, p)| host.zeros_like(p)).collect(),
+            buffers: params
+                .iter()
+                .zip(class_of)
+                .map(|((_, p), c)| match c {
+                    Some(_) => host.zeros_like(p),
+                    None => Tensor::new(),
+                })
+                .collect(),
             written: vec![false; params.len()],
             pending: Vec::new(),
             arrived: None,

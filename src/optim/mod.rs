@@ -35,11 +35,14 @@
 //! count is what makes a restored optimizer continue exactly.
 mod adam;
 mod adam8;
+mod classes;
 mod clip;
 mod deferred;
 mod forms;
 mod grads;
+mod groups;
 mod implementation;
+mod masters;
 mod quant;
 mod rule;
 mod schedule;
@@ -60,8 +63,10 @@ pub use adam8::state_bytes_8bit;
 pub use clip::{clip_grad_norm, clip_grads};
 use forms::{Forms, Multipliers};
 use grads::GradBuffers;
+pub use groups::{excluded_from_decay, glob, GroupReport, GroupSetting, Groups, ParamInfo};
 pub use implementation::{refusal, resolve, Placement};
 use implementation::{Batch, Implementation, Reserve};
+use masters::{update_runs, Masters};
 pub use quant::dynamic_map;
 pub use rule::Slot;
 use rule::{Rule, Step};
@@ -110,17 +115,22 @@ impl Hyper {
     }
 
     fn rule(&self) -> Box<dyn Rule> {
+        self.rule_with(self.weight_decay)
+    }
+
+    /// The rule with a parameter group's own weight decay.
+    fn rule_with(&self, weight_decay: f64) -> Box<dyn Rule> {
         let adam = |decay| adam::Adam {
             betas: self.betas,
             eps: self.eps,
-            weight_decay: self.weight_decay,
+            weight_decay,
             decay,
         };
         match self.kind {
             OptimizerKind::Sgd => Box::new(sgd::Sgd {
                 momentum: self.momentum,
                 nesterov: self.nesterov,
-                weight_decay: self.weight_decay,
+                weight_decay,
             }),
             OptimizerKind::Adam | OptimizerKind::Adamw if self.state_bits == 8 => {
                 let decay = match self.kind {
@@ -143,11 +153,16 @@ impl Hyper {
 /// copy of the first gradient (tracked per parameter), not updated from zero.
 pub struct Optimizer {
     hyper: Hyper,
-    rule: Box<dyn Rule>,
+    /// Per class (a parameter group and the step its parameters started at): the rule with the
+    /// group's weight decay, and its multipliers.
+    rules: Vec<Box<dyn Rule>>,
+    multipliers: Vec<Multipliers>,
+    classes: Vec<classes::Class>,
+    /// Each parameter's class; None: frozen (no gradient, no state).
+    class_of: Vec<Option<usize>>,
     /// Shallow clones of the VarStore variables: in-place updates reach the model.
     params: Vec<(String, Tensor)>,
     state: StateStore,
-    multipliers: Multipliers,
     /// Which forms reproduce PyTorch's kernels on a (device, kind); a test replaces it to run
     /// the forms of another device on the CPU.
     forms_of: fn(Device, Kind) -> Forms,
@@ -174,35 +189,6 @@ pub struct Optimizer {
     blocks: Option<Vec<usize>>,
     /// A host update applied and not yet finished.
     pending: Option<deferred::Pending>,
-}
-
-/// The host's copy of each parameter a host update writes, made when the first such update
-/// needs it: the master copy, so that a step uploads parameters and never downloads them. Only
-/// the optimizer writes parameters between steps; whatever else writes them (a checkpoint's
-/// state, a placement change, a move) drops the copies, and the next update makes them again.
-#[derive(Default)]
-struct Masters(Vec<Option<Tensor>>);
-
-impl Masters {
-    /// The tensors the host update writes: each parameter itself where it rests on the CPU (a
-    /// CPU run, streamed parameters), its master copy where it lives on a CUDA device.
-    fn targets(&mut self, host: &Host, params: &[(String, Tensor)], live: &[(usize, Tensor)]) -> Vec<(String, Tensor)> {
-        self.0.resize_with(params.len(), || None);
-        let mut out: Vec<(String, Tensor)> = params.iter().map(|(n, p)| (n.clone(), p.shallow_clone())).collect();
-        for (i, _) in live {
-            let p = &params[*i].1;
-            if p.device() == Device::Cpu {
-                continue;
-            }
-            let master = self.0[*i].get_or_insert_with(|| host.copy_of(p));
-            out[*i].1 = master.shallow_clone();
-        }
-        out
-    }
-
-    fn drop_all(&mut self) {
-        self.0.clear();
-    }
 }
 
 impl std::fmt::Debug for Optimizer {
@@ -265,11 +251,34 @@ impl Optimizer {
     /// With its state allocated on `home` from the start (host memory never passes through
     /// the device, where it might not fit).
     pub fn placed(hyper: Hyper, params: Vec<(String, Tensor)>, shard: Option<Shard>, home: Home) -> Self {
+        let groups = Groups::single(params.len(), hyper.weight_decay);
+        Self::grouped(hyper, params, groups, shard, home)
+    }
+
+    /// With the parameters in `groups` (a frozen one gets no state, and no gradient: it is
+    /// made not to require one).
+    pub fn grouped(
+        hyper: Hyper,
+        params: Vec<(String, Tensor)>,
+        groups: Groups,
+        shard: Option<Shard>,
+        home: Home,
+    ) -> Self {
         let rule = hyper.rule();
         let device = params.first().map_or(Device::Cpu, |(_, p)| p.device());
         let host = Host::new(device);
+        let (classes, class_of) = classes::Class::of_groups(&groups);
+        for ((_, p), c) in params.iter().zip(&class_of) {
+            if c.is_none() {
+                // A frozen parameter never gets a gradient.
+                let _ = p.shallow_clone().set_requires_grad(false);
+            }
+        }
         let state = StateStore::allocate(
-            |p| rule.layout(p),
+            |i, p| match class_of[i] {
+                Some(_) => rule.layout(p),
+                None => Vec::new(),
+            },
             &params,
             |i| steps_param(shard.as_ref(), i),
             home,
@@ -283,11 +292,16 @@ impl Optimizer {
             host_update_seconds: None,
             blocks: None,
             pending: None,
+            rules: classes
+                .iter()
+                .map(|c| hyper.rule_with(c.setting.weight_decay))
+                .collect(),
+            multipliers: classes.iter().map(|_| Multipliers::default()).collect(),
+            classes,
+            class_of,
             hyper,
-            rule,
             params,
             state,
-            multipliers: Multipliers::default(),
             forms_of: Forms::of,
             shard,
             steps: 0,
@@ -379,15 +393,18 @@ impl Optimizer {
             let (live, targets) = match self.state.home() {
                 Home::Device => {
                     let live = self.live_grads();
-                    self.implementation.reserve(Reserve {
-                        rule: &*self.rule,
-                        params: &self.params,
-                        live: &live,
-                        multipliers: &mut self.multipliers,
-                        forms_of: self.forms_of,
-                        workspace: &mut workspace,
-                        grads_on_host: self.host_grads.is_some(),
-                    });
+                    let grads_on_host = self.host_grads.is_some();
+                    for (c, members) in self.by_class(&live) {
+                        self.implementation.reserve(Reserve {
+                            rule: &*self.rules[c],
+                            params: &self.params,
+                            live: &members,
+                            multipliers: &mut self.multipliers[c],
+                            forms_of: self.forms_of,
+                            workspace: &mut workspace,
+                            grads_on_host,
+                        });
+                    }
                     (live, Vec::new())
                 }
                 Home::Host => {
@@ -396,20 +413,22 @@ impl Optimizer {
                     if let Some(blocks) = &self.blocks {
                         deferred::block_order(blocks, &mut live);
                     }
-                    runs = update_runs(&live, |i| self.block_of(i));
+                    runs = update_runs(&live, |i| (self.block_of(i), self.class_of[i]));
                     let (live, fences) = self.host_live(live, &runs);
                     arrivals = fences;
                     let targets = self.masters.targets(&self.host, &self.params, &live);
                     // The update runs where its gradients, state and targets all are: on the host.
-                    self.implementation.reserve(Reserve {
-                        rule: &*self.rule,
-                        params: &targets,
-                        live: &live,
-                        multipliers: &mut self.multipliers,
-                        forms_of: self.forms_of,
-                        workspace: &mut host_workspace,
-                        grads_on_host: false,
-                    });
+                    for (c, members) in self.by_class(&live) {
+                        self.implementation.reserve(Reserve {
+                            rule: &*self.rules[c],
+                            params: &targets,
+                            live: &members,
+                            multipliers: &mut self.multipliers[c],
+                            forms_of: self.forms_of,
+                            workspace: &mut host_workspace,
+                            grads_on_host: false,
+                        });
+                    }
                     (live, targets)
                 }
             };
@@ -451,7 +470,7 @@ impl Optimizer {
         }
         let staged = self
             .staged
-            .get_or_insert_with(|| GradBuffers::allocate(&self.host, &self.params));
+            .get_or_insert_with(|| GradBuffers::allocate(&self.host, &self.params, &self.class_of));
         let fences = staged.stage(&self.host, &self.params, &live, runs);
         let on_host = live
             .iter()
@@ -476,8 +495,10 @@ impl Optimizer {
             number: self.steps + 1,
             lr,
         };
-        let values = self.rule.multipliers(step);
-        tch::no_grad(|| self.multipliers.refill(&values));
+        for c in 0..self.classes.len() {
+            let values = self.rules[c].multipliers(self.class_step(c, step));
+            tch::no_grad(|| self.multipliers[c].refill(&values));
+        }
         if self.state.home() == Home::Host {
             self.apply_on_host(prepared, step)?;
         } else {
@@ -487,20 +508,23 @@ impl Optimizer {
                 grad_scale,
                 ..
             } = prepared;
-            tch::no_grad(|| {
-                self.implementation.apply(Batch {
-                    rule: &*self.rule,
-                    step,
-                    params: &mut self.params,
-                    live: &live,
-                    state: &mut self.state,
-                    workspace: &workspace,
-                    multipliers: &self.multipliers,
-                    forms_of: self.forms_of,
-                    grads_on_host: self.host_grads.is_some(),
-                    grad_scale: &grad_scale,
-                })
-            })?;
+            for (c, members) in self.by_class(&live) {
+                let class_step = self.class_step(c, step);
+                tch::no_grad(|| {
+                    self.implementation.apply(Batch {
+                        rule: &*self.rules[c],
+                        step: class_step,
+                        params: &mut self.params,
+                        live: &members,
+                        state: &mut self.state,
+                        workspace: &workspace,
+                        multipliers: &self.multipliers[c],
+                        forms_of: self.forms_of,
+                        grads_on_host: self.host_grads.is_some(),
+                        grad_scale: &grad_scale,
+                    })
+                })?;
+            }
         }
         self.steps = step.number;
         Ok(())
@@ -531,6 +555,7 @@ impl Optimizer {
             .into_iter()
             .map(|range| deferred::Run {
                 block: self.block_of(live[range.start].0),
+                class: self.class_of[live[range.start].0].expect("a live parameter trains"),
                 range,
                 arrival: arrivals.next(),
             })
@@ -649,7 +674,7 @@ impl Optimizer {
             Home::Host => Some(
                 self.host_grads
                     .take()
-                    .unwrap_or_else(|| GradBuffers::allocate(&self.host, &self.params)),
+                    .unwrap_or_else(|| GradBuffers::allocate(&self.host, &self.params, &self.class_of)),
             ),
             Home::Device => None,
         };
@@ -699,7 +724,7 @@ impl Optimizer {
             // spec changed, which the user decides.
             return Err(crate::exit::UsageError(format!(
                 "the checkpoint's optimizer state does not fit this run's {} optimizer ({}): resume with the \
-                 train.optimizer and train.optimizer_state_bits the checkpoint was written with (its spec.toml)",
+                 train.optimizer and train.optimizer_state_bits the checkpoint was written with (its spec.toml), and its train.freeze",
                 format!("{:?}", self.hyper.kind).to_lowercase(),
                 problems.join("; ")
             ))
@@ -719,26 +744,7 @@ impl Optimizer {
         self.masters.drop_all();
         self.staged = None;
         self.state.move_to(device);
-        self.multipliers.retain_on(device);
+        self.multipliers.iter_mut().for_each(|m| m.retain_on(device));
         self.choose_implementation();
     }
-}
-
-/// The live parameters in runs of about 64 MiB of gradient bytes, as ranges of `live`, each
-/// within one block (`block_of` a parameter): a host update waits for one run's gradients,
-/// updates it and sends it up while the next run's gradients land and the previous run's
-/// parameters travel.
-fn update_runs(live: &[(usize, Tensor)], block_of: impl Fn(usize) -> usize) -> Vec<std::ops::Range<usize>> {
-    const RUN_BYTES: u64 = 64 << 20;
-    let mut out = Vec::new();
-    let (mut start, mut bytes) = (0, 0);
-    for (j, (i, g)) in live.iter().enumerate() {
-        bytes += crate::memory::tensor_bytes(g);
-        let last_of_block = live.get(j + 1).is_none_or(|(next, _)| block_of(*next) != block_of(*i));
-        if bytes >= RUN_BYTES || last_of_block {
-            out.push(start..j + 1);
-            (start, bytes) = (j + 1, 0);
-        }
-    }
-    out
 }

@@ -32,6 +32,21 @@ fn zeros(s: &Slot, p: &Tensor) -> Tensor {
     }
 }
 
+/// Zeros for `slots` of parameter `p`, on `home`.
+fn fresh(slots: &[Slot], p: &Tensor, home: Home, host: &Host) -> Vec<Tensor> {
+    tch::no_grad(|| match home {
+        Home::Device => slots.iter().map(|s| zeros(s, p)).collect(),
+        Home::Host => slots
+            .iter()
+            .map(|s| {
+                let mut t = host.empty(&s.size, s.kind);
+                let _ = t.zero_();
+                t
+            })
+            .collect(),
+    })
+}
+
 /// A checkpoint's state tensor named `<slot>/<param name>`.
 fn state_name(slot: &str, param: &str) -> String {
     format!("{slot}/{param}")
@@ -41,36 +56,39 @@ impl StateStore {
     /// Zeros laid out by `layout` for each parameter `i` with `stepped(i)`, on `home`: PyTorch's
     /// lazily created state starts at zero too (SGD's momentum buffer is tracked by `written`).
     pub fn allocate(
-        layout: impl Fn(&Tensor) -> Vec<Slot>,
+        layout: impl Fn(usize, &Tensor) -> Vec<Slot>,
         params: &[(String, Tensor)],
         stepped: impl Fn(usize) -> bool,
         home: Home,
         host: &Host,
     ) -> Self {
-        let layouts: Vec<Vec<Slot>> = params.iter().map(|(_, p)| layout(p)).collect();
-        let params = tch::no_grad(|| {
-            params
-                .iter()
-                .zip(&layouts)
-                .enumerate()
-                .map(|(i, ((_, p), slots))| ParamState {
-                    tensors: match (stepped(i), home) {
-                        (true, Home::Device) => slots.iter().map(|s| zeros(s, p)).collect(),
-                        (true, Home::Host) => slots
-                            .iter()
-                            .map(|s| {
-                                let mut t = host.empty(&s.size, s.kind);
-                                let _ = t.zero_();
-                                t
-                            })
-                            .collect(),
-                        (false, _) => Vec::new(),
-                    },
-                    written: false,
-                })
-                .collect()
-        });
+        let layouts: Vec<Vec<Slot>> = params.iter().enumerate().map(|(i, (_, p))| layout(i, p)).collect();
+        let params = params
+            .iter()
+            .zip(&layouts)
+            .enumerate()
+            .map(|(i, ((_, p), slots))| ParamState {
+                tensors: match stepped(i) {
+                    true => fresh(slots, p, home, host),
+                    false => Vec::new(),
+                },
+                written: false,
+            })
+            .collect();
         StateStore { layouts, params, home }
+    }
+
+    /// Parameter `i`, which had no state (frozen), gets `slots`, as zeros where this process
+    /// steps it, not yet written: it starts training.
+    pub fn start(&mut self, i: usize, slots: Vec<Slot>, p: &Tensor, stepped: bool, host: &Host) {
+        self.params[i] = ParamState {
+            tensors: match stepped {
+                true => fresh(&slots, p, self.home, host),
+                false => Vec::new(),
+            },
+            written: false,
+        };
+        self.layouts[i] = slots;
     }
 
     /// Parameter `i`'s slots.

@@ -376,6 +376,68 @@ pub struct Summary {
     /// records' own counts).
     #[serde(default)]
     pub host_reads: u64,
+    /// What trained: the parameter groups and the frozen parameters (absent in summaries from
+    /// before it was recorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub training: Option<TrainingSummary>,
+}
+
+/// The weights by what they train with, and what training them costs.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TrainingSummary {
+    pub trainable_parameters: u64,
+    /// Parameters `train.freeze` kept from training at the end (0 once unfrozen).
+    pub frozen_parameters: u64,
+    /// One step's gradients: the bytes of every parameter that trains.
+    pub gradient_bytes: u64,
+    /// The optimizer state this process holds.
+    pub optimizer_state_bytes: u64,
+    pub groups: Vec<GroupLine>,
+}
+
+impl TrainingSummary {
+    /// The groups in one line per group, as the run and `memtrain report` print them.
+    pub fn lines(&self) -> Vec<String> {
+        let t = self;
+        let mut out: Vec<String> = t
+            .groups
+            .iter()
+            .map(|g| {
+                format!(
+                    "group {}: {} parameters in {} tensors, lr x{}, weight decay {}{}",
+                    g.name,
+                    crate::human::human_count(g.parameters),
+                    g.tensors,
+                    g.lr_scale,
+                    g.weight_decay,
+                    match g.start_step {
+                        0 => String::new(),
+                        s => format!(", training from step {}", s + 1),
+                    }
+                )
+            })
+            .collect();
+        if t.frozen_parameters > 0 {
+            out.push(format!(
+                "frozen: {} parameters (train.freeze)",
+                crate::human::human_count(t.frozen_parameters)
+            ));
+        }
+        out
+    }
+}
+
+/// One parameter group.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GroupLine {
+    pub name: String,
+    pub parameters: u64,
+    pub tensors: usize,
+    /// Multiplies the scheduled learning rate (`train.lr`).
+    pub lr_scale: f64,
+    pub weight_decay: f64,
+    /// The optimizer step count its parameters started training at (0, or when unfrozen).
+    pub start_step: i64,
 }
 
 /// The cache-clearing counters as records carry them (the policy itself stays with the run).

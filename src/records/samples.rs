@@ -245,6 +245,7 @@ pub fn summary(status: Status, global_steps: i64) -> Summary {
             optimizer_impl: Some("fused".into()),
         },
         host_reads: 5,
+        training: None,
     }
 }
 

@@ -26,6 +26,7 @@ pub struct Closing {
     pub oom: OomCounts,
     pub precision: PrecisionSummary,
     pub host_reads: u64,
+    pub training: Option<super::events::TrainingSummary>,
 }
 
 #[derive(Debug, Default)]
@@ -128,6 +129,7 @@ impl SummarySink {
             },
             precision: c.precision,
             host_reads: c.host_reads,
+            training: c.training,
         }
     }
 }
@@ -162,6 +164,7 @@ mod tests {
             oom: OomCounts::default(),
             precision: PrecisionSummary::default(),
             host_reads: 4,
+            training: None,
         }
     }
 

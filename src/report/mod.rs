@@ -385,6 +385,15 @@ impl Run {
         if let Some(w) = self.data_wait() {
             line(format!("data wait: {w}"));
         }
+        if let Some(t) = self.summary.as_ref().and_then(|s| s.training.as_ref()) {
+            let plain = t.frozen_parameters == 0
+                && t.groups.len() == 1
+                && t.groups[0].lr_scale == 1.0
+                && t.groups[0].start_step == 0;
+            if !plain {
+                t.lines().into_iter().for_each(&mut line);
+            }
+        }
         if let Some(s) = &self.segments {
             line(format!(
                 "allocator at the OOM: {} segments, {} reserved, {} allocated, largest free block {}{}",

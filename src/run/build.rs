@@ -52,19 +52,17 @@ impl Factory<'_> {
     fn build(&self, mut execution: Execution, session: Session) -> Result<Components> {
         let spec = &self.plan.spec;
         let device = self.plan.device.tch();
-        if spec.memory.parameters.is_host() && execution.group().is_some() {
-            return Err(UsageError(
-                "memory.parameters = \"host\" streams the parameters through one process's device and cannot be data-parallel (the ranks reduce gradients on the device as backward makes them); keep \"device\" and shard the optimizer state (train.shard_optimizer_state = true), or train in one process".into(),
-            )
-            .into());
-        }
+        streams_alone(spec.memory.parameters.is_host(), &execution)?;
         tch::manual_seed(spec.job.seed);
         let (vs, built) = self.build_model()?;
         trainable(&vs, &spec.model.preset)?;
+        let parallel = execution.group().is_some();
+        let train = model::with_frozen(&spec.train, model::lora_frozen(&vs, &spec.model)?);
+        let (groups, unfreeze) = super::finetune::groups(&train, &vs, built.net.as_ref(), parallel)?;
         let data = self.load_data(&built, device)?;
         let (mut opt, arch) = {
             let _host = spec.memory.parameters.is_host().then(shim::HostScope::enter);
-            self.build_optimizers(&vs, &execution)?
+            self.build_optimizers(&vs, &execution, groups)?
         };
         // Parameters built on the host still stream to the run's device.
         opt.host_for(device);
@@ -78,6 +76,7 @@ impl Factory<'_> {
             net: built.net,
             opt,
             stream: None,
+            unfreeze,
         };
         let mut state = self.plan.start.clone();
         let mut arch = arch.map(|(step, opt)| ArchStep::new(step, opt, state.arch.clone(), spec.job.seed));
@@ -101,7 +100,14 @@ impl Factory<'_> {
         // Optimizer state needs no sharing: fresh, or read from the same checkpoint by every rank.
         let mut vars: Vec<(String, Tensor)> = model.vs.variables().into_iter().collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
-        let params: Vec<&Tensor> = model.opt.params().iter().map(|(_, t)| t).collect();
+        // A frozen parameter gets no gradient to reduce.
+        let params: Vec<&Tensor> = model
+            .opt
+            .params()
+            .iter()
+            .map(|(_, t)| t)
+            .filter(|t| t.requires_grad())
+            .collect();
         execution.share_model(&vars, &params)?;
         let m = &spec.memory;
         Ok(Components {
@@ -223,13 +229,16 @@ impl Factory<'_> {
         &self,
         vs: &nn::VarStore,
         execution: &Execution,
+        groups: crate::optim::Groups,
     ) -> Result<(Optimizer, Option<(model::ExtraStep, Optimizer)>)> {
         let spec = &self.plan.spec;
         let t = &spec.train;
         let (weights, arch) = split_params(vs);
         let shard = match execution.group() {
             Some(d) if t.shard_optimizer_state => {
-                let numels: Vec<i64> = weights.iter().map(|(_, p)| p.numel() as i64).collect();
+                // A frozen parameter has no state to balance.
+                let numel = |((_, p), g): (&(String, Tensor), &Option<usize>)| g.map_or(0, |_| p.numel() as i64);
+                let numels: Vec<i64> = weights.iter().zip(&groups.of).map(numel).collect();
                 Some(Shard::balanced(&numels, d.size(), d.rank()))
             }
             _ => None,
@@ -253,7 +262,7 @@ impl Factory<'_> {
                 .map(|e| format!("the optimizer state is {}", human_bytes(e.optimizer_bytes())))
         };
         let opt = setup_step(OPTIMIZER_STATE, &needs, &CHANGE_OPTIMIZER, || {
-            Optimizer::placed(Hyper::from_train(t), weights, shard, home)
+            Optimizer::grouped(Hyper::from_train(t), weights, groups.clone(), shard, home)
         })?;
         let extra = match model::extra_step(&spec.model) {
             Some(x) => Some((
@@ -611,12 +620,22 @@ fn dir_bytes(p: &Path) -> u64 {
     }
 }
 
-/// Weight-optimizer parameters: every trainable variable that is not an architecture weight,
-/// in name order so optimizer state lines up across runs.
+/// Streamed parameters go through one process's device: not data-parallel.
+fn streams_alone(streamed: bool, execution: &Execution) -> Result<(), UsageError> {
+    if streamed && execution.group().is_some() {
+        return Err(UsageError(
+            "memory.parameters = \"host\" streams the parameters through one process's device and cannot be data-parallel (the ranks reduce gradients on the device as backward makes them); keep \"device\" and shard the optimizer state (train.shard_optimizer_state = true), or train in one process".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Weight-optimizer parameters: every parameter (frozen ones too) that is not an architecture
+/// weight, in name order so optimizer state lines up across runs.
 fn split_params(vs: &nn::VarStore) -> (NamedTensors, NamedTensors) {
-    let mut all: Vec<(String, Tensor)> = vs.variables().into_iter().filter(|(_, t)| t.requires_grad()).collect();
-    all.sort_by(|a, b| a.0.cmp(&b.0));
-    all.into_iter().partition(|(n, _)| !n.starts_with(ARCH_PREFIX))
+    model::parameters(vs)
+        .into_iter()
+        .partition(|(n, _)| !n.starts_with(ARCH_PREFIX))
 }
 /// Copies named tensors into the VarStore's variables that `kept` keeps, insisting that names
 /// and shapes match exactly.

@@ -4,6 +4,7 @@ mod clock;
 mod components;
 mod engage;
 mod execution;
+mod finetune;
 mod forward;
 mod oom_answer;
 mod parts;

@@ -20,6 +20,8 @@ pub struct Trained {
     pub sched: LrSchedule,
     /// `memory.parameters = "host"`: the variables rest on the host, streamed block by block.
     pub stream: Option<Streamer>,
+    /// `train.unfreeze_at_epoch`: when the frozen parameters start training.
+    pub unfreeze: Option<Unfreeze>,
     pub kept: Kept,
 }
 
@@ -54,17 +56,19 @@ impl Kept {
     }
 }
 
+/// `train.unfreeze_at_epoch`: at the start of `epoch` (0-based) the frozen parameters start
+/// training in the groups of `all`.
+#[derive(Debug, Clone)]
+pub struct Unfreeze {
+    pub epoch: i64,
+    pub all: crate::optim::Groups,
+}
+
 impl Trained {
     /// The model's buffers (BatchNorm running statistics) in name order.
     pub fn buffers(&self) -> Vec<Tensor> {
-        let mut v: Vec<(String, Tensor)> = self
-            .vs
-            .variables()
-            .into_iter()
-            .filter(|(_, t)| !t.requires_grad())
-            .collect();
-        v.sort_by(|a, b| a.0.cmp(&b.0));
-        v.into_iter().map(|(_, t)| t).collect()
+        // Not by requires_grad: a frozen parameter is no buffer.
+        crate::model::buffers(&self.vs).into_iter().map(|(_, t)| t).collect()
     }
 }
 

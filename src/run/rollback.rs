@@ -48,12 +48,8 @@ impl Rollback {
     /// as it answers the attempt's own.
     pub fn take(vs: &nn::VarStore, device: Device) -> Result<Rollback, StepError> {
         let place = Place::of(device);
-        let buffers: Vec<Tensor> = vs
-            .variables()
-            .into_iter()
-            .filter(|(_, t)| !t.requires_grad())
-            .map(|(_, t)| t)
-            .collect();
+        // Not by requires_grad: a frozen parameter is no buffer, and copying it would cost its size.
+        let buffers: Vec<Tensor> = crate::model::buffers(vs).into_iter().map(|(_, t)| t).collect();
         oom::guarded_counting(
             || memory::oom_count(place),
             || {

@@ -149,6 +149,7 @@ impl Trainer {
         let before = memory::sample(place);
         memory::reset_peaks(place);
         self.state.weight_steps = self.model.opt.steps_taken();
+        self.state.unfrozen_at = self.model.opt.unfrozen_at();
         let pos = self.recovery.position();
         self.state.micro_batch = pos.shape.micro_batch;
         self.state.accumulation_steps = pos.shape.accumulation_steps;

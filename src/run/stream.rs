@@ -48,13 +48,17 @@ impl Streamer {
     /// Err: the name of a variable that belongs to no one block.
     pub fn new(vs: &nn::VarStore, chain: &dyn Chain, host: Host) -> Result<Self, String> {
         let by_block = block_vars(chain, vs)?;
+        // Not by requires_grad: a frozen parameter is no buffer (the optimizer may write its
+        // host copy once it is unfrozen, which a buffer's copy-back would overwrite).
+        let buffers: std::collections::HashSet<String> =
+            crate::model::buffers(vs).into_iter().map(|(n, _)| n).collect();
         let blocks: Vec<Vec<Streamed>> = by_block
             .into_iter()
             .map(|vars| {
                 vars.into_iter()
-                    .map(|(_, var)| {
+                    .map(|(name, var)| {
                         let home = host.copy_of(&var);
-                        let buffer = !var.requires_grad();
+                        let buffer = buffers.contains(&name);
                         var.shallow_clone().set_data(&home);
                         Streamed { var, home, buffer }
                     })

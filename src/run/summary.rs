@@ -86,6 +86,7 @@ impl Trainer {
                 optimizer_impl: Some(self.model.opt.implementation().name().into()),
             },
             host_reads: readback::count(),
+            training: Some(self.model.training_summary()),
         };
         // After the peaks are read: building the pickle raises the process's RSS.
         self.write_end_snapshot();

@@ -309,6 +309,7 @@ impl Trainer {
         let e = self.recovery.configured().effective();
         let order = data::epoch_order(n, self.settings.seed, epoch);
         let groups: Vec<&[i64]> = order.chunks(e as usize).collect();
+        self.model.unfreeze_if_due(epoch);
         memory::reset_peaks(self.place());
         clock.t0 = Instant::now();
         self.stager.start_epoch(self.device());

@@ -521,6 +521,41 @@ pub struct Train {
     pub lr_gamma: f64,
     /// Cosine schedule: the rate it decays to.
     pub min_lr: f64,
+    /// Name patterns of the parameters that do not train (no gradient, no optimizer state).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub freeze: Vec<String>,
+    /// A BatchNorm layer whose weight and bias are both frozen runs in eval mode: its running
+    /// statistics neither normalize the batch nor change.
+    pub freeze_batchnorm_stats: bool,
+    /// The epoch (1-based) at whose start the frozen parameters begin to train.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unfreeze_at_epoch: Option<i64>,
+    /// Parameter groups by name pattern: the first group a parameter matches sets its learning
+    /// rate scale and weight decay.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub param_groups: Vec<ParamGroup>,
+    /// Biases, 1-D weights, class tokens and position embeddings take no weight decay.
+    pub no_decay: bool,
+    /// ViT layer-wise learning-rate decay: each block's rate is scaled by this per block above it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub layer_decay: Option<f64>,
+}
+
+/// `[[train.param_groups]]`: the parameters whose names match one of `match`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParamGroup {
+    #[serde(rename = "match")]
+    pub patterns: Vec<String>,
+    #[serde(default = "one")]
+    pub lr_scale: f64,
+    /// None: `train.weight_decay` (with `no_decay`'s rule).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub weight_decay: Option<f64>,
+}
+
+fn one() -> f64 {
+    1.0
 }
 
 impl Default for Train {
@@ -548,6 +583,12 @@ impl Default for Train {
             lr_step_epochs: 10,
             lr_gamma: 0.1,
             min_lr: 0.0,
+            freeze: Vec::new(),
+            freeze_batchnorm_stats: true,
+            unfreeze_at_epoch: None,
+            param_groups: Vec::new(),
+            no_decay: false,
+            layer_decay: None,
         }
     }
 }

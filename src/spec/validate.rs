@@ -335,6 +335,46 @@ fn train(p: &mut Problems, t: &Train) {
     if t.lr.is_finite() && t.lr > 0.0 {
         in_range(p, "train.min_lr", t.min_lr, 0.0, t.lr, "[0, train.lr]");
     }
+    finetune(p, t);
+}
+
+/// Freezing and parameter groups: what can be checked without the model's names (the build
+/// checks that every pattern matches a parameter).
+fn finetune(p: &mut Problems, t: &Train) {
+    let blank = |v: &[String]| v.iter().any(|s| s.trim().is_empty());
+    if blank(&t.freeze) {
+        p.push(("train.freeze".into(), "has an empty pattern".into()));
+    }
+    if let Some(e) = t.unfreeze_at_epoch {
+        if t.freeze.is_empty() {
+            p.push((
+                "train.unfreeze_at_epoch".into(),
+                "needs train.freeze: there is nothing frozen to unfreeze".into(),
+            ));
+        }
+        if e < 2 || e > t.epochs {
+            p.push((
+                "train.unfreeze_at_epoch".into(),
+                format!(
+                    "must be an epoch after the first and at most train.epochs ({}), got {e}",
+                    t.epochs
+                ),
+            ));
+        }
+    }
+    for (i, g) in t.param_groups.iter().enumerate() {
+        let key = |k: &str| format!("train.param_groups[{i}].{k}");
+        if g.patterns.is_empty() || blank(&g.patterns) {
+            p.push((key("match"), "must list at least one non-empty name pattern".into()));
+        }
+        positive(p, &key("lr_scale"), g.lr_scale);
+        if let Some(wd) = g.weight_decay {
+            in_range(p, &key("weight_decay"), wd, 0.0, f64::MAX, "[0, ∞)");
+        }
+    }
+    if let Some(d) = t.layer_decay {
+        in_range(p, "train.layer_decay", d, f64::MIN_POSITIVE, 1.0, "(0, 1]");
+    }
 }
 
 fn optimizer_name(o: OptimizerKind) -> String {

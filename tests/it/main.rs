@@ -9,6 +9,7 @@ mod distributed;
 mod docs;
 mod eval;
 mod finetune_data;
+mod finetune_groups;
 mod fit;
 mod foundation;
 mod gpu_check;

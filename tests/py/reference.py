@@ -45,6 +45,7 @@ Subcommands:
               largest free block (4 MiB) but not all free memory (13.5 MiB)
 """
 import argparse
+import fnmatch
 import json
 import math
 import struct
@@ -214,6 +215,26 @@ def cmd_torchvision(a):
     print(json.dumps({"parameters": sum(p.numel() for p in m.parameters()), "names": list(m.state_dict())}))
 
 
+def param_groups(a, named, frozen):
+    """--groups: JSON [[patterns, lr_scale, weight_decay or null], ...]; a parameter joins the
+    first entry one of whose patterns matches its name, and the rest form one group at --lr and
+    --weight-decay."""
+    if not a.groups:
+        return [p for n, p in named if n not in frozen]
+    spec = json.loads(a.groups)
+    groups = {}
+    for n, p in named:
+        if n in frozen:
+            continue
+        k = next((i for i, (pats, _, _) in enumerate(spec) if any(fnmatch.fnmatchcase(n, x) for x in pats)), None)
+        groups.setdefault(k, []).append(p)
+    out = []
+    for k, ps in groups.items():
+        scale, wd = (1.0, None) if k is None else (spec[k][1], spec[k][2])
+        out.append({"params": ps, "lr_scale": scale, "weight_decay": a.weight_decay if wd is None else wd})
+    return out
+
+
 def cmd_vit(a):
     from torchvision.models.vision_transformer import VisionTransformer
 
@@ -281,20 +302,26 @@ def cmd_train(a):
         model.load_state_dict(state)
     d = np.load(a.train)
     x, y = torch.from_numpy(d["x"]), torch.from_numpy(d["y"])
-    params = [p for _, p in sorted(model.named_parameters())]
+    named = sorted(model.named_parameters())
+    # --freeze: comma-separated name patterns of parameters that do not train.
+    frozen = {n for n, _ in named if any(fnmatch.fnmatchcase(n, f) for f in a.freeze.split(",") if f)}
+    for n, p in named:
+        p.requires_grad_(n not in frozen)
+    params = [p for n, p in named if n not in frozen]
     impl = {
         "single": dict(foreach=False, fused=False),
         "foreach": dict(foreach=True, fused=False),
         "fused": dict(foreach=False, fused=True),
     }[a.impl]
+    groups = param_groups(a, named, frozen)
     if a.optimizer == "sgd":
         opt = torch.optim.SGD(
-            params, lr=a.lr, momentum=a.momentum, nesterov=a.nesterov, weight_decay=a.weight_decay, **impl
+            groups, lr=a.lr, momentum=a.momentum, nesterov=a.nesterov, weight_decay=a.weight_decay, **impl
         )
     elif a.optimizer == "adam":
-        opt = torch.optim.Adam(params, lr=a.lr, weight_decay=a.weight_decay, **impl)
+        opt = torch.optim.Adam(groups, lr=a.lr, weight_decay=a.weight_decay, **impl)
     else:
-        opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=a.weight_decay, **impl)
+        opt = torch.optim.AdamW(groups, lr=a.lr, weight_decay=a.weight_decay, **impl)
     # fp16: GradScaler's defaults, as memtrain's scaler (init 2^16, growth interval 2000).
     scaler = torch.amp.GradScaler("cpu") if a.autocast == "fp16" else None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(a.autocast)
@@ -335,6 +362,12 @@ def cmd_train(a):
             else:
                 if a.clip > 0:
                     torch.nn.utils.clip_grad_norm_(params, a.clip)
+                if a.groups or a.warmup:
+                    # memtrain's schedule (linear warmup, then constant) times each group's scale.
+                    step = len(losses)
+                    lr = a.lr * (step + 1) / a.warmup if step < a.warmup else a.lr
+                    for g in opt.param_groups:
+                        g["lr"] = lr * g["lr_scale"]
                 opt.step()
             losses.append(total / len(group))
     # JSON has no NaN: a non-finite value becomes null.
@@ -439,6 +472,9 @@ def main():
     s.add_argument("--clip", type=float, default=0.0)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--autocast", choices=["bf16", "fp16"], default=None)
+    s.add_argument("--freeze", default="")
+    s.add_argument("--groups", default=None)
+    s.add_argument("--warmup", type=int, default=0)
     s = sub.add_parser("mlp")
     s.add_argument("--inputs", type=int, required=True)
     s.add_argument("--hidden", required=True)

@@ -59,6 +59,7 @@ impl Factory<'_> {
                 .filter_map(|(n, t)| n.strip_prefix(prefix).map(|s| (s.to_owned(), t.shallow_clone())))
                 .collect()
         };
+        model.unfreeze_from_checkpoint(ck.state.unfrozen_at)?;
         setup_try(&what, &|| None, &CHANGE_RESUME, || {
             model.opt.load_state(&pick("weight/"), ck.state.weight_steps)
         })?;
