@@ -343,6 +343,8 @@ mod tests {
         let mut bare = Model {
             preset: "resnet18".into(),
             init_from: None,
+            init_format: Default::default(),
+            init_skip: vec![],
             options: Default::default(),
         };
         assert!(follow_data("resnet18", &mut bare, &images(&[1, 28, 28])).is_empty());
@@ -390,6 +392,8 @@ mod tests {
         let mut m = Model {
             preset: preset.into(),
             init_from: None,
+            init_format: Default::default(),
+            init_skip: vec![],
             options: Default::default(),
         };
         m.options

@@ -56,6 +56,23 @@ pub struct StartEvent {
     pub setup_peak_allocated_bytes: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub setup_peak_reserved_bytes: Option<u64>,
+    /// What `model.init_from` loaded, when it is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init: Option<InitLoad>,
+}
+
+/// What `model.init_from` did: memtrain variables filled from the checkpoint (kept) or left as
+/// the build initialised them (created: a new head, `init_skip`), checkpoint tensors no variable
+/// took (dropped), variables the checkpoint lacked (missing: always 0 in a run that started),
+/// position embeddings resampled to the model's grid, and whose names the checkpoint used.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InitLoad {
+    pub format: String,
+    pub kept: u64,
+    pub created: u64,
+    pub dropped: u64,
+    pub missing: u64,
+    pub resampled: u64,
 }
 
 /// The first optimizer step of a session, measured against the cap.
@@ -376,6 +393,9 @@ pub struct Summary {
     /// records' own counts).
     #[serde(default)]
     pub host_reads: u64,
+    /// What `model.init_from` loaded at this session's start, when it is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init: Option<InitLoad>,
 }
 
 /// The cache-clearing counters as records carry them (the policy itself stays with the run).

@@ -43,6 +43,7 @@ pub struct SummarySink {
     peak_requested: Option<u64>,
     peak_rss: u64,
     peak_host: Option<u64>,
+    init: Option<InitLoad>,
 }
 
 impl SummarySink {
@@ -52,6 +53,7 @@ impl SummarySink {
                 self.job = s.job.clone();
                 self.cap = s.cap.clone();
                 self.allocator_conf = s.allocator_conf.clone();
+                self.init = s.init.clone();
             }
             Event::Epoch(e) => {
                 self.last = Some(e.result.clone());
@@ -128,6 +130,7 @@ impl SummarySink {
             },
             precision: c.precision,
             host_reads: c.host_reads,
+            init: self.init.clone(),
         }
     }
 }

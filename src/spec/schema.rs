@@ -153,13 +153,39 @@ impl<'de> Deserialize<'de> for ByteSize {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Model {
     pub preset: String,
-    /// Initial weights by name from a safetensors file.
+    /// Initial weights by name: a safetensors file, a sharded checkpoint's index, or a Hugging
+    /// Face model directory.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub init_from: Option<PathBuf>,
+    /// Whose names `init_from` uses; `auto` tells them from the names themselves.
+    #[serde(default, skip_serializing_if = "InitFormat::is_auto")]
+    pub init_format: InitFormat,
+    /// memtrain variable-name patterns (`*` any run of characters) that `init_from` leaves as
+    /// the build initialised them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub init_skip: Vec<String>,
     /// Every other key of `[model]`: the preset's own table, and anything misplaced, which the
     /// preset registry reports.
     #[serde(flatten)]
     pub options: std::collections::BTreeMap<String, toml::Value>,
+}
+
+/// `model.init_format`: the library whose names a checkpoint uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum InitFormat {
+    #[default]
+    Auto,
+    Torchvision,
+    Timm,
+    Huggingface,
+    OpenClip,
+}
+
+impl InitFormat {
+    pub fn is_auto(&self) -> bool {
+        *self == InitFormat::Auto
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

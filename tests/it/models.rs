@@ -196,6 +196,8 @@ fn vit_preset(sizes: [i64; 7]) -> (tch::nn::VarStore, memtrain::model::Built, Ve
     let mut model = memtrain::spec::Model {
         preset: "vit".into(),
         init_from: None,
+        init_format: Default::default(),
+        init_skip: vec![],
         options: Default::default(),
     };
     model
