@@ -3,6 +3,7 @@
 //! Every preset is built into a `tch::nn::Path`, so all weights live in one VarStore and are
 //! saved and loaded by name.
 mod darts;
+mod init;
 mod layers;
 mod mlp;
 mod preset;
@@ -17,6 +18,7 @@ use tch::{nn, Device};
 use crate::spec::schema::{Data, Model};
 
 pub use darts::{derive_genotype, Darts, DartsOptions};
+pub use init::init_plan;
 pub use mlp::Mlp;
 pub use preset::{block_vars, run_chain, Built, Chain, ExtraStep, Genotype, Net, Preset, ARCH_PREFIX};
 
@@ -246,7 +248,7 @@ pub fn validate(m: &mut Model, data: &Data) -> Vec<(String, String)> {
             )
         } else {
             format!(
-                "is not a key of [model] (expected preset, init_from or [model.{}])",
+                "is not a key of [model] (expected preset, init_from, init_format, init_skip or [model.{}])",
                 p.name()
             )
         };
@@ -267,6 +269,10 @@ pub fn validate(m: &mut Model, data: &Data) -> Vec<(String, String)> {
                 return follow;
             }
         }
+    }
+    let follow = init::follow_checkpoint(m);
+    if !follow.is_empty() {
+        return follow;
     }
     problems.extend(p.validate(m));
     if problems.is_empty() {

@@ -73,6 +73,10 @@ pub struct InitLoad {
     pub dropped: u64,
     pub missing: u64,
     pub resampled: u64,
+    /// The most anonymous host memory the load held above what the process held before it
+    /// (the tensor being copied), and the checkpoint's largest tensor, which bounds it.
+    pub peak_host_bytes: u64,
+    pub largest_tensor_bytes: u64,
 }
 
 /// The first optimizer step of a session, measured against the cap.

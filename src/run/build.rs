@@ -697,11 +697,14 @@ pub fn init_from(vs: &nn::VarStore, head: &[String], model: &spec::Model, path: 
     let what = format!("reading model.init_from {}", path.display());
     let _squeeze = fault::squeeze_in(Phase::InitFrom, 0);
     let needs = Some(format!("{} on disk", human_bytes(dir_bytes(path))));
-    let plan = setup_try(&what, &|| needs.clone(), &CHANGE_INIT_FROM, || {
+    let loaded = setup_try(&what, &|| needs.clone(), &CHANGE_INIT_FROM, || {
         crate::weights::load(&vs.variables(), head, model, path)
     })?;
+    let plan = &loaded.plan;
     tracing::info!("model.init_from {}: {}", path.display(), plan.describe());
     Ok(InitLoad {
+        peak_host_bytes: loaded.peak_host_bytes,
+        largest_tensor_bytes: loaded.largest_bytes,
         format: plan.format.into(),
         kept: plan.kept.len() as u64,
         created: plan.created.len() as u64,

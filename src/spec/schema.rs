@@ -150,7 +150,7 @@ impl<'de> Deserialize<'de> for ByteSize {
 /// `[model]`: which preset, its initial weights, and its options. Each preset owns its options
 /// table (`[model.<preset>]`): the model module parses, checks and fills in its defaults, so
 /// adding a preset never touches the schema.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Model {
     pub preset: String,
     /// Initial weights by name: a safetensors file, a sharded checkpoint's index, or a Hugging

@@ -11,29 +11,35 @@ use super::plan::{LoadPlan, Step};
 use super::read::Checkpoint;
 use crate::exit::UsageError;
 use crate::human::few;
+use crate::sysmem;
 
-/// Fills `vars` as `plan` says from the mapped checkpoint.
-pub fn fill(vars: &HashMap<String, Tensor>, ck: &Checkpoint, plan: &LoadPlan) -> Result<()> {
+/// Fills `vars` as `plan` says from the mapped checkpoint. Returns the most anonymous host
+/// memory the load held above what the process held before it, read while each tensor is held
+/// (when it is largest).
+pub fn fill(vars: &HashMap<String, Tensor>, ck: &Checkpoint, plan: &LoadPlan) -> Result<u64> {
+    let before = sysmem::rss_anon_now();
+    let mut peak = 0;
     for step in &plan.steps {
         let entry = ck
             .entry(&step.tensor)
             .with_context(|| format!("{} has no tensor {}", ck.shown, step.tensor))?;
         let var = &vars[&step.var];
         let t = ck.tensor(entry)?;
-        tch::no_grad(|| put(var, t, step)).with_context(|| format!("filling {} from {}", step.var, step.tensor))?;
+        tch::no_grad(|| put(var, &t, step)).with_context(|| format!("filling {} from {}", step.var, step.tensor))?;
+        peak = peak.max(sysmem::rss_anon_now().saturating_sub(before));
     }
-    Ok(())
+    Ok(peak)
 }
 
-fn put(var: &Tensor, t: Tensor, step: &Step) -> Result<()> {
+fn put(var: &Tensor, t: &Tensor, step: &Step) -> Result<()> {
     let mut dst = var.shallow_clone();
     let t = match step.how {
-        How::Whole => t,
+        How::Whole => t.shallow_clone(),
         How::Transposed => t.f_tr()?,
         How::Part { index, of } => {
             let n = var.size()[0] / of;
             dst = var.f_narrow(0, index * n, n)?;
-            t
+            t.shallow_clone()
         }
     };
     let t = match step.resample {

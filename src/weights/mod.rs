@@ -45,13 +45,32 @@ pub fn plan_for(ck: &Checkpoint, vars: &[Shaped], head: &[String], model: &Model
 
 /// `model.init_from` into the variables: the plan made from the header, then each tensor read
 /// and put in its variable. The plan says what was kept, created, dropped and resampled.
-pub fn load(vars: &HashMap<String, Tensor>, head: &[String], model: &Model, path: &Path) -> Result<LoadPlan> {
+pub fn load(vars: &HashMap<String, Tensor>, head: &[String], model: &Model, path: &Path) -> Result<Loaded> {
     let mut ck = Checkpoint::headers(path)?;
     let shaped = shapes(vars);
     let plan = plan_for(&ck, &shaped, head, model)?;
     ck.map()?;
-    load::fill(vars, &ck, &plan)?;
-    Ok(plan)
+    let peak_host_bytes = load::fill(vars, &ck, &plan)?;
+    let largest_bytes = ck
+        .entries
+        .iter()
+        .map(|e| e.shape.iter().product::<i64>() as u64 * e.kind.elt_size_in_bytes() as u64)
+        .max()
+        .unwrap_or(0);
+    Ok(Loaded {
+        plan,
+        peak_host_bytes,
+        largest_bytes,
+    })
+}
+
+/// A load done: its plan, and the host memory it took.
+pub struct Loaded {
+    pub plan: LoadPlan,
+    /// The most anonymous host memory the load held above the process's before it.
+    pub peak_host_bytes: u64,
+    /// The checkpoint's largest tensor.
+    pub largest_bytes: u64,
 }
 
 /// A memtrain checkpoint's tensors into the variables, names and shapes matching exactly.

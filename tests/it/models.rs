@@ -249,7 +249,7 @@ fn torchvision_vit_logits(dir: &std::path::Path, sizes: [&str; 7]) {
     assert_eq!(numel, info["parameters"].as_i64().unwrap());
     // Every tensor matched: init_from refuses a file with any name missing, unexpected or
     // mis-shaped.
-    memtrain::run::init_from(&vs, &dir.join("init.safetensors")).unwrap();
+    memtrain::run::init_from(&vs, &built.head, &Default::default(), &dir.join("init.safetensors")).unwrap();
     let io = tensors(&dir.join("io.safetensors"));
     let get = |n: &str| io.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
     let theirs = get("logits");
