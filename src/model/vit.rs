@@ -8,6 +8,11 @@
 //! encoder layer, the head (final LayerNorm, class token, `heads.head`). Dropout inside a block
 //! draws the same masks when the block is recomputed, because recomputation replays the
 //! generator state the block first saw.
+//!
+//! The same network with CLIP's choices (`pre_norm`, `activation = "quick_gelu"`, `patch_bias =
+//! false`, `layer_norm_eps = 1e-5`, `projection_dim`) is a CLIP vision tower: Hugging Face's
+//! `CLIPVisionModel` and open_clip's `visual` differ from torchvision's ViT only there, and in
+//! their names, which the checkpoint reader maps.
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use tch::nn::{self, Init, Module};
@@ -30,6 +35,36 @@ pub struct VitOptions {
     pub dropout: f64,
     pub attention_dropout: f64,
     pub num_classes: i64,
+    /// LayerNorm's epsilon everywhere: torchvision and timm 1e-6, Hugging Face ViT 1e-12, CLIP 1e-5.
+    pub layer_norm_eps: f64,
+    pub activation: Activation,
+    /// A LayerNorm (`ln_pre`) on the embedded tokens before the first block, as CLIP has.
+    pub pre_norm: bool,
+    /// Whether the patch embedding (`conv_proj`) has a bias; CLIP's has none.
+    pub patch_bias: bool,
+    /// The width of a bias-free projection (`projection`) of the class token before the head, as
+    /// CLIP's `visual_projection`; 0: none.
+    pub projection_dim: i64,
+}
+
+/// The MLP's nonlinearity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Activation {
+    /// The exact (erf) GELU of torchvision, timm and Hugging Face ViT.
+    Gelu,
+    /// `x · sigmoid(1.702 x)`, OpenAI CLIP's approximation, which its weights were trained with.
+    QuickGelu,
+}
+
+impl Activation {
+    fn apply(self, x: &Tensor) -> Tensor {
+        match self {
+            Activation::Gelu => x.gelu("none"),
+            // Hugging Face's QuickGELUActivation: input * sigmoid(1.702 * input).
+            Activation::QuickGelu => x * (x * 1.702).sigmoid(),
+        }
+    }
 }
 
 impl Default for VitOptions {
@@ -45,6 +80,11 @@ impl Default for VitOptions {
             dropout: 0.0,
             attention_dropout: 0.0,
             num_classes: 1000,
+            layer_norm_eps: 1e-6,
+            activation: Activation::Gelu,
+            pre_norm: false,
+            patch_bias: true,
+            projection_dim: 0,
         }
     }
 }
@@ -95,6 +135,15 @@ impl Preset for VitPreset {
                 ),
             ));
         }
+        if o.projection_dim < 0 {
+            p.push((
+                "projection_dim",
+                format!("must be 0 (no projection) or more, got {}", o.projection_dim),
+            ));
+        }
+        if !(o.layer_norm_eps > 0.0 && o.layer_norm_eps < 1.0) {
+            p.push(("layer_norm_eps", format!("must be in (0, 1), got {}", o.layer_norm_eps)));
+        }
         for (key, v) in [("dropout", o.dropout), ("attention_dropout", o.attention_dropout)] {
             if !(0.0..1.0).contains(&v) {
                 p.push((key, format!("must be in [0, 1), got {v}")));
@@ -126,6 +175,7 @@ struct EncoderBlock {
     heads: i64,
     dropout: f64,
     attention_dropout: f64,
+    activation: Activation,
 }
 
 impl EncoderBlock {
@@ -135,7 +185,7 @@ impl EncoderBlock {
         let bias = Init::Randn { mean: 0.0, stdev: 1e-6 };
         let mlp = p / "mlp";
         EncoderBlock {
-            ln_1: LayerNorm::new(&(p / "ln_1"), d, 1e-6),
+            ln_1: LayerNorm::new(&(p / "ln_1"), d, o.layer_norm_eps),
             in_proj_weight: sa.var("in_proj_weight", &[3 * d, d], layers::xavier_uniform(d, 3 * d)),
             in_proj_bias: sa.var("in_proj_bias", &[3 * d], Init::Const(0.0)),
             out_proj: {
@@ -148,12 +198,13 @@ impl EncoderBlock {
                     Init::Const(0.0),
                 )
             },
-            ln_2: LayerNorm::new(&(p / "ln_2"), d, 1e-6),
+            ln_2: LayerNorm::new(&(p / "ln_2"), d, o.layer_norm_eps),
             mlp_0: layers::linear_init(&mlp / "0", d, o.mlp_dim, layers::xavier_uniform(d, o.mlp_dim), bias),
             mlp_3: layers::linear_init(&mlp / "3", o.mlp_dim, d, layers::xavier_uniform(o.mlp_dim, d), bias),
             heads: o.heads,
             dropout: o.dropout,
             attention_dropout: o.attention_dropout,
+            activation: o.activation,
         }
     }
 
@@ -183,9 +234,8 @@ impl EncoderBlock {
             .dropout(self.dropout, train)
             + input;
         let y = self
-            .mlp_0
-            .forward(&self.ln_2.forward(&x))
-            .gelu("none")
+            .activation
+            .apply(&self.mlp_0.forward(&self.ln_2.forward(&x)))
             .dropout(self.dropout, train);
         let y = self.mlp_3.forward(&y).dropout(self.dropout, train);
         x + y
@@ -197,8 +247,10 @@ pub struct Vit {
     conv_proj: nn::Conv2D,
     class_token: Tensor,
     pos_embedding: Tensor,
+    ln_pre: Option<LayerNorm>,
     layers: Vec<EncoderBlock>,
     ln: LayerNorm,
+    projection: Option<nn::Linear>,
     head: nn::Linear,
     dropout: f64,
 }
@@ -219,6 +271,7 @@ impl Vit {
                     stdev: (1.0 / fan_in as f64).sqrt(),
                 },
                 bs_init: Init::Const(0.0),
+                bias: o.patch_bias,
                 ..Default::default()
             },
         );
@@ -230,13 +283,17 @@ impl Vit {
             conv_proj,
             class_token: root.var("class_token", &[1, 1, d], Init::Const(0.0)),
             pos_embedding: enc.var("pos_embedding", &[1, seq, d], Init::Randn { mean: 0.0, stdev: 0.02 }),
+            ln_pre: o
+                .pre_norm
+                .then(|| LayerNorm::new(&(root / "ln_pre"), d, o.layer_norm_eps)),
             layers: (0..o.layers)
                 .map(|i| EncoderBlock::new(&(&layer_root / format!("encoder_layer_{i}")), o))
                 .collect(),
-            ln: LayerNorm::new(&(&enc / "ln"), d, 1e-6),
+            ln: LayerNorm::new(&(&enc / "ln"), d, o.layer_norm_eps),
+            projection: (o.projection_dim > 0).then(|| projection(root / "projection", d, o.projection_dim)),
             head: layers::linear_init(
                 root / "heads" / "head",
-                d,
+                if o.projection_dim > 0 { o.projection_dim } else { d },
                 o.num_classes,
                 Init::Const(0.0),
                 Init::Const(0.0),
@@ -259,17 +316,26 @@ impl Chain for Vit {
             let d = p.size()[1];
             let p = p.reshape([n, d, -1]).permute([0, 2, 1]);
             let cls = self.class_token.expand([n, -1, -1], false);
-            (Tensor::cat(&[cls, p], 1) + &self.pos_embedding).dropout(self.dropout, train)
+            let tokens = Tensor::cat(&[cls, p], 1) + &self.pos_embedding;
+            let tokens = match &self.ln_pre {
+                Some(ln) => ln.forward(&tokens),
+                None => tokens,
+            };
+            tokens.dropout(self.dropout, train)
         } else if i == self.layers.len() + 1 {
-            self.head.forward(&self.ln.forward(x).select(1, 0))
+            let pooled = self.ln.forward(x).select(1, 0);
+            match &self.projection {
+                Some(proj) => self.head.forward(&proj.forward(&pooled)),
+                None => self.head.forward(&pooled),
+            }
         } else {
             self.layers[i - 1].forward_t(x, train)
         };
         vec![out]
     }
 
-    /// The embedding: `conv_proj`, `class_token`, `encoder.pos_embedding`; encoder layer `N`:
-    /// block `N + 1`; the head: `encoder.ln`, `heads`.
+    /// The embedding: `conv_proj`, `class_token`, `encoder.pos_embedding`, `ln_pre`; encoder
+    /// layer `N`: block `N + 1`; the head: `encoder.ln`, `projection`, `heads`.
     fn block_of(&self, var: &str) -> Option<usize> {
         if let Some(rest) = var.strip_prefix("encoder.layers.encoder_layer_") {
             let n: usize = rest.split('.').next()?.parse().ok()?;
@@ -277,7 +343,8 @@ impl Chain for Vit {
         }
         let first = var.split('.').next()?;
         match first {
-            "conv_proj" | "class_token" => Some(0),
+            "conv_proj" | "class_token" | "ln_pre" => Some(0),
+            "projection" => Some(self.layers.len() + 1),
             "encoder" if var == "encoder.pos_embedding" => Some(0),
             "encoder" if var.starts_with("encoder.ln.") => Some(self.layers.len() + 1),
             "heads" => Some(self.layers.len() + 1),
@@ -294,4 +361,19 @@ impl Net for Vit {
     fn chain(&self) -> Option<&dyn Chain> {
         Some(self)
     }
+}
+
+/// CLIP's `visual_projection`: a bias-free linear layer, PyTorch's default initialisation.
+fn projection(p: nn::Path, inputs: i64, outputs: i64) -> nn::Linear {
+    let b = 1.0 / (inputs as f64).sqrt();
+    nn::linear(
+        p,
+        inputs,
+        outputs,
+        nn::LinearConfig {
+            ws_init: Init::Uniform { lo: -b, up: b },
+            bs_init: None,
+            bias: false,
+        },
+    )
 }

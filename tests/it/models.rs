@@ -617,3 +617,46 @@ fn image_models_take_their_image_size_from_the_data() {
         .run();
     assert_eq!(v.summary().status, Status::Completed);
 }
+
+/// The vit preset with CLIP's options (`pre_norm`, `activation = "quick_gelu"`, `patch_bias =
+/// false`, `layer_norm_eps = 1e-5`, `projection_dim`) is Hugging Face's CLIP vision tower: a
+/// tiny `CLIPVisionModelWithProjection` with a head on its image embeddings, its weights under
+/// the preset's names, gives the same logits through the preset's forward.
+#[test]
+fn vit_with_clip_options_gives_a_clip_vision_towers_logits() {
+    let t = Test::new();
+    let dir = t.dir();
+    let out = std::process::Command::new(python())
+        .arg(repo().join("tests/py/clip_vision.py"))
+        .args(["--out", "init.safetensors", "--io", "io.safetensors"])
+        .current_dir(dir)
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let options: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let options: toml::Table = serde_json::from_value(options).unwrap();
+    let mut model = memtrain::spec::Model {
+        preset: "vit".into(),
+        init_from: None,
+        options: Default::default(),
+    };
+    model.options.insert("vit".into(), Value::Table(options));
+    let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    let built = memtrain::model::build(&vs.root(), &model).unwrap();
+    assert!(
+        !vs.variables().contains_key("conv_proj.bias"),
+        "patch_bias = false leaves the patch embedding without a bias"
+    );
+    // Every tensor matched: a name missing on either side or a shape that differs is refused.
+    memtrain::run::init_from(&vs, &dir.join("init.safetensors")).unwrap();
+    let io = tensors(&dir.join("io.safetensors"));
+    let get = |n: &str| io.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
+    let theirs = get("logits");
+    let logits = tch::no_grad(|| built.net.forward_t(&get("x"), false));
+    let gap = (&logits - &theirs).abs().max().double_value(&[]);
+    let scale = theirs.abs().max().double_value(&[]);
+    eprintln!("clip vision: logits differ from Hugging Face's by at most {gap:e} (largest logit {scale})");
+    assert!(scale > 0.1, "the logits are not trivially zero ({scale})");
+    assert!(gap <= 1e-5 * scale, "logits differ by {gap} (scale {scale})");
+}
