@@ -639,6 +639,8 @@ fn vit_with_clip_options_gives_a_clip_vision_towers_logits() {
     let mut model = memtrain::spec::Model {
         preset: "vit".into(),
         init_from: None,
+        init_format: Default::default(),
+        init_skip: vec![],
         options: Default::default(),
     };
     model.options.insert("vit".into(), Value::Table(options));
@@ -649,7 +651,7 @@ fn vit_with_clip_options_gives_a_clip_vision_towers_logits() {
         "patch_bias = false leaves the patch embedding without a bias"
     );
     // Every tensor matched: a name missing on either side or a shape that differs is refused.
-    memtrain::run::init_from(&vs, &dir.join("init.safetensors")).unwrap();
+    memtrain::run::init_from(&vs, &built.head, &Default::default(), &dir.join("init.safetensors")).unwrap();
     let io = tensors(&dir.join("io.safetensors"));
     let get = |n: &str| io.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
     let theirs = get("logits");
