@@ -47,7 +47,7 @@ pub fn follow_checkpoint(m: &mut Model) -> Vec<(String, String)> {
 
 /// A message about `model.init_from`, as a problem at that key.
 fn at_init_from(msg: &str) -> (String, String) {
-    let msg = msg.strip_prefix("model.init_from: ").unwrap_or(msg);
+    let msg = msg.strip_prefix("model.init_from: ").or(msg.strip_prefix("model.init_from ")).unwrap_or(msg);
     ("model.init_from".into(), msg.to_owned())
 }
 

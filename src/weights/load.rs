@@ -8,23 +8,24 @@ use tch::Tensor;
 
 use super::format::How;
 use super::plan::{LoadPlan, Step};
-use super::read::Checkpoint;
+use super::read::{Checkpoint, Staging};
 use crate::exit::UsageError;
 use crate::human::few;
 use crate::sysmem;
 
-/// Fills `vars` as `plan` says from the mapped checkpoint. Returns the most anonymous host
-/// memory the load held above what the process held before it, read while each tensor is held
-/// (when it is largest).
+/// Fills `vars` as `plan` says from the mapped checkpoint, each tensor made in one staging
+/// buffer. Returns the most anonymous host memory the load held above what the process held
+/// before it, read while each tensor is held.
 pub fn fill(vars: &HashMap<String, Tensor>, ck: &Checkpoint, plan: &LoadPlan) -> Result<u64> {
     let before = sysmem::rss_anon_now();
+    let mut staging = Staging::new(ck.largest_bytes())?;
     let mut peak = 0;
     for step in &plan.steps {
         let entry = ck
             .entry(&step.tensor)
             .with_context(|| format!("{} has no tensor {}", ck.shown, step.tensor))?;
         let var = &vars[&step.var];
-        let t = ck.tensor(entry)?;
+        let t = ck.tensor(entry, &mut staging)?;
         tch::no_grad(|| put(var, &t, step)).with_context(|| format!("filling {} from {}", step.var, step.tensor))?;
         peak = peak.max(sysmem::rss_anon_now().saturating_sub(before));
     }

@@ -51,12 +51,7 @@ pub fn load(vars: &HashMap<String, Tensor>, head: &[String], model: &Model, path
     let plan = plan_for(&ck, &shaped, head, model)?;
     ck.map()?;
     let peak_host_bytes = load::fill(vars, &ck, &plan)?;
-    let largest_bytes = ck
-        .entries
-        .iter()
-        .map(|e| e.shape.iter().product::<i64>() as u64 * e.kind.elt_size_in_bytes() as u64)
-        .max()
-        .unwrap_or(0);
+    let largest_bytes = ck.largest_bytes() as u64;
     Ok(Loaded {
         plan,
         peak_host_bytes,

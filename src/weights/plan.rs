@@ -64,6 +64,8 @@ pub fn plan(i: &Inputs) -> Result<LoadPlan, Mismatch> {
     let mut dropped = vec![];
     let mut misshaped = vec![];
     let mut head_fits = true;
+    // Variables a mis-shaped tensor was meant for: said once, as mis-shaped, not also missing.
+    let mut wrong = BTreeSet::new();
     for (name, shape) in i.checkpoint {
         let Some(t) = i.format.map(name) else {
             dropped.push(name.clone());
@@ -86,6 +88,7 @@ pub fn plan(i: &Inputs) -> Result<LoadPlan, Mismatch> {
             }
             _ => {
                 misshaped.push(misshape(name, shape, &t.var, want));
+                wrong.insert(t.var);
                 continue;
             }
         };
@@ -114,7 +117,7 @@ pub fn plan(i: &Inputs) -> Result<LoadPlan, Mismatch> {
     for v in vars.keys() {
         if skipped(v) || (fresh_head && in_head(v)) {
             created.insert(v.to_string());
-        } else if parts_of(v) != 1 {
+        } else if parts_of(v) != 1 && !wrong.contains(*v) {
             missing.push(v.to_string());
         }
     }

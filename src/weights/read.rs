@@ -87,15 +87,62 @@ impl Checkpoint {
         self.entries.iter().find(|e| e.name == name)
     }
 
-    /// A new host tensor holding the entry's values in the checkpoint's type; the pages it was
-    /// read from are released from this process (the page cache keeps them).
-    pub fn tensor(&self, e: &Entry) -> Result<Tensor> {
+    /// The entry's values in the checkpoint's type, made in `staging`'s buffer (valid until the
+    /// buffer's next use, as the borrow says); the pages they were read from are released from
+    /// this process (the page cache keeps them).
+    pub fn tensor<'s>(&self, e: &Entry, staging: &'s mut Staging) -> Result<Staged<'s>> {
         let shard = &self.shards[e.shard];
         let map = shard.map.as_ref().context("the checkpoint is not mapped")?;
         let (from, to) = (shard.data_start + e.begin, shard.data_start + e.end);
-        let t = Tensor::f_from_data_size(&map.bytes()[from..to], &e.shape, e.kind)?;
+        let bytes = &map.bytes()[from..to];
+        if bytes.len() > staging.bytes {
+            bail!("{}: the tensor {} is larger than the staging buffer", self.shown, e.name);
+        }
+        let ptr = staging.buf.data_ptr() as *mut u8;
+        // SAFETY: the buffer holds `staging.bytes` ≥ bytes.len() bytes, aligned as libtorch
+        // aligns every allocation, and is borrowed mutably for as long as the view lives.
+        let t = unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr, bytes.len());
+            Tensor::f_from_blob(ptr, &e.shape, &[], e.kind, tch::Device::Cpu)?
+        };
         map.release(from, to);
-        Ok(t)
+        Ok(Staged {
+            t,
+            _buffer: std::marker::PhantomData,
+        })
+    }
+
+    /// The bytes of the largest tensor.
+    pub fn largest_bytes(&self) -> usize {
+        self.entries.iter().map(|e| e.end - e.begin).max().unwrap_or(0)
+    }
+}
+
+/// One host buffer the size of the checkpoint's largest tensor, in which each tensor is made in
+/// turn: a load's host memory is this buffer, whatever the allocator keeps of freed blocks (a
+/// fresh allocation per tensor left glibc holding four 4 MiB blocks of a checkpoint of them).
+pub struct Staging {
+    buf: Tensor,
+    bytes: usize,
+}
+
+impl Staging {
+    pub fn new(bytes: usize) -> Result<Staging> {
+        let buf = Tensor::f_empty([bytes.max(1) as i64], (Kind::Uint8, tch::Device::Cpu))?;
+        Ok(Staging { buf, bytes })
+    }
+}
+
+/// A tensor made in a staging buffer, usable while the buffer is borrowed.
+pub struct Staged<'s> {
+    t: Tensor,
+    _buffer: std::marker::PhantomData<&'s mut Staging>,
+}
+
+impl std::ops::Deref for Staged<'_> {
+    type Target = Tensor;
+    fn deref(&self) -> &Tensor {
+        &self.t
     }
 }
 

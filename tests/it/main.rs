@@ -24,3 +24,4 @@ mod structure;
 mod training;
 mod validation;
 mod watch;
+mod weights;

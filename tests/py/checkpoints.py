@@ -126,6 +126,8 @@ def save(m, how, a):
             names = [k for k in json.loads(f.read(n)) if k != "__metadata__"]
         return names, sd
     if a.shards > 1:
+        if a.out.endswith(".json"):
+            a.out = os.path.dirname(a.out)
         os.makedirs(a.out, exist_ok=True)
         names = list(sd)
         weight_map = {}
