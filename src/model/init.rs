@@ -1,12 +1,9 @@
 //! `model.init_from` as the presets see it: a Hugging Face directory's `config.json` filling the
 //! vit preset's sizes (spec → plan → components: it happens while the spec is validated, so
-//! `check` and `run` see the same model), and the load plan `check` shows for a built model.
-use anyhow::Result;
-use tch::{nn, Device};
-
-use super::{build, vit};
+//! `check` and `run` see the same model).
+use super::vit;
 use crate::spec::schema::Model;
-use crate::weights::{self, Checkpoint, LoadPlan, Shaped};
+use crate::weights::{self, Checkpoint};
 
 /// The checkpoint's header can be read (a pickle is refused here, at the spec's line), and a
 /// vit preset takes the sizes its `config.json` gives where the spec leaves them out; a size the
@@ -46,28 +43,10 @@ pub fn follow_checkpoint(m: &mut Model) -> Vec<(String, String)> {
 }
 
 /// A message about `model.init_from`, as a problem at that key.
-fn at_init_from(msg: &str) -> (String, String) {
-    let msg = msg.strip_prefix("model.init_from: ").or(msg.strip_prefix("model.init_from ")).unwrap_or(msg);
+pub fn at_init_from(msg: &str) -> (String, String) {
+    let msg = msg
+        .strip_prefix("model.init_from: ")
+        .or(msg.strip_prefix("model.init_from "))
+        .unwrap_or(msg);
     ("model.init_from".into(), msg.to_owned())
-}
-
-/// The load plan of `model.init_from` for the model the spec builds (on the CPU, for its
-/// variables' names and shapes), from the checkpoint's header: what `check` shows. A checkpoint
-/// the model cannot take is the problem `run` would refuse it with, at `model.init_from`.
-pub fn init_plan(m: &Model) -> Result<Option<LoadPlan>, (String, String)> {
-    let Some(path) = &m.init_from else {
-        return Ok(None);
-    };
-    let ck = Checkpoint::headers(path).map_err(|e| at_init_from(&format!("{e:#}")))?;
-    let (vars, head) = variables(m).map_err(|e| at_init_from(&format!("{e:#}")))?;
-    weights::plan_for(&ck, &vars, &head, m)
-        .map(Some)
-        .map_err(|e| at_init_from(&e.0))
-}
-
-/// A CPU build's variables (names and shapes) and its head.
-fn variables(m: &Model) -> Result<(Vec<Shaped>, Vec<String>)> {
-    let vs = nn::VarStore::new(Device::Cpu);
-    let built = tch::no_grad(|| build(&vs.root(), m))?;
-    Ok((weights::shapes(&vs.variables()), built.head.clone()))
 }

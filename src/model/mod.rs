@@ -18,7 +18,6 @@ use tch::{nn, Device};
 use crate::spec::schema::{Data, Model};
 
 pub use darts::{derive_genotype, Darts, DartsOptions};
-pub use init::init_plan;
 pub use mlp::Mlp;
 pub use preset::{block_vars, run_chain, Built, Chain, ExtraStep, Genotype, Net, Preset, ARCH_PREFIX};
 
@@ -320,6 +319,27 @@ pub fn counts(model: &Model) -> Result<Counts> {
         }
     }
     Ok(c)
+}
+
+/// The load plan of `model.init_from` for the model the spec builds (on the CPU, for its
+/// variables' names and shapes), from the checkpoint's header: what `check` shows. A checkpoint
+/// the model cannot take is the problem `run` would refuse it with, at `model.init_from`.
+pub fn init_plan(m: &Model) -> Result<Option<crate::weights::LoadPlan>, (String, String)> {
+    let Some(path) = &m.init_from else {
+        return Ok(None);
+    };
+    let ck = crate::weights::Checkpoint::headers(path).map_err(|e| init::at_init_from(&format!("{e:#}")))?;
+    let (vars, head) = variables(m).map_err(|e| init::at_init_from(&format!("{e:#}")))?;
+    crate::weights::plan_for(&ck, &vars, &head, m)
+        .map(Some)
+        .map_err(|e| init::at_init_from(&e.0))
+}
+
+/// A CPU build's variables (names and shapes) and its head.
+fn variables(m: &Model) -> Result<(Vec<crate::weights::Shaped>, Vec<String>)> {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let built = tch::no_grad(|| build(&vs.root(), m))?;
+    Ok((crate::weights::shapes(&vs.variables()), built.head.clone()))
 }
 
 #[cfg(test)]

@@ -32,29 +32,62 @@ pub fn vit_options(config: &Path, projection: bool) -> Result<Vec<Given>, String
     let json: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| format!("{} is not JSON: {e}", config.display()))?;
     let c = json.get("vision_config").unwrap_or(&json);
-    let model_type = c["model_type"].as_str().or(json["model_type"].as_str()).unwrap_or_default();
+    let model_type = c["model_type"]
+        .as_str()
+        .or(json["model_type"].as_str())
+        .unwrap_or_default();
     let clip = model_type.starts_with("clip");
     let mut given = vec![];
     for (key, option) in SIZES {
         if let Some(v) = c[key].as_i64() {
-            given.push(Given { option, value: Value::Integer(v), key });
+            given.push(Given {
+                option,
+                value: Value::Integer(v),
+                key,
+            });
         }
     }
     if let Some(eps) = c["layer_norm_eps"].as_f64() {
-        given.push(Given { option: "layer_norm_eps", value: Value::Float(eps), key: "layer_norm_eps" });
+        given.push(Given {
+            option: "layer_norm_eps",
+            value: Value::Float(eps),
+            key: "layer_norm_eps",
+        });
     }
     if let Some(act) = c["hidden_act"].as_str() {
         let ours = match act {
             "gelu" | "quick_gelu" => act,
-            other => return Err(format!("{} has hidden_act = \"{other}\", which the vit preset does not compute (it has gelu and quick_gelu)", config.display())),
+            other => return Err(format!(
+                "{} has hidden_act = \"{other}\", which the vit preset does not compute (it has gelu and quick_gelu)",
+                config.display()
+            )),
         };
-        given.push(Given { option: "activation", value: Value::String(ours.into()), key: "hidden_act" });
+        given.push(Given {
+            option: "activation",
+            value: Value::String(ours.into()),
+            key: "hidden_act",
+        });
     }
     if clip {
-        given.push(Given { option: "pre_norm", value: Value::Boolean(true), key: "model_type" });
-        given.push(Given { option: "patch_bias", value: Value::Boolean(false), key: "model_type" });
-        let dim = c["projection_dim"].as_i64().or(json["projection_dim"].as_i64()).filter(|_| projection);
-        given.push(Given { option: "projection_dim", value: Value::Integer(dim.unwrap_or(0)), key: "projection_dim" });
+        given.push(Given {
+            option: "pre_norm",
+            value: Value::Boolean(true),
+            key: "model_type",
+        });
+        given.push(Given {
+            option: "patch_bias",
+            value: Value::Boolean(false),
+            key: "model_type",
+        });
+        let dim = c["projection_dim"]
+            .as_i64()
+            .or(json["projection_dim"].as_i64())
+            .filter(|_| projection);
+        given.push(Given {
+            option: "projection_dim",
+            value: Value::Integer(dim.unwrap_or(0)),
+            key: "projection_dim",
+        });
     }
     Ok(given)
 }
@@ -87,7 +120,10 @@ pub fn follow(table: &mut toml::Table, known: &[String], given: &[Given], config
 }
 
 fn same(a: &Value, b: &Value) -> bool {
-    match (a.as_float().or(a.as_integer().map(|i| i as f64)), b.as_float().or(b.as_integer().map(|i| i as f64))) {
+    match (
+        a.as_float().or(a.as_integer().map(|i| i as f64)),
+        b.as_float().or(b.as_integer().map(|i| i as f64)),
+    ) {
         (Some(x), Some(y)) => (x - y).abs() <= 1e-9 * x.abs().max(y.abs()),
         _ => a == b,
     }
@@ -109,13 +145,25 @@ mod tests {
         )
         .unwrap();
         let given = vit_options(&config, false).unwrap();
-        let known: Vec<String> = ["hidden_dim", "layers", "heads", "mlp_dim", "image_size", "patch_size", "in_channels"]
-            .map(String::from)
-            .to_vec();
+        let known: Vec<String> = [
+            "hidden_dim",
+            "layers",
+            "heads",
+            "mlp_dim",
+            "image_size",
+            "patch_size",
+            "in_channels",
+        ]
+        .map(String::from)
+        .to_vec();
         let mut table: toml::Table = "heads = 4\nimage_size = 64".parse().unwrap();
         let problems = follow(&mut table, &known, &given, &config);
         assert_eq!(table["hidden_dim"].as_integer(), Some(16));
-        assert_eq!(table["image_size"].as_integer(), Some(64), "resampled, not contradicted");
+        assert_eq!(
+            table["image_size"].as_integer(),
+            Some(64),
+            "resampled, not contradicted"
+        );
         assert!(!table.contains_key("layer_norm_eps"), "not an option the preset knows");
         assert_eq!(problems.len(), 1);
         assert_eq!(problems[0].0, "heads");

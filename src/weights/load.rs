@@ -64,7 +64,9 @@ pub fn exact(vars: &HashMap<String, Tensor>, tensors: &[(String, Tensor)], what:
     for (name, t) in tensors {
         match vars.get(name) {
             None => unexpected.push(name.as_str()),
-            Some(v) if v.size() != t.size() => misshaped.push(format!("{name}: file {:?}, model {:?}", t.size(), v.size())),
+            Some(v) if v.size() != t.size() => {
+                misshaped.push(format!("{name}: file {:?}, model {:?}", t.size(), v.size()))
+            }
             Some(_) => {}
         }
     }
@@ -76,7 +78,10 @@ pub fn exact(vars: &HashMap<String, Tensor>, tensors: &[(String, Tensor)], what:
             msg += &format!("\n  missing (in the model, not in the file): {}", few(&missing, ", "));
         }
         if !unexpected.is_empty() {
-            msg += &format!("\n  unexpected (in the file, not in the model): {}", few(&unexpected, ", "));
+            msg += &format!(
+                "\n  unexpected (in the file, not in the model): {}",
+                few(&unexpected, ", ")
+            );
         }
         if !misshaped.is_empty() {
             msg += &format!("\n  mis-shaped: {}", few(&misshaped, "; "));

@@ -58,7 +58,11 @@ pub struct Mismatch {
 
 pub fn plan(i: &Inputs) -> Result<LoadPlan, Mismatch> {
     let vars: BTreeMap<&str, &[i64]> = i.vars.iter().map(|(n, s)| (n.as_str(), s.as_slice())).collect();
-    let in_head = |v: &str| i.head.iter().any(|h| v == h || v.strip_prefix(h.as_str()).is_some_and(|r| r.starts_with('.')));
+    let in_head = |v: &str| {
+        i.head
+            .iter()
+            .any(|h| v == h || v.strip_prefix(h.as_str()).is_some_and(|r| r.starts_with('.')))
+    };
     let skipped = |v: &str| i.skip.iter().any(|p| glob(p, v));
     let mut steps = vec![];
     let mut dropped = vec![];
@@ -99,25 +103,32 @@ pub fn plan(i: &Inputs) -> Result<LoadPlan, Mismatch> {
             resample,
         });
     }
-    let parts_of = |v: &str| -> i64 {
-        steps
-            .iter()
-            .filter(|s| s.var == v)
-            .map(|s| match s.how {
-                How::Part { of, .. } => 1.0 / of as f64,
-                _ => 1.0,
-            })
-            .sum::<f64>()
-            .round() as i64
+    // Filled: by one whole tensor, or by every part of a packed one, each once.
+    let complete = |v: &str| -> bool {
+        let hows: Vec<How> = steps.iter().filter(|s| s.var == v).map(|s| s.how).collect();
+        match hows.first() {
+            Some(How::Part { of, .. }) => {
+                let parts: BTreeSet<i64> = hows
+                    .iter()
+                    .filter_map(|h| match h {
+                        How::Part { index, of: o } if o == of => Some(*index),
+                        _ => None,
+                    })
+                    .collect();
+                hows.len() as i64 == *of && parts.len() as i64 == *of
+            }
+            Some(_) => hows.len() == 1,
+            None => false,
+        }
     };
-    let head_complete = vars.keys().filter(|v| in_head(v)).all(|v| parts_of(v) == 1);
+    let head_complete = vars.keys().filter(|v| in_head(v)).all(|v| complete(v));
     let fresh_head = !head_fits || !head_complete;
     let mut created = BTreeSet::new();
     let mut missing = vec![];
     for v in vars.keys() {
         if skipped(v) || (fresh_head && in_head(v)) {
             created.insert(v.to_string());
-        } else if parts_of(v) != 1 && !wrong.contains(*v) {
+        } else if !complete(v) && !wrong.contains(*v) {
             missing.push(v.to_string());
         }
     }
@@ -134,7 +145,11 @@ pub fn plan(i: &Inputs) -> Result<LoadPlan, Mismatch> {
     }
     dropped.sort();
     let kept: BTreeSet<String> = used.iter().map(|s| s.var.clone()).collect();
-    let resampled: BTreeSet<String> = used.iter().filter(|s| s.resample.is_some()).map(|s| s.var.clone()).collect();
+    let resampled: BTreeSet<String> = used
+        .iter()
+        .filter(|s| s.resample.is_some())
+        .map(|s| s.var.clone())
+        .collect();
     Ok(LoadPlan {
         format: i.format.name(),
         steps: used,

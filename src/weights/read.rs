@@ -96,7 +96,11 @@ impl Checkpoint {
         let (from, to) = (shard.data_start + e.begin, shard.data_start + e.end);
         let bytes = &map.bytes()[from..to];
         if bytes.len() > staging.bytes {
-            bail!("{}: the tensor {} is larger than the staging buffer", self.shown, e.name);
+            bail!(
+                "{}: the tensor {} is larger than the staging buffer",
+                self.shown,
+                e.name
+            );
         }
         let ptr = staging.buf.data_ptr() as *mut u8;
         // SAFETY: the buffer holds `staging.bytes` ≥ bytes.len() bytes, aligned as libtorch
@@ -158,7 +162,12 @@ fn files_of(path: &Path) -> Result<(Vec<PathBuf>, Option<PathBuf>)> {
         if single.is_file() {
             return Ok((vec![single], config));
         }
-        for pickle in ["pytorch_model.bin", "model.pth", "model.pt", "pytorch_model.bin.index.json"] {
+        for pickle in [
+            "pytorch_model.bin",
+            "model.pth",
+            "model.pt",
+            "pytorch_model.bin.index.json",
+        ] {
             if path.join(pickle).is_file() {
                 return Err(pickle_refused(&path.join(pickle)).into());
             }
@@ -169,7 +178,10 @@ fn files_of(path: &Path) -> Result<(Vec<PathBuf>, Option<PathBuf>)> {
         ))
         .into());
     }
-    let name = path.file_name().map(|n| n.to_string_lossy().to_lowercase()).unwrap_or_default();
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().to_lowercase())
+        .unwrap_or_default();
     if name.ends_with(".json") {
         return Ok((index_files(path)?, None));
     }
@@ -193,7 +205,10 @@ fn is_pickle(path: &Path, name: &str) -> bool {
 
 /// The refusal of a pickle, with the one line that converts it.
 pub fn pickle_refused(path: &Path) -> UsageError {
-    let file = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let file = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
     let stem = file.rsplit_once('.').map(|(s, _)| s).unwrap_or(&file);
     UsageError(format!(
         "model.init_from: {} is a PyTorch pickle, which memtrain does not load: loading a pickle can run any code it holds. Convert it once to safetensors (the `safetensors` package) and point init_from at the result:\n  python -c \"import torch; from safetensors.torch import save_file; save_file(torch.load('{file}', map_location='cpu', weights_only=True), '{stem}.safetensors')\"",
@@ -208,7 +223,8 @@ fn index_files(index: &Path) -> Result<Vec<PathBuf>> {
     struct Index {
         weight_map: BTreeMap<String, String>,
     }
-    let text = fs::read_to_string(index).with_context(|| format!("model.init_from: cannot read {}", index.display()))?;
+    let text =
+        fs::read_to_string(index).with_context(|| format!("model.init_from: cannot read {}", index.display()))?;
     let parsed: Index = serde_json::from_str(&text).map_err(|e| {
         UsageError(format!(
             "model.init_from: {} is not a sharded checkpoint's index (a JSON object with a weight_map of tensor name to file): {e}",
@@ -236,19 +252,30 @@ fn index_files(index: &Path) -> Result<Vec<PathBuf>> {
 
 /// Reads one file's header: where its data starts, and its entries.
 fn header(path: &Path, shard: usize) -> Result<(usize, Vec<Entry>)> {
-    let bad = |why: String| UsageError(format!("model.init_from: cannot read {} as safetensors: {why}", path.display()));
+    const NOT: &str = " (not a safetensors file: its header does not read)";
+    const CUT: &str = " (the file is cut short or damaged: its tensors do not fit the bytes it holds)";
+    let bad = |why: String| {
+        UsageError(format!(
+            "model.init_from: cannot read {} as safetensors: {why}",
+            path.display()
+        ))
+    };
     let mut f = fs::File::open(path).with_context(|| format!("model.init_from: cannot open {}", path.display()))?;
     let size = f.metadata()?.len();
     let mut len = [0u8; 8];
-    f.read_exact(&mut len).map_err(|_| bad("it is shorter than a header".into()))?;
+    f.read_exact(&mut len)
+        .map_err(|_| bad(format!("it is shorter than a header{NOT}")))?;
     let n = u64::from_le_bytes(len);
     if n > size.saturating_sub(8) || n > 100 << 20 {
-        return Err(bad(format!("its header length ({n} bytes) does not fit the file ({size} bytes)")).into());
+        return Err(bad(format!(
+            "its header length ({n} bytes) does not fit the file ({size} bytes){NOT}"
+        ))
+        .into());
     }
     let mut text = vec![0u8; n as usize];
     f.read_exact(&mut text).map_err(|e| bad(e.to_string()))?;
     let json: BTreeMap<String, serde_json::Value> =
-        serde_json::from_slice(&text).map_err(|e| bad(format!("its header is not a JSON object: {e}")))?;
+        serde_json::from_slice(&text).map_err(|e| bad(format!("its header is not a JSON object: {e}{NOT}")))?;
     let data_start = 8 + n as usize;
     let data_len = (size - 8 - n) as usize;
     let mut entries = vec![];
@@ -258,7 +285,7 @@ fn header(path: &Path, shard: usize) -> Result<(usize, Vec<Entry>)> {
         }
         let e = entry(&name, &v, shard).map_err(|why| bad(format!("tensor {name}: {why}")))?;
         if e.end > data_len {
-            return Err(bad(format!("tensor {name} ends past the end of the file")).into());
+            return Err(bad(format!("tensor {name} ends past the end of the file{CUT}")).into());
         }
         entries.push(e);
     }
@@ -325,9 +352,22 @@ impl Map {
         let f = fs::File::open(path).with_context(|| format!("model.init_from: cannot open {}", path.display()))?;
         let len = f.metadata()?.len() as usize;
         // SAFETY: a fresh read-only private mapping of a file we opened; checked for failure.
-        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len.max(1), libc::PROT_READ, libc::MAP_SHARED, f.as_raw_fd(), 0) };
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len.max(1),
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                f.as_raw_fd(),
+                0,
+            )
+        };
         if ptr == libc::MAP_FAILED {
-            bail!("model.init_from: cannot map {} ({})", path.display(), std::io::Error::last_os_error());
+            bail!(
+                "model.init_from: cannot map {} ({})",
+                path.display(),
+                std::io::Error::last_os_error()
+            );
         }
         Ok(Map { ptr, len })
     }
@@ -347,7 +387,13 @@ impl Map {
         if end > start {
             // SAFETY: a range inside our read-only shared mapping; the pages read back from the
             // file if touched again.
-            unsafe { libc::madvise((self.ptr as *mut u8).add(start) as *mut libc::c_void, end - start, libc::MADV_DONTNEED) };
+            unsafe {
+                libc::madvise(
+                    (self.ptr as *mut u8).add(start) as *mut libc::c_void,
+                    end - start,
+                    libc::MADV_DONTNEED,
+                )
+            };
         }
     }
 }

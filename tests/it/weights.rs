@@ -18,7 +18,11 @@ fn checkpoints(dir: &Path, args: &[&str]) -> serde_json::Value {
         .env("OMP_NUM_THREADS", "1")
         .output()
         .unwrap();
-    assert!(o.status.success(), "checkpoints.py {args:?}: {}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "checkpoints.py {args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     let text = String::from_utf8_lossy(&o.stdout);
     serde_json::from_str(text.trim()).unwrap_or(serde_json::Value::Null)
 }
@@ -61,13 +65,21 @@ fn same_logits(kind: &str, out: &str, m: &memtrain::spec::Model, extra: &[&str])
     let scale = theirs.abs().max().double_value(&[]);
     eprintln!("{kind}: logits differ by at most {gap:e} (largest {scale}); {load:?}");
     assert!(scale > 0.1, "the logits are not trivially zero ({scale})");
-    assert!(gap <= 1e-5 * scale.max(1.0), "{kind}: logits differ by {gap} (scale {scale})");
+    assert!(
+        gap <= 1e-5 * scale.max(1.0),
+        "{kind}: logits differ by {gap} (scale {scale})"
+    );
     load
 }
 
 #[test]
 fn torchvision_vit_and_resnet_load_and_give_their_logits() {
-    let l = same_logits("torchvision-vit", "m.safetensors", &model("vit", &vit_options(5, "")), &[]);
+    let l = same_logits(
+        "torchvision-vit",
+        "m.safetensors",
+        &model("vit", &vit_options(5, "")),
+        &[],
+    );
     assert_eq!((l.format.as_str(), l.created, l.dropped), ("torchvision", 0, 0));
     let resnet = model("resnet18", "num_classes = 5\nimage_size = 32");
     let l = same_logits("torchvision-resnet", "m.safetensors", &resnet, &[]);
@@ -95,9 +107,13 @@ fn a_hugging_face_vit_directory_loads_with_query_key_and_value_joined() {
 fn clip_vision_towers_load_from_hugging_face_and_open_clip_names() {
     // CLIPVisionModelWithProjection's image embeddings: the projection is the last layer, so the
     // head is left out of the comparison by a projection-width identity head.
-    let clip = "layer_norm_eps = 1e-5\nactivation = \"quick_gelu\"\npre_norm = true\npatch_bias = false\nprojection_dim = 12";
+    let clip =
+        "layer_norm_eps = 1e-5\nactivation = \"quick_gelu\"\npre_norm = true\npatch_bias = false\nprojection_dim = 12";
     let m = model("vit", &vit_options(12, clip));
-    for (kind, out, format) in [("hf-clip", "hf", "huggingface"), ("open-clip", "m.safetensors", "open_clip")] {
+    for (kind, out, format) in [
+        ("hf-clip", "hf", "huggingface"),
+        ("open-clip", "m.safetensors", "open_clip"),
+    ] {
         let l = same_logits_through_projection(kind, out, &m);
         assert_eq!(l.format, format);
         assert_eq!(l.created, 2, "CLIP has no head: heads.head.{{weight,bias}} are created");
@@ -116,7 +132,9 @@ fn same_logits_through_projection(kind: &str, out: &str, m: &memtrain::spec::Mod
     let load = memtrain::run::init_from(&vs, &built.head, m, &dir.join(out)).unwrap();
     let vars = vs.variables();
     tch::no_grad(|| {
-        vars["heads.head.weight"].shallow_clone().copy_(&tch::Tensor::eye(12, (tch::Kind::Float, tch::Device::Cpu)));
+        vars["heads.head.weight"]
+            .shallow_clone()
+            .copy_(&tch::Tensor::eye(12, (tch::Kind::Float, tch::Device::Cpu)));
         let _ = vars["heads.head.bias"].shallow_clone().zero_();
     });
     let io = tensors(&dir.join("io.safetensors"));
@@ -127,7 +145,10 @@ fn same_logits_through_projection(kind: &str, out: &str, m: &memtrain::spec::Mod
     let scale = theirs.abs().max().double_value(&[]);
     eprintln!("{kind}: image embeddings differ by at most {gap:e} (largest {scale}); {load:?}");
     assert!(scale > 0.1);
-    assert!(gap <= 1e-5 * scale.max(1.0), "{kind}: embeddings differ by {gap} (scale {scale})");
+    assert!(
+        gap <= 1e-5 * scale.max(1.0),
+        "{kind}: embeddings differ by {gap} (scale {scale})"
+    );
     load
 }
 
@@ -144,7 +165,10 @@ fn a_sharded_checkpoint_loads_through_its_index_or_its_directory() {
 fn job_on(t: &Test, model: &str, size: i64, classes: &str) -> Test {
     let shape = format!("3,{size},{size}");
     for (out, n) in [("d.npz", "12"), ("v.npz", "4")] {
-        reference(t.dir(), &["data", "--out", out, "--n", n, "--shape", &shape, "--classes", classes]);
+        reference(
+            t.dir(),
+            &["data", "--out", out, "--n", n, "--shape", &shape, "--classes", classes],
+        );
     }
     t.clone().spec(table(&format!(
         "[job]\nthreads = 1\ndevice = \"cpu\"\nseed = 3\n[model]\n{model}\n\
@@ -158,7 +182,10 @@ fn job_on(t: &Test, model: &str, size: i64, classes: &str) -> Test {
 #[test]
 fn a_1000_class_checkpoint_fine_tunes_on_3_classes_with_a_new_head() {
     let t = Test::new();
-    let info = checkpoints(t.dir(), &["make", "timm-vit", "--out", "m.safetensors", "--classes", "1000"]);
+    let info = checkpoints(
+        t.dir(),
+        &["make", "timm-vit", "--out", "m.safetensors", "--classes", "1000"],
+    );
     let names = info["names"].as_array().unwrap().len() as u64;
     let init = t.dir().join("m.safetensors");
     let body = format!(
@@ -171,18 +198,28 @@ fn a_1000_class_checkpoint_fine_tunes_on_3_classes_with_a_new_head() {
     let c = job.clone().name("check").command("check").run();
     assert!(c.stdout.contains("2 created"), "{}", c.stdout);
     assert!(c.stdout.contains("heads.head.bias, heads.head.weight"), "{}", c.stdout);
-    let r = job.clone().name("run").stderr_has("created (initialised as built)").run();
+    let r = job
+        .clone()
+        .name("run")
+        .stderr_has("created (initialised as built)")
+        .run();
     let s = r.summary();
     assert_eq!(s.status, memtrain::records::Status::Completed);
     let init = s.init.expect("summary.json says what init_from loaded");
     assert_eq!(init.format, "timm");
-    assert_eq!((init.kept, init.created, init.dropped, init.missing), (names - 2, 2, 2, 0));
+    assert_eq!(
+        (init.kept, init.created, init.dropped, init.missing),
+        (names - 2, 2, 2, 0)
+    );
     assert!(r.steps().iter().all(|st| st.loss.is_finite()));
 
     // init_skip leaves more as built: the last block's MLP too.
     let skip = job
         .name("skip")
-        .set("model.init_skip", Value::Array(vec![Value::from("encoder.layers.encoder_layer_1.mlp.*")]))
+        .set(
+            "model.init_skip",
+            Value::Array(vec![Value::from("encoder.layers.encoder_layer_1.mlp.*")]),
+        )
         .run();
     let init = skip.summary().init.unwrap();
     assert_eq!((init.kept, init.created, init.dropped), (names - 6, 6, 6));
@@ -202,14 +239,21 @@ fn check_refuses_a_mis_shaped_tensor_outside_the_head_at_init_froms_line() {
     // At init_from's line in the spec file, with the tensor and both shapes.
     let spec = std::fs::read_to_string(c.test.spec_path()).unwrap();
     let line = 1 + spec.lines().position(|l| l.starts_with("init_from")).unwrap();
-    let at = format!(".toml:{line}:1: model.init_from {}", t.dir().join("m.safetensors").display());
+    let at = format!(
+        ".toml:{line}:1: model.init_from {}",
+        t.dir().join("m.safetensors").display()
+    );
     assert!(c.stderr.contains(&at), "{at}: {}", c.stderr);
     assert!(
-        c.stderr.contains("encoder.layers.encoder_layer_0.mlp.0.bias: file [24], model [32]"),
+        c.stderr
+            .contains("encoder.layers.encoder_layer_0.mlp.0.bias: file [24], model [32]"),
         "{}",
         c.stderr
     );
-    job.name("run").exit(2).stderr_has("encoder.layers.encoder_layer_0.mlp.0.bias: file [24], model [32]").run();
+    job.name("run")
+        .exit(2)
+        .stderr_has("encoder.layers.encoder_layer_0.mlp.0.bias: file [24], model [32]")
+        .run();
 }
 
 #[test]
@@ -217,7 +261,10 @@ fn a_pickle_is_refused_with_a_conversion_that_works() {
     let t = Test::new();
     checkpoints(t.dir(), &["make", "torchvision-vit", "--out", "m.safetensors"]);
     let o = std::process::Command::new(python())
-        .args(["-c", "import torch; from safetensors.torch import load_file; torch.save(load_file('m.safetensors'), 'm.pth')"])
+        .args([
+            "-c",
+            "import torch; from safetensors.torch import load_file; torch.save(load_file('m.safetensors'), 'm.pth')",
+        ])
         .current_dir(t.dir())
         .output()
         .unwrap();
@@ -235,9 +282,17 @@ fn a_pickle_is_refused_with_a_conversion_that_works() {
         .stderr_has("loading a pickle can run any code it holds")
         .run();
     // The error's own line converts the file.
-    let line = r.stderr.lines().find(|l| l.trim_start().starts_with("python -c")).unwrap();
+    let line = r
+        .stderr
+        .lines()
+        .find(|l| l.trim_start().starts_with("python -c"))
+        .unwrap();
     let code = line.trim_start().strip_prefix("python -c ").unwrap().trim_matches('"');
-    let o = std::process::Command::new(python()).args(["-c", code]).current_dir(t.dir()).output().unwrap();
+    let o = std::process::Command::new(python())
+        .args(["-c", code])
+        .current_dir(t.dir())
+        .output()
+        .unwrap();
     assert!(o.status.success(), "{code}: {}", String::from_utf8_lossy(&o.stderr));
     let r = job_on(&t, &body("m.safetensors"), 32, "5").name("converted").run();
     let init = r.summary().init.unwrap();
@@ -249,10 +304,19 @@ fn a_hugging_face_config_gives_the_sizes_and_a_contradicting_spec_is_named() {
     let t = Test::new();
     checkpoints(t.dir(), &["make", "hf-vit", "--out", "hf", "--eps", "1e-12"]);
     let hf = t.dir().join("hf");
-    let body = format!("preset = \"vit\"\ninit_from = \"{}\"\n[model.vit]\nnum_classes = 5", hf.display());
+    let body = format!(
+        "preset = \"vit\"\ninit_from = \"{}\"\n[model.vit]\nnum_classes = 5",
+        hf.display()
+    );
     let job = job_on(&t, &body, 32, "5");
     let c = job.clone().command("check").run();
-    for line in ["hidden_dim = 16", "layers = 2", "mlp_dim = 24", "layer_norm_eps = 0.000000000001", "0 created, 0 dropped"] {
+    for line in [
+        "hidden_dim = 16",
+        "layers = 2",
+        "mlp_dim = 24",
+        "layer_norm_eps = 0.000000000001",
+        "0 created, 0 dropped",
+    ] {
         assert!(c.stdout.contains(line), "{line}: {}", c.stdout);
     }
     job.set("model.vit.layers", 3)
@@ -266,7 +330,10 @@ fn a_hugging_face_config_gives_the_sizes_and_a_contradicting_spec_is_named() {
 #[test]
 fn position_embeddings_at_another_image_size_are_resampled_as_timm_does() {
     let t = Test::new();
-    checkpoints(t.dir(), &["resample", "--from", "4", "--to", "6", "--out", "r.safetensors"]);
+    checkpoints(
+        t.dir(),
+        &["resample", "--from", "4", "--to", "6", "--out", "r.safetensors"],
+    );
     let r = tensors(&t.dir().join("r.safetensors"));
     let get = |n: &str| r.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
     let ours = memtrain::weights::resample_pos_embed(&get("pos"), 4, 6).unwrap();
@@ -293,7 +360,9 @@ fn loading_holds_one_tensor_of_host_memory_at_a_time() {
     let t = Test::new();
     let mlp = "preset = \"mlp\"\n[model.mlp]\ninputs = 1024\nhidden = [1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024, 1024]\nnum_classes = 4";
     let spec = |init: Option<PathBuf>| {
-        let init = init.map(|p| format!("init_from = \"{}\"\n", p.display())).unwrap_or_default();
+        let init = init
+            .map(|p| format!("init_from = \"{}\"\n", p.display()))
+            .unwrap_or_default();
         table(&format!(
             "[job]\nthreads = 1\ndevice = \"cpu\"\nseed = 3\n[model]\n{init}{mlp}\n\
              [data]\nsource = \"synthetic\"\nsamples = 16\n[train]\nepochs = 1\nbatch_size = 8\noptimizer = \"sgd\"\nlr = 0.01\n\
@@ -319,5 +388,9 @@ fn loading_holds_one_tensor_of_host_memory_at_a_time() {
         "the load held {} bytes, over one tensor ({largest}) and 4 MiB",
         init.peak_host_bytes
     );
-    assert!(init.peak_host_bytes >= largest / 2, "the reading sees the tensor held: {}", init.peak_host_bytes);
+    assert!(
+        init.peak_host_bytes >= largest / 2,
+        "the reading sees the tensor held: {}",
+        init.peak_host_bytes
+    );
 }

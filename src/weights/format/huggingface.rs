@@ -35,7 +35,10 @@ const VIT_BLOCK: &[(&str, &str, How)] = &[
     ("mlp.fc2.", "mlp.3", How::Whole),
 ];
 
-const VIT_OUTSIDE: &[(&str, &str)] = &[("embeddings.patch_embeddings.projection", "conv_proj"), ("layernorm", "encoder.ln")];
+const VIT_OUTSIDE: &[(&str, &str)] = &[
+    ("embeddings.patch_embeddings.projection", "conv_proj"),
+    ("layernorm", "encoder.ln"),
+];
 
 const CLIP_BLOCK: &[(&str, &str, How)] = &[
     ("layer_norm1.", "ln_1", How::Whole),

@@ -29,7 +29,10 @@ pub struct Target {
 
 impl Target {
     fn whole(var: impl Into<String>) -> Target {
-        Target { var: var.into(), how: How::Whole }
+        Target {
+            var: var.into(),
+            how: How::Whole,
+        }
     }
 }
 
@@ -42,7 +45,12 @@ pub trait Format {
 }
 
 /// Most specific first: torchvision claims whatever the others do not.
-const DETECTED: [&dyn Format; 4] = [&open_clip::OpenClip, &huggingface::HuggingFace, &timm::Timm, &torchvision::Torchvision];
+const DETECTED: [&dyn Format; 4] = [
+    &open_clip::OpenClip,
+    &huggingface::HuggingFace,
+    &timm::Timm,
+    &torchvision::Torchvision,
+];
 
 /// The format `wanted` names, or the one whose names these are.
 pub fn pick(wanted: InitFormat, names: &[&str]) -> &'static dyn Format {

@@ -16,7 +16,11 @@ const BLOCK: &[(&str, &str, How)] = &[
     ("mlp.fc2.", "mlp.3", How::Whole),
 ];
 
-const OUTSIDE: &[(&str, &str)] = &[("patch_embed.proj", "conv_proj"), ("norm", "encoder.ln"), ("head", "heads.head")];
+const OUTSIDE: &[(&str, &str)] = &[
+    ("patch_embed.proj", "conv_proj"),
+    ("norm", "encoder.ln"),
+    ("head", "heads.head"),
+];
 
 impl Format for Timm {
     fn name(&self) -> &'static str {
@@ -24,7 +28,9 @@ impl Format for Timm {
     }
 
     fn claims(&self, names: &[&str]) -> bool {
-        names.iter().any(|n| n.starts_with("patch_embed.") || n.starts_with("blocks."))
+        names
+            .iter()
+            .any(|n| n.starts_with("patch_embed.") || n.starts_with("blocks."))
     }
 
     fn map(&self, name: &str) -> Option<Target> {
@@ -47,5 +53,7 @@ impl Format for Timm {
 
 /// Whether a name outside the blocks is one of the ViT's (the ResNet's `fc`, `bn1`, ... are not).
 fn names_vit(name: &str) -> bool {
-    OUTSIDE.iter().any(|(m, _)| name.strip_prefix(m).is_some_and(|p| p.starts_with('.')))
+    OUTSIDE
+        .iter()
+        .any(|(m, _)| name.strip_prefix(m).is_some_and(|p| p.starts_with('.')))
 }
