@@ -5,6 +5,7 @@
 mod darts;
 mod init;
 mod layers;
+pub mod lora;
 mod mlp;
 mod preset;
 mod resnet;
@@ -108,7 +109,11 @@ fn options<T: DeserializeOwned + Default>(model: &Model, name: &str) -> Result<T
         if msg.starts_with("unknown field `") {
             // The path already ends at the unknown key.
             let known = msg.split_once(", expected").map(|(_, k)| k).unwrap_or_default();
-            return (key, format!("is not an option of the {name} preset (expected{known})"));
+            let of = match name {
+                lora::TABLE => "the [model.lora] table".to_owned(),
+                _ => format!("the {name} preset"),
+            };
+            return (key, format!("is not an option of {of} (expected{known})"));
         }
         (key, format!("is invalid: {}", crate::spec::plain_types(&msg)))
     })
@@ -237,7 +242,7 @@ pub fn validate(m: &mut Model, data: &Data) -> Vec<(String, String)> {
     };
     let mut problems = vec![];
     for key in m.options.keys() {
-        if key == p.name() {
+        if key == p.name() || key == lora::TABLE {
             continue;
         }
         let msg = if preset_named(key).is_some() {
@@ -274,6 +279,7 @@ pub fn validate(m: &mut Model, data: &Data) -> Vec<(String, String)> {
         return follow;
     }
     problems.extend(p.validate(m));
+    problems.extend(validate_lora(m));
     if problems.is_empty() {
         if let Some(v) = p.resolved(m) {
             m.options.insert(p.name().into(), v);
@@ -282,8 +288,95 @@ pub fn validate(m: &mut Model, data: &Data) -> Vec<(String, String)> {
     problems
 }
 
+/// `[model.lora]`'s checks, and its table completed with the defaults.
+fn validate_lora(m: &mut Model) -> Vec<(String, String)> {
+    if !m.options.contains_key(lora::TABLE) {
+        return vec![];
+    }
+    match options::<lora::LoraOptions>(m, lora::TABLE) {
+        Err(p) => vec![p],
+        Ok(o) => {
+            let problems: Vec<(String, String)> = o
+                .check()
+                .into_iter()
+                .map(|(k, msg)| (format!("model.{}.{k}", lora::TABLE), msg))
+                .collect();
+            if let (true, Ok(v)) = (problems.is_empty(), toml::Value::try_from(&o)) {
+                m.options.insert(lora::TABLE.into(), v);
+            }
+            problems
+        }
+    }
+}
+
+/// The spec's `[model.lora]`, when it has one.
+pub fn lora_options(model: &Model) -> Result<Option<lora::LoraOptions>> {
+    if !model.options.contains_key(lora::TABLE) {
+        return Ok(None);
+    }
+    options(model, lora::TABLE)
+        .map(Some)
+        .map_err(|(k, m)| anyhow::anyhow!("{k} {m}"))
+}
+
+/// The preset's network, with `[model.lora]`'s adapters when the spec has them: they are made
+/// after the base, so the base's initial weights are the same either way.
 pub fn build(root: &nn::Path, model: &Model) -> Result<Built> {
-    preset_of(model)?.build(root, model)
+    let mut built = preset_of(model)?.build(root, model)?;
+    if let Some(o) = lora_options(model)? {
+        let made = built.net.adapt(root, &o);
+        if made.is_empty() {
+            return Err(no_target(&o, &model.preset, &built.net.adaptable()).into());
+        }
+        // A base checkpoint has no adapters: each is made fresh where it lacks them.
+        for layer in &made {
+            built.head.extend(["lora_A", "lora_B"].map(|a| format!("{layer}.{a}")));
+        }
+    }
+    Ok(built)
+}
+
+/// Targets that match no layer: the error names the layers there are, by their short names
+/// (the part after the block) and one full name.
+fn no_target(o: &lora::LoraOptions, preset: &str, offered: &[String]) -> crate::exit::UsageError {
+    // A block's layers once, without the block's own prefix (`self_attention.in_proj_q`).
+    let mut short: Vec<&str> = vec![];
+    for name in offered {
+        let s = name
+            .split_once("_layer_")
+            .and_then(|(_, r)| r.split_once('.'))
+            .map_or(name.as_str(), |(_, r)| r);
+        if !short.contains(&s) {
+            short.push(s);
+        }
+    }
+    crate::exit::UsageError(format!(
+        "model.lora.targets ({}) matches none of the {preset} preset's linear layers{}",
+        o.targets.join(", "),
+        match offered.first() {
+            None => "; it has none that LoRA adapts".to_owned(),
+            Some(full) => format!(
+                "; its layers are {} (a plain name matches a layer whose name ends with it, as {full} ends with {})",
+                short.join(", "),
+                short[0]
+            ),
+        }
+    ))
+}
+
+/// With `[model.lora]`, everything but the adapters and the extras stops training: its
+/// variables no longer require a gradient, so the optimizer, the gradient buffers and `check`'s
+/// count leave them out.
+pub fn freeze_base(vs: &nn::VarStore, model: &Model) -> Result<()> {
+    let Some(o) = lora_options(model)? else {
+        return Ok(());
+    };
+    for (name, t) in vs.variables() {
+        if t.requires_grad() && !o.trains(&name) {
+            let _ = t.shallow_clone().set_requires_grad(false);
+        }
+    }
+    Ok(())
 }
 
 pub fn extra_step(model: &Model) -> Option<ExtraStep> {
@@ -300,6 +393,7 @@ pub fn blockwise(net: &dyn Net, vs: &nn::VarStore) -> bool {
 pub fn counts(model: &Model) -> Result<Counts> {
     let vs = nn::VarStore::new(Device::Cpu);
     let built = tch::no_grad(|| build(&vs.root(), model))?;
+    freeze_base(&vs, model)?;
     let mut c = Counts {
         has_blocks: built.net.chain().is_some(),
         blockwise: blockwise(built.net.as_ref(), &vs),

@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use tch::{nn, Tensor};
 
+use super::lora::LoraOptions;
 use crate::optim::Hyper;
 
 /// Variables whose name starts with this are architecture weights (DARTS α): trained by
@@ -23,6 +24,15 @@ pub trait Net: std::fmt::Debug {
     /// The model as a sequence of blocks, for activation checkpointing; None if it is not one.
     fn chain(&self) -> Option<&dyn Chain> {
         None
+    }
+    /// Adds low-rank adapters (under `root`, the preset's own root) to the linear layers `o`
+    /// targets, and returns their names; none where the preset has no such layers.
+    fn adapt(&mut self, _root: &nn::Path, _o: &LoraOptions) -> Vec<String> {
+        vec![]
+    }
+    /// The names of the linear layers `adapt` can adapt.
+    fn adaptable(&self) -> Vec<String> {
+        vec![]
     }
 }
 
@@ -72,7 +82,8 @@ pub struct Built {
     pub input_shape: Vec<i64>,
     pub num_classes: i64,
     /// The head's variables by name prefix (`heads.head` is `heads.head.weight` and
-    /// `heads.head.bias`): what a checkpoint for another class count leaves to the build.
+    /// `heads.head.bias`): what a checkpoint for another class count leaves to the build. LoRA's
+    /// adapters join it (a base checkpoint lacks them), each adapter its own prefix.
     pub head: Vec<String>,
 }
 

@@ -19,6 +19,7 @@ use tch::nn::{self, Init, Module};
 use tch::Tensor;
 
 use super::layers::{self, LayerNorm};
+use super::lora::{adapted, adapter_for, Adapter, LoraOptions};
 use super::preset::{run_chain, Built, Chain, Net, Preset};
 
 /// `[model.vit]`; the defaults are ViT-B/16.
@@ -176,6 +177,31 @@ struct EncoderBlock {
     dropout: f64,
     attention_dropout: f64,
     activation: Activation,
+    lora: BlockAdapters,
+}
+
+/// A block's LoRA adapters: on the packed in-projection's query, key and value parts, the
+/// attention's output projection and the MLP's two layers.
+#[derive(Debug, Default)]
+struct BlockAdapters {
+    q: Option<Adapter>,
+    k: Option<Adapter>,
+    v: Option<Adapter>,
+    out: Option<Adapter>,
+    fc1: Option<Adapter>,
+    fc2: Option<Adapter>,
+}
+
+/// The linear layers of a block that LoRA can adapt, as (name under the block, inputs, outputs).
+fn block_layers(d: i64, mlp: i64) -> [(&'static str, i64, i64); 6] {
+    [
+        ("self_attention.in_proj_q", d, d),
+        ("self_attention.in_proj_k", d, d),
+        ("self_attention.in_proj_v", d, d),
+        ("self_attention.out_proj", d, d),
+        ("mlp.0", d, mlp),
+        ("mlp.3", mlp, d),
+    ]
 }
 
 impl EncoderBlock {
@@ -205,7 +231,29 @@ impl EncoderBlock {
             dropout: o.dropout,
             attention_dropout: o.attention_dropout,
             activation: o.activation,
+            lora: BlockAdapters::default(),
         }
+    }
+
+    fn sizes(&self) -> (i64, i64) {
+        (self.in_proj_weight.size()[1], self.mlp_0.ws.size()[0])
+    }
+
+    fn adapt(&mut self, p: &nn::Path, o: &LoraOptions, made: &mut Vec<String>) {
+        let (d, m) = self.sizes();
+        let mut made_one = |(name, i, out): (&str, i64, i64)| {
+            let path = name.split('.').fold(p.clone(), |q, part| q / part);
+            adapter_for(path, i, out, o, made)
+        };
+        let [q, k, v, out, fc1, fc2] = block_layers(d, m);
+        self.lora = BlockAdapters {
+            q: made_one(q),
+            k: made_one(k),
+            v: made_one(v),
+            out: made_one(out),
+            fc1: made_one(fc1),
+            fc2: made_one(fc2),
+        };
     }
 
     fn attention(&self, x: &Tensor, train: bool) -> Tensor {
@@ -214,18 +262,23 @@ impl EncoderBlock {
         let qkv = x.linear(&self.in_proj_weight, Some(&self.in_proj_bias));
         let split = |t: &Tensor| t.view([n, l, h, d / h]).transpose(1, 2);
         let parts = qkv.chunk(3, -1);
+        let l_ = &self.lora;
+        let q = adapted(&l_.q, parts[0].shallow_clone(), x, train);
+        let k = adapted(&l_.k, parts[1].shallow_clone(), x, train);
+        let v = adapted(&l_.v, parts[2].shallow_clone(), x, train);
         let p = if train { self.attention_dropout } else { 0.0 };
         let a = Tensor::scaled_dot_product_attention::<Tensor>(
-            &split(&parts[0]),
-            &split(&parts[1]),
-            &split(&parts[2]),
+            &split(&q),
+            &split(&k),
+            &split(&v),
             None,
             p,
             false,
             None,
             false,
         );
-        self.out_proj.forward(&a.transpose(1, 2).reshape([n, l, d]))
+        let a = a.transpose(1, 2).reshape([n, l, d]);
+        adapted(&l_.out, self.out_proj.forward(&a), &a, train)
     }
 
     fn forward_t(&self, input: &Tensor, train: bool) -> Tensor {
@@ -233,11 +286,10 @@ impl EncoderBlock {
             .attention(&self.ln_1.forward(input), train)
             .dropout(self.dropout, train)
             + input;
-        let y = self
-            .activation
-            .apply(&self.mlp_0.forward(&self.ln_2.forward(&x)))
-            .dropout(self.dropout, train);
-        let y = self.mlp_3.forward(&y).dropout(self.dropout, train);
+        let h = self.ln_2.forward(&x);
+        let y = adapted(&self.lora.fc1, self.mlp_0.forward(&h), &h, train);
+        let y = self.activation.apply(&y).dropout(self.dropout, train);
+        let y = adapted(&self.lora.fc2, self.mlp_3.forward(&y), &y, train).dropout(self.dropout, train);
         x + y
     }
 }
@@ -253,6 +305,8 @@ pub struct Vit {
     projection: Option<nn::Linear>,
     head: nn::Linear,
     dropout: f64,
+    projection_lora: Option<Adapter>,
+    head_lora: Option<Adapter>,
 }
 
 impl Vit {
@@ -299,7 +353,23 @@ impl Vit {
                 Init::Const(0.0),
             ),
             dropout: o.dropout,
+            projection_lora: None,
+            head_lora: None,
         }
+    }
+
+    /// The layers after the blocks, as (name, inputs, outputs).
+    fn top_layers(&self) -> Vec<(&'static str, i64, i64)> {
+        let [out, inputs] = self.head.ws.size()[..] else {
+            unreachable!("a linear layer's weight is [out, in]")
+        };
+        let mut v = vec![];
+        if let Some(p) = &self.projection {
+            let s = p.ws.size();
+            v.push(("projection", s[1], s[0]));
+        }
+        v.push(("heads.head", inputs, out));
+        v
     }
 }
 
@@ -323,11 +393,11 @@ impl Chain for Vit {
             };
             tokens.dropout(self.dropout, train)
         } else if i == self.layers.len() + 1 {
-            let pooled = self.ln.forward(x).select(1, 0);
-            match &self.projection {
-                Some(proj) => self.head.forward(&proj.forward(&pooled)),
-                None => self.head.forward(&pooled),
+            let mut pooled = self.ln.forward(x).select(1, 0);
+            if let Some(proj) = &self.projection {
+                pooled = adapted(&self.projection_lora, proj.forward(&pooled), &pooled, train);
             }
+            adapted(&self.head_lora, self.head.forward(&pooled), &pooled, train)
         } else {
             self.layers[i - 1].forward_t(x, train)
         };
@@ -356,6 +426,37 @@ impl Chain for Vit {
 impl Net for Vit {
     fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
         run_chain(self, xs, train)
+    }
+
+    fn adapt(&mut self, root: &nn::Path, o: &LoraOptions) -> Vec<String> {
+        let mut made = vec![];
+        let layers = root / "encoder" / "layers";
+        for (i, block) in self.layers.iter_mut().enumerate() {
+            block.adapt(&(&layers / format!("encoder_layer_{i}")), o, &mut made);
+        }
+        for (name, inputs, outputs) in self.top_layers() {
+            let path = name.split('.').fold(root.clone(), |q, part| q / part);
+            let a = adapter_for(path, inputs, outputs, o, &mut made);
+            match name {
+                "projection" => self.projection_lora = a,
+                _ => self.head_lora = a,
+            }
+        }
+        made
+    }
+
+    fn adaptable(&self) -> Vec<String> {
+        let mut v = vec![];
+        for (i, block) in self.layers.iter().enumerate() {
+            let (d, m) = block.sizes();
+            v.extend(
+                block_layers(d, m)
+                    .iter()
+                    .map(|(n, _, _)| format!("encoder.layers.encoder_layer_{i}.{n}")),
+            );
+        }
+        v.extend(self.top_layers().iter().map(|(n, _, _)| n.to_string()));
+        v
     }
 
     fn chain(&self) -> Option<&dyn Chain> {

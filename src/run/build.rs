@@ -222,6 +222,7 @@ impl Factory<'_> {
             Some(path) => Some(init_from(&vs, &built.head, &spec.model, path)?),
             None => None,
         };
+        model::freeze_base(&vs, &spec.model)?;
         if !on_host && built_on != device {
             let _squeeze = fault::squeeze_in(Phase::Model, self.plan.start.global_step);
             setup_step(Phase::Model.label(), &needs, &CHANGE_MODEL, || vs.set_device(device))?;

@@ -57,10 +57,12 @@ pub fn vit_options(config: &Path, projection: bool) -> Result<Vec<Given>, String
     if let Some(act) = c["hidden_act"].as_str() {
         let ours = match act {
             "gelu" | "quick_gelu" => act,
-            other => return Err(format!(
+            other => {
+                return Err(format!(
                 "{} has hidden_act = \"{other}\", which the vit preset does not compute (it has gelu and quick_gelu)",
                 config.display()
-            )),
+            ))
+            }
         };
         given.push(Given {
             option: "activation",

@@ -39,8 +39,9 @@ pub struct Step {
 pub struct Inputs<'a> {
     pub checkpoint: &'a [Shaped],
     pub vars: &'a [Shaped],
-    /// Prefixes of the head's variables (`heads.head`): created fresh when the checkpoint's do
-    /// not fit.
+    /// Prefixes of the variables a checkpoint may lack or size otherwise (`heads.head`, LoRA's
+    /// adapters), each one unit: a unit the checkpoint does not fill whole, at its shapes, is
+    /// left as built, all of it.
     pub head: &'a [String],
     /// `model.init_skip`: patterns of variables left as built.
     pub skip: &'a [String],
@@ -58,16 +59,18 @@ pub struct Mismatch {
 
 pub fn plan(i: &Inputs) -> Result<LoadPlan, Mismatch> {
     let vars: BTreeMap<&str, &[i64]> = i.vars.iter().map(|(n, s)| (n.as_str(), s.as_slice())).collect();
-    let in_head = |v: &str| {
+    // The head unit (one of `head`'s prefixes) a variable belongs to.
+    let unit = |v: &str| -> Option<usize> {
         i.head
             .iter()
-            .any(|h| v == h || v.strip_prefix(h.as_str()).is_some_and(|r| r.starts_with('.')))
+            .position(|h| v == h || v.strip_prefix(h.as_str()).is_some_and(|r| r.starts_with('.')))
     };
     let skipped = |v: &str| i.skip.iter().any(|p| glob(p, v));
     let mut steps = vec![];
     let mut dropped = vec![];
     let mut misshaped = vec![];
-    let mut head_fits = true;
+    // Head units a checkpoint tensor does not fit: made fresh, every variable of the unit.
+    let mut misfit = BTreeSet::new();
     // Variables a mis-shaped tensor was meant for: said once, as mis-shaped, not also missing.
     let mut wrong = BTreeSet::new();
     for (name, shape) in i.checkpoint {
@@ -86,8 +89,8 @@ pub fn plan(i: &Inputs) -> Result<LoadPlan, Mismatch> {
         let resample = match fits(shape, want, t.how) {
             Fit::Yes => None,
             Fit::Resample(from, to) if t.var.ends_with("pos_embedding") => Some((from, to)),
-            _ if in_head(&t.var) => {
-                head_fits = false;
+            _ if unit(&t.var).is_some() => {
+                misfit.extend(unit(&t.var));
                 None
             }
             _ => {
@@ -121,12 +124,12 @@ pub fn plan(i: &Inputs) -> Result<LoadPlan, Mismatch> {
             None => false,
         }
     };
-    let head_complete = vars.keys().filter(|v| in_head(v)).all(|v| complete(v));
-    let fresh_head = !head_fits || !head_complete;
+    // A unit the checkpoint lacks a variable of is made fresh whole too.
+    misfit.extend(vars.keys().filter(|v| !complete(v)).filter_map(|v| unit(v)));
     let mut created = BTreeSet::new();
     let mut missing = vec![];
     for v in vars.keys() {
-        if skipped(v) || (fresh_head && in_head(v)) {
+        if skipped(v) || unit(v).is_some_and(|u| misfit.contains(&u)) {
             created.insert(v.to_string());
         } else if !complete(v) && !wrong.contains(*v) {
             missing.push(v.to_string());

@@ -186,6 +186,7 @@ fn schema_keys(dir: &Path) -> BTreeSet<String> {
     for preset in memtrain::model::names() {
         tables.push((format!("[model]\npreset = \"{preset}\"\n"), format!("model.{preset}")));
     }
+    tables.push(("[model]\npreset = \"vit\"\n".to_owned(), "model.lora".to_owned()));
     keys.insert("model.preset".to_owned());
     keys.insert("model.init_from".to_owned());
     while let Some((spec, table)) = tables.pop() {

@@ -10,6 +10,7 @@ mod docs;
 mod fit;
 mod foundation;
 mod gpu_check;
+mod lora;
 mod models;
 mod oom;
 mod optim8;

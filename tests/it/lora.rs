@@ -1,0 +1,100 @@
+//! LoRA against peft: the same base and initial adapters (written by peft and passed through
+//! `model.init_from`), the same batches, the same AdamW: the same per-step losses, and a base
+//! that does not move.
+use crate::common::*;
+
+fn lora_reference(dir: &std::path::Path, args: &[&str]) -> String {
+    let out = std::process::Command::new(python())
+        .arg(repo().join("tests/py/lora_reference.py"))
+        .args(args)
+        .current_dir(dir)
+        .env("OMP_NUM_THREADS", "1")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// A tiny Hugging Face ViT's sizes as the vit preset's options, with adapters on the query and
+/// value parts of every block's in-projection and the head trained beside them (peft's
+/// `target_modules=["q_proj", "v_proj"]`, `modules_to_save=["classifier"]`).
+fn spec(dir: &std::path::Path) -> String {
+    format!(
+        "[job]\nthreads = 1\ndevice = \"cpu\"\nseed = 3\n\
+         [model]\npreset = \"vit\"\ninit_from = \"{init}\"\n\
+         [model.vit]\nimage_size = 16\npatch_size = 8\nlayers = 2\nheads = 2\nhidden_dim = 16\n\
+         mlp_dim = 32\nnum_classes = 4\nlayer_norm_eps = 1e-12\n\
+         [model.lora]\nrank = 4\nalpha = 8.0\ntargets = [\"in_proj_q\", \"in_proj_v\"]\nextras = [\"heads.head\"]\n\
+         [data]\nsource = \"npz\"\npath = \"{data}\"\nval_path = \"{data}\"\n\
+         [train]\nepochs = 2\nbatch_size = 4\noptimizer = \"adamw\"\nlr = 0.001\nweight_decay = 0.01\n\
+         optimizer_impl = \"single\"\n\
+         [log]\nevery_steps = 1\nprogress = \"off\"\n",
+        init = dir.join("init.safetensors").display(),
+        data = dir.join("d.npz").display(),
+    )
+}
+
+#[test]
+fn lora_trains_as_peft_does_and_leaves_the_base_unchanged() {
+    let t = Test::new();
+    let dir = t.dir().to_path_buf();
+    lora_reference(&dir, &["init", "--out", "init.safetensors", "--data", "d.npz"]);
+    let r = t.spec(table(&spec(&dir))).run();
+    let py: serde_json::Value = serde_json::from_str(&lora_reference(
+        &dir,
+        &["train", "--init", "init.safetensors", "--data", "d.npz"],
+    ))
+    .unwrap();
+    assert_eq!(py["base_unchanged"], true, "peft keeps its base");
+    let theirs: Vec<f64> = py["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    let ours = step_losses(&r);
+    assert_eq!(ours.len(), 20);
+    assert_close(&ours, &theirs, 1e-5);
+
+    // The base is bit-unchanged; the adapters' B matrices and the head moved.
+    let init = tensors(&dir.join("init.safetensors"));
+    let fin = tensors(&r.final_model());
+    let mut trained = 0i64;
+    for (name, before) in &init {
+        let (_, after) = fin.iter().find(|(n, _)| n == name).unwrap();
+        let same = before.equal(after);
+        let trains = name.contains(".lora_") || name.starts_with("heads.head.");
+        assert_eq!(same, !trains, "{name}: changed = {}", !same);
+        if trains {
+            trained += before.numel() as i64;
+        }
+    }
+    assert_eq!(
+        trained,
+        py["trainable"].as_i64().unwrap(),
+        "the same tensors train on both sides"
+    );
+}
+
+/// Targets that match no layer are refused before training, with the names that would match.
+#[test]
+fn lora_targets_that_match_nothing_are_refused_with_the_layer_names() {
+    let t = Test::new();
+    let dir = t.dir().to_path_buf();
+    lora_reference(&dir, &["init", "--out", "init.safetensors", "--data", "d.npz"]);
+    let text = spec(&dir).replace("[\"in_proj_q\", \"in_proj_v\"]", "[\"query\"]");
+    let r = t.spec(table(&text)).exit(2).run();
+    assert!(
+        r.stderr
+            .contains("model.lora.targets (query) matches none of the vit preset's linear layers"),
+        "{}",
+        r.stderr
+    );
+    assert!(
+        r.stderr
+            .contains("its layers are self_attention.in_proj_q, self_attention.in_proj_k"),
+        "{}",
+        r.stderr
+    );
+    assert!(!dir.join("run").exists(), "nothing is written for a refused spec");
+}
