@@ -118,3 +118,24 @@ fn glob_patterns_match_any_run_of_characters() {
     assert!(!glob("heads.*", "encoder.heads"));
     assert!(glob("fc", "fc") && !glob("fc", "fc1"));
 }
+
+#[test]
+fn each_head_unit_is_kept_or_made_fresh_on_its_own() {
+    // A LoRA adapter the base checkpoint lacks is made fresh; the head it has, fitting, is kept.
+    let vars: &[(&str, &[i64])] = &[
+        ("fc.weight", &[3, 4]),
+        ("fc.bias", &[3]),
+        ("mlp.lora_A.weight", &[2, 4]),
+    ];
+    let (checkpoint, vars) = (shaped(&[("fc.weight", &[3, 4]), ("fc.bias", &[3])]), shaped(vars));
+    let p = plan(&Inputs {
+        checkpoint: &checkpoint,
+        vars: &vars,
+        head: &["fc".to_string(), "mlp.lora_A".to_string()],
+        skip: &[],
+        format: pick(InitFormat::Torchvision, &[]),
+    })
+    .unwrap();
+    assert_eq!(p.kept, ["fc.bias", "fc.weight"]);
+    assert_eq!(p.created, ["mlp.lora_A.weight"]);
+}
