@@ -99,31 +99,14 @@ pub fn plan(i: &Inputs) -> Result<LoadPlan, Mismatch> {
                 continue;
             }
         };
-        steps.push(super::plan::Step {
+        steps.push(Step {
             tensor: name.clone(),
             var: t.var,
             how: t.how,
             resample,
         });
     }
-    // Filled: by one whole tensor, or by every part of a packed one, each once.
-    let complete = |v: &str| -> bool {
-        let hows: Vec<How> = steps.iter().filter(|s| s.var == v).map(|s| s.how).collect();
-        match hows.first() {
-            Some(How::Part { of, .. }) => {
-                let parts: BTreeSet<i64> = hows
-                    .iter()
-                    .filter_map(|h| match h {
-                        How::Part { index, of: o } if o == of => Some(*index),
-                        _ => None,
-                    })
-                    .collect();
-                hows.len() as i64 == *of && parts.len() as i64 == *of
-            }
-            Some(_) => hows.len() == 1,
-            None => false,
-        }
-    };
+    let complete = |v: &str| complete(&steps, v);
     // A unit the checkpoint lacks a variable of is made fresh whole too.
     misfit.extend(vars.keys().filter(|v| !complete(v)).filter_map(|v| unit(v)));
     let mut created = BTreeSet::new();
@@ -161,6 +144,25 @@ pub fn plan(i: &Inputs) -> Result<LoadPlan, Mismatch> {
         dropped,
         resampled: resampled.into_iter().collect(),
     })
+}
+
+/// Whether `steps` fill `var`: by one whole tensor, or by every part of a packed one, each once.
+fn complete(steps: &[Step], var: &str) -> bool {
+    let hows: Vec<How> = steps.iter().filter(|s| s.var == var).map(|s| s.how).collect();
+    match hows.first() {
+        Some(How::Part { of, .. }) => {
+            let parts: BTreeSet<i64> = hows
+                .iter()
+                .filter_map(|h| match h {
+                    How::Part { index, of: o } if o == of => Some(*index),
+                    _ => None,
+                })
+                .collect();
+            hows.len() as i64 == *of && parts.len() as i64 == *of
+        }
+        Some(_) => hows.len() == 1,
+        None => false,
+    }
 }
 
 enum Fit {
