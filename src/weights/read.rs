@@ -185,22 +185,24 @@ fn files_of(path: &Path) -> Result<(Vec<PathBuf>, Option<PathBuf>)> {
     if name.ends_with(".json") {
         return Ok((index_files(path)?, None));
     }
-    if is_pickle(path, &name) {
+    if is_pickle(&name) {
         return Err(pickle_refused(path).into());
     }
     Ok((vec![path.to_path_buf()], None))
 }
 
-/// `.pth`, `.pt`, `.bin`, `.ckpt` and `.pkl` files, and any file that starts as a zip archive
-/// (`torch.save`'s format) or a pickle does.
-fn is_pickle(path: &Path, name: &str) -> bool {
+/// `.pth`, `.pt`, `.bin`, `.ckpt` and `.pkl` files; others are told by their header (`header`).
+fn is_pickle(name: &str) -> bool {
     const PICKLES: [&str; 5] = [".pth", ".pt", ".bin", ".ckpt", ".pkl"];
-    if PICKLES.iter().any(|s| name.ends_with(s)) {
-        return true;
-    }
+    PICKLES.iter().any(|s| name.ends_with(s))
+}
+
+/// Whether a file whose header does not read starts as `torch.save` writes: a zip archive, or a
+/// pickle's protocol opcode.
+fn looks_pickled(path: &Path) -> bool {
     let mut head = [0u8; 2];
     let read = fs::File::open(path).and_then(|mut f| f.read_exact(&mut head));
-    read.is_ok() && (head == *b"PK" || head[0] == 0x80)
+    read.is_ok() && (head == *b"PK" || (head[0] == 0x80 && (2..=5).contains(&head[1])))
 }
 
 /// The refusal of a pickle, with the one line that converts it.
@@ -250,8 +252,16 @@ fn index_files(index: &Path) -> Result<Vec<PathBuf>> {
     Ok(files)
 }
 
-/// Reads one file's header: where its data starts, and its entries.
+/// Reads one file's header: where its data starts, and its entries. A pickle under another
+/// name is refused as one.
 fn header(path: &Path, shard: usize) -> Result<(usize, Vec<Entry>)> {
+    match header_of(path, shard) {
+        Err(_) if looks_pickled(path) => Err(pickle_refused(path).into()),
+        read => read,
+    }
+}
+
+fn header_of(path: &Path, shard: usize) -> Result<(usize, Vec<Entry>)> {
     const NOT: &str = " (not a safetensors file: its header does not read)";
     const CUT: &str = " (the file is cut short or damaged: its tensors do not fit the bytes it holds)";
     let bad = |why: String| {

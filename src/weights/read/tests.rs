@@ -128,6 +128,12 @@ fn pickles_and_files_that_are_not_safetensors_are_refused_with_why() {
     let e = format!("{:#}", Checkpoint::headers(&hf).err().unwrap());
     assert!(e.contains("pytorch_model.bin is a PyTorch pickle"), "{e}");
 
+    // A pickle under a safetensors name is told by its first bytes.
+    let renamed = dir.path().join("renamed.safetensors");
+    fs::write(&renamed, b"PK\x03\x04 and the rest of a zip").unwrap();
+    let e = format!("{:#}", Checkpoint::headers(&renamed).err().unwrap());
+    assert!(e.contains("is a PyTorch pickle"), "{e}");
+
     let notes = dir.path().join("notes.safetensors");
     fs::write(&notes, "just some notes\n").unwrap();
     let e = format!("{:#}", Checkpoint::headers(&notes).err().unwrap());
