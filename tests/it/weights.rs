@@ -328,6 +328,43 @@ fn a_hugging_face_config_gives_the_sizes_and_a_contradicting_spec_is_named() {
 }
 
 #[test]
+fn a_hugging_face_directory_runs_with_its_configs_sizes_and_pythons_loss() {
+    let t = Test::new();
+    let hf = t.dir().join("hf");
+    let body = format!(
+        "preset = \"vit\"\ninit_from = \"{}\"\n[model.vit]\nnum_classes = 5",
+        hf.display()
+    );
+    // The sizes, the LayerNorm epsilon (1e-12) among them, come from config.json alone.
+    let job = job_on(&t, &body, 32, "5").set("train.lr", 1e-12);
+    let v = t.dir().join("v.npz");
+    let py = checkpoints(
+        t.dir(),
+        &[
+            "make",
+            "hf-vit",
+            "--out",
+            "hf",
+            "--eps",
+            "1e-12",
+            "--val",
+            v.to_str().unwrap(),
+        ],
+    );
+    let theirs = py["val_loss"].as_f64().unwrap();
+    let r = job.run();
+    let s = r.summary();
+    let ours = s.last.as_ref().and_then(|e| e.val_loss).unwrap();
+    eprintln!("validation loss: memtrain {ours}, transformers {theirs}");
+    assert!((ours - theirs).abs() <= 1e-5 * theirs.abs(), "{ours} vs {theirs}");
+    let init = s.init.unwrap();
+    assert_eq!(
+        (init.format.as_str(), init.created, init.dropped),
+        ("huggingface", 0, 0)
+    );
+}
+
+#[test]
 fn position_embeddings_at_another_image_size_are_resampled_as_timm_does() {
     let t = Test::new();
     checkpoints(

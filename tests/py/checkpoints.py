@@ -6,7 +6,8 @@ Python, $MEMTRAIN_PYTHON: torch, torchvision, timm, transformers and safetensors
       a small randomly initialised model of KIND, seeded, saved as that library saves it
       (a .safetensors file; a directory with config.json for Hugging Face; with --shards N a
       sharded checkpoint with model.safetensors.index.json), and with --io one input x
-      [2, C, S, S] and the model's eval-mode logits (or CLIP's image embeddings) on it.
+      [2, C, S, S] and the model's eval-mode logits (or CLIP's image embeddings) on it; with
+      --val d.npz also its mean cross-entropy on that file (val_loss).
       KIND: torchvision-vit, torchvision-resnet, timm-vit, timm-resnet, hf-vit, hf-clip,
       open-clip (CLIP written with open_clip's visual.* names).
       Prints {"names": [...], "largest": bytes} as JSON.
@@ -159,7 +160,18 @@ def cmd_make(a):
                 out = out.image_embeds
         save_file({"x": x, "logits": out.contiguous()}, a.io)
     largest = max(v.numel() * v.element_size() for v in sd.values())
-    print(json.dumps({"names": names, "largest": largest}))
+    out = {"names": names, "largest": largest}
+    if a.val:
+        # The mean cross-entropy over a data file, in eval mode: memtrain's validation loss.
+        import numpy as np
+
+        d = np.load(a.val)
+        m.eval()
+        with torch.no_grad():
+            logits = m(torch.from_numpy(d["x"]))
+            logits = getattr(logits, "logits", logits)
+            out["val_loss"] = torch.nn.functional.cross_entropy(logits, torch.from_numpy(d["y"])).item()
+    print(json.dumps(out))
 
 
 def cmd_resample(a):
@@ -182,6 +194,7 @@ def main():
     m.add_argument("--io")
     m.add_argument("--shards", type=int, default=1)
     m.add_argument("--eps", type=float, default=1e-6)
+    m.add_argument("--val")
     m.add_argument("--seed", type=int, default=7)
     r = sub.add_parser("resample")
     r.add_argument("--from", dest="from_", type=int, required=True)
