@@ -20,9 +20,10 @@ pub fn fill(vars: &HashMap<String, Tensor>, ck: &Checkpoint, plan: &LoadPlan) ->
     let before = sysmem::rss_anon_now();
     let mut staging = Staging::new(ck.largest_bytes())?;
     let mut peak = 0;
+    let entries = ck.by_name();
     for step in &plan.steps {
-        let entry = ck
-            .entry(&step.tensor)
+        let entry = entries
+            .get(step.tensor.as_str())
             .with_context(|| format!("{} has no tensor {}", ck.shown, step.tensor))?;
         let var = &vars[&step.var];
         let t = ck.tensor(entry, &mut staging)?;

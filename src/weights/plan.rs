@@ -106,7 +106,11 @@ pub fn plan(i: &Inputs) -> Result<LoadPlan, Mismatch> {
             resample,
         });
     }
-    let complete = |v: &str| complete(&steps, v);
+    let mut by_var: BTreeMap<&str, Vec<How>> = BTreeMap::new();
+    for s in &steps {
+        by_var.entry(s.var.as_str()).or_default().push(s.how);
+    }
+    let complete = |v: &str| complete(by_var.get(v).map_or(&[][..], Vec::as_slice));
     // A unit the checkpoint lacks a variable of is made fresh whole too.
     misfit.extend(vars.keys().filter(|v| !complete(v)).filter_map(|v| unit(v)));
     let mut created = BTreeSet::new();
@@ -146,9 +150,9 @@ pub fn plan(i: &Inputs) -> Result<LoadPlan, Mismatch> {
     })
 }
 
-/// Whether `steps` fill `var`: by one whole tensor, or by every part of a packed one, each once.
-fn complete(steps: &[Step], var: &str) -> bool {
-    let hows: Vec<How> = steps.iter().filter(|s| s.var == var).map(|s| s.how).collect();
+/// Whether tensors put as `hows` fill a variable: one whole tensor, or every part of a packed
+/// one, each once.
+fn complete(hows: &[How]) -> bool {
     match hows.first() {
         Some(How::Part { of, .. }) => {
             let parts: BTreeSet<i64> = hows

@@ -82,9 +82,9 @@ impl Checkpoint {
         Ok(())
     }
 
-    /// The entry of this name.
-    pub fn entry(&self, name: &str) -> Option<&Entry> {
-        self.entries.iter().find(|e| e.name == name)
+    /// The entries by name, to look them up as a plan names them.
+    pub fn by_name(&self) -> std::collections::HashMap<&str, &Entry> {
+        self.entries.iter().map(|e| (e.name.as_str(), e)).collect()
     }
 
     /// The entry's values in the checkpoint's type, made in `staging`'s buffer (valid until the

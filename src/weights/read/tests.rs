@@ -51,7 +51,7 @@ fn each_tensor_is_made_in_its_own_type_from_the_mapped_file() {
     ck.map().unwrap();
     let mut staging = Staging::new(ck.largest_bytes()).unwrap();
     let read = |ck: &Checkpoint, staging: &mut Staging, name: &str| {
-        let t = ck.tensor(ck.entry(name).unwrap(), staging).unwrap();
+        let t = ck.tensor(ck.by_name()[name], staging).unwrap();
         (
             t.kind(),
             t.size(),
