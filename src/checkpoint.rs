@@ -2,7 +2,9 @@
 //! (the last N plus the best), and read back for `--resume`.
 //!
 //! Layout: `checkpoints/step-000000120/{model.safetensors, optimizer.safetensors, state.json,
-//! spec.toml}` and `checkpoints/best.json` naming the best one. Tensors are copied to the CPU one
+//! spec.toml}` and `checkpoints/best.json` naming the best one. A run whose base is frozen
+//! (LoRA) keeps only the tensors that train in `model.safetensors`, and names its base in
+//! `base.json`. Tensors are copied to the CPU one
 //! at a time while the file is written, so saving never doubles device memory.
 use std::fs::{self, File};
 use std::io::{BufWriter, Write};
@@ -219,7 +221,83 @@ pub struct Contents<'a> {
     pub optimizer: Vec<(String, Tensor)>,
     pub state: &'a TrainState,
     pub spec_toml: &'a str,
+    /// The frozen base the model's tensors go with, when they are not the whole model.
+    pub base: Option<&'a BaseRef>,
 }
+
+/// The file a frozen base was read from, by path and content: a checkpoint that holds only
+/// adapters is resumed or exported with the same base or not at all.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct BaseRef {
+    pub path: PathBuf,
+    pub bytes: u64,
+    /// CRC-32C of the bytes (of every file, in name order, for a directory).
+    pub crc32c: u32,
+}
+
+impl BaseRef {
+    /// Reads `path` (a file, or a directory's files) once to name its content.
+    pub fn of(path: &Path) -> Result<BaseRef> {
+        let mut files = vec![];
+        if path.is_dir() {
+            for e in fs::read_dir(path).with_context(|| format!("reading {}", path.display()))? {
+                let p = e?.path();
+                if p.is_file() {
+                    files.push(p);
+                }
+            }
+            files.sort();
+        } else {
+            files.push(path.to_owned());
+        }
+        let (mut crc, mut bytes) = (0u32, 0u64);
+        let mut buf = vec![0u8; 8 << 20];
+        for f in files {
+            let mut file = File::open(&f).with_context(|| format!("reading {}", f.display()))?;
+            loop {
+                let n = std::io::Read::read(&mut file, &mut buf).with_context(|| format!("reading {}", f.display()))?;
+                if n == 0 {
+                    break;
+                }
+                crc = crc32c::crc32c_append(crc, &buf[..n]);
+                bytes += n as u64;
+            }
+        }
+        let path = fs::canonicalize(path).unwrap_or_else(|_| path.to_owned());
+        Ok(BaseRef {
+            path,
+            bytes,
+            crc32c: crc,
+        })
+    }
+
+    /// The base a checkpoint names, if it names one.
+    pub fn in_checkpoint(dir: &Path) -> Result<Option<BaseRef>> {
+        let file = dir.join(BASE_FILE);
+        match fs::read(&file) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e).with_context(|| format!("reading {}", file.display())),
+            Ok(b) => serde_json::from_slice(&b)
+                .map(Some)
+                .with_context(|| format!("reading {}", file.display())),
+        }
+    }
+}
+
+impl std::fmt::Display for BaseRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} ({} bytes, CRC-32C {:08x})",
+            self.path.display(),
+            self.bytes,
+            self.crc32c
+        )
+    }
+}
+
+/// The file in a checkpoint that names its frozen base.
+pub const BASE_FILE: &str = "base.json";
 
 pub struct Store {
     dir: PathBuf,
@@ -260,6 +338,9 @@ impl Store {
         write_safetensors(&tmp.join("optimizer.safetensors"), &c.optimizer)?;
         write_file(&tmp.join("state.json"), &serde_json::to_vec_pretty(c.state)?)?;
         write_file(&tmp.join("spec.toml"), c.spec_toml.as_bytes())?;
+        if let Some(b) = c.base {
+            write_file(&tmp.join(BASE_FILE), &serde_json::to_vec_pretty(b)?)?;
+        }
         sync_dir(&tmp);
         let fin = self.dir.join(&name);
         if fin.exists() {
@@ -450,6 +531,7 @@ mod tests {
                 optimizer: vec![],
                 state: &state(step, Some(loss)),
                 spec_toml: "",
+                base: None,
             })
             .unwrap();
     }

@@ -9,7 +9,7 @@ use tch::{nn, Device, Tensor};
 use super::components::{Components, LoopSettings, Outputs};
 use super::execution::Execution;
 use super::forward::{Forward, PrecisionStage};
-use super::parts::{ArchStep, Trained};
+use super::parts::{ArchStep, Kept, Trained};
 use super::step::StepPipeline;
 use crate::checkpoint::{NamedTensors, Store, TrainState};
 use crate::data::Splits;
@@ -81,6 +81,7 @@ impl Factory<'_> {
         }
         let mut model = Trained {
             sched: self.schedule(&data),
+            kept: self.kept(&vs)?,
             vs,
             net: built.net,
             opt,
@@ -286,50 +287,6 @@ impl Factory<'_> {
         let effective = self.plan.configured.effective();
         let steps_per_epoch = (data.train.len() + effective - 1) / effective;
         LrSchedule::from_train(t, steps_per_epoch * t.epochs, steps_per_epoch)
-    }
-
-    /// A resumed run's model, optimizer state and generators, from its checkpoint. Some: the
-    /// lever that moved the optimizer state to the host for the checkpoint to fit.
-    fn restore(&self, model: &mut Trained, arch: Option<&mut ArchStep>, device: Device) -> Result<Option<&str>> {
-        let Some(r) = &self.plan.resume else { return Ok(None) };
-        let _squeeze = fault::squeeze_in(Phase::Resume, r.state.global_step);
-        let what = format!("{} from {}", Phase::Resume.label(), r.checkpoint.display());
-        let size = human_bytes(dir_bytes(&r.checkpoint));
-        let needs = || Some(format!("the checkpoint is {size} on disk"));
-        let read = |home| setup_try(&what, &needs, &CHANGE_RESUME, || Store::load(&r.checkpoint, home));
-        let (ck, moved) = super::resume::read(&mut model.opt, self.plan.offload_on_oom, read)?;
-        let copy = || crate::weights::copy_exact(&model.vs.variables(), &ck.model, "checkpoint model");
-        setup_try(&what, &needs, &CHANGE_RESUME, copy)?;
-        let pick = |prefix: &str| -> NamedTensors {
-            ck.optimizer
-                .iter()
-                .filter_map(|(n, t)| n.strip_prefix(prefix).map(|s| (s.to_owned(), t.shallow_clone())))
-                .collect()
-        };
-        setup_try(&what, &|| None, &CHANGE_RESUME, || {
-            model.opt.load_state(&pick("weight/"), ck.state.weight_steps)
-        })?;
-        for (name, t) in pick("rng/") {
-            // A checkpoint from a CUDA run resumed on the CPU keeps only the CPU stream.
-            let d = match name.as_str() {
-                "cpu" => Device::Cpu,
-                _ if device != Device::Cpu => device,
-                _ => continue,
-            };
-            let bytes = Vec::<u8>::try_from(&t).context("reading a generator state from the checkpoint")?;
-            shim::set_rng_state(d, &bytes).context("restoring the generator state")?;
-        }
-        if let Some(a) = arch {
-            a.opt.load_state(&pick("arch/"), ck.state.arch.arch_steps)?;
-        }
-        tracing::info!(
-            "resuming from {} (epoch {}, step {}, micro-batch {})",
-            r.checkpoint.display(),
-            r.state.epoch + 1,
-            r.state.global_step,
-            r.state.micro_batch
-        );
-        Ok(moved)
     }
 
     /// Recovery at the run's position, with the levers the spec turns on engaged.
@@ -675,6 +632,14 @@ fn split_params(vs: &nn::VarStore) -> (NamedTensors, NamedTensors) {
     all.sort_by(|a, b| a.0.cmp(&b.0));
     all.into_iter().partition(|(n, _)| !n.starts_with(ARCH_PREFIX))
 }
+/// Copies named tensors into the VarStore's variables that `kept` keeps, insisting that names
+/// and shapes match exactly.
+fn copy_into(vs: &nn::VarStore, tensors: &[(String, Tensor)], what: &str, kept: &Kept) -> Result<()> {
+    let vars: std::collections::HashMap<String, Tensor> =
+        vs.variables().into_iter().filter(|(n, _)| kept.keeps(n)).collect();
+    crate::weights::copy_exact(&vars, tensors, what)
+}
+
 /// A model none of whose variables requires a gradient has nothing to train: said before the
 /// run directory appears, rather than as the first backward's libtorch error.
 fn trainable(vs: &nn::VarStore, preset: &str) -> Result<(), UsageError> {
@@ -727,5 +692,6 @@ fn param_blocks(net: &dyn Net, vs: &nn::VarStore, opt: &Optimizer) -> Option<Vec
     opt.params().iter().map(|(n, _)| of.get(n.as_str()).copied()).collect()
 }
 
+mod restore;
 #[cfg(test)]
 mod tests;

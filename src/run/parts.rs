@@ -20,6 +20,38 @@ pub struct Trained {
     pub sched: LrSchedule,
     /// `memory.parameters = "host"`: the variables rest on the host, streamed block by block.
     pub stream: Option<Streamer>,
+    pub kept: Kept,
+}
+
+/// What a checkpoint keeps of the model.
+#[derive(Debug, Clone)]
+pub enum Kept {
+    /// Every variable.
+    Whole,
+    /// Only these variables (what trains over a frozen base: LoRA's adapters and extras); the
+    /// base is read again from its file, which `base` names, on resume and export.
+    Trained {
+        names: std::collections::BTreeSet<String>,
+        base: Option<crate::checkpoint::BaseRef>,
+    },
+}
+
+impl Kept {
+    /// The base the checkpoint's tensors go with.
+    pub fn base(&self) -> Option<&crate::checkpoint::BaseRef> {
+        match self {
+            Kept::Whole => None,
+            Kept::Trained { base, .. } => base.as_ref(),
+        }
+    }
+
+    /// Whether a checkpoint keeps the variable of this name.
+    pub fn keeps(&self, name: &str) -> bool {
+        match self {
+            Kept::Whole => true,
+            Kept::Trained { names, .. } => names.contains(name),
+        }
+    }
 }
 
 impl Trained {

@@ -98,7 +98,14 @@ impl Trainer {
         }
     }
     fn checkpoint_contents(&self) -> Result<(NamedTensors, NamedTensors)> {
-        let mut model: Vec<(String, Tensor)> = self.model.vs.variables().into_iter().collect();
+        let kept = &self.model.kept;
+        let mut model: Vec<(String, Tensor)> = self
+            .model
+            .vs
+            .variables()
+            .into_iter()
+            .filter(|(n, _)| kept.keeps(n))
+            .collect();
         model.sort_by(|a, b| a.0.cmp(&b.0));
         // Sharded optimizer state comes together on rank 0, whatever the rank count.
         let weight_state = self.execution.state_tensors(&self.model.opt)?;
@@ -172,6 +179,7 @@ impl Trainer {
                         optimizer: optim,
                         state: &self.state,
                         spec_toml: &self.settings.spec_toml,
+                        base: self.model.kept.base(),
                     })
                     .map(Some)
             },

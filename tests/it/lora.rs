@@ -56,23 +56,72 @@ fn lora_trains_as_peft_does_and_leaves_the_base_unchanged() {
     assert_eq!(ours.len(), 20);
     assert_close(&ours, &theirs, 1e-5);
 
-    // The base is bit-unchanged; the adapters' B matrices and the head moved.
+    // The checkpoint keeps what trains, the adapters and the head, and names the base.
     let init = tensors(&dir.join("init.safetensors"));
-    let fin = tensors(&r.final_model());
-    let mut trained = 0i64;
-    for (name, before) in &init {
-        let (_, after) = fin.iter().find(|(n, _)| n == name).unwrap();
-        let same = before.equal(after);
-        let trains = name.contains(".lora_") || name.starts_with("heads.head.");
-        assert_eq!(same, !trains, "{name}: changed = {}", !same);
-        if trains {
-            trained += before.numel() as i64;
-        }
-    }
+    let kept = tensors(&r.final_model());
+    let trains = |n: &str| n.contains(".lora_") || n.starts_with("heads.head.");
+    let want: Vec<&str> = init.iter().map(|(n, _)| n.as_str()).filter(|n| trains(n)).collect();
+    let got: Vec<&str> = kept.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(got, want, "the checkpoint holds the trained tensors only");
+    let numel: i64 = kept.iter().map(|(_, t)| t.numel() as i64).sum();
     assert_eq!(
-        trained,
+        numel,
         py["trainable"].as_i64().unwrap(),
         "the same tensors train on both sides"
+    );
+    for (name, after) in &kept {
+        let (_, before) = init.iter().find(|(n, _)| n == name).unwrap();
+        // B starts random here (peft's init_lora_weights=False), so every trained tensor moves.
+        assert!(!before.equal(after), "{name} trained");
+    }
+    let ck = r.final_model().parent().unwrap().to_path_buf();
+    let base: serde_json::Value = serde_json::from_slice(&std::fs::read(ck.join("base.json")).unwrap()).unwrap();
+    assert_eq!(
+        base["bytes"].as_u64().unwrap(),
+        std::fs::metadata(dir.join("init.safetensors")).unwrap().len()
+    );
+}
+
+/// A checkpoint of adapters resumes over the same base, exactly, and is refused over another.
+#[test]
+fn a_lora_resume_needs_the_base_it_was_trained_on() {
+    let t = Test::new();
+    let dir = t.dir().to_path_buf();
+    lora_reference(&dir, &["init", "--out", "init.safetensors", "--data", "d.npz"]);
+    let t = t.spec(table(&spec(&dir)));
+    let straight = t.clone().name("straight").run();
+    let part = t.clone().name("part").set("train.epochs", 1).run();
+    // Another base (one value changed): refused, naming both files' contents.
+    let other = tensors(&dir.join("init.safetensors"));
+    let _ = other[0].1.get(0).fill_(0.5);
+    let other_path = dir.join("other.safetensors");
+    tch::Tensor::write_safetensors(&other, &other_path).unwrap();
+    let r = part
+        .resume()
+        .args(&[
+            "--set",
+            "train.epochs=2",
+            "--set",
+            &format!("model.init_from={}", other_path.display()),
+        ])
+        .exit(2)
+        .run();
+    assert!(
+        r.stderr.contains("holds adapters trained over the base"),
+        "{}",
+        r.stderr
+    );
+    assert!(
+        r.stderr.contains("resume with the base it was trained on"),
+        "{}",
+        r.stderr
+    );
+    // The same base: the second epoch ends where one run of two epochs ends.
+    part.resume().args(&["--set", "train.epochs=2"]).run();
+    assert_eq!(
+        straight.final_bytes(),
+        part.final_bytes(),
+        "adapters differ after resume"
     );
 }
 
