@@ -24,6 +24,7 @@ pub fn main(cli: Cli) -> i32 {
         Command::Fit(args) => crate::fit::fit(&args, cli.quiet),
         Command::Watch(args) => crate::watch::watch(&args),
         Command::Clean(args) => crate::clean::clean(&args),
+        Command::Export(args) => crate::export::export(&args),
     };
     match result {
         Ok(()) => exit::OK,

@@ -454,6 +454,13 @@ impl Store {
         self.list().pop()
     }
 
+    /// The best checkpoint of a run directory, where it keeps one.
+    pub fn best_in(run_dir: &Path) -> Option<PathBuf> {
+        let store = Store::new(run_dir, 1, true, Monitor::ValLoss);
+        let dir = store.dir.join(store.best()?.step);
+        dir.is_dir().then_some(dir)
+    }
+
     /// The newest finished checkpoint of a run directory.
     pub fn latest_in(run_dir: &Path) -> Option<PathBuf> {
         Store::new(run_dir, 1, false, Monitor::ValLoss).latest()

@@ -42,6 +42,40 @@ pub enum Command {
     /// End processes that hold memory for nothing: this user's orphaned memtrain runs, or the
     /// processes named with --pid. Lists them only, unless --yes.
     Clean(CleanArgs),
+    /// Write a run's weights, LoRA merged, under the names torchvision, timm or Hugging Face
+    /// load, into a new directory.
+    Export(ExportArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ExportArgs {
+    /// A run directory written by `memtrain run`.
+    pub run_dir: PathBuf,
+    /// Whose names to write: torchvision (and its state_dict), timm, or huggingface (with config.json).
+    #[arg(long, value_enum)]
+    pub format: ExportFormat,
+    /// The directory to create (it must not exist).
+    pub out: PathBuf,
+    /// A checkpoint directory of the run to export instead of its best (else newest) one.
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ExportFormat {
+    Torchvision,
+    Timm,
+    Huggingface,
+}
+
+impl ExportFormat {
+    pub fn name(self) -> &'static str {
+        match self {
+            ExportFormat::Torchvision => "torchvision",
+            ExportFormat::Timm => "timm",
+            ExportFormat::Huggingface => "huggingface",
+        }
+    }
 }
 
 #[derive(Debug, Args)]

@@ -5,7 +5,7 @@
 //! keeps that list empty):
 //!
 //! 1. commands: `main`, `cli`, `app` (hands each command its work), `info`, `fit`, `report`,
-//!    `watch`, `clean`, and `run::run` (facts → plan → components → trainer → report);
+//!    `watch`, `clean`, `export`, and `run::run` (facts → plan → components → trainer → report);
 //! 2. the job: `spec` (reading, overriding and validating the TOML), `plan` (`Facts::probe`, then
 //!    a pure `Plan::resolve` that nothing changes afterwards), `estimate` (`check`);
 //! 3. the run: `run`'s factory (`build::components`, from the plan alone), trainer, step
@@ -29,6 +29,7 @@ pub mod cli;
 pub mod data;
 pub mod estimate;
 pub mod exit;
+pub mod export;
 pub mod fault;
 pub mod fit;
 pub mod host;

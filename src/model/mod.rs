@@ -21,6 +21,7 @@ use crate::spec::schema::{Data, Model};
 pub use darts::{derive_genotype, Darts, DartsOptions};
 pub use mlp::Mlp;
 pub use preset::{block_vars, run_chain, Built, Chain, ExtraStep, Genotype, Net, Preset, ARCH_PREFIX};
+pub use vit::{Activation, VitOptions};
 
 /// Values by role, as the static estimate counts them.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -147,3 +147,72 @@ fn lora_targets_that_match_nothing_are_refused_with_the_layer_names() {
     );
     assert!(!dir.join("run").exists(), "nothing is written for a refused spec");
 }
+
+/// A LoRA run exported in each format loads in that library (strictly: every name and shape),
+/// and its logits are memtrain's own with the adapters merged. Bad input writes nothing.
+#[test]
+fn export_merges_the_adapters_and_each_library_loads_it() {
+    let t = Test::new();
+    let dir = t.dir().to_path_buf();
+    lora_reference(&dir, &["init", "--out", "init.safetensors", "--data", "d.npz"]);
+    // torchvision's and timm's ViT fix LayerNorm's epsilon at 1e-6.
+    let text = spec(&dir).replace("epochs = 2", "epochs = 1");
+    let r = t
+        .clone()
+        .spec(table(&text.replace("layer_norm_eps = 1e-12", "layer_norm_eps = 1e-6")))
+        .run();
+    let run_dir = r.out.to_str().unwrap().to_owned();
+    // memtrain's logits, adapters unmerged, from the run as trained.
+    let trained = memtrain::export::Trained::read(&r.out, None).unwrap();
+    let export = |format: &str, out: &str| {
+        t.clone().no_spec().command("export").args_replaced(&[
+            &run_dir,
+            "--format",
+            format,
+            dir.join(out).to_str().unwrap(),
+        ])
+    };
+    for format in ["huggingface", "timm", "torchvision"] {
+        let out = format!("{format}-out");
+        export(format, &out).run();
+        let io = format!("{format}-io.safetensors");
+        lora_reference(
+            &dir,
+            &["load", &out, "--format", format, "--data", "d.npz", "--out", &io],
+        );
+        let io = tensors(&dir.join(&io));
+        let get = |n: &str| io.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
+        let ours = tch::no_grad(|| trained.built.net.forward_t(&get("x"), false));
+        let theirs = get("logits");
+        let gap = (&ours - &theirs).abs().max().double_value(&[]);
+        let scale = theirs.abs().max().double_value(&[]);
+        assert!(scale > 0.1, "{format}: the logits are not trivially zero ({scale})");
+        assert!(gap <= 1e-5 * scale, "{format}: logits differ by {gap} (scale {scale})");
+    }
+    // A format that cannot hold the model: refused, saying why, nothing written.
+    let hf = t.clone().name("hf-eps").spec(table(&text)).run();
+    t.clone()
+        .no_spec()
+        .command("export")
+        .args_replaced(&[
+            hf.out.to_str().unwrap(),
+            "--format",
+            "timm",
+            dir.join("no").to_str().unwrap(),
+        ])
+        .exit(2)
+        .stderr_has("timm cannot hold this model: timm's ViT fixes layer_norm_eps at 1e-6")
+        .run();
+    assert!(!dir.join("no").exists());
+    // OUT exists: refused, the existing directory untouched.
+    export("timm", "timm-out").exit(2).stderr_has("already exists").run();
+    // The base changed since the run: refused, nothing written.
+    let changed = tensors(&dir.join("init.safetensors"));
+    let _ = changed[0].1.get(0).fill_(0.25);
+    tch::Tensor::write_safetensors(&changed, dir.join("init.safetensors")).unwrap();
+    export("timm", "after-change")
+        .exit(2)
+        .stderr_has("holds adapters trained over the base")
+        .run();
+    assert!(!dir.join("after-change").exists());
+}

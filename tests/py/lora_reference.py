@@ -139,6 +139,34 @@ def cmd_train(a):
     print(json.dumps({"losses": losses, "base_unchanged": unchanged, "trainable": trainable}))
 
 
+def cmd_load(a):
+    """Loads an exported directory with the named library, as its users do, and writes its
+    logits on the set's first four samples."""
+    torch.set_num_threads(1)
+    x = torch.from_numpy(np.load(a.data)["x"][:4])
+    path = os.path.join(a.dir, "model.safetensors")
+    if a.format == "huggingface":
+        m = ViTForImageClassification.from_pretrained(a.dir)
+        run = lambda: m(pixel_values=x).logits
+    elif a.format == "timm":
+        import timm.models.vision_transformer as vt
+
+        m = vt.VisionTransformer(img_size=16, patch_size=8, embed_dim=16, depth=LAYERS, num_heads=2,
+                                 mlp_ratio=2.0, num_classes=4)
+        m.load_state_dict(load_file(path), strict=True)
+        run = lambda: m(x)
+    else:
+        from torchvision.models.vision_transformer import VisionTransformer
+
+        m = VisionTransformer(image_size=16, patch_size=8, num_layers=LAYERS, num_heads=2, hidden_dim=16,
+                              mlp_dim=32, num_classes=4)
+        m.load_state_dict(load_file(path), strict=True)
+        run = lambda: m(x)
+    m.eval()
+    with torch.no_grad():
+        save_file({"x": x.contiguous(), "logits": run().contiguous()}, a.out)
+
+
 def main():
     p = argparse.ArgumentParser()
     s = p.add_subparsers(dest="cmd", required=True)
@@ -153,8 +181,13 @@ def main():
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--weight-decay", type=float, default=0.01)
     t.add_argument("--seed", type=int, default=3)
+    ld = s.add_parser("load")
+    ld.add_argument("dir")
+    ld.add_argument("--format", required=True)
+    ld.add_argument("--data", required=True)
+    ld.add_argument("--out", required=True)
     a = p.parse_args()
-    {"init": cmd_init, "train": cmd_train}[a.cmd](a)
+    {"init": cmd_init, "train": cmd_train, "load": cmd_load}[a.cmd](a)
 
 
 if __name__ == "__main__":

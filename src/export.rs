@@ -1,0 +1,352 @@
+//! `memtrain export RUN_DIR --format torchvision|timm|huggingface OUT`: a run's weights, with
+//! any LoRA adapters merged into the layers they adapt, under the names another library loads.
+//!
+//! The model is built from the run's resolved spec on the CPU, its base read from
+//! `model.init_from` where the checkpoint holds only what trained (and only if that file is
+//! still the one the run trained over), and the checkpoint copied in. Everything is written into
+//! a temporary directory beside OUT and renamed into place, so a failed export leaves nothing.
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use anyhow::{bail, Context, Result};
+use tch::{nn, Device, Tensor};
+
+use crate::checkpoint::{self, BaseRef, Store};
+use crate::cli::{ExportArgs, ExportFormat};
+use crate::exit::UsageError;
+use crate::model::{self, lora};
+use crate::spec::schema::Spec;
+
+pub fn export(args: &ExportArgs) -> Result<()> {
+    if args.out.exists() {
+        return Err(UsageError(format!(
+            "{} already exists: export writes a new directory; choose another OUT or remove it",
+            args.out.display()
+        ))
+        .into());
+    }
+    let trained = Trained::read(&args.run_dir, args.checkpoint.as_deref())?;
+    let merged = trained.merged()?;
+    let (tensors, config) = match trained.spec.model.preset.as_str() {
+        "vit" => vit_names(&trained.spec, merged, args.format)?,
+        "resnet18" | "resnet34" | "resnet50" => resnet_names(&trained.spec, merged, args.format)?,
+        other => {
+            return Err(UsageError(format!(
+                "the {other} preset has no counterpart in {}: export takes vit and resnet runs",
+                args.format.name()
+            ))
+            .into())
+        }
+    };
+    write_dir(&args.out, &tensors, config.as_ref())?;
+    crate::outln!(
+        "exported {} ({} tensors, {}) from {} to {}",
+        args.format.name(),
+        tensors.len(),
+        match trained.adapted {
+            true => "LoRA merged",
+            false => "as trained",
+        },
+        trained.checkpoint.display(),
+        args.out.display()
+    )?;
+    Ok(())
+}
+
+/// A run's model as trained: its spec and every variable, base and checkpoint together.
+pub struct Trained {
+    pub spec: Spec,
+    pub vs: nn::VarStore,
+    pub built: model::Built,
+    pub checkpoint: PathBuf,
+    pub adapted: bool,
+}
+
+impl Trained {
+    /// The model of `run_dir` at `checkpoint` (default: the best, else the newest).
+    pub fn read(run_dir: &Path, checkpoint: Option<&Path>) -> Result<Trained> {
+        let spec_file = run_dir.join("config.resolved.toml");
+        if !spec_file.is_file() {
+            return Err(UsageError(format!(
+                "{} is not a run directory (it has no config.resolved.toml): give the directory `memtrain run` wrote",
+                run_dir.display()
+            ))
+            .into());
+        }
+        let spec = crate::spec::load_args(&spec_file, &[], &model::validate)?.spec;
+        let ck = match checkpoint {
+            Some(c) => c.to_owned(),
+            None => Store::best_in(run_dir)
+                .or_else(|| Store::latest_in(run_dir))
+                .ok_or_else(|| UsageError(format!("{} has no checkpoint yet", run_dir.display())))?,
+        };
+        let vs = nn::VarStore::new(Device::Cpu);
+        let built = tch::no_grad(|| model::build(&vs.root(), &spec.model))?;
+        let kept = crate::checkpoint::read_safetensors(&ck.join("model.safetensors"))?;
+        let recorded = BaseRef::in_checkpoint(&ck)?;
+        let adapted = model::lora_options(&spec.model)?.is_some();
+        if let Some(path) = &spec.model.init_from {
+            if let Some(then) = &recorded {
+                let now = BaseRef::of(path).with_context(|| format!("model.init_from {}", path.display()))?;
+                if &now != then {
+                    return Err(UsageError(format!(
+                        "the checkpoint {} holds adapters trained over the base {then}, but model.init_from now reads {now}: \
+                         put the base it was trained on back at {}",
+                        ck.display(),
+                        then.path.display()
+                    ))
+                    .into());
+                }
+            }
+            if recorded.is_some() || adapted {
+                crate::run::init_from(&vs, &built.head, &spec.model, path)?;
+            }
+        }
+        copy_named(&vs, &kept, &ck)?;
+        Ok(Trained {
+            spec,
+            vs,
+            built,
+            checkpoint: ck,
+            adapted,
+        })
+    }
+
+    /// Every variable by name, with each adapter merged into its layer (`W += B A · scale`) and
+    /// the adapters themselves left out.
+    pub fn merged(&self) -> Result<BTreeMap<String, Tensor>> {
+        let mut vars: BTreeMap<String, Tensor> = self
+            .vs
+            .variables()
+            .into_iter()
+            .map(|(n, t)| (n, t.detach().copy()))
+            .collect();
+        let Some(o) = model::lora_options(&self.spec.model)? else {
+            return Ok(vars);
+        };
+        let a_suffix = format!(".{}", lora::ADAPTER_VARS[0]);
+        let layers: Vec<String> = vars
+            .keys()
+            .filter_map(|n| n.strip_suffix(&a_suffix))
+            .map(str::to_owned)
+            .collect();
+        for layer in layers {
+            let a = vars
+                .remove(&format!("{layer}.{}", lora::ADAPTER_VARS[0]))
+                .expect("listed");
+            let b = vars
+                .remove(&format!("{layer}.{}", lora::ADAPTER_VARS[1]))
+                .with_context(|| format!("{layer} has lora_A but no lora_B"))?;
+            let delta = b.matmul(&a) * o.scale();
+            let (target, rows) = merged_into(&layer);
+            let w = vars
+                .get_mut(&target)
+                .with_context(|| format!("the adapted layer {layer} has no weight {target}"))?;
+            let d = delta.size()[0];
+            let _ = w.narrow(0, rows * d, d).g_add_(&delta.to_kind(w.kind()));
+        }
+        Ok(vars)
+    }
+}
+
+/// The weight an adapter merges into, and which `d`-row slice of it: the packed in-projection's
+/// query, key and value parts are its slices 0, 1 and 2.
+fn merged_into(layer: &str) -> (String, i64) {
+    for (i, part) in ["in_proj_q", "in_proj_k", "in_proj_v"].iter().enumerate() {
+        if let Some(owner) = layer.strip_suffix(part) {
+            return (format!("{owner}in_proj_weight"), i as i64);
+        }
+    }
+    (format!("{layer}.weight"), 0)
+}
+
+/// The checkpoint's tensors into the model's variables of the same names and shapes.
+fn copy_named(vs: &nn::VarStore, tensors: &[(String, Tensor)], ck: &Path) -> Result<()> {
+    let vars = vs.variables();
+    for (name, t) in tensors {
+        let Some(v) = vars.get(name) else {
+            bail!(UsageError(format!(
+                "the checkpoint {} has {name}, which the run's model (from its config.resolved.toml) does not: \
+                 it is a checkpoint of another model",
+                ck.display()
+            )));
+        };
+        if v.size() != t.size() {
+            bail!(UsageError(format!(
+                "the checkpoint {}'s {name} is {:?}, the run's model has {:?}: it is a checkpoint of another model",
+                ck.display(),
+                t.size(),
+                v.size()
+            )));
+        }
+        tch::no_grad(|| v.shallow_clone().copy_(t));
+    }
+    Ok(())
+}
+
+/// The tensors under the format's names, and its `config.json` where it has one.
+type Exported = (Vec<(String, Tensor)>, Option<serde_json::Value>);
+
+fn vit_options(spec: &Spec) -> Result<model::VitOptions> {
+    let v = spec
+        .model
+        .options
+        .get("vit")
+        .cloned()
+        .unwrap_or(toml::Value::Table(Default::default()));
+    Ok(v.try_into()?)
+}
+
+/// A format that has no place for part of the model.
+fn cannot_hold(format: ExportFormat, what: &str) -> anyhow::Error {
+    UsageError(format!(
+        "{} cannot hold this model: {what}; export it as another format (docs/commands.md#memtrain-export lists what each holds)",
+        format.name()
+    ))
+    .into()
+}
+
+/// The vit preset's variables under torchvision's (its own), timm's or Hugging Face's names.
+fn vit_names(spec: &Spec, mut vars: BTreeMap<String, Tensor>, format: ExportFormat) -> Result<Exported> {
+    let o = vit_options(spec)?;
+    if o.pre_norm || !o.patch_bias || o.projection_dim > 0 || o.activation != model::Activation::Gelu {
+        return Err(cannot_hold(
+            format,
+            "its CLIP options (pre_norm, patch_bias = false, projection_dim, quick_gelu) have no place in a plain ViT",
+        ));
+    }
+    let out = match format {
+        ExportFormat::Torchvision if o.layer_norm_eps != 1e-6 => {
+            return Err(cannot_hold(format, "torchvision's ViT fixes layer_norm_eps at 1e-6"))
+        }
+        ExportFormat::Torchvision => vars.into_iter().collect(),
+        ExportFormat::Timm if o.layer_norm_eps != 1e-6 => {
+            return Err(cannot_hold(format, "timm's ViT fixes layer_norm_eps at 1e-6"))
+        }
+        ExportFormat::Timm => vars.into_iter().map(|(n, t)| (timm_vit_name(&n), t)).collect(),
+        ExportFormat::Huggingface => {
+            let mut out = vec![];
+            for i in 0..o.layers {
+                let m = format!("encoder.layers.encoder_layer_{i}.self_attention.in_proj_");
+                let h = format!("vit.encoder.layer.{i}.attention.attention.");
+                for n in ["weight", "bias"] {
+                    let packed = vars.remove(&format!("{m}{n}")).context("a ViT block without in_proj")?;
+                    for (part, t) in ["query", "key", "value"].iter().zip(packed.chunk(3, 0)) {
+                        out.push((format!("{h}{part}.{n}"), t.contiguous()));
+                    }
+                }
+            }
+            out.extend(vars.into_iter().map(|(n, t)| (hf_vit_name(&n), t)));
+            return Ok((out, Some(hf_vit_config(&o))));
+        }
+    };
+    Ok((out, None))
+}
+
+fn timm_vit_name(n: &str) -> String {
+    if let Some(rest) = n.strip_prefix("encoder.layers.encoder_layer_") {
+        let (i, part) = rest.split_once('.').unwrap_or((rest, ""));
+        let part = part
+            .replace("self_attention.in_proj_weight", "attn.qkv.weight")
+            .replace("self_attention.in_proj_bias", "attn.qkv.bias")
+            .replace("self_attention.out_proj", "attn.proj")
+            .replace("ln_1", "norm1")
+            .replace("ln_2", "norm2")
+            .replace("mlp.0", "mlp.fc1")
+            .replace("mlp.3", "mlp.fc2");
+        return format!("blocks.{i}.{part}");
+    }
+    match n {
+        "class_token" => "cls_token".into(),
+        "encoder.pos_embedding" => "pos_embed".into(),
+        _ => n
+            .replace("conv_proj", "patch_embed.proj")
+            .replace("encoder.ln", "norm")
+            .replace("heads.head", "head"),
+    }
+}
+
+fn hf_vit_name(n: &str) -> String {
+    if let Some(rest) = n.strip_prefix("encoder.layers.encoder_layer_") {
+        let (i, part) = rest.split_once('.').unwrap_or((rest, ""));
+        let part = part
+            .replace("self_attention.out_proj", "attention.output.dense")
+            .replace("ln_1", "layernorm_before")
+            .replace("ln_2", "layernorm_after")
+            .replace("mlp.0", "intermediate.dense")
+            .replace("mlp.3", "output.dense");
+        return format!("vit.encoder.layer.{i}.{part}");
+    }
+    match n {
+        "class_token" => "vit.embeddings.cls_token".into(),
+        "encoder.pos_embedding" => "vit.embeddings.position_embeddings".into(),
+        _ => n
+            .replace("conv_proj", "vit.embeddings.patch_embeddings.projection")
+            .replace("encoder.ln", "vit.layernorm")
+            .replace("heads.head", "classifier"),
+    }
+}
+
+/// Hugging Face's `ViTConfig` for `ViTForImageClassification` at the preset's sizes.
+fn hf_vit_config(o: &model::VitOptions) -> serde_json::Value {
+    let labels: serde_json::Map<String, serde_json::Value> = (0..o.num_classes)
+        .map(|i| (i.to_string(), format!("LABEL_{i}").into()))
+        .collect();
+    let ids: serde_json::Map<String, serde_json::Value> =
+        (0..o.num_classes).map(|i| (format!("LABEL_{i}"), i.into())).collect();
+    serde_json::json!({
+        "architectures": ["ViTForImageClassification"],
+        "model_type": "vit",
+        "hidden_size": o.hidden_dim,
+        "num_hidden_layers": o.layers,
+        "num_attention_heads": o.heads,
+        "intermediate_size": o.mlp_dim,
+        "hidden_act": "gelu",
+        "hidden_dropout_prob": o.dropout,
+        "attention_probs_dropout_prob": o.attention_dropout,
+        "layer_norm_eps": o.layer_norm_eps,
+        "image_size": o.image_size,
+        "patch_size": o.patch_size,
+        "num_channels": o.in_channels,
+        "qkv_bias": true,
+        "id2label": labels,
+        "label2id": ids,
+    })
+}
+
+/// ResNets: torchvision's names are timm's; Hugging Face's ResNet is another architecture.
+fn resnet_names(spec: &Spec, vars: BTreeMap<String, Tensor>, format: ExportFormat) -> Result<Exported> {
+    match format {
+        ExportFormat::Torchvision | ExportFormat::Timm => Ok((vars.into_iter().collect(), None)),
+        ExportFormat::Huggingface => Err(cannot_hold(
+            format,
+            &format!(
+                "transformers' ResNet is built differently from torchvision's {}; export it as torchvision or timm",
+                spec.model.preset
+            ),
+        )),
+    }
+}
+
+/// `model.safetensors` (and `config.json`) in a new directory, all or nothing.
+fn write_dir(out: &Path, tensors: &[(String, Tensor)], config: Option<&serde_json::Value>) -> Result<()> {
+    let name = out
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let tmp = out.with_file_name(format!(".{name}.partial"));
+    let _ = fs::remove_dir_all(&tmp);
+    fs::create_dir_all(&tmp).with_context(|| format!("creating {}", tmp.display()))?;
+    let written = (|| -> Result<()> {
+        checkpoint::write_safetensors(&tmp.join("model.safetensors"), tensors)?;
+        if let Some(c) = config {
+            fs::write(tmp.join("config.json"), serde_json::to_vec_pretty(c)?)?;
+        }
+        fs::rename(&tmp, out).with_context(|| format!("renaming {} to {}", tmp.display(), out.display()))
+    })();
+    if written.is_err() {
+        let _ = fs::remove_dir_all(&tmp);
+    }
+    written
+}
