@@ -657,8 +657,8 @@ fn trainable(vs: &nn::VarStore, preset: &str) -> Result<(), UsageError> {
 
 /// `model.init_from` into the model's variables: mapped, tensor by tensor (`weights::load`), the
 /// head left as built where the checkpoint's does not fit. The counts line goes to the terminal
-/// and, returned, into the start record and the summary. Public for the tests that load other
-/// libraries' checkpoints through it.
+/// and, returned, into the start record and the summary. Public for `export` (a LoRA run's base)
+/// and the tests that load other libraries' checkpoints through it.
 pub fn init_from(vs: &nn::VarStore, head: &[String], model: &spec::Model, path: &Path) -> Result<InitLoad> {
     let what = format!("reading model.init_from {}", path.display());
     let _squeeze = fault::squeeze_in(Phase::InitFrom, 0);
