@@ -132,7 +132,20 @@ fn info(json: bool) -> Result<()> {
 }
 
 fn check(args: &SpecArgs) -> Result<()> {
-    let loaded = spec::load_args(&args.file, &args.set, &crate::model::validate)?;
+    // The load plan of model.init_from from the checkpoint's header: a checkpoint `run` would
+    // refuse is a spec error here, at init_from's line.
+    let init = std::cell::RefCell::new(None);
+    let more = |m: &mut spec::Model, d: &spec::Data| {
+        let mut problems = crate::model::validate(m, d);
+        if problems.is_empty() {
+            match crate::model::init_plan(m) {
+                Ok(plan) => *init.borrow_mut() = plan,
+                Err(p) => problems.push(p),
+            }
+        }
+        problems
+    };
+    let loaded = spec::load_args(&args.file, &args.set, &more)?;
     let est = crate::estimate::estimate(&crate::estimate::Sections {
         model: &loaded.spec.model,
         train: &loaded.spec.train,
@@ -155,6 +168,9 @@ fn check(args: &SpecArgs) -> Result<()> {
         "{}",
         crate::data::check_line(&loaded.spec.data, &est.input_shape, est.micro_batch)
     )?;
+    if let (Some(plan), Some(path)) = (init.into_inner(), &loaded.spec.model.init_from) {
+        crate::outln!("model.init_from {}: {}", path.display(), plan.describe())?;
+    }
     // Each lever as the spec's run would start.
     let s = crate::policy::levers::Situation {
         at: crate::policy::levers::Position {

@@ -209,7 +209,7 @@ fn build_model(spec: &Spec, file: &Path, place: Place) -> Result<(nn::VarStore, 
     };
     let mut vs = nn::VarStore::new(built_on);
     let built = tch::no_grad(|| model::build(&vs.root(), &spec.model)).map_err(|e| UsageError(format!("{e:#}")))?;
-    crate::export::weights_into(&vs, spec, file).map_err(|e| {
+    crate::export::weights_into(&vs, &built.head, spec, file).map_err(|e| {
         UsageError(format!(
             "{e:#}\n  (the weights are not of the run's model, {}: evaluate them with the run that made them)",
             spec.model.preset

@@ -84,7 +84,7 @@ impl Trained {
         };
         let vs = nn::VarStore::new(Device::Cpu);
         let built = tch::no_grad(|| model::build(&vs.root(), &spec.model))?;
-        let adapted = weights_into(&vs, &spec, &ck.join("model.safetensors"))?;
+        let adapted = weights_into(&vs, &built.head, &spec, &ck.join("model.safetensors"))?;
         Ok(Trained {
             spec,
             vs,
@@ -135,7 +135,7 @@ impl Trained {
 /// where the checkpoint keeps
 /// only what trained over a frozen base (LoRA), the base first, from `model.init_from`, which must
 /// still be the file it names. True when the model has adapters.
-pub fn weights_into(vs: &nn::VarStore, spec: &Spec, file: &Path) -> Result<bool> {
+pub fn weights_into(vs: &nn::VarStore, head: &[String], spec: &Spec, file: &Path) -> Result<bool> {
     let kept = crate::checkpoint::read_safetensors(file)?;
     let ck = file.parent().unwrap_or(Path::new("."));
     let recorded = BaseRef::in_checkpoint(ck)?;
@@ -154,7 +154,7 @@ pub fn weights_into(vs: &nn::VarStore, spec: &Spec, file: &Path) -> Result<bool>
             }
         }
         if recorded.is_some() || adapted {
-            crate::run::init_from(vs, path)?;
+            crate::run::init_from(vs, head, &spec.model, path)?;
         }
     }
     // A checkpoint over a frozen base holds what trains: the adapters and the extras.

@@ -43,6 +43,22 @@ pub fn human_duration(secs: f64) -> String {
     }
 }
 
+/// The first few names of a list and how many more: a model has thousands of tensors, and a
+/// renamed module would otherwise print all of them.
+pub fn few<S: AsRef<str>>(names: &[S], sep: &str) -> String {
+    const SHOWN: usize = 8;
+    let mut s = names
+        .iter()
+        .take(SHOWN)
+        .map(AsRef::as_ref)
+        .collect::<Vec<_>>()
+        .join(sep);
+    if names.len() > SHOWN {
+        s += &format!("{sep}… and {} more ({} in all)", names.len() - SHOWN, names.len());
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

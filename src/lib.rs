@@ -12,8 +12,9 @@
 //!    pipeline, forward part and execution strategy; `parallel` (data-parallel groups);
 //! 4. policy: `policy::levers` and `policy::recovery`, which decide and hold no tensors; `run`
 //!    carries out their decisions, `report`, `fit` and `check` describe them;
-//! 5. what a run is made of: `model` (presets), `data`, `optim`, `checkpoint`, `records`,
-//!    `scaler`, `memory` and `oom`, `host`, `alloc_conf`, `progress`, `signals`, `readback`.
+//! 5. what a run is made of: `model` (presets), `weights` (other libraries' checkpoints, read
+//!    for `model.init_from`), `data`, `optim`, `checkpoint`, `records`, `scaler`, `memory` and
+//!    `oom`, `host`, `alloc_conf`, `progress`, `signals`, `readback`.
 //!    Each reads only its own section of the spec's schema (`spec::schema`: plain data types),
 //!    never the whole spec;
 //! 6. the ground: `spec::schema` and `spec::error`, `shim` (the only C++ and the only caller of
@@ -55,3 +56,4 @@ pub mod signals;
 pub mod spec;
 pub mod sysmem;
 pub mod watch;
+pub mod weights;

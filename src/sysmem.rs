@@ -123,6 +123,17 @@ pub fn rss_now() -> u64 {
     pages * page_size()
 }
 
+/// Anonymous memory resident now (statm's resident less its shared, file-backed pages): what
+/// the process itself holds, without the files it maps.
+pub fn rss_anon_now() -> u64 {
+    let text = fs::read_to_string("/proc/self/statm").unwrap_or_default();
+    let pages: Vec<u64> = text.split_whitespace().take(3).filter_map(|v| v.parse().ok()).collect();
+    match pages[..] {
+        [_, resident, shared] => resident.saturating_sub(shared) * page_size(),
+        _ => 0,
+    }
+}
+
 pub(crate) fn page_size() -> u64 {
     // SAFETY: sysconf has no preconditions.
     let n = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };

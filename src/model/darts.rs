@@ -294,6 +294,7 @@ impl Preset for DartsPreset {
         Ok(Built {
             input_shape: vec![o.in_channels, o.input_length],
             num_classes: o.num_classes,
+            head: vec!["classifier".into()],
             net: Box::new(Darts::new(root, o)?),
         })
     }

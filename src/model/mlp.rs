@@ -50,6 +50,7 @@ impl Preset for MlpPreset {
         Ok(Built {
             input_shape: vec![o.inputs],
             num_classes: o.num_classes,
+            head: vec![format!("fc{}", o.hidden.len())],
             net: Box::new(Mlp::new(root, o)),
         })
     }

@@ -3,6 +3,7 @@
 //! Every preset is built into a `tch::nn::Path`, so all weights live in one VarStore and are
 //! saved and loaded by name.
 mod darts;
+mod init;
 mod layers;
 pub mod lora;
 mod mlp;
@@ -19,6 +20,7 @@ use crate::data::classes::DataClasses;
 use crate::spec::schema::{Data, Model};
 
 pub use darts::{derive_genotype, Darts, DartsOptions};
+pub use lora::{freeze_base, lora_frozen, lora_options, with_frozen};
 pub use mlp::Mlp;
 pub use preset::{block_vars, run_chain, Built, Chain, ExtraStep, Genotype, Net, Preset, ARCH_PREFIX};
 pub use vit::{Activation, VitOptions};
@@ -315,7 +317,7 @@ pub fn validate(m: &mut Model, data: &Data) -> Vec<(String, String)> {
             )
         } else {
             format!(
-                "is not a key of [model] (expected preset, init_from or [model.{}])",
+                "is not a key of [model] (expected preset, init_from, init_format, init_skip or [model.{}])",
                 p.name()
             )
         };
@@ -346,45 +348,18 @@ pub fn validate(m: &mut Model, data: &Data) -> Vec<(String, String)> {
             }
         }
     }
+    let follow = init::follow_checkpoint(m);
+    if !follow.is_empty() {
+        return follow;
+    }
     problems.extend(p.validate(m));
-    problems.extend(validate_lora(m));
+    problems.extend(lora::validate(m));
     if problems.is_empty() {
         if let Some(v) = p.resolved(m) {
             m.options.insert(p.name().into(), v);
         }
     }
     problems
-}
-
-/// `[model.lora]`'s checks, and its table completed with the defaults.
-fn validate_lora(m: &mut Model) -> Vec<(String, String)> {
-    if !m.options.contains_key(lora::TABLE) {
-        return vec![];
-    }
-    match options::<lora::LoraOptions>(m, lora::TABLE) {
-        Err(p) => vec![p],
-        Ok(o) => {
-            let problems: Vec<(String, String)> = o
-                .check()
-                .into_iter()
-                .map(|(k, msg)| (format!("model.{}.{k}", lora::TABLE), msg))
-                .collect();
-            if let (true, Ok(v)) = (problems.is_empty(), toml::Value::try_from(&o)) {
-                m.options.insert(lora::TABLE.into(), v);
-            }
-            problems
-        }
-    }
-}
-
-/// The spec's `[model.lora]`, when it has one.
-pub fn lora_options(model: &Model) -> Result<Option<lora::LoraOptions>> {
-    if !model.options.contains_key(lora::TABLE) {
-        return Ok(None);
-    }
-    options(model, lora::TABLE)
-        .map(Some)
-        .map_err(|(k, m)| anyhow::anyhow!("{k} {m}"))
 }
 
 /// The preset's network, with `[model.lora]`'s adapters when the spec has them: they are made
@@ -394,72 +369,14 @@ pub fn build(root: &nn::Path, model: &Model) -> Result<Built> {
     if let Some(o) = lora_options(model)? {
         let made = built.net.adapt(root, &o);
         if made.is_empty() {
-            return Err(no_target(&o, &model.preset, &built.net.adaptable()).into());
+            return Err(lora::no_target(&o, &model.preset, &built.net.adaptable()).into());
+        }
+        // A base checkpoint has no adapters: each is made fresh where it lacks them.
+        for layer in &made {
+            built.head.extend(["lora_A", "lora_B"].map(|a| format!("{layer}.{a}")));
         }
     }
     Ok(built)
-}
-
-/// Targets that match no layer: the error names the layers there are, by their short names
-/// (the part after the block) and one full name.
-fn no_target(o: &lora::LoraOptions, preset: &str, offered: &[String]) -> crate::exit::UsageError {
-    // A block's layers once, without the block's own prefix (`self_attention.in_proj_q`).
-    let mut short: Vec<&str> = vec![];
-    for name in offered {
-        let s = name
-            .split_once("_layer_")
-            .and_then(|(_, r)| r.split_once('.'))
-            .map_or(name.as_str(), |(_, r)| r);
-        if !short.contains(&s) {
-            short.push(s);
-        }
-    }
-    crate::exit::UsageError(format!(
-        "model.lora.targets ({}) matches none of the {preset} preset's linear layers{}",
-        o.targets.join(", "),
-        match offered.first() {
-            None => "; it has none that LoRA adapts".to_owned(),
-            Some(full) => format!(
-                "; its layers are {} (a plain name matches a layer whose name ends with it, as {full} ends with {})",
-                short.join(", "),
-                short[0]
-            ),
-        }
-    ))
-}
-
-/// With `[model.lora]`, the parameters that do not train (the base), by name.
-pub fn lora_frozen(vs: &nn::VarStore, model: &Model) -> Result<Vec<String>> {
-    let Some(o) = lora_options(model)? else {
-        return Ok(vec![]);
-    };
-    Ok(parameters(vs)
-        .into_iter()
-        .map(|(n, _)| n)
-        .filter(|n| !o.trains(n))
-        .collect())
-}
-
-/// `train` with `names` frozen too: LoRA's base is frozen as `train.freeze` freezes, so the
-/// optimizer, the gradient buffers, the host levers and `check` leave it out alike.
-pub fn with_frozen(train: &crate::spec::schema::Train, names: Vec<String>) -> crate::spec::schema::Train {
-    let mut t = train.clone();
-    t.freeze.extend(names);
-    t
-}
-
-/// With `[model.lora]`, everything but the adapters and the extras stops training: its
-/// variables no longer require a gradient.
-pub fn freeze_base(vs: &nn::VarStore, model: &Model) -> Result<()> {
-    let Some(o) = lora_options(model)? else {
-        return Ok(());
-    };
-    for (name, t) in vs.variables() {
-        if t.requires_grad() && !o.trains(&name) {
-            let _ = t.shallow_clone().set_requires_grad(false);
-        }
-    }
-    Ok(())
 }
 
 pub fn extra_step(model: &Model) -> Option<ExtraStep> {
@@ -559,6 +476,27 @@ pub fn counts(model: &Model, train: &crate::spec::schema::Train) -> Result<Count
     Ok(c)
 }
 
+/// The load plan of `model.init_from` for the model the spec builds (on the CPU, for its
+/// variables' names and shapes), from the checkpoint's header: what `check` shows. A checkpoint
+/// the model cannot take is the problem `run` would refuse it with, at `model.init_from`.
+pub fn init_plan(m: &Model) -> Result<Option<crate::weights::LoadPlan>, (String, String)> {
+    let Some(path) = &m.init_from else {
+        return Ok(None);
+    };
+    let ck = crate::weights::Checkpoint::headers(path).map_err(|e| init::at_init_from(&format!("{e:#}")))?;
+    let (vars, head) = variables(m).map_err(|e| init::at_init_from(&format!("{e:#}")))?;
+    crate::weights::plan_for(&ck, &vars, &head, m)
+        .map(Some)
+        .map_err(|e| init::at_init_from(&e.0))
+}
+
+/// A CPU build's variables (names and shapes) and its head.
+fn variables(m: &Model) -> Result<(Vec<crate::weights::Shaped>, Vec<String>)> {
+    let vs = nn::VarStore::new(Device::Cpu);
+    let built = tch::no_grad(|| build(&vs.root(), m))?;
+    Ok((crate::weights::shapes(&vs.variables()), built.head.clone()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -617,6 +555,8 @@ mod tests {
         let mut bare = Model {
             preset: "resnet18".into(),
             init_from: None,
+            init_format: Default::default(),
+            init_skip: vec![],
             options: Default::default(),
         };
         assert!(follow_data("resnet18", &mut bare, &images(&[1, 28, 28])).is_empty());
@@ -664,6 +604,8 @@ mod tests {
         let mut m = Model {
             preset: preset.into(),
             init_from: None,
+            init_format: Default::default(),
+            init_skip: vec![],
             options: Default::default(),
         };
         m.options

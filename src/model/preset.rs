@@ -90,6 +90,10 @@ pub struct Built {
     /// Shape of one sample, without the batch dimension.
     pub input_shape: Vec<i64>,
     pub num_classes: i64,
+    /// The head's variables by name prefix (`heads.head` is `heads.head.weight` and
+    /// `heads.head.bias`): what a checkpoint for another class count leaves to the build. LoRA's
+    /// adapters join it (a base checkpoint lacks them), each adapter its own prefix.
+    pub head: Vec<String>,
 }
 
 /// A second optimizer step some presets take before each weight step, on held-out data, for

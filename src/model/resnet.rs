@@ -79,6 +79,7 @@ impl<const DEPTH: u32> Preset for ResNetPreset<DEPTH> {
         Ok(Built {
             input_shape: vec![o.in_channels, o.image_size, o.image_size],
             num_classes: o.num_classes,
+            head: vec!["fc".into()],
             net: Box::new(ResNet::new(root, o, bottleneck, layers)),
         })
     }

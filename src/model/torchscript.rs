@@ -83,6 +83,7 @@ impl Preset for TorchScriptPreset {
         Ok(Built {
             input_shape: o.input_shape.clone(),
             num_classes: o.num_classes,
+            head: vec![],
             net: Box::new(net),
         })
     }

@@ -157,6 +157,7 @@ impl Preset for VitPreset {
         Ok(Built {
             input_shape: vec![o.in_channels, o.image_size, o.image_size],
             num_classes: o.num_classes,
+            head: vec!["heads.head".into()],
             net: Box::new(Vit::new(root, o)),
         })
     }

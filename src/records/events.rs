@@ -56,6 +56,27 @@ pub struct StartEvent {
     pub setup_peak_allocated_bytes: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub setup_peak_reserved_bytes: Option<u64>,
+    /// What `model.init_from` loaded, when it is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init: Option<InitLoad>,
+}
+
+/// What `model.init_from` did: memtrain variables filled from the checkpoint (kept) or left as
+/// the build initialised them (created: a new head, `init_skip`), checkpoint tensors no variable
+/// took (dropped), variables the checkpoint lacked (missing: always 0 in a run that started),
+/// position embeddings resampled to the model's grid, and whose names the checkpoint used.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InitLoad {
+    pub format: String,
+    pub kept: u64,
+    pub created: u64,
+    pub dropped: u64,
+    pub missing: u64,
+    pub resampled: u64,
+    /// The most anonymous host memory the load held above what the process held before it
+    /// (the tensor being copied), and the checkpoint's largest tensor, which bounds it.
+    pub peak_host_bytes: u64,
+    pub largest_tensor_bytes: u64,
 }
 
 /// The first optimizer step of a session, measured against the cap.
@@ -380,6 +401,9 @@ pub struct Summary {
     /// before it was recorded).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub training: Option<TrainingSummary>,
+    /// What `model.init_from` loaded at this session's start, when it is set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub init: Option<InitLoad>,
 }
 
 /// The weights by what they train with, and what training them costs.

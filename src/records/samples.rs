@@ -32,6 +32,7 @@ pub fn start(step: i64, resumed: bool, cap_bytes: Option<u64>) -> StartEvent {
         optimizer_impl: Some("single".into()),
         setup_peak_allocated_bytes: Some(1000),
         setup_peak_reserved_bytes: None,
+        init: None,
     }
 }
 
@@ -246,6 +247,7 @@ pub fn summary(status: Status, global_steps: i64) -> Summary {
         },
         host_reads: 5,
         training: None,
+        init: None,
     }
 }
 

@@ -44,6 +44,7 @@ pub struct SummarySink {
     peak_requested: Option<u64>,
     peak_rss: u64,
     peak_host: Option<u64>,
+    init: Option<InitLoad>,
 }
 
 impl SummarySink {
@@ -53,6 +54,7 @@ impl SummarySink {
                 self.job = s.job.clone();
                 self.cap = s.cap.clone();
                 self.allocator_conf = s.allocator_conf.clone();
+                self.init = s.init.clone();
             }
             Event::Epoch(e) => {
                 self.last = Some(e.result.clone());
@@ -130,6 +132,7 @@ impl SummarySink {
             precision: c.precision,
             host_reads: c.host_reads,
             training: c.training,
+            init: self.init.clone(),
         }
     }
 }

@@ -25,7 +25,7 @@ use crate::plan::{Place, Plan};
 use crate::policy::levers::{self, Described, Position, Situation};
 use crate::policy::recovery::{EvalPosition, Policy, Recovery};
 use crate::progress::Progress;
-use crate::records::{Event, Recorder, StartEvent};
+use crate::records::{Event, InitLoad, Recorder, StartEvent};
 use crate::spec::{self, OptimizerImpl, Precision};
 use crate::{atomic, shim};
 
@@ -33,6 +33,14 @@ use crate::{atomic, shim};
 pub struct Session {
     pub max_steps: Option<i64>,
     pub quiet: bool,
+}
+
+/// What the run's opening record and lines say beside the plan.
+struct Opening<'a> {
+    state: &'a TrainState,
+    data: &'a Splits,
+    optimizer_impl: OptimizerImpl,
+    init: Option<InitLoad>,
 }
 
 /// Builds every part of the run from its plan alone. The run directory appears only once the
@@ -54,7 +62,7 @@ impl Factory<'_> {
         let device = self.plan.device.tch();
         streams_alone(spec.memory.parameters.is_host(), &execution)?;
         tch::manual_seed(spec.job.seed);
-        let (vs, built) = self.build_model()?;
+        let (vs, built, init) = self.build_model()?;
         trainable(&vs, &spec.model.preset)?;
         let parallel = execution.group().is_some();
         let train = model::with_frozen(&spec.train, model::lora_frozen(&vs, &spec.model)?);
@@ -96,7 +104,13 @@ impl Factory<'_> {
         fs::create_dir_all(dir).with_context(|| format!("creating run directory {}", dir.display()))?;
         atomic::write_atomic(&dir.join("config.resolved.toml"), spec_toml.as_bytes())?;
         crate::data::classes::ClassNames::of_run(&spec.data, built.num_classes)?.write(dir)?;
-        let out = self.outputs(&spec_toml, &state, &data, model.opt.implementation(), session.quiet)?;
+        let opening = Opening {
+            state: &state,
+            data: &data,
+            optimizer_impl: model.opt.implementation(),
+            init,
+        };
+        let out = self.outputs(&spec_toml, opening, session.quiet)?;
         // Optimizer state needs no sharing: fresh, or read from the same checkpoint by every rank.
         let mut vars: Vec<(String, Tensor)> = model.vs.variables().into_iter().collect();
         vars.sort_by(|a, b| a.0.cmp(&b.0));
@@ -189,7 +203,7 @@ impl Factory<'_> {
     /// `memory.parameters = "host"` it stays in host memory to stream (counted as host on the
     /// CPU), so weights larger than the device can be. A TorchScript module is loaded on the
     /// device: its weights come from its file, and its code may hold tensors of its own.
-    fn build_model(&self) -> Result<(nn::VarStore, Built)> {
+    fn build_model(&self) -> Result<(nn::VarStore, Built, Option<InitLoad>)> {
         let spec = &self.plan.spec;
         let on_host = spec.memory.parameters.is_host();
         let _host = on_host.then(shim::HostScope::enter);
@@ -212,15 +226,16 @@ impl Factory<'_> {
         if spec.train.precision == Precision::Bf16 {
             setup_step(Phase::Model.label(), &needs, &CHANGE_MODEL, || vs.bfloat16())?;
         }
-        if let Some(path) = &spec.model.init_from {
-            init_from(&vs, path)?;
-        }
+        let init = match &spec.model.init_from {
+            Some(path) => Some(init_from(&vs, &built.head, &spec.model, path)?),
+            None => None,
+        };
         model::freeze_base(&vs, &spec.model)?;
         if !on_host && built_on != device {
             let _squeeze = fault::squeeze_in(Phase::Model, self.plan.start.global_step);
             setup_step(Phase::Model.label(), &needs, &CHANGE_MODEL, || vs.set_device(device))?;
         }
-        Ok((vs, built))
+        Ok((vs, built, init))
     }
 
     /// The weights' optimizer (this rank's share of its state under ZeRO stage 1) and the
@@ -368,14 +383,13 @@ impl Factory<'_> {
 
     /// The records (with the start event), the terminal and its opening lines, checkpoints and
     /// the cache policy.
-    fn outputs(
-        &self,
-        spec_toml: &str,
-        state: &TrainState,
-        data: &Splits,
-        optimizer_impl: OptimizerImpl,
-        quiet: bool,
-    ) -> Result<Outputs> {
+    fn outputs(&self, spec_toml: &str, opening: Opening, quiet: bool) -> Result<Outputs> {
+        let Opening {
+            state,
+            data,
+            optimizer_impl,
+            init,
+        } = opening;
         let spec = &self.plan.spec;
         let run_dir = &self.plan.writes_to;
         let device = self.plan.device.tch();
@@ -400,6 +414,7 @@ impl Factory<'_> {
             optimizer_impl: Some(optimizer_impl.name().into()),
             setup_peak_allocated_bytes: setup.peak_allocated_bytes,
             setup_peak_reserved_bytes: setup.peak_reserved_bytes,
+            init,
         }))?;
         let progress = Progress::new(spec.log.progress, quiet);
         progress.println(&format!(
@@ -642,64 +657,7 @@ fn split_params(vs: &nn::VarStore) -> (NamedTensors, NamedTensors) {
 pub fn copy_into(vs: &nn::VarStore, tensors: &[(String, Tensor)], what: &str, kept: &Kept) -> Result<()> {
     let vars: std::collections::HashMap<String, Tensor> =
         vs.variables().into_iter().filter(|(n, _)| kept.keeps(n)).collect();
-    let mut missing: Vec<&str> = vars
-        .keys()
-        .map(String::as_str)
-        .filter(|k| !tensors.iter().any(|(n, _)| n == k))
-        .collect();
-    missing.sort();
-    let mut unexpected = vec![];
-    let mut misshaped = vec![];
-    for (name, t) in tensors {
-        match vars.get(name) {
-            None => unexpected.push(name.as_str()),
-            Some(v) if v.size() != t.size() => {
-                misshaped.push(format!("{name}: file {:?}, model {:?}", t.size(), v.size()))
-            }
-            Some(_) => {}
-        }
-    }
-    unexpected.sort();
-    misshaped.sort();
-    if !missing.is_empty() || !unexpected.is_empty() || !misshaped.is_empty() {
-        let mut msg = format!("{what} does not match the model:");
-        if !missing.is_empty() {
-            msg += &format!("\n  missing (in the model, not in the file): {}", few(&missing, ", "));
-        }
-        if !unexpected.is_empty() {
-            msg += &format!(
-                "\n  unexpected (in the file, not in the model): {}",
-                few(&unexpected, ", ")
-            );
-        }
-        if !misshaped.is_empty() {
-            msg += &format!("\n  mis-shaped: {}", few(&misshaped, "; "));
-        }
-        return Err(UsageError(msg).into());
-    }
-    tch::no_grad(|| {
-        for (name, t) in tensors {
-            let v = &vars[name];
-            v.shallow_clone().copy_(&t.to_device(v.device()).to_kind(v.kind()));
-        }
-    });
-    Ok(())
-}
-
-/// The first few names of a list and how many more: a model has thousands of tensors, and a
-/// renamed module would otherwise print all of them.
-fn few<S: AsRef<str>>(names: &[S], sep: &str) -> String {
-    const SHOWN: usize = 8;
-    let mut s = names
-        .iter()
-        .take(SHOWN)
-        .map(AsRef::as_ref)
-        .collect::<Vec<_>>()
-        .join(sep);
-    if names.len() > SHOWN {
-        s += &format!("{sep}… and {} more ({} in all)", names.len() - SHOWN, names.len());
-    }
-    s
+    crate::weights::copy_exact(&vars, tensors, what)
 }
 
 /// A model none of whose variables requires a gradient has nothing to train: said before the
@@ -717,35 +675,29 @@ fn trainable(vs: &nn::VarStore, preset: &str) -> Result<(), UsageError> {
     )))
 }
 
-/// `model.init_from`: the safetensors file's tensors copied into `vs` by name; any name missing
-/// on either side, or a shape that differs, is an error that lists them. Public for the tests
-/// that load torchvision's state dicts through it.
-pub fn init_from(vs: &nn::VarStore, path: &Path) -> Result<()> {
+/// `model.init_from` into the model's variables: mapped, tensor by tensor (`weights::load`), the
+/// head left as built where the checkpoint's does not fit. The counts line goes to the terminal
+/// and, returned, into the start record and the summary. Public for `export` (a LoRA run's base)
+/// and the tests that load other libraries' checkpoints through it.
+pub fn init_from(vs: &nn::VarStore, head: &[String], model: &spec::Model, path: &Path) -> Result<InitLoad> {
     let what = format!("reading model.init_from {}", path.display());
     let _squeeze = fault::squeeze_in(Phase::InitFrom, 0);
-    let size = fs::metadata(path).map(|m| m.len()).unwrap_or(0);
-    let needs = Some(format!("{} on disk", human_bytes(size)));
-    let tensors = setup_step(&what, &|| needs.clone(), &CHANGE_INIT_FROM, || {
-        Tensor::read_safetensors(path)
-    })?
-    .map_err(|e| -> anyhow::Error {
-        let text = e.to_string();
-        if oom::classify(&text).is_some() {
-            setup_oom(&what, &|| needs.clone(), &CHANGE_INIT_FROM, &oom::short_message(&text)).into()
-        } else {
-            UsageError(format!(
-                "model.init_from: cannot read {} as safetensors: {}{}",
-                path.display(),
-                crate::shim::first_line(&text),
-                crate::checkpoint::safetensors_hint(&text)
-            ))
-            .into()
-        }
+    let needs = Some(format!("{} on disk", human_bytes(dir_bytes(path))));
+    let loaded = setup_try(&what, &|| needs.clone(), &CHANGE_INIT_FROM, || {
+        crate::weights::load(&vs.variables(), head, model, path)
     })?;
-    let label = format!("model.init_from {}", path.display());
-    setup_step(&what, &|| needs.clone(), &CHANGE_INIT_FROM, || {
-        copy_into(vs, &tensors, &label, &Kept::Whole)
-    })?
+    let plan = &loaded.plan;
+    tracing::info!("model.init_from {}: {}", path.display(), plan.describe());
+    Ok(InitLoad {
+        peak_host_bytes: loaded.peak_host_bytes,
+        largest_tensor_bytes: loaded.largest_bytes,
+        format: plan.format.into(),
+        kept: plan.kept.len() as u64,
+        created: plan.created.len() as u64,
+        dropped: plan.dropped.len() as u64,
+        missing: 0,
+        resampled: plan.resampled.len() as u64,
+    })
 }
 
 /// The block of the model's chain that uses each weight, when every weight belongs to one: a

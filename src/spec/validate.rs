@@ -102,8 +102,8 @@ fn model(p: &mut Problems, m: &Model) {
             p,
             "model.init_from",
             f,
-            Entry::File,
-            "it must be a .safetensors file of initial weights",
+            Entry::Either,
+            "it must be a .safetensors file, a sharded checkpoint's .safetensors.index.json, or a Hugging Face model directory",
         );
     }
 }

@@ -28,3 +28,4 @@ mod structure;
 mod training;
 mod validation;
 mod watch;
+mod weights;

@@ -196,6 +196,8 @@ fn vit_preset(sizes: [i64; 7]) -> (tch::nn::VarStore, memtrain::model::Built, Ve
     let mut model = memtrain::spec::Model {
         preset: "vit".into(),
         init_from: None,
+        init_format: Default::default(),
+        init_skip: vec![],
         options: Default::default(),
     };
     model
@@ -245,9 +247,10 @@ fn torchvision_vit_logits(dir: &std::path::Path, sizes: [&str; 7]) {
     assert_eq!(ours, json_names(&info), "the preset's names are torchvision's");
     let numel: i64 = vs.variables().values().map(|t| t.numel() as i64).sum();
     assert_eq!(numel, info["parameters"].as_i64().unwrap());
-    // Every tensor matched: init_from refuses a file with any name missing, unexpected or
-    // mis-shaped.
-    memtrain::run::init_from(&vs, &dir.join("init.safetensors")).unwrap();
+    // Every tensor matched: init_from refuses a file with a name missing or mis-shaped, and
+    // counts what it created fresh and what it dropped.
+    let load = memtrain::run::init_from(&vs, &built.head, &Default::default(), &dir.join("init.safetensors")).unwrap();
+    assert_eq!((load.created, load.dropped), (0, 0), "every tensor matched: {load:?}");
     let io = tensors(&dir.join("io.safetensors"));
     let get = |n: &str| io.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
     let theirs = get("logits");
@@ -637,6 +640,8 @@ fn vit_with_clip_options_gives_a_clip_vision_towers_logits() {
     let mut model = memtrain::spec::Model {
         preset: "vit".into(),
         init_from: None,
+        init_format: Default::default(),
+        init_skip: vec![],
         options: Default::default(),
     };
     model.options.insert("vit".into(), Value::Table(options));
@@ -647,7 +652,8 @@ fn vit_with_clip_options_gives_a_clip_vision_towers_logits() {
         "patch_bias = false leaves the patch embedding without a bias"
     );
     // Every tensor matched: a name missing on either side or a shape that differs is refused.
-    memtrain::run::init_from(&vs, &dir.join("init.safetensors")).unwrap();
+    let load = memtrain::run::init_from(&vs, &built.head, &Default::default(), &dir.join("init.safetensors")).unwrap();
+    assert_eq!((load.created, load.dropped), (0, 0), "every tensor matched: {load:?}");
     let io = tensors(&dir.join("io.safetensors"));
     let get = |n: &str| io.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
     let theirs = get("logits");

@@ -1,4 +1,5 @@
-use super::{few, Bound, Remedy, CHANGE_MODEL, CHANGE_RESUME};
+use super::{Bound, Remedy, CHANGE_MODEL, CHANGE_RESUME};
+use crate::human::few;
 
 fn bound(message: &str) -> Bound {
     Bound::of(crate::oom::classify(message), message)

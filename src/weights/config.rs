@@ -1,0 +1,175 @@
+//! A Hugging Face model directory's `config.json` (`ViTConfig`, `CLIPVisionConfig`, or a
+//! `CLIPConfig`'s `vision_config`) as the vit preset's options: the sizes a checkpoint was
+//! built with fill the options a spec leaves out, and an option the spec sets otherwise is an
+//! error that names both.
+use std::path::Path;
+
+use toml::Value;
+
+/// One `[model.vit]` option a config gives, and the config's key for it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Given {
+    pub option: &'static str,
+    pub value: Value,
+    pub key: &'static str,
+}
+
+/// (config key, vit option) pairs of integer sizes.
+const SIZES: [(&str, &str); 7] = [
+    ("hidden_size", "hidden_dim"),
+    ("num_hidden_layers", "layers"),
+    ("num_attention_heads", "heads"),
+    ("intermediate_size", "mlp_dim"),
+    ("image_size", "image_size"),
+    ("patch_size", "patch_size"),
+    ("num_channels", "in_channels"),
+];
+
+/// The options `config` gives. `projection`: whether the checkpoint holds a projection (a
+/// `CLIPVisionConfig` names a `projection_dim` whether or not its model has one).
+pub fn vit_options(config: &Path, projection: bool) -> Result<Vec<Given>, String> {
+    let text = std::fs::read_to_string(config).map_err(|e| format!("cannot read {}: {e}", config.display()))?;
+    let json: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("{} is not JSON: {e}", config.display()))?;
+    let c = json.get("vision_config").unwrap_or(&json);
+    let model_type = c["model_type"]
+        .as_str()
+        .or(json["model_type"].as_str())
+        .unwrap_or_default();
+    let clip = model_type.starts_with("clip");
+    let mut given = vec![];
+    for (key, option) in SIZES {
+        if let Some(v) = c[key].as_i64() {
+            given.push(Given {
+                option,
+                value: Value::Integer(v),
+                key,
+            });
+        }
+    }
+    if let Some(eps) = c["layer_norm_eps"].as_f64() {
+        given.push(Given {
+            option: "layer_norm_eps",
+            value: Value::Float(eps),
+            key: "layer_norm_eps",
+        });
+    }
+    if let Some(act) = c["hidden_act"].as_str() {
+        let ours = match act {
+            "gelu" | "quick_gelu" => act,
+            other => {
+                return Err(format!(
+                "{} has hidden_act = \"{other}\", which the vit preset does not compute (it has gelu and quick_gelu)",
+                config.display()
+            ))
+            }
+        };
+        given.push(Given {
+            option: "activation",
+            value: Value::String(ours.into()),
+            key: "hidden_act",
+        });
+    }
+    if clip {
+        given.push(Given {
+            option: "pre_norm",
+            value: Value::Boolean(true),
+            key: "model_type",
+        });
+        given.push(Given {
+            option: "patch_bias",
+            value: Value::Boolean(false),
+            key: "model_type",
+        });
+        let dim = c["projection_dim"]
+            .as_i64()
+            .or(json["projection_dim"].as_i64())
+            .filter(|_| projection);
+        given.push(Given {
+            option: "projection_dim",
+            value: Value::Integer(dim.unwrap_or(0)),
+            key: "projection_dim",
+        });
+    }
+    Ok(given)
+}
+
+/// Fills `table`'s options (those in `known`) from `given` where the spec leaves them out; each
+/// one it sets otherwise comes back as (option, message). `image_size` may differ: the position
+/// embeddings are resampled to the spec's.
+pub fn follow(table: &mut toml::Table, known: &[String], given: &[Given], config: &Path) -> Vec<(String, String)> {
+    let mut problems = vec![];
+    for g in given.iter().filter(|g| known.iter().any(|k| k == g.option)) {
+        match table.get(g.option) {
+            None => {
+                table.insert(g.option.into(), g.value.clone());
+            }
+            Some(_) if g.option == "image_size" => {}
+            Some(ours) if !same(ours, &g.value) => problems.push((
+                g.option.to_owned(),
+                format!(
+                    "is {ours}, but the checkpoint's {} says {} = {}; leave {} out to take the checkpoint's, or use a checkpoint of this size",
+                    config.display(),
+                    g.key,
+                    g.value,
+                    g.option
+                ),
+            )),
+            Some(_) => {}
+        }
+    }
+    problems
+}
+
+fn same(a: &Value, b: &Value) -> bool {
+    match (
+        a.as_float().or(a.as_integer().map(|i| i as f64)),
+        b.as_float().or(b.as_integer().map(|i| i as f64)),
+    ) {
+        (Some(x), Some(y)) => (x - y).abs() <= 1e-9 * x.abs().max(y.abs()),
+        _ => a == b,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_config_fills_what_the_spec_leaves_out_and_names_what_it_contradicts() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("config.json");
+        std::fs::write(
+            &config,
+            r#"{"model_type": "vit", "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2,
+                "intermediate_size": 24, "image_size": 32, "patch_size": 8, "num_channels": 3,
+                "layer_norm_eps": 1e-12, "hidden_act": "gelu"}"#,
+        )
+        .unwrap();
+        let given = vit_options(&config, false).unwrap();
+        let known: Vec<String> = [
+            "hidden_dim",
+            "layers",
+            "heads",
+            "mlp_dim",
+            "image_size",
+            "patch_size",
+            "in_channels",
+        ]
+        .map(String::from)
+        .to_vec();
+        let mut table: toml::Table = "heads = 4\nimage_size = 64".parse().unwrap();
+        let problems = follow(&mut table, &known, &given, &config);
+        assert_eq!(table["hidden_dim"].as_integer(), Some(16));
+        assert_eq!(
+            table["image_size"].as_integer(),
+            Some(64),
+            "resampled, not contradicted"
+        );
+        assert!(!table.contains_key("layer_norm_eps"), "not an option the preset knows");
+        assert_eq!(problems.len(), 1);
+        assert_eq!(problems[0].0, "heads");
+        assert!(problems[0].1.contains("num_attention_heads = 2"), "{}", problems[0].1);
+        assert!(problems[0].1.contains("config.json"), "{}", problems[0].1);
+    }
+}
