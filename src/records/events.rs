@@ -400,10 +400,10 @@ pub struct Summary {
     /// What trained: the parameter groups and the frozen parameters (absent in summaries from
     /// before it was recorded).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub training: Option<TrainingSummary>,
+    pub training: Option<Box<TrainingSummary>>,
     /// What `model.init_from` loaded at this session's start, when it is set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub init: Option<InitLoad>,
+    pub init: Option<Box<InitLoad>>,
 }
 
 /// The weights by what they train with, and what training them costs.

@@ -131,8 +131,8 @@ impl SummarySink {
             },
             precision: c.precision,
             host_reads: c.host_reads,
-            training: c.training,
-            init: self.init.clone(),
+            training: c.training.map(Box::new),
+            init: self.init.clone().map(Box::new),
         }
     }
 }

@@ -216,3 +216,74 @@ fn export_merges_the_adapters_and_each_library_loads_it() {
         .run();
     assert!(!dir.join("after-change").exists());
 }
+
+/// docs/fine-tuning.md's worked example, its LoRA twin and its frozen variant pass `check` as
+/// written, over a small Hugging Face CLIP vision tower saved in the directory the example
+/// names and an image folder at its paths: the page's TOML stays in step with the spec.
+#[test]
+fn the_fine_tuning_pages_examples_check() {
+    let t = Test::new();
+    let dir = t.dir().to_path_buf();
+    let script = "import os, numpy as np\n\
+        from PIL import Image\n\
+        from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection\n\
+        cfg = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,\n\
+            image_size=224, patch_size=32, projection_dim=16, hidden_act='quick_gelu', layer_norm_eps=1e-5)\n\
+        CLIPVisionModelWithProjection(cfg).save_pretrained('clip-vit-b32')\n\
+        rng = np.random.default_rng(0)\n\
+        for split in ('train', 'val'):\n\
+        \x20   for c in ('audi', 'bmw', 'ford'):\n\
+        \x20       os.makedirs(f'cars/{split}/{c}')\n\
+        \x20       for i in range(2):\n\
+        \x20           Image.fromarray((rng.random((24, 32, 3)) * 255).astype('uint8')).save(f'cars/{split}/{c}/{i}.png')\n";
+    let out = std::process::Command::new(python())
+        .args(["-c", script])
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let page = std::fs::read_to_string(repo().join("docs/fine-tuning.md")).unwrap();
+    let blocks: Vec<&str> = page
+        .split("```toml\n")
+        .skip(1)
+        .map(|b| b.split("```").next().unwrap())
+        .collect();
+    assert_eq!(
+        blocks.len(),
+        3,
+        "the page's TOML blocks: the job, its LoRA table, the freezing"
+    );
+    let frozen = blocks[0].replace(
+        "[train]\n",
+        &format!(
+            "[train]\n{}",
+            blocks[2]
+                .split("\n\n[[")
+                .next()
+                .unwrap()
+                .trim_start_matches("[train]\n")
+        ),
+    ) + "\n[[train.param_groups]]\nmatch = [\"heads.*\"]\nlr_scale = 10.0\n";
+    for (name, text, says) in [
+        ("full.toml", blocks[0].to_owned(), "2 created"),
+        ("lora.toml", format!("{}\n{}", blocks[0], blocks[1]), "10 created"),
+        ("frozen.toml", frozen, "2 created"),
+    ] {
+        // Paths are relative to the current directory, which the example takes to hold them.
+        let text = text
+            .replace(
+                "\"clip-vit-b32\"",
+                &format!("\"{}\"", dir.join("clip-vit-b32").display()),
+            )
+            .replace("\"cars/", &format!("\"{}/cars/", dir.display()));
+        std::fs::write(dir.join(name), text).unwrap();
+        let r = Test::new()
+            .command("check")
+            .no_spec()
+            .args(&[dir.join(name).to_str().unwrap()])
+            .run();
+        let all = format!("{}{}", r.stdout, r.stderr);
+        assert!(all.contains("(huggingface names)"), "{name}: {all}");
+        assert!(all.contains(says), "{name} should say {says}: {all}");
+    }
+}
