@@ -7,11 +7,9 @@
 //! weights with and without them (a run that loads the base changes nothing, and one that does
 //! not can compare). A is drawn as peft draws it (`kaiming_uniform_(a=√5)`: uniform in
 //! ±1/√in), B starts at zero, so the adapted model starts as the base.
-use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use tch::nn::{self, Init};
 
-use crate::spec::schema::Model;
 use tch::Tensor;
 
 /// The key of `[model]` that holds the adapters' options.
@@ -154,39 +152,6 @@ pub fn adapter_for(
     Some(Adapter::new(&path, inputs, outputs, o))
 }
 
-// The spec's side: the table's checks and defaults, and what the adapters leave frozen.
-
-/// `[model.lora]`'s checks, and its table completed with the defaults.
-pub(super) fn validate(m: &mut Model) -> Vec<(String, String)> {
-    if !m.options.contains_key(TABLE) {
-        return vec![];
-    }
-    match super::options::<LoraOptions>(m, TABLE) {
-        Err(p) => vec![p],
-        Ok(o) => {
-            let problems: Vec<(String, String)> = o
-                .check()
-                .into_iter()
-                .map(|(k, msg)| (format!("model.{}.{k}", TABLE), msg))
-                .collect();
-            if let (true, Ok(v)) = (problems.is_empty(), toml::Value::try_from(&o)) {
-                m.options.insert(TABLE.into(), v);
-            }
-            problems
-        }
-    }
-}
-
-/// The spec's `[model.lora]`, when it has one.
-pub fn lora_options(model: &Model) -> Result<Option<LoraOptions>> {
-    if !model.options.contains_key(TABLE) {
-        return Ok(None);
-    }
-    super::options(model, TABLE)
-        .map(Some)
-        .map_err(|(k, m)| anyhow::anyhow!("{k} {m}"))
-}
-
 /// Targets that match no layer: the error names the layers there are, by their short names
 /// (the part after the block) and one full name.
 pub(super) fn no_target(o: &LoraOptions, preset: &str, offered: &[String]) -> crate::exit::UsageError {
@@ -215,38 +180,12 @@ pub(super) fn no_target(o: &LoraOptions, preset: &str, offered: &[String]) -> cr
     ))
 }
 
-/// With `[model.lora]`, the parameters that do not train (the base), by name.
-pub fn lora_frozen(vs: &nn::VarStore, model: &Model) -> Result<Vec<String>> {
-    let Some(o) = lora_options(model)? else {
-        return Ok(vec![]);
-    };
-    Ok(super::parameters(vs)
-        .into_iter()
-        .map(|(n, _)| n)
-        .filter(|n| !o.trains(n))
-        .collect())
-}
-
 /// `train` with `names` frozen too: LoRA's base is frozen as `train.freeze` freezes, so the
 /// optimizer, the gradient buffers, the host levers and `check` leave it out alike.
 pub fn with_frozen(train: &crate::spec::schema::Train, names: Vec<String>) -> crate::spec::schema::Train {
     let mut t = train.clone();
     t.freeze.extend(names);
     t
-}
-
-/// With `[model.lora]`, everything but the adapters and the extras stops training: its
-/// variables no longer require a gradient.
-pub fn freeze_base(vs: &nn::VarStore, model: &Model) -> Result<()> {
-    let Some(o) = lora_options(model)? else {
-        return Ok(());
-    };
-    for (name, t) in vs.variables() {
-        if t.requires_grad() && !o.trains(&name) {
-            let _ = t.shallow_clone().set_requires_grad(false);
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]

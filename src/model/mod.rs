@@ -20,7 +20,7 @@ use crate::data::classes::DataClasses;
 use crate::spec::schema::{Data, Model};
 
 pub use darts::{derive_genotype, Darts, DartsOptions};
-pub use lora::{freeze_base, lora_frozen, lora_options, with_frozen};
+pub use lora::with_frozen;
 pub use mlp::Mlp;
 pub use preset::{block_vars, run_chain, Built, Chain, ExtraStep, Genotype, Net, Preset, ARCH_PREFIX};
 pub use vit::{Activation, VitOptions};
@@ -353,13 +353,70 @@ pub fn validate(m: &mut Model, data: &Data) -> Vec<(String, String)> {
         return follow;
     }
     problems.extend(p.validate(m));
-    problems.extend(lora::validate(m));
+    problems.extend(validate_lora(m));
     if problems.is_empty() {
         if let Some(v) = p.resolved(m) {
             m.options.insert(p.name().into(), v);
         }
     }
     problems
+}
+
+/// `[model.lora]`'s checks, and its table completed with the defaults.
+fn validate_lora(m: &mut Model) -> Vec<(String, String)> {
+    if !m.options.contains_key(lora::TABLE) {
+        return vec![];
+    }
+    match options::<lora::LoraOptions>(m, lora::TABLE) {
+        Err(p) => vec![p],
+        Ok(o) => {
+            let problems: Vec<(String, String)> = o
+                .check()
+                .into_iter()
+                .map(|(k, msg)| (format!("model.{}.{k}", lora::TABLE), msg))
+                .collect();
+            if let (true, Ok(v)) = (problems.is_empty(), toml::Value::try_from(&o)) {
+                m.options.insert(lora::TABLE.into(), v);
+            }
+            problems
+        }
+    }
+}
+
+/// The spec's `[model.lora]`, when it has one.
+pub fn lora_options(model: &Model) -> Result<Option<lora::LoraOptions>> {
+    if !model.options.contains_key(lora::TABLE) {
+        return Ok(None);
+    }
+    options(model, lora::TABLE)
+        .map(Some)
+        .map_err(|(k, m)| anyhow::anyhow!("{k} {m}"))
+}
+
+/// With `[model.lora]`, the parameters that do not train (the base), by name.
+pub fn lora_frozen(vs: &nn::VarStore, model: &Model) -> Result<Vec<String>> {
+    let Some(o) = lora_options(model)? else {
+        return Ok(vec![]);
+    };
+    Ok(parameters(vs)
+        .into_iter()
+        .map(|(n, _)| n)
+        .filter(|n| !o.trains(n))
+        .collect())
+}
+
+/// With `[model.lora]`, everything but the adapters and the extras stops training: its
+/// variables no longer require a gradient.
+pub fn freeze_base(vs: &nn::VarStore, model: &Model) -> Result<()> {
+    let Some(o) = lora_options(model)? else {
+        return Ok(());
+    };
+    for (name, t) in vs.variables() {
+        if t.requires_grad() && !o.trains(&name) {
+            let _ = t.shallow_clone().set_requires_grad(false);
+        }
+    }
+    Ok(())
 }
 
 /// The preset's network, with `[model.lora]`'s adapters when the spec has them: they are made

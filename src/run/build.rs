@@ -111,18 +111,7 @@ impl Factory<'_> {
             init,
         };
         let out = self.outputs(&spec_toml, opening, session.quiet)?;
-        // Optimizer state needs no sharing: fresh, or read from the same checkpoint by every rank.
-        let mut vars: Vec<(String, Tensor)> = model.vs.variables().into_iter().collect();
-        vars.sort_by(|a, b| a.0.cmp(&b.0));
-        // A frozen parameter gets no gradient to reduce.
-        let params: Vec<&Tensor> = model
-            .opt
-            .params()
-            .iter()
-            .map(|(_, t)| t)
-            .filter(|t| t.requires_grad())
-            .collect();
-        execution.share_model(&vars, &params)?;
+        share_model(&mut execution, &model)?;
         let m = &spec.memory;
         Ok(Components {
             settings: LoopSettings {
@@ -633,6 +622,22 @@ fn dir_bytes(p: &Path) -> u64 {
         Ok(m) => m.len(),
         Err(_) => 0,
     }
+}
+
+/// Every rank starts from rank 0's variables, and reduces the gradients of the parameters that
+/// train. Optimizer state needs no sharing: fresh, or read from the same checkpoint by every rank.
+fn share_model(execution: &mut Execution, model: &Trained) -> Result<()> {
+    let mut vars: Vec<(String, Tensor)> = model.vs.variables().into_iter().collect();
+    vars.sort_by(|a, b| a.0.cmp(&b.0));
+    // A frozen parameter gets no gradient to reduce.
+    let params: Vec<&Tensor> = model
+        .opt
+        .params()
+        .iter()
+        .map(|(_, t)| t)
+        .filter(|t| t.requires_grad())
+        .collect();
+    execution.share_model(&vars, &params)
 }
 
 /// Streamed parameters go through one process's device: not data-parallel.
