@@ -61,6 +61,13 @@ pub fn validate(s: &Spec) -> Problems {
     model(&mut p, &s.model);
     data(&mut p, &s.data);
     train(&mut p, &s.train);
+    if s.train.unfreeze_at_epoch.is_some() && s.model.options.contains_key("lora") {
+        p.push((
+            "train.unfreeze_at_epoch".into(),
+            "would unfreeze the base that [model.lora] keeps frozen; remove it, or fine-tune without [model.lora]"
+                .into(),
+        ));
+    }
     memory(&mut p, &s.memory, &s.train, &s.model.preset);
     optimizer_impl(&mut p, s);
     checkpoint(&mut p, s);

@@ -287,3 +287,38 @@ fn the_fine_tuning_pages_examples_check() {
         assert!(all.contains(says), "{name} should say {says}: {all}");
     }
 }
+
+/// The adapters of a ViT-L/16 (rank 16 on every block's attention and MLP linears) and its head
+/// are under 5% of the model, which is what its checkpoints hold; `check` counts the rest as
+/// frozen. Unfreezing the base with `train.unfreeze_at_epoch` is refused.
+#[test]
+fn a_vit_l16_lora_trains_under_5_percent_of_the_model() {
+    let t = Test::new();
+    let spec = "[model]\npreset = \"vit\"\n[model.vit]\nlayers = 24\nheads = 16\nhidden_dim = 1024\nmlp_dim = 4096\nnum_classes = 10\n\
+                [model.lora]\nrank = 16\nalpha = 32.0\ntargets = [\"in_proj_q\", \"in_proj_k\", \"in_proj_v\", \"out_proj\", \"mlp.0\", \"mlp.3\"]\n\
+                extras = [\"heads.head\"]\n[data]\nsource = \"synthetic\"\nsamples = 8\n";
+    let r = t.clone().command("check").spec_text(spec).run();
+    let line = r
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("model "))
+        .expect("check's model line");
+    // "model            vit: 7.09M parameters + 303.3M frozen (train.freeze)"
+    let count = |s: &str| -> f64 {
+        let n: f64 = s.trim_end_matches(['K', 'M']).parse().unwrap();
+        n * if s.ends_with('M') { 1e6 } else { 1e3 }
+    };
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let trained = count(words[2]);
+    let frozen = count(words[5]);
+    assert!(line.contains("frozen"), "{line}");
+    let share = trained / (trained + frozen);
+    eprintln!("{line}: {:.2}% trains", share * 100.0);
+    assert!(share < 0.05, "{line}");
+    let bad = format!("{spec}[train]\nepochs = 3\nfreeze = [\"conv_proj.*\"]\nunfreeze_at_epoch = 2\n");
+    t.command("check")
+        .spec_text(&bad)
+        .exit(2)
+        .stderr_has("would unfreeze the base that [model.lora] keeps frozen")
+        .run();
+}
