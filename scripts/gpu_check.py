@@ -1900,6 +1900,39 @@ def check_resident_nan(r, probe):
     return [judge_resident_nan(p.rc, p.stderr, path)]
 
 
+FINETUNE = "frozen + groups, then eval"
+
+
+def judge_finetune(rc, summary, eval_rc, report):
+    """Frozen parameters and two parameter groups train with the fused AdamW on the device, and
+    `memtrain eval` of the run, on the device under its cap, gives the run's own validation
+    accuracy and loss."""
+    expected = "exit 0; fc0 frozen, 2 groups; eval = the run's val acc and loss"
+    if rc != 0 or not summary:
+        return Check(FINETUNE, expected, f"run exit {rc}", False)
+    t = summary.get("training") or {}
+    last = summary.get("final") or {}
+    frozen, groups = t.get("frozen_parameters", 0), len(t.get("groups") or [])
+    if eval_rc != 0 or not report:
+        return Check(FINETUNE, expected, f"{frozen} frozen, {groups} groups; eval exit {eval_rc}", False)
+    acc, loss = report.get("accuracy"), report.get("loss")
+    same_acc = acc is not None and last.get("val_acc") is not None and abs(acc - last["val_acc"]) < 1e-9
+    same_loss = loss is not None and last.get("val_loss") is not None and abs(loss - last["val_loss"]) <= 1e-5 * max(1.0, abs(last["val_loss"]))
+    seen = f"{frozen} frozen, {groups} groups; eval acc {acc} loss {loss} vs run {last.get('val_acc')} {last.get('val_loss')}"
+    return Check(FINETUNE, expected, seen, frozen > 0 and groups >= 2 and same_acc and same_loss)
+
+
+def check_finetune(r, probe):
+    sets = [dev(), "train.epochs=2", 'train.optimizer="adamw"', 'train.optimizer_impl="fused"',
+            'train.freeze=["fc0.*"]', "train.no_decay=true",
+            'train.param_groups=[{match=["fc1.*"], lr_scale=2.0}]']
+    p, out = r.run("finetune", DIGITS, sets)
+    report_path = os.path.join(out, "eval-check.json")
+    e = r.mt("finetune-eval", ["eval", out, "--json", report_path]) if p.rc == 0 else p
+    report = read_json(report_path) if os.path.exists(report_path) else None
+    return [judge_finetune(p.rc, summary_of(out), e.rc, report)]
+
+
 # In order of what matters most when the budget runs short; (name, function, rows it yields).
 CHECKS = [
     ("info", check_info, ["info vs torch.cuda"]),
@@ -1922,6 +1955,7 @@ CHECKS = [
     ("advice_resume", check_advice_resume, [ADVICE_RESUME]),
     ("collective_oom", check_collective_oom, ["NCCL collective OOM"]),
     ("resident_nan", check_resident_nan, [RESIDENT_NAN]),
+    ("finetune", check_finetune, [FINETUNE]),
     ("darts", check_darts, ["darts_4gb under 4 GiB"]),
     ("eval_oom", check_eval_oom, ["validation OOM (1 GiB cap)"]),
     ("cache_clear", check_cache_clear, ["cache clear cost"]),

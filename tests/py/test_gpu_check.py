@@ -256,6 +256,15 @@ class Judges(unittest.TestCase):
                                 "no memory.limit bound it, so the GPU's own memory ran out")
         self.assertFalse(g.judge_setup_oom(3, uncapped).ok, "the cap not named")
 
+    def test_a_fine_tune_needs_its_frozen_count_groups_and_evals_figures(self):
+        summary = {"training": {"frozen_parameters": 4160, "groups": [{}, {}]}, "final": {"val_acc": 0.9, "val_loss": 0.31}}
+        report = {"accuracy": 0.9, "loss": 0.3100001}
+        self.assertTrue(g.judge_finetune(0, summary, 0, report).ok)
+        self.assertFalse(g.judge_finetune(0, summary, 0, dict(report, accuracy=0.89)).ok, "eval disagrees")
+        self.assertFalse(g.judge_finetune(0, summary, 2, None).ok, "eval failed")
+        self.assertFalse(g.judge_finetune(0, dict(summary, training={"frozen_parameters": 0, "groups": [{}, {}]}), 0, report).ok)
+        self.assertFalse(g.judge_finetune(3, None, 0, report).ok)
+
     def test_a_resident_nan_is_named_by_file_and_sample(self):
         said = "error: training step failed: data.path /t/nan.safetensors: x contains NaN or infinite values (sample 5, counting from 0); replace or drop that sample"
         self.assertTrue(g.judge_resident_nan(1, said, "/t/nan.safetensors").ok)
@@ -605,6 +614,10 @@ class Rehearsal(unittest.TestCase):
 
     def test_a_nan_in_a_mapped_set_is_named(self):
         (c,) = self.rows(g.check_resident_nan)
+        self.assertTrue(c.ok, c)
+
+    def test_a_fine_tune_with_frozen_layers_and_groups_evaluates_to_its_own_figures(self):
+        (c,) = self.rows(g.check_finetune)
         self.assertTrue(c.ok, c)
 
     def test_fp16_inf(self):
