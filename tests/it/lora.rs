@@ -204,6 +204,25 @@ fn export_merges_the_adapters_and_each_library_loads_it() {
         .stderr_has("timm cannot hold this model: timm's ViT fixes layer_norm_eps at 1e-6")
         .run();
     assert!(!dir.join("no").exists());
+    // eval reads the base and the adapters as export does, and gives the run's own figures.
+    let json = dir.join("eval.json");
+    t.clone()
+        .no_spec()
+        .command("eval")
+        .args_replaced(&[&run_dir, "--json", json.to_str().unwrap()])
+        .run();
+    let report: serde_json::Value = serde_json::from_slice(&std::fs::read(&json).unwrap()).unwrap();
+    let last = r.summary().last.expect("a final epoch");
+    assert_eq!(
+        report["accuracy"].as_f64(),
+        last.val_acc,
+        "eval's accuracy is the run's"
+    );
+    let (loss, run_loss) = (report["loss"].as_f64().unwrap(), last.val_loss.unwrap());
+    assert!(
+        (loss - run_loss).abs() <= 1e-5 * run_loss.abs().max(1.0),
+        "{loss} vs {run_loss}"
+    );
     // OUT exists: refused, the existing directory untouched.
     export("timm", "timm-out").exit(2).stderr_has("already exists").run();
     // The base changed since the run: refused, nothing written.
