@@ -275,6 +275,22 @@ impl BaseRef {
         })
     }
 
+    /// Refuses adapters (`then`: the base their checkpoint names) over another base (`now`: what
+    /// `model.init_from` reads now), saying both and `fix`.
+    pub fn must_match(then: Option<&BaseRef>, now: Option<&BaseRef>, checkpoint: &Path, fix: &str) -> Result<()> {
+        if then == now {
+            return Ok(());
+        }
+        let said = |b: Option<&BaseRef>| b.map_or("no file (a seeded base)".to_owned(), |b| b.to_string());
+        Err(crate::exit::UsageError(format!(
+            "the checkpoint {} holds adapters trained over the base {}, but model.init_from now reads {}: {fix}",
+            checkpoint.display(),
+            said(then),
+            said(now)
+        ))
+        .into())
+    }
+
     /// The base a checkpoint names, if it names one.
     pub fn in_checkpoint(dir: &Path) -> Result<Option<BaseRef>> {
         let file = dir.join(BASE_FILE);

@@ -143,15 +143,8 @@ pub fn weights_into(vs: &nn::VarStore, head: &[String], spec: &Spec, file: &Path
     if let Some(path) = &spec.model.init_from {
         if let Some(then) = &recorded {
             let now = BaseRef::of(path).with_context(|| format!("model.init_from {}", path.display()))?;
-            if &now != then {
-                return Err(UsageError(format!(
-                    "the checkpoint {} holds adapters trained over the base {then}, but model.init_from now reads {now}: \
-                     put the base it was trained on back at {}",
-                    ck.display(),
-                    then.path.display()
-                ))
-                .into());
-            }
+            let fix = format!("put the base it was trained on back at {}", then.path.display());
+            BaseRef::must_match(Some(then), Some(&now), ck, &fix)?;
         }
         if recorded.is_some() || adapted {
             crate::run::init_from(vs, head, &spec.model, path)?;

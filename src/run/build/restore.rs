@@ -1,13 +1,11 @@
 //! A resumed run's model, optimizer state and generators, read back from its checkpoint; and
 //! what the checkpoints keep of the model.
-use std::path::Path;
 
 use anyhow::{Context, Result};
 use tch::{nn, Device};
 
 use super::{copy_into, dir_bytes, setup_try, Factory, CHANGE_RESUME};
 use crate::checkpoint::{BaseRef, NamedTensors, Store};
-use crate::exit::UsageError;
 use crate::fault::{self, Phase};
 use crate::human::human_bytes;
 use crate::model;
@@ -50,7 +48,10 @@ impl Factory<'_> {
         let needs = || Some(format!("the checkpoint is {size} on disk"));
         let read = |home| setup_try(&what, &needs, &CHANGE_RESUME, || Store::load(&r.checkpoint, home));
         let (ck, moved) = crate::run::resume::read(&mut model.opt, self.plan.offload_on_oom, read)?;
-        same_base(&r.checkpoint, model.kept.base())?;
+        // A checkpoint of adapters resumes only over the base it was trained on.
+        let then = BaseRef::in_checkpoint(&r.checkpoint)?;
+        let fix = "resume with the base it was trained on (model.init_from), or start a new run";
+        BaseRef::must_match(then.as_ref(), model.kept.base(), &r.checkpoint, fix)?;
         let copy = || copy_into(&model.vs, &ck.model, "checkpoint model", &model.kept);
         setup_try(&what, &needs, &CHANGE_RESUME, copy)?;
         let pick = |prefix: &str| -> NamedTensors {
@@ -85,21 +86,4 @@ impl Factory<'_> {
         );
         Ok(moved)
     }
-}
-
-/// A checkpoint of adapters resumes only over the base it was trained on.
-fn same_base(checkpoint: &Path, now: Option<&BaseRef>) -> Result<()> {
-    let then = BaseRef::in_checkpoint(checkpoint)?;
-    if then.as_ref() == now {
-        return Ok(());
-    }
-    let said = |b: Option<&BaseRef>| b.map_or("no file (a seeded base)".to_owned(), |b| b.to_string());
-    Err(UsageError(format!(
-        "the checkpoint {} holds adapters trained over the base {}, but model.init_from now reads {}: \
-         resume with the base it was trained on (model.init_from), or start a new run",
-        checkpoint.display(),
-        said(then.as_ref()),
-        said(now)
-    ))
-    .into())
 }
