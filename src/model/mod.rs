@@ -132,6 +132,15 @@ fn preset_of(model: &Model) -> Result<&'static dyn AnyPreset> {
     preset_named(&model.preset).ok_or_else(|| anyhow::anyhow!("unknown preset \"{}\"", model.preset))
 }
 
+/// Logits from a model's output: the output itself, or a language model's hidden states through
+/// its output projection (`Net::output_head`).
+pub fn logits(net: &dyn Net, out: &tch::Tensor) -> tch::Tensor {
+    match net.output_head() {
+        Some(w) => out.matmul(&w.to_kind(out.kind()).tr()),
+        None => out.shallow_clone(),
+    }
+}
+
 pub fn names() -> Vec<&'static str> {
     PRESETS.iter().map(|p| p.name()).collect()
 }

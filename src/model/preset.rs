@@ -37,6 +37,13 @@ pub trait Net: std::fmt::Debug {
     /// `train.freeze_batchnorm_stats`: whether the model's BatchNorm layers whose parameters
     /// are all frozen run in eval mode; a model without such layers ignores it.
     fn keep_frozen_norm_stats(&self, _on: bool) {}
+    /// A language model's output projection `[vocab, hidden]`. Where there is one, `forward_t`
+    /// (and the chain's last block) returns the final hidden states `[batch, seq, hidden]`, not
+    /// logits: the next-token loss applies the projection chunk by chunk so that the whole
+    /// `[batch, seq, vocab]` logits never exist. None: `forward_t` returns logits.
+    fn output_head(&self) -> Option<Tensor> {
+        None
+    }
 }
 
 /// A model as a sequence of blocks: block 0 takes `[input]`, each block takes the previous

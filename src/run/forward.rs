@@ -41,11 +41,11 @@ pub struct PrecisionStage {
 
 impl PrecisionStage {
     /// Places a batch on the device in the dtype the model's weights have (the mixed modes keep
-    /// fp32 weights and let autocast cast).
+    /// fp32 weights and let autocast cast). Token ids stay integers.
     pub fn input(&self, x: &Tensor, device: Device) -> Tensor {
         let x = Host::new(device).input(x);
         match self.precision {
-            Precision::Bf16 => x.to_kind(Kind::BFloat16),
+            Precision::Bf16 if x.is_floating_point() => x.to_kind(Kind::BFloat16),
             _ => x,
         }
     }
