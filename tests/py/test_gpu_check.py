@@ -588,6 +588,10 @@ class Offload(unittest.TestCase):
         self.assertIn("0.50x (target 0.40x)", c.seen)
         self.assertIn("host update 56.0 GB/s", c.seen)
         self.assertFalse(g.judge_offload_speed("x", base, host, summary, 5, 1, 0.4, 1).ok)
+        # Completing is not passing: a ratio under the target fails the row.
+        slow = g.judge_offload_speed("x", base, host, summary, 20, 1, 0.6, 1_000_000_000)
+        self.assertFalse(slow.ok, slow)
+        self.assertIn("0.50x (target 0.60x)", slow.seen)
 
 
 @unittest.skipUnless(os.environ.get("MEMTRAIN_BIN"), "MEMTRAIN_BIN names no built memtrain")
