@@ -16,6 +16,11 @@ wide MLP, synthetic data) on CUDA. The PyTorch baselines (pytorch_job.py --data-
   loader         torch.utils.data.DataLoader, --workers processes, pin_memory=True, non-blocking
                  copies: how PyTorch users feed a GPU (CUDA default)
 
+A ViT job has each baseline twice (--vit-twin): MODE/sdpa first, whose attention is the fastest
+plain PyTorch has (one packed in-projection and scaled_dot_product_attention, as memtrain's vit
+preset runs it; the same parameters and initial weights), then torchvision's own
+VisionTransformer, whose nn.MultiheadAttention call is the second baseline.
+
 Per process:
 
   samples/s      over the steps after the first epoch (after the first step where the run has
@@ -177,14 +182,26 @@ def run_memtrain(a, work, job, setting, rep):
     }
 
 
-def pytorch_argv(a, work, job, setting, rep, counting, mode):
+def baselines_of(a, job):
+    """The PyTorch sides of a job's rows: each data mode, and for a ViT each of them twice: first
+    with the attention written as the fastest plain PyTorch (`MODE/sdpa`: a packed in-projection
+    and scaled_dot_product_attention, as memtrain runs it), then torchvision's own module."""
+    if jobs.JOBS[job]["preset"] != "vit" or a.vit_twin == "module":
+        return list(a.baselines)
+    sdpa = [f"{b}/sdpa" for b in a.baselines]
+    return sdpa if a.vit_twin == "sdpa" else sdpa + list(a.baselines)
+
+
+def pytorch_argv(a, work, job, setting, rep, counting, side):
     name, precision, ckpt = setting
-    result = os.path.join(work, f"pt-{job}-{name}-{mode}-{rep}.json")
+    mode, _, attention = side.partition("/")
+    result = os.path.join(work, f"pt-{job}-{name}-{mode}-{attention or 'module'}-{rep}.json")
     cmd = [sys.executable, os.path.join(HERE, "pytorch_job.py"), "train", "--job", job,
            "--init", os.path.join(work, "init.safetensors"), "--data", os.path.join(work, "data.npz"),
            "--val", os.path.join(work, "val.npz"),
            "--precision", precision, "--steps", str(jobs.JOBS[job]["steps"]), "--threads", str(a.threads),
-           "--device", a.device, "--data-mode", mode, "--workers", str(a.workers), "--result", result]
+           "--device", a.device, "--data-mode", mode, "--workers", str(a.workers), "--result", result,
+           "--attention", attention or "module"]
     if ckpt:
         cmd.append("--checkpointing")
     if counting:
@@ -193,7 +210,7 @@ def pytorch_argv(a, work, job, setting, rep, counting, mode):
 
 
 def run_pytorch(a, work, job, setting, rep, counting, mode):
-    cmd, result = pytorch_argv(a, work, job, setting, rep, counting, mode)
+    cmd, result = pytorch_argv(a, work, job, setting, rep, counting, mode)  # mode: a side
     launched = time.time()
     p = subprocess.run(cmd + ["--launched", str(launched)], capture_output=True, text=True, env=child_env(a))
     if p.returncode != 0:
@@ -228,6 +245,9 @@ def parse_args(argv=None):
     p.add_argument("--baselines", default=None,
                    help="PyTorch's data modes, comma-separated: host, resident, loader (default: host on the "
                         "CPU; resident,loader on CUDA); ratios and memory are against the first")
+    p.add_argument("--vit-twin", default="both", choices=["both", "sdpa", "module"],
+                   help="ViT jobs' PyTorch model: both (ratios and memory against the SDPA one), sdpa (a packed "
+                        "in-projection and scaled_dot_product_attention) or module (torchvision's nn.MultiheadAttention)")
     p.add_argument("--workers", type=int, default=8, help="the loader baseline's DataLoader workers")
     p.add_argument("--budget", type=float, default=0,
                    help="seconds: start no new round after this; rows print with the rounds they have")
@@ -274,8 +294,8 @@ def rows(a):
             yield job, setting
 
 
-def round_order(a, rep):
-    sides = ["mt"] + a.baselines
+def round_order(a, rep, job):
+    sides = ["mt"] + baselines_of(a, job)
     return sides if rep % 2 == 0 else sides[::-1]
 
 
@@ -292,7 +312,7 @@ def dry_run(a):
                         os.path.join(work, job, "init.safetensors")]))
     for job, setting in rows(a):
         for rep in range(a.reps):
-            for side in round_order(a, rep):
+            for side in round_order(a, rep, job):
                 if side == "mt":
                     argv, _ = memtrain_argv(a, os.path.join(work, job), job, setting, rep)
                 else:
@@ -303,12 +323,12 @@ def dry_run(a):
                 print(shown(a, argv))
 
 
-def header(a):
+def header(a, baselines):
     import torch
 
     print(f"# memtrain vs plain PyTorch {torch.__version__} on {a.device}: {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, {a.threads} threads, {a.reps} alternating rounds per row, PyTorch baselines "
-          f"{', '.join(a.baselines)}; {time.strftime('%Y-%m-%d')}")
+          f"{', '.join(baselines)}; {time.strftime('%Y-%m-%d')}")
     if a.device.startswith("cuda"):
         print(f"# GPU: {torch.cuda.get_device_name(0)}")
     if a.alloc_conf is not None:
@@ -316,7 +336,7 @@ def header(a):
     if a.memtrain_set:
         print(f"# memtrain only: --set {' --set '.join(a.memtrain_set)}")
     cols = ["job", "setting", "samples/s memtrain"]
-    for b in a.baselines:
+    for b in baselines:
         cols += [f"PyTorch {b}", "ratio (range)"]
     cols += ["median-step ratio (range)", "peak alloc memtrain", "PyTorch", "ratio", "Δ peak alloc",
              "Δ peak requested", "peak RSS ratio",
@@ -327,17 +347,18 @@ def header(a):
 
 def print_row(a, job, setting, mt, pt):
     """One row: medians, and ratios against each baseline (memtrain / PyTorch, per round)."""
-    first = pt[a.baselines[0]]
+    baselines = baselines_of(a, job)
+    first = pt[baselines[0]]
     n = len(mt)
     mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     cells = [job, setting[0], f"{med([m['samples_per_s'] for m in mt]):.1f}"]
-    for b in a.baselines:
+    for b in baselines:
         rate = [m["samples_per_s"] / q["samples_per_s"] for m, q in zip(mt, pt[b])]
         cells += [f"{med([q['samples_per_s'] for q in pt[b]]):.1f}", f"{med(rate):.2f} ({spread(rate)})"]
     step = [m["median_step_samples_per_s"] / q["median_step_samples_per_s"] for m, q in zip(mt, first)]
     alloc = [m["peak_allocated_bytes"] / q["peak_allocated_bytes"] for m, q in zip(mt, first)]
     rss = [m["peak_rss_bytes"] / q["peak_rss_bytes"] for m, q in zip(mt, first)]
-    gap = max(loss_gap(m, q) for b in a.baselines for m, q in zip(mt, pt[b]))
+    gap = max(loss_gap(m, q) for b in baselines for m, q in zip(mt, pt[b]))
     cells += [f"{med(step):.2f} ({spread(step)})", mib(med([m["peak_allocated_bytes"] for m in mt])),
               mib(med([q["peak_allocated_bytes"] for q in first])), f"{med(alloc):.2f}",
               delta(mt, first, "peak_allocated_bytes"), delta(mt, first, "peak_requested_bytes"), f"{med(rss):.2f}",
@@ -392,8 +413,8 @@ def main(argv=None):
         return dry_run(a)
     cuda = a.device.startswith("cuda")
     counting = None if cuda else build_counting_lib(cuda)
-    header(a)
     t0 = time.time()
+    shown_for = None
     spent = lambda: a.budget and time.time() - t0 > a.budget  # noqa: E731
     left_out = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -406,11 +427,15 @@ def main(argv=None):
             if job not in prepared:
                 prepare_job(job, work)
                 prepared.add(job)
-            mt, pt = [], {b: [] for b in a.baselines}
+            if baselines_of(a, job) != shown_for:
+                # A table per set of baselines: a ViT's rows have its two twins' columns.
+                shown_for = baselines_of(a, job)
+                header(a, shown_for)
+            mt, pt = [], {b: [] for b in shown_for}
             for rep in range(a.reps):
                 if rep and spent():
                     break
-                for side in round_order(a, rep):
+                for side in round_order(a, rep, job):
                     if side == "mt":
                         got = run_memtrain(a, work, job, setting, rep)
                         mt.append(got)
@@ -422,7 +447,8 @@ def main(argv=None):
             if a.peak_diff:
                 peak_diff(a, work, job, setting)
     print("# ratio = memtrain / PyTorch (samples/s: above 1 is faster; memory: below 1 is less), median of the rounds;"
-          f" median step, peak memory and start-up against the {a.baselines[0]} baseline; start-up: launch to the first"
+          " median step, peak memory and start-up against each table's first baseline (a ViT's: the SDPA twin);"
+          " MODE/sdpa: the ViT with a packed in-projection and scaled_dot_product_attention; start-up: launch to the first"
           " step; loss gap: the largest relative difference between the two sides' per-step losses")
     if left_out:
         print(f"# not measured (--budget {a.budget:.0f} s spent): {', '.join(left_out)}")

@@ -40,7 +40,26 @@ import darts_twin  # noqa: E402
 import jobs  # noqa: E402
 
 
-def build(job):
+def sdpa_block_forward(self, x):
+    """torchvision's EncoderBlock with its attention written as the fastest plain PyTorch has it:
+    one packed in-projection, scaled_dot_product_attention, the out-projection (what timm's
+    Attention does, and what memtrain's vit preset runs). The same parameters, so the same
+    initial weights load."""
+    a = self.self_attention
+    h = self.ln_1(x)
+    b, n, c = h.shape
+    heads = a.num_heads
+    qkv = torch.nn.functional.linear(h, a.in_proj_weight, a.in_proj_bias)
+    q, k, v = qkv.view(b, n, 3, heads, c // heads).permute(2, 0, 3, 1, 4).unbind(0)
+    o = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=a.dropout if self.training else 0.0)
+    o = torch.nn.functional.linear(o.transpose(1, 2).reshape(b, n, c), a.out_proj.weight, a.out_proj.bias)
+    x = x + self.dropout(o)
+    return x + self.mlp(self.ln_2(x))
+
+
+def build(job, attention="module"):
+    """The job's model; for a ViT, `attention` "sdpa" swaps torchvision's nn.MultiheadAttention
+    call for sdpa_block_forward."""
     spec = jobs.JOBS[job]
     if spec["preset"] == "darts":
         return darts_twin.Darts(**spec["options"])
@@ -53,10 +72,16 @@ def build(job):
     if spec["preset"] in ("resnet18", "resnet50"):
         return getattr(torchvision.models, spec["preset"])(num_classes=o["num_classes"])
     if spec["preset"] == "vit":
-        return torchvision.models.VisionTransformer(
+        m = torchvision.models.VisionTransformer(
             image_size=o["image_size"], patch_size=o["patch_size"], num_layers=o["layers"],
             num_heads=o["heads"], hidden_dim=o["hidden_dim"], mlp_dim=o["mlp_dim"],
             dropout=o["dropout"], attention_dropout=o["attention_dropout"], num_classes=o["num_classes"])
+        if attention == "sdpa":
+            import types
+
+            for layer in m.encoder.layers:
+                layer.forward = types.MethodType(sdpa_block_forward, layer)
+        return m
     raise SystemExit(f"no PyTorch twin for {job}")
 
 
@@ -275,7 +300,7 @@ def cmd_train(a):
     device = torch.device(a.device)
     cuda = device.type == "cuda"
     counting = Counting(a.counting) if a.counting and not cuda else None
-    model = build(a.job)
+    model = build(a.job, a.attention)
     init = reference.read_safetensors(a.init)
     darts = isinstance(model, darts_twin.Darts)
     if darts:
@@ -387,6 +412,9 @@ def main():
     s.add_argument("--optimizer-impl", default="default", choices=["single", "foreach", "fused", "default"],
                    help="torch.optim's implementation (scripts/gpu_check.py compares memtrain's with each)")
     s.add_argument("--launched", type=float, default=None, help="when the driver started this process")
+    s.add_argument("--attention", default="module", choices=["module", "sdpa"],
+                   help="ViT: torchvision's nn.MultiheadAttention (module) or a packed in-projection with "
+                        "scaled_dot_product_attention (sdpa)")
     s.add_argument("--data-mode", default="host", choices=["host", "resident", "loader"],
                    help="how batches reach the device (see batches())")
     s.add_argument("--workers", type=int, default=8, help="--data-mode loader: the DataLoader's workers")

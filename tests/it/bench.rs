@@ -33,12 +33,20 @@ fn the_cuda_dry_run_shows_gpu_sized_jobs_against_both_baselines() {
     let memtrain = lines_of(&out, env!("CARGO_BIN_EXE_memtrain"));
     // 4 jobs x 3 settings x 2 rounds, one memtrain run and one per baseline in each.
     assert_eq!(memtrain.len(), 24, "{out}");
+    // Each baseline once a round; a ViT's twice: with the attention plain PyTorch runs fastest
+    // (packed in-projection, scaled_dot_product_attention) and with torchvision's module.
     for mode in ["resident", "loader"] {
         let n = train
             .iter()
             .filter(|l| l.contains(&format!("--data-mode {mode} ")))
             .count();
-        assert_eq!(n, 24, "{mode}:\n{out}");
+        assert_eq!(n, 24 + 6, "{mode}:\n{out}");
+        let sdpa: Vec<_> = train
+            .iter()
+            .filter(|l| l.contains(&format!("--data-mode {mode} ")) && l.contains("--attention sdpa"))
+            .collect();
+        assert_eq!(sdpa.len(), 6, "{mode}:\n{out}");
+        assert!(sdpa.iter().all(|l| l.contains("--job vit_b16_224 ")), "{out}");
     }
     assert!(train.iter().all(|l| l.contains("--device cuda")), "{out}");
     let spec = memtrain[0].split_whitespace().nth(3).unwrap();
