@@ -18,6 +18,8 @@ pub struct Estimate {
     /// Weights `train.freeze` keeps from training for the whole run: parameters without a
     /// gradient or optimizer state.
     pub frozen: u64,
+    /// Of the frozen values, those `train.frozen_dtype = "bf16"` stores in bf16 (0 otherwise).
+    pub frozen_bf16: u64,
     pub arch_weights: u64,
     /// Non-trained state such as BatchNorm running statistics.
     pub buffers: u64,
@@ -77,7 +79,8 @@ type Placement = (&'static str, fn(&mut Homes));
 impl Estimate {
     /// Trained values plus buffers, all of which live on the device.
     pub fn parameter_bytes(&self) -> u64 {
-        (self.weights + self.frozen + self.arch_weights + self.buffers) * self.bytes_per_value
+        let values = self.weights + self.frozen + self.arch_weights + self.buffers;
+        values * self.bytes_per_value - self.frozen_bf16 * (self.bytes_per_value - 2)
     }
     pub fn gradient_bytes(&self) -> u64 {
         (self.weights + self.arch_weights) * self.bytes_per_value
@@ -156,6 +159,8 @@ impl Estimate {
         Estimate {
             precision: p,
             bytes_per_value: p.bytes(),
+            // train.frozen_dtype applies under bf16-mixed alone.
+            frozen_bf16: if p == Precision::Bf16Mixed { self.frozen_bf16 } else { 0 },
             ..self.clone()
         }
     }
@@ -164,7 +169,8 @@ impl Estimate {
     /// as the forward runs (its cast cache), at most the trained weights at 2 bytes.
     pub fn autocast_cache_bytes(&self) -> u64 {
         match self.precision.autocast() {
-            Some(_) => (self.weights + self.frozen + self.arch_weights) * 2,
+            // Weights kept in bf16 are read as they are: no copy.
+            Some(_) => (self.weights + self.frozen - self.frozen_bf16 + self.arch_weights) * 2,
             None => 0,
         }
     }
@@ -230,6 +236,10 @@ pub fn estimate(job: &Sections) -> Result<Estimate> {
         preset: job.model.preset.clone(),
         weights,
         frozen: c.frozen,
+        frozen_bf16: match t.frozen_dtype {
+            crate::spec::FrozenDtype::Bf16 => c.frozen_low,
+            crate::spec::FrozenDtype::Fp32 => 0,
+        },
         arch_weights: arch,
         buffers,
         bytes_per_value: t.precision.bytes(),
@@ -267,6 +277,9 @@ impl fmt::Display for Estimate {
         )?;
         if self.frozen > 0 {
             write!(f, " + {} frozen (train.freeze)", human_count(self.frozen))?;
+            if self.frozen_bf16 > 0 {
+                write!(f, ", {} of them kept in bf16", human_count(self.frozen_bf16))?;
+            }
         }
         if self.arch_weights > 0 {
             write!(f, " + {} architecture weights", human_count(self.arch_weights))?;

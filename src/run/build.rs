@@ -67,6 +67,7 @@ impl Factory<'_> {
         let parallel = execution.group().is_some();
         let train = model::with_frozen(&spec.train, model::lora_frozen(&vs, &spec.model)?);
         let (groups, unfreeze) = super::finetune::groups(&train, &vs, built.net.as_ref(), parallel)?;
+        super::finetune::store_frozen(&train, &vs, built.net.as_ref(), &groups);
         let data = self.load_data(&built, device)?;
         let (mut opt, arch) = {
             let _host = spec.memory.parameters.is_host().then(shim::HostScope::enter);

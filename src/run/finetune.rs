@@ -1,14 +1,14 @@
 //! Frozen parameters and parameter groups in a run: the groups resolved over the built model,
 //! the BatchNorm option handed to it, and the unfreezing at the start of its epoch.
 use anyhow::Result;
-use tch::nn;
+use tch::{nn, Kind};
 
 use super::parts::{Trained, Unfreeze};
 use crate::exit::UsageError;
 use crate::model::{self, Net};
 use crate::optim::{GroupReport, Groups};
 use crate::records::{GroupLine, TrainingSummary};
-use crate::spec::schema::Train;
+use crate::spec::schema::{FrozenDtype, Train};
 
 /// The weights' groups under `t` (frozen ones without one), and the unfreezing it asks for.
 /// Err: a pattern that matches no weight, a freeze of everything, a layer decay without blocks,
@@ -33,6 +33,39 @@ pub fn groups(t: &Train, vs: &nn::VarStore, net: &dyn Net, parallel: bool) -> Re
     }
     let all = Groups::unfrozen(t, &infos).map_err(UsageError)?;
     Ok((groups, Some(Unfreeze { epoch: epoch - 1, all })))
+}
+
+/// `train.frozen_dtype = "bf16"`: the frozen weights autocast casts to bf16 for every use
+/// (`model::autocast_weight`) are stored so, in place (the network holds the same tensors). The
+/// bytes it saves, which go to the log.
+pub fn store_frozen(t: &Train, vs: &nn::VarStore, net: &dyn Net, groups: &Groups) -> u64 {
+    if t.frozen_dtype != FrozenDtype::Bf16 {
+        return 0;
+    }
+    let infos = model::param_infos(vs, net);
+    let vars = vs.variables();
+    let mut saved = 0;
+    tch::no_grad(|| {
+        for (p, at) in infos.iter().zip(&groups.of) {
+            let Some(t) = vars
+                .get(&p.name)
+                .filter(|t| at.is_none() && model::autocast_weight(&p.name, t))
+            else {
+                continue;
+            };
+            if t.kind() == Kind::BFloat16 {
+                continue;
+            }
+            saved += (t.numel() * (t.kind().elt_size_in_bytes() - 2)) as u64;
+            let low = t.to_kind(Kind::BFloat16);
+            t.shallow_clone().set_data(&low);
+        }
+    });
+    tracing::info!(
+        "train.frozen_dtype = \"bf16\": the frozen linear and convolution weights are kept in bf16 ({} saved)",
+        crate::human::human_bytes(saved)
+    );
+    saved
 }
 
 impl Trained {

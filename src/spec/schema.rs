@@ -469,6 +469,9 @@ pub struct Train {
     /// ViT layer-wise learning-rate decay: each block's rate is scaled by this per block above it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub layer_decay: Option<f64>,
+    /// The dtype frozen linear and convolution weights are kept in: "bf16" halves them in a
+    /// bf16-mixed run, whose autocast reads them in bf16 anyway.
+    pub frozen_dtype: FrozenDtype,
 }
 
 /// `[[train.param_groups]]`: the parameters whose names match one of `match`.
@@ -519,8 +522,21 @@ impl Default for Train {
             param_groups: Vec::new(),
             no_decay: false,
             layer_decay: None,
+            frozen_dtype: FrozenDtype::Fp32,
         }
     }
+}
+
+/// `train.frozen_dtype`: what frozen linear and convolution weights are stored in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum FrozenDtype {
+    /// As the model's weights: fp32.
+    #[default]
+    Fp32,
+    /// bf16: what bf16-mixed autocast casts them to for every matrix multiply and convolution,
+    /// so the run computes the same; half the bytes.
+    Bf16,
 }
 
 /// `memory.cache_clear_every`: a step count (0 = never) or "auto".

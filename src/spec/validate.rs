@@ -68,6 +68,7 @@ pub fn validate(s: &Spec) -> Problems {
                 .into(),
         ));
     }
+    frozen_dtype(&mut p, s);
     memory(&mut p, &s.memory, &s.train, &s.model.preset);
     optimizer_impl(&mut p, s);
     checkpoint(&mut p, s);
@@ -381,6 +382,38 @@ fn finetune(p: &mut Problems, t: &Train) {
     }
     if let Some(d) = t.layer_decay {
         in_range(p, "train.layer_decay", d, f64::MIN_POSITIVE, 1.0, "(0, 1]");
+    }
+}
+
+/// `train.frozen_dtype = "bf16"`: only where bf16-mixed autocast reads the frozen weights in bf16
+/// anyway, and only over weights that stay frozen.
+fn frozen_dtype(p: &mut Problems, s: &Spec) {
+    if s.train.frozen_dtype != FrozenDtype::Bf16 {
+        return;
+    }
+    let key = "train.frozen_dtype";
+    let t = &s.train;
+    let why = match t.precision {
+        Precision::Bf16Mixed => None,
+        Precision::Bf16 => Some("has nothing to do under train.precision = \"bf16\", where every weight is bf16 already: remove it".to_owned()),
+        other => Some(format!(
+            "keeps frozen weights in bf16 for bf16-mixed autocast, which reads them in bf16; under train.precision = \"{}\" it would change what the run computes: set train.precision = \"bf16-mixed\" or train.frozen_dtype = \"fp32\"",
+            other.name()
+        )),
+    };
+    let frozen = !t.freeze.is_empty() || s.model.options.contains_key("lora");
+    let why = why.or_else(|| {
+        (!frozen).then(|| {
+            "has no frozen weights to keep: freeze some (train.freeze or [model.lora]) or remove it".to_owned()
+        })
+    });
+    let why = why.or_else(|| {
+        t.unfreeze_at_epoch.map(|_| {
+            "cannot go with train.unfreeze_at_epoch: the unfrozen weights would go on training from their bf16 copies; keep train.frozen_dtype = \"fp32\"".to_owned()
+        })
+    });
+    if let Some(why) = why {
+        p.push((key.into(), why));
     }
 }
 

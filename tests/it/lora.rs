@@ -341,3 +341,75 @@ fn a_vit_l16_lora_trains_under_5_percent_of_the_model() {
         .stderr_has("would unfreeze the base that [model.lora] keeps frozen")
         .run();
 }
+
+/// `train.frozen_dtype = "bf16"` in a bf16-mixed LoRA run: the frozen linear and convolution
+/// weights are stored in bf16, which bf16-mixed autocast casts them to for every use anyway, so
+/// the run computes the same losses bit for bit with at least those weights' fp32 halves less at
+/// its peak, and `check` counts them at 2 bytes. Outside bf16-mixed, or with nothing frozen, the
+/// key is refused with what to change.
+#[test]
+fn a_frozen_base_in_bf16_trains_the_same_in_less_memory() {
+    let t = Test::new();
+    let dir = t.dir().to_path_buf();
+    lora_reference(&dir, &["init", "--out", "init.safetensors", "--data", "d.npz"]);
+    let base = table(&spec(&dir));
+    let run = |dtype: &str| {
+        Test::new()
+            .spec(base.clone())
+            .set("train.precision", "bf16-mixed")
+            .set("train.frozen_dtype", dtype)
+            .set("train.epochs", 1)
+            .run()
+    };
+    let (wide, narrow) = (run("fp32"), run("bf16"));
+    let (a, b) = (step_losses(&wide), step_losses(&narrow));
+    assert_eq!(a.len(), 10);
+    assert_eq!(a, b, "the same losses bit for bit");
+    // The base's linear and convolution weights: every frozen `*.weight` of 2+ dimensions.
+    let low: i64 = tensors(&dir.join("init.safetensors"))
+        .iter()
+        .filter(|(n, t)| n.ends_with(".weight") && t.dim() >= 2 && !n.contains(".lora_") && !n.starts_with("heads."))
+        .map(|(_, t)| t.numel() as i64)
+        .sum();
+    assert!(low > 1000, "the base has weights to keep in bf16 ({low})");
+    let peak = |o: &Outcome| o.summary().memory.peak_allocated_bytes.expect("a counted CPU peak") as i64;
+    let (pw, pn) = (peak(&wide), peak(&narrow));
+    assert!(
+        pw - pn >= 2 * low,
+        "peak {pw} B with the base in fp32, {pn} B in bf16: at least {} B apart",
+        2 * low
+    );
+
+    let checked = |dtype: &str| {
+        Test::new()
+            .command("check")
+            .spec(base.clone())
+            .set("train.precision", "bf16-mixed")
+            .set("train.frozen_dtype", dtype)
+            .run()
+            .stdout
+    };
+    let (cw, cn) = (checked("fp32"), checked("bf16"));
+    assert!(cn.contains("kept in bf16"), "{cn}");
+    assert!(!cw.contains("kept in bf16"), "{cw}");
+    let params = |s: &str| s.lines().find(|l| l.starts_with("parameters  ")).unwrap().to_owned();
+    assert_ne!(params(&cw), params(&cn), "check counts them at 2 bytes");
+
+    // Refused: under fp32 (it would change what the run computes), and with nothing frozen.
+    Test::new()
+        .spec(base.clone())
+        .set("train.frozen_dtype", "bf16")
+        .exit(2)
+        .stderr_has("train.frozen_dtype")
+        .stderr_has("set train.precision = \"bf16-mixed\"")
+        .run();
+    let mut plain = base.clone();
+    plain["model"].as_table_mut().unwrap().remove("lora");
+    Test::new()
+        .spec(plain)
+        .set("train.precision", "bf16-mixed")
+        .set("train.frozen_dtype", "bf16")
+        .exit(2)
+        .stderr_has("has no frozen weights to keep")
+        .run();
+}
