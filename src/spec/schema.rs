@@ -726,6 +726,10 @@ impl Monitor {
 pub struct Checkpoint {
     /// Save every N epochs (0 = only at the end and on interruption).
     pub every_epochs: i64,
+    /// Also save within an epoch every N optimizer steps (0: never).
+    pub every_steps: i64,
+    /// Also save within an epoch once this many minutes have passed since the last save (0: never).
+    pub every_minutes: f64,
     pub keep_last: i64,
     pub keep_best: bool,
     pub monitor: Monitor,
@@ -735,6 +739,8 @@ impl Default for Checkpoint {
     fn default() -> Self {
         Checkpoint {
             every_epochs: 1,
+            every_steps: 0,
+            every_minutes: 0.0,
             keep_last: 2,
             keep_best: true,
             monitor: Monitor::ValLoss,

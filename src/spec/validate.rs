@@ -597,5 +597,7 @@ fn memory(p: &mut Problems, m: &Memory, t: &Train, preset: &str) {
 fn checkpoint(p: &mut Problems, s: &Spec) {
     let c = &s.checkpoint;
     at_least(p, "checkpoint.every_epochs", c.every_epochs, 0);
+    at_least(p, "checkpoint.every_steps", c.every_steps, 0);
+    in_range(p, "checkpoint.every_minutes", c.every_minutes, 0.0, f64::MAX, "[0, ∞)");
     at_least(p, "checkpoint.keep_last", c.keep_last, 1);
 }
