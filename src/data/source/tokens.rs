@@ -122,7 +122,7 @@ fn layout(b: &[u8], dtype: Option<TokenDtype>, what: &str) -> Result<(Elem, usiz
         bail!("{what}: a flat token file does not say its ids' type; set data.token_dtype = \"uint16\" or \"uint32\" (nanoGPT's train.bin is uint16)");
     };
     let elem = elem_of(t);
-    if b.len() % elem.size() != 0 {
+    if !b.len().is_multiple_of(elem.size()) {
         bail!(
             "{what}: is {} bytes, not a whole number of {}-byte ids; is data.token_dtype right?",
             b.len(),
