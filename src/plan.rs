@@ -430,6 +430,15 @@ fn data_changes(was: &toml::Table, spec: &Spec) -> Option<String> {
     if spec.data.source == spec::DataSource::Synthetic {
         keys.push(("data", "samples"));
     }
+    if spec.data.source.is_tokens() {
+        // Other windows, or other ids in them.
+        keys.extend([
+            ("data", "seq_len"),
+            ("data", "token_dtype"),
+            ("data", "text_field"),
+            ("data", "prompt_field"),
+        ]);
+    }
     let mut changed: Vec<String> = keys
         .into_iter()
         .filter(|(t, k)| get(was, t, k) != get(&now, t, k))

@@ -7,6 +7,7 @@ use anyhow::{anyhow, bail, Result};
 use tch::{Kind, Tensor};
 
 use super::dataset::Dataset;
+use super::gather::Targets;
 use super::mapped;
 use super::store::{Map, Store};
 use crate::human::human_bytes;
@@ -167,6 +168,60 @@ pub(super) fn checked_store(x: Store, y: Tensor, what: &str, model: &ModelKeys) 
     let mut d = Dataset::of(x, labels);
     d.recipe().unchecked = unchecked;
     Ok(d)
+}
+
+/// Checks token windows `x` (in memory or mapped) and their `targets` against the model: the
+/// window length against its input, every id below its vocabulary size. A mapped file is read
+/// through once for this, at the page cache's pace, without holding it.
+pub(super) fn checked_tokens(x: Store, targets: Targets, what: &str, model: &ModelKeys) -> Result<Dataset> {
+    let sample = match targets {
+        Targets::Next => vec![x.shape[1] - 1],
+        _ => x.shape[1..].to_vec(),
+    };
+    let want = model.input_shape;
+    if sample != want {
+        bail!(
+            "{what}: windows of {sample:?} tokens (data.seq_len) but the model takes inputs of shape {want:?}; set data.seq_len to the model's context length"
+        );
+    }
+    let k = model.num_classes;
+    if let Some((at, id)) = first_outside(&x, k, false) {
+        bail!(
+            "{what}: the token at position {at} (counting from 0) has id {id}, outside the model's vocabulary of {k} ids (0..{k}); the data was tokenized for a larger vocabulary: set the model's vocab_size to at least {}",
+            id + 1
+        );
+    }
+    if let Targets::Stored(y) = &targets {
+        if let Some((at, id)) = first_outside(y, k, true) {
+            bail!("{what}: the target at position {at} (counting from 0) is {id}, outside the model's vocabulary of {k} ids (0..{k}, or -100 for no loss)");
+        }
+    }
+    Ok(Dataset::tokens(x, targets))
+}
+
+/// The first value of `s` outside `0..k` (or -100 where `ignored` allows it), with its position.
+fn first_outside(s: &Store, k: i64, ignored: bool) -> Option<(usize, i64)> {
+    // Ids of this type are all below k: nothing to read.
+    let max = match s.elem {
+        super::store::Elem::U8 => 1 << 8,
+        super::store::Elem::U16 => 1 << 16,
+        _ => i64::MAX,
+    };
+    if max <= k {
+        return None;
+    }
+    const CHUNK: usize = 1 << 16;
+    let size = s.elem.size();
+    let mut v = vec![0i64; CHUNK];
+    for (c, b) in s.bytes().chunks(CHUNK * size).enumerate() {
+        let v = &mut v[..b.len() / size];
+        s.elem.to_i64(b, v);
+        let bad = |&id: &i64| !((0..k).contains(&id) || (ignored && id == -100));
+        if let Some(i) = v.iter().position(bad) {
+            return Some((c * CHUNK + i, v[i]));
+        }
+    }
+    None
 }
 
 /// Refuses a file read whole (not mapped) whose arrays would not fit in host memory: a

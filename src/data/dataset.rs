@@ -8,7 +8,7 @@ use std::time::Instant;
 use tch::{Device, Kind, Tensor};
 
 use super::augment::Augmenter;
-use super::gather::{NotFinite, Recipe, Source, Staged};
+use super::gather::{NotFinite, Recipe, Source, Staged, Targets};
 use super::loader::Loader;
 use super::store::Store;
 use crate::spec::schema::Data;
@@ -55,7 +55,25 @@ impl Dataset {
             labels: Arc::new(labels),
             rows: None,
             recipe: Arc::new(Recipe::default()),
+            targets: Targets::Classes,
         })
+    }
+
+    /// A set of token ids `store`, whose labels are `targets` (not classes).
+    pub(super) fn tokens(store: Store, targets: Targets) -> Self {
+        debug_assert!(!matches!(targets, Targets::Classes));
+        Dataset::from_source(Source {
+            store: Arc::new(store),
+            labels: Arc::new(vec![]),
+            rows: None,
+            recipe: Arc::new(Recipe::default()),
+            targets,
+        })
+    }
+
+    /// Whether the samples are token ids (int64 batches, a target a token).
+    pub fn is_tokens(&self) -> bool {
+        self.source.is_tokens()
     }
 
     pub(super) fn from_source(source: Source) -> Self {
@@ -136,8 +154,15 @@ impl Dataset {
 
     /// A staged batch as CPU tensors `(x, y)`.
     fn tensors(&self, s: &Staged) -> (Tensor, Tensor) {
-        let mut shape = vec![s.y.len() as i64];
+        let mut shape = vec![(s.y.len() / self.source.labels_per_sample().max(1)) as i64];
         shape.extend(self.sample_shape());
+        if self.is_tokens() {
+            // Token ids stay integers: the model embeds them.
+            return (
+                Tensor::from_slice(&s.tokens).view(shape.as_slice()),
+                Tensor::from_slice(&s.y).view(shape.as_slice()),
+            );
+        }
         (
             Tensor::from_slice(&s.x).view(shape.as_slice()),
             Tensor::from_slice(&s.y),
@@ -228,7 +253,7 @@ impl Dataset {
 
     /// The shape of one sample, `[C, H, W]` for images.
     pub fn sample_shape(&self) -> Vec<i64> {
-        self.source.store.shape[1..].to_vec()
+        self.source.sample_shape()
     }
 
     /// The samples at `idx` (a CPU int64 tensor of indices into this set), as float32 `(x, y)`
@@ -300,9 +325,11 @@ const RESIDENT_SHARE: u64 = 16;
 impl Splits {
     /// Whether both sets stay on the device: on CUDA, without augmentation, and within a
     /// sixteenth of what the run may use of it (`budget`: the cap, or the device's total).
+    /// Token sets never do: a batch of token ids is small beside the step it feeds.
     pub fn stay_resident(&self, device: Device, budget: Option<u64>) -> bool {
         let small = |b: u64| (self.train.bytes() + self.val.bytes()).saturating_mul(RESIDENT_SHARE) <= b;
-        device.is_cuda() && self.train.augment().is_none() && self.val.augment().is_none() && budget.is_some_and(small)
+        let plain = self.train.augment().is_none() && self.val.augment().is_none() && !self.train.is_tokens();
+        device.is_cuda() && plain && budget.is_some_and(small)
     }
 }
 

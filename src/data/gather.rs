@@ -41,11 +41,28 @@ impl std::fmt::Display for NotFinite {
     }
 }
 
-/// A batch staged on the host: float32 samples and int64 labels.
+/// A batch staged on the host: float32 samples (or int64 token ids) and int64 labels (a class
+/// a sample, or a target a token).
 #[derive(Debug, Default)]
 pub struct Staged {
     pub x: Vec<f32>,
+    /// Token sets: the token ids, `x` stays empty.
+    pub tokens: Vec<i64>,
     pub y: Vec<i64>,
+}
+
+/// What a set's labels are.
+#[derive(Debug, Clone, Default)]
+pub enum Targets {
+    /// One class index a sample, in `labels`.
+    #[default]
+    Classes,
+    /// Token windows of `seq_len + 1` tokens a stored row: x is a row's first `seq_len`, y its
+    /// last `seq_len` (the next token of each).
+    Next,
+    /// Token ids with targets of their own, row for row (`[N, seq_len]`, -100 where a token
+    /// carries no loss).
+    Stored(Arc<Store>),
 }
 
 /// Everything a batch is made from, cheap to clone for the loader's threads.
@@ -56,13 +73,36 @@ pub struct Source {
     /// This set's rows of the store; None: all of them, in order.
     pub rows: Option<Arc<Vec<i64>>>,
     pub recipe: Arc<Recipe>,
+    pub targets: Targets,
 }
 
 impl Source {
     pub fn len(&self) -> i64 {
-        match &self.rows {
-            Some(r) => r.len() as i64,
-            None => self.labels.len() as i64,
+        match (&self.rows, &self.targets) {
+            (Some(r), _) => r.len() as i64,
+            (None, Targets::Classes) => self.labels.len() as i64,
+            (None, _) => self.store.shape[0],
+        }
+    }
+
+    /// Whether the samples are token ids, each token with its own target.
+    pub fn is_tokens(&self) -> bool {
+        !matches!(self.targets, Targets::Classes)
+    }
+
+    /// The shape of one sample as the model takes it.
+    pub fn sample_shape(&self) -> Vec<i64> {
+        match self.targets {
+            Targets::Next => vec![self.store.shape[1] - 1],
+            _ => self.store.shape[1..].to_vec(),
+        }
+    }
+
+    /// Labels one sample has: 1 (its class), or one a token.
+    pub fn labels_per_sample(&self) -> usize {
+        match self.targets {
+            Targets::Classes => 1,
+            _ => self.sample_shape().iter().product::<i64>() as usize,
         }
     }
 
@@ -73,14 +113,49 @@ impl Source {
         }
     }
 
-    /// Bytes of one float32 sample and its label.
+    /// Bytes of one staged sample and its labels: float32 values and a label, or int64 tokens
+    /// and targets.
     pub fn sample_bytes(&self) -> u64 {
-        self.store.sample_values() as u64 * 4 + 8
+        match self.targets {
+            Targets::Classes => self.store.sample_values() as u64 * 4 + 8,
+            _ => self.labels_per_sample() as u64 * 16,
+        }
+    }
+
+    /// Token windows `idx` into `out`: int64 ids and their targets.
+    fn gather_tokens(&self, idx: &[i64], out: &mut Staged) {
+        let per = self.labels_per_sample();
+        out.x.clear();
+        out.tokens.clear();
+        out.tokens.resize(idx.len() * per, 0);
+        out.y.clear();
+        out.y.resize(idx.len() * per, 0);
+        let mut window = vec![0i64; per + 1];
+        let rows = out.tokens.chunks_exact_mut(per).zip(out.y.chunks_exact_mut(per));
+        for ((x, y), &k) in rows.zip(idx) {
+            let r = self.row(k);
+            match &self.targets {
+                Targets::Next => {
+                    self.store.elem.to_i64(self.store.row(r), &mut window);
+                    x.copy_from_slice(&window[..per]);
+                    y.copy_from_slice(&window[1..]);
+                }
+                Targets::Stored(t) => {
+                    self.store.elem.to_i64(self.store.row(r), x);
+                    t.elem.to_i64(t.row(r), y);
+                }
+                Targets::Classes => unreachable!("class sets gather float samples"),
+            }
+        }
     }
 
     /// The samples `idx` (indices into this set) of `epoch` into `out`, whose buffers are
     /// reused.
     pub fn gather_into(&self, idx: &[i64], epoch: i64, out: &mut Staged) -> Result<(), NotFinite> {
+        if self.is_tokens() {
+            self.gather_tokens(idx, out);
+            return Ok(());
+        }
         let per = self.store.sample_values();
         out.x.clear();
         out.x.resize(idx.len() * per, 0.0);

@@ -90,6 +90,13 @@ fn safetensors_entry(map: &Map, name: &str) -> Option<Entry> {
     (stop.checked_sub(start)? == e.bytes()? && e.end()? <= b.len()).then_some(e)
 }
 
+/// The tensor `name` of a mapped safetensors file as a store over its bytes, when its dtype is
+/// one a store holds.
+pub fn safetensors_store(map: &Arc<Map>, name: &str) -> Option<Store> {
+    let e = safetensors_entry(map, name)?;
+    Store::mapped(map.clone(), e.offset, Elem::of(e.kind)?, e.shape).ok()
+}
+
 /// `x` and `y` of an npz whose arrays are stored uncompressed, `x` mapped.
 pub fn npz(path: &Path) -> Option<Xy> {
     pair(path, |map, name| {
@@ -200,6 +207,8 @@ fn zip64_fields(extra: &[u8], [size, compressed, local]: [u64; 3]) -> Option<(u6
 /// shape and the header's length.
 pub struct NpyHeader {
     pub kind: Option<Kind>,
+    /// NumPy's type string, as `<u2`.
+    pub descr: String,
     pub fortran: bool,
     pub shape: Vec<i64>,
     pub len: usize,
@@ -240,6 +249,7 @@ pub fn npy_header(b: &[u8]) -> Option<NpyHeader> {
         .starts_with("True");
     Some(NpyHeader {
         kind,
+        descr: descr.to_owned(),
         fortran,
         shape,
         len: start + len,

@@ -33,6 +33,8 @@ mod split;
 mod store;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod token_tests;
 mod wait;
 
 pub use augment::{Augmenter, Draw};
@@ -47,6 +49,9 @@ pub use wait::DataWait;
 /// and `y` must lie in `0..num_classes`. Errors name the file, both shapes and what to change.
 pub fn load(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) -> Result<Splits> {
     let mut s = open(data, input_shape, num_classes, seed)?;
+    if s.train.is_tokens() && (!data.mean.is_empty() || data.augment.enabled()) {
+        bail!("data.mean/data.std and [data.augment] apply to images, not token ids; remove them");
+    }
     if !data.mean.is_empty() {
         for part in [&mut s.train, &mut s.val] {
             part.recipe().norm = Some(normalization(&part.sample_shape(), &data.mean, &data.std)?);
@@ -115,6 +120,9 @@ fn open(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) -> Result
     let Opened { train, val } = reader(data.source).open(&want)?;
     let model = check::ModelKeys::new(input_shape, num_classes);
     let checked = |p: Part| -> Result<Dataset> {
+        if !matches!(p.targets, gather::Targets::Classes) {
+            return check::checked_tokens(p.x, p.targets, &p.what, &model);
+        }
         let d = check::checked_store(p.x, p.y, &p.what, &model)?;
         Ok(match p.divisor {
             Some(v) => d.divided_by(v),
@@ -133,16 +141,23 @@ fn open(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) -> Result
 }
 
 /// `check`'s line on the host memory the loader takes: the staged micro-batches of float32
-/// samples, whatever the set's size, and how the set is read.
+/// samples (token sets: int64 ids and targets), whatever the set's size, and how the set is read.
 pub fn check_line(data: &Data, input_shape: &[i64], micro_batch: i64) -> String {
-    let batch = micro_batch.max(1) as u64 * (input_shape.iter().product::<i64>() as u64 * 4 + 8);
+    let values = input_shape.iter().product::<i64>() as u64;
+    let (per_sample, what) = match data.source.is_tokens() {
+        true => (values * 16, "int64 token ids and targets"),
+        false => (values * 4 + 8, "float32"),
+    };
+    let batch = micro_batch.max(1) as u64 * per_sample;
     // The staged buffers, and the step's batch twice more: as a tensor, and (on a GPU) its
     // pinned copy on the way over.
     let buffers = data.prefetch.max(0) as u64 + 3;
     let shape = input_shape.iter().map(i64::to_string).collect::<Vec<_>>().join("×");
-    let read = reader(data.source).how_read(data);
+    let source = reader(data.source);
+    let read = source.how_read(data);
+    let extent = source.extent(data).map(|e| format!(": {e}")).unwrap_or_default();
     format!(
-        "data loader      {buffers} micro-batch(es) of {micro_batch} × {shape} float32 (data.prefetch {} + 1 staged, the step's batch as a tensor and its pinned copy) = {} of host memory whatever the set's size, plus 24 bytes a sample (labels, the epoch's order); {} thread(s) (data.workers); the set {read}",
+        "data loader      {buffers} micro-batch(es) of {micro_batch} × {shape} {what} (data.prefetch {} + 1 staged, the step's batch as a tensor and its pinned copy) = {} of host memory whatever the set's size, plus 24 bytes a sample (labels, the epoch's order); {} thread(s) (data.workers); the set {read}{extent}",
         data.prefetch,
         human_bytes(buffers * batch),
         workers(data).min(data.prefetch.max(1) as usize),

@@ -81,6 +81,9 @@ pub enum Elem {
     I32,
     I64,
     F32,
+    /// Token ids of a flat token file (no tensor kind of their own: batches read them as int64).
+    U16,
+    U32,
 }
 
 impl Elem {
@@ -99,8 +102,8 @@ impl Elem {
     pub fn size(self) -> usize {
         match self {
             Elem::U8 | Elem::I8 => 1,
-            Elem::I16 => 2,
-            Elem::I32 | Elem::F32 => 4,
+            Elem::I16 | Elem::U16 => 2,
+            Elem::I32 | Elem::F32 | Elem::U32 => 4,
             Elem::I64 => 8,
         }
     }
@@ -119,11 +122,27 @@ impl Elem {
             Elem::I32 => convert(b, out, |c: [u8; 4]| i32::from_le_bytes(c) as f32),
             Elem::I64 => convert(b, out, |c: [u8; 8]| i64::from_le_bytes(c) as f32),
             Elem::F32 => convert(b, out, f32::from_le_bytes),
+            Elem::U16 => convert(b, out, |c: [u8; 2]| u16::from_le_bytes(c) as f32),
+            Elem::U32 => convert(b, out, |c: [u8; 4]| u32::from_le_bytes(c) as f32),
+        }
+    }
+
+    /// Little-endian integers of this type in `b`, as int64 (token ids); float32 is truncated.
+    pub fn to_i64(self, b: &[u8], out: &mut [i64]) {
+        match self {
+            Elem::U8 => out.iter_mut().zip(b).for_each(|(o, &v)| *o = v as i64),
+            Elem::I8 => out.iter_mut().zip(b).for_each(|(o, &v)| *o = v as i8 as i64),
+            Elem::I16 => convert(b, out, |c: [u8; 2]| i16::from_le_bytes(c) as i64),
+            Elem::U16 => convert(b, out, |c: [u8; 2]| u16::from_le_bytes(c) as i64),
+            Elem::I32 => convert(b, out, |c: [u8; 4]| i32::from_le_bytes(c) as i64),
+            Elem::U32 => convert(b, out, |c: [u8; 4]| u32::from_le_bytes(c) as i64),
+            Elem::I64 => convert(b, out, i64::from_le_bytes),
+            Elem::F32 => convert(b, out, |c: [u8; 4]| f32::from_le_bytes(c) as i64),
         }
     }
 }
 
-fn convert<const N: usize>(b: &[u8], out: &mut [f32], f: impl Fn([u8; N]) -> f32) {
+fn convert<const N: usize, T>(b: &[u8], out: &mut [T], f: impl Fn([u8; N]) -> T) {
     for (o, c) in out.iter_mut().zip(b.chunks_exact(N)) {
         *o = f(c.try_into().expect("chunks of N bytes"));
     }
@@ -232,10 +251,28 @@ impl Store {
         Store { shape, ..self }
     }
 
+    /// A flat store `[T]` as windows `[T / w, w]` of its first values (a shorter tail left out).
+    pub fn windows(self, w: i64) -> Store {
+        let n = self.shape[0] / w.max(1);
+        let len = (n * w) as usize * self.elem.size();
+        let bytes = match self.bytes {
+            Bytes::Mapped { map, offset, .. } => Bytes::Mapped { map, offset, len },
+            Bytes::Memory { _t, ptr, .. } => Bytes::Memory { _t, ptr, len },
+        };
+        Store {
+            bytes,
+            elem: self.elem,
+            shape: vec![n, w],
+        }
+    }
+
     /// The whole store as a tensor in memory (a copy when mapped).
     pub fn tensor(&self) -> Tensor {
         match &self.bytes {
-            Bytes::Memory { _t, .. } => _t.view(self.shape.as_slice()),
+            Bytes::Memory { _t, .. } => {
+                let numel = self.shape.iter().product::<i64>();
+                _t.flatten(0, -1).narrow(0, 0, numel).view(self.shape.as_slice())
+            }
             Bytes::Mapped { .. } => {
                 let kind = match self.elem {
                     Elem::U8 => Kind::Uint8,
@@ -244,6 +281,12 @@ impl Store {
                     Elem::I32 => Kind::Int,
                     Elem::I64 => Kind::Int64,
                     Elem::F32 => Kind::Float,
+                    // Token ids: int64, as batches give them.
+                    Elem::U16 | Elem::U32 => {
+                        let mut v = vec![0i64; self.bytes().len() / self.elem.size()];
+                        self.elem.to_i64(self.bytes(), &mut v);
+                        return Tensor::from_slice(&v).view(self.shape.as_slice());
+                    }
                 };
                 Tensor::from_data_size(self.bytes(), &self.shape, kind)
             }

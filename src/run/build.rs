@@ -120,6 +120,8 @@ impl Factory<'_> {
                 seed: spec.job.seed,
                 log_every: spec.log.every_steps,
                 checkpoint_every: spec.checkpoint.every_epochs,
+                checkpoint_steps: spec.checkpoint.every_steps,
+                checkpoint_minutes: spec.checkpoint.every_minutes,
                 monitor: spec.checkpoint.monitor,
                 clear_on_epoch_end: m.clear_on_epoch_end,
                 clear_after_checkpoint: m.clear_after_checkpoint,

@@ -19,6 +19,9 @@ pub struct LoopSettings {
     pub seed: i64,
     pub log_every: i64,
     pub checkpoint_every: i64,
+    /// `checkpoint.every_steps` and `every_minutes`: saves within an epoch.
+    pub checkpoint_steps: i64,
+    pub checkpoint_minutes: f64,
     pub monitor: Monitor,
     pub clear_on_epoch_end: bool,
     pub clear_after_checkpoint: bool,

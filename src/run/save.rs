@@ -196,6 +196,7 @@ impl Trainer {
                 return Err(anyhow::anyhow!("{m}"))
             }
         };
+        self.run.last_save = Instant::now();
         let Some((path, size)) = saved else {
             return Ok(None);
         };
@@ -256,7 +257,7 @@ impl Trainer {
             Ok(oom) if !last_epoch => {
                 self.say(Notice::CheckpointSkipped {
                     why: oom.to_string(),
-                    every: self.settings.checkpoint_every.max(1),
+                    next: format!("after {} more epoch(s)", self.settings.checkpoint_every.max(1)),
                 });
                 self.record_save_oom(&oom, Decision::skip())
             }
@@ -267,6 +268,61 @@ impl Trainer {
             }
             Err(e) => Err(e.context("saving a checkpoint")),
         }
+    }
+
+    /// `checkpoint.every_steps` and `every_minutes`: a save within the epoch, after the step
+    /// that made one due; the position within the epoch is part of it, so a resume continues
+    /// with the next batch. The epoch's last step leaves it to the epoch's checkpoint where one
+    /// follows; `--max-steps` saves none.
+    pub(super) fn step_checkpoint(&mut self, epoch_ends: bool) -> Result<()> {
+        let (steps, minutes) = (self.settings.checkpoint_steps, self.settings.checkpoint_minutes);
+        if self.settings.max_steps.is_some() || (steps <= 0 && minutes <= 0.0) {
+            return Ok(());
+        }
+        let every = self.settings.checkpoint_every;
+        let epoch = self.state.epoch + 1;
+        if epoch_ends && (epoch == self.settings.epochs || (every > 0 && epoch % every == 0)) {
+            return Ok(());
+        }
+        let by_steps = steps > 0 && self.state.global_step % steps == 0;
+        let by_time = minutes > 0.0 && self.run.last_save.elapsed().as_secs_f64() >= minutes * 60.0;
+        if !(by_steps || self.time_agreed(by_time)?) {
+            return Ok(());
+        }
+        let reason = if by_steps { "steps" } else { "minutes" };
+        match self.save_checkpoint(reason) {
+            Ok(_) => Ok(()),
+            Err(e) => match e.downcast::<SaveOom>() {
+                // The next one may fit: training goes on, as after a skipped epoch checkpoint.
+                Ok(oom) => {
+                    self.run.last_save = Instant::now();
+                    let next = match by_steps {
+                        true => format!("after {steps} more step(s)"),
+                        false => format!("after {minutes} more minute(s)"),
+                    };
+                    self.say(Notice::CheckpointSkipped {
+                        why: oom.to_string(),
+                        next,
+                    });
+                    self.record_save_oom(&oom, Decision::skip())
+                }
+                Err(e) => Err(e.context("saving a checkpoint")),
+            },
+        }
+    }
+
+    /// Whether a save is due by time on every rank: rank 0's clock decides for a data-parallel
+    /// group (each rank's own could cross the mark a step apart, and a save is a collective).
+    fn time_agreed(&self, due_here: bool) -> Result<bool> {
+        if self.settings.checkpoint_minutes <= 0.0 {
+            return Ok(false);
+        }
+        let Some(d) = self.execution.group() else {
+            return Ok(due_here);
+        };
+        let flag = Tensor::from_slice(&[due_here as i64]).to_device(self.device());
+        d.broadcast(&[&flag])?;
+        Ok(flag.int64_value(&[0]) != 0)
     }
 
     /// The checkpoint of an interrupted run; one that does not fit ends the run as an OOM does.

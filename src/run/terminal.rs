@@ -57,7 +57,8 @@ pub enum Notice {
     /// A periodic checkpoint did not fit (the save's own account) and the run goes on.
     CheckpointSkipped {
         why: String,
-        every: i64,
+        /// When the next one is due: "after 2 more epoch(s)".
+        next: String,
     },
     /// Something that costs the run nothing else could not be had, and why.
     Lost(Lost, anyhow::Error),
@@ -174,8 +175,8 @@ impl Terminal {
             Notice::EvalSkipped { reason } => tracing::warn!(
                 "out of memory in validation at one sample per micro-batch ({reason}); this epoch's validation is skipped, training goes on unchanged"
             ),
-            Notice::CheckpointSkipped { why, every } => tracing::warn!(
-                "{why}; skipped this checkpoint, training goes on (the next one is due after {every} more epoch(s))"
+            Notice::CheckpointSkipped { why, next } => tracing::warn!(
+                "{why}; skipped this checkpoint, training goes on (the next one is due {next})"
             ),
             Notice::Lost(what, e) => match what {
                 Lost::StepRecord => tracing::warn!("a step record is lost: {e:#}"),

@@ -56,6 +56,8 @@ pub(super) struct LoopState {
     pub(super) last: Option<EpochResult>,
     steps: i64,
     preflight_pending: bool,
+    /// The last checkpoint of this session (or its start), for `checkpoint.every_minutes`.
+    pub(super) last_save: Instant,
 }
 
 pub struct Trainer {
@@ -91,6 +93,7 @@ impl Trainer {
                 last: None,
                 steps: 0,
                 preflight_pending: c.settings.preflight,
+                last_save: Instant::now(),
             },
             stager: Stager::new(c.pipeline.forward.device, c.state.epoch_loss_sum, c.state.epoch_correct),
             terminal,
@@ -324,6 +327,7 @@ impl Trainer {
             if let Some(status) = self.stop_point(&out, clock)? {
                 return Ok(Some(status));
             }
+            self.step_checkpoint(k + 1 == groups.len())?;
         }
         self.say(Notice::EpochEnds);
         Ok(None)

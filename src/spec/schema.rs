@@ -200,6 +200,26 @@ pub enum DataSource {
     Mnist,
     Cifar10,
     Imagefolder,
+    /// A flat binary (or `.npy`) of token ids, cut into windows of `seq_len + 1` tokens.
+    Tokens,
+    /// JSON lines of text, tokenized by `data.tokenizer` into token windows.
+    Jsonl,
+}
+
+impl DataSource {
+    /// Whether the samples are token ids for a language model: `x` int64 `[seq_len]`, `y` the
+    /// next tokens, int64 `[seq_len]`, -100 where a token carries no loss.
+    pub fn is_tokens(self) -> bool {
+        matches!(self, DataSource::Tokens | DataSource::Jsonl)
+    }
+}
+
+/// `data.token_dtype`: how a flat token file stores its ids.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TokenDtype {
+    Uint16,
+    Uint32,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -239,6 +259,27 @@ pub struct Data {
     /// imagefolder: where the decoded cache is kept; none: beside the tree.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cache_dir: Option<PathBuf>,
+    /// Token sources: tokens a sample holds (the model's context).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seq_len: Option<i64>,
+    /// tokens: the ids' type in a flat binary file (an `.npy` header says its own).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_dtype: Option<TokenDtype>,
+    /// jsonl: the Hugging Face `tokenizer.json` that turns text into token ids.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokenizer: Option<PathBuf>,
+    /// jsonl: the field of plain text, packed into windows with EOS between documents.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub text_field: Option<String>,
+    /// jsonl: the fields of a prompt and its completion, one window a pair, loss on the
+    /// completion alone.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_field: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub completion_field: Option<String>,
+    /// jsonl: the end-of-text token between documents; none: the tokenizer's, found by name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub eos_id: Option<i64>,
 }
 
 impl Data {
@@ -306,6 +347,13 @@ impl Default for Data {
             workers: 0,
             memory_map: true,
             cache_dir: None,
+            seq_len: None,
+            token_dtype: None,
+            tokenizer: None,
+            text_field: None,
+            prompt_field: None,
+            completion_field: None,
+            eos_id: None,
         }
     }
 }
@@ -694,6 +742,10 @@ impl Monitor {
 pub struct Checkpoint {
     /// Save every N epochs (0 = only at the end and on interruption).
     pub every_epochs: i64,
+    /// Also save within an epoch every N optimizer steps (0: never).
+    pub every_steps: i64,
+    /// Also save within an epoch once this many minutes have passed since the last save (0: never).
+    pub every_minutes: f64,
     pub keep_last: i64,
     pub keep_best: bool,
     pub monitor: Monitor,
@@ -703,6 +755,8 @@ impl Default for Checkpoint {
     fn default() -> Self {
         Checkpoint {
             every_epochs: 1,
+            every_steps: 0,
+            every_minutes: 0.0,
             keep_last: 2,
             keep_best: true,
             monitor: Monitor::ValLoss,

@@ -145,6 +145,10 @@ fn data(p: &mut Problems, d: &Data) {
                     DataSource::Mnist => "it must be a directory with the MNIST IDX files",
                     DataSource::Cifar10 => "it must be a directory with CIFAR-10's binary batch files",
                     DataSource::Imagefolder => "it must be a directory with one directory of images per class",
+                    DataSource::Tokens => {
+                        "it must be a flat binary of token ids (uint16 or uint32) or a 1-D .npy array"
+                    }
+                    DataSource::Jsonl => "it must be a JSON-lines file, one object a line",
                     _ => "it must be a file with arrays x and y",
                 },
             ),
@@ -181,12 +185,13 @@ fn data(p: &mut Problems, d: &Data) {
             "is only read for data.source = \"imagefolder\" (other sources keep their size)".into(),
         ));
     }
-    if d.cache_dir.is_some() && d.source != DataSource::Imagefolder {
+    if d.cache_dir.is_some() && !matches!(d.source, DataSource::Imagefolder | DataSource::Jsonl) {
         p.push((
             "data.cache_dir".into(),
-            "is only read for data.source = \"imagefolder\" (the cache of its decoded images); remove it".into(),
+            "is only read for data.source = \"imagefolder\" or \"jsonl\" (the cache of decoded images or token ids); remove it".into(),
         ));
     }
+    tokens(p, d);
     if d.mean.len() != d.std.len() {
         p.push((
             "data.std".into(),
@@ -281,6 +286,73 @@ fn augment(p: &mut Problems, a: &Augment) {
     }
 }
 
+/// The keys of token sources: each read by its source alone, and what a source needs set.
+fn tokens(p: &mut Problems, d: &Data) {
+    let jsonl = d.source == DataSource::Jsonl;
+    let only = [
+        (
+            "data.seq_len",
+            d.seq_len.is_some(),
+            d.source.is_tokens(),
+            "\"tokens\" or \"jsonl\"",
+        ),
+        (
+            "data.token_dtype",
+            d.token_dtype.is_some(),
+            d.source == DataSource::Tokens,
+            "\"tokens\"",
+        ),
+        ("data.tokenizer", d.tokenizer.is_some(), jsonl, "\"jsonl\""),
+        ("data.text_field", d.text_field.is_some(), jsonl, "\"jsonl\""),
+        ("data.prompt_field", d.prompt_field.is_some(), jsonl, "\"jsonl\""),
+        (
+            "data.completion_field",
+            d.completion_field.is_some(),
+            jsonl,
+            "\"jsonl\"",
+        ),
+        ("data.eos_id", d.eos_id.is_some(), jsonl, "\"jsonl\""),
+    ];
+    for (key, set, read, by) in only {
+        if set && !read {
+            p.push((key.into(), format!("is only read for data.source = {by}; remove it")));
+        }
+    }
+    if !d.source.is_tokens() {
+        return;
+    }
+    match d.seq_len {
+        None => p.push((
+            "data.seq_len".into(),
+            format!(
+                "is required when data.source is \"{}\": the tokens a sample holds (the model's context length)",
+                source_name(d.source)
+            ),
+        )),
+        Some(n) => at_least(p, "data.seq_len", n, 1),
+    }
+    if !jsonl {
+        return;
+    }
+    match &d.tokenizer {
+        None => p.push((
+            "data.tokenizer".into(),
+            "is required when data.source is \"jsonl\": a Hugging Face tokenizer.json".into(),
+        )),
+        Some(t) => file_exists(p, "data.tokenizer", t, Entry::File, "it must be a tokenizer.json"),
+    }
+    let pair = d.prompt_field.is_some() || d.completion_field.is_some();
+    if d.text_field.is_some() == pair || d.prompt_field.is_some() != d.completion_field.is_some() {
+        p.push((
+            "data.text_field".into(),
+            "data.source = \"jsonl\" reads either plain text (set data.text_field) or prompt/completion pairs (set data.prompt_field and data.completion_field), not both".into(),
+        ));
+    }
+    if let Some(e) = d.eos_id {
+        at_least(p, "data.eos_id", e, 0);
+    }
+}
+
 fn source_name(s: DataSource) -> &'static str {
     match s {
         DataSource::Synthetic => "synthetic",
@@ -289,6 +361,8 @@ fn source_name(s: DataSource) -> &'static str {
         DataSource::Mnist => "mnist",
         DataSource::Cifar10 => "cifar10",
         DataSource::Imagefolder => "imagefolder",
+        DataSource::Tokens => "tokens",
+        DataSource::Jsonl => "jsonl",
     }
 }
 
@@ -556,5 +630,7 @@ fn memory(p: &mut Problems, m: &Memory, t: &Train, preset: &str) {
 fn checkpoint(p: &mut Problems, s: &Spec) {
     let c = &s.checkpoint;
     at_least(p, "checkpoint.every_epochs", c.every_epochs, 0);
+    at_least(p, "checkpoint.every_steps", c.every_steps, 0);
+    in_range(p, "checkpoint.every_minutes", c.every_minutes, 0.0, f64::MAX, "[0, ∞)");
     at_least(p, "checkpoint.keep_last", c.keep_last, 1);
 }

@@ -25,6 +25,7 @@ mod precision;
 mod reads;
 mod report;
 mod structure;
+mod tokens;
 mod training;
 mod validation;
 mod watch;

@@ -10,16 +10,19 @@ use std::path::Path;
 use anyhow::Result;
 use tch::Tensor;
 
+use super::gather::Targets;
 use super::store::Store;
 use crate::spec::schema::{Data, DataSource};
 
 mod arrays;
 mod cifar10;
 pub(super) mod imagefolder;
+pub(super) mod jsonl;
 mod mnist;
 pub(super) mod npz;
 mod safetensors;
 mod synthetic;
+mod tokens;
 
 /// The reader of each source: the one place where sources are listed.
 pub(super) fn reader(source: DataSource) -> &'static dyn Reader {
@@ -30,6 +33,8 @@ pub(super) fn reader(source: DataSource) -> &'static dyn Reader {
         DataSource::Mnist => &mnist::Mnist,
         DataSource::Cifar10 => &cifar10::Cifar10,
         DataSource::Imagefolder => &imagefolder::ImageFolder,
+        DataSource::Tokens => &tokens::Tokens,
+        DataSource::Jsonl => &jsonl::Jsonl,
     }
 }
 
@@ -49,6 +54,12 @@ pub(super) trait Reader: Sync {
     /// The classes of the set at `path` (`data.path`) and `data.val_path`, read cheaply (the
     /// labels alone where the file allows); None where the data follows the model.
     fn classes(&self, data: &Data, path: &Path) -> Result<Option<DataClasses>>;
+
+    /// How many samples `check` says the set has, where that is cheap to know ("1,024
+    /// windows of 256 tokens"); None where it is not.
+    fn extent(&self, _data: &Data) -> Option<String> {
+        None
+    }
 }
 
 /// What a run asks of a source.
@@ -68,6 +79,8 @@ pub(super) struct Part {
     pub what: String,
     /// What a float32 sample is divided by (uint8 pixels: 255).
     pub divisor: Option<f64>,
+    /// Classes (in `y`), or token targets.
+    pub targets: Targets,
 }
 
 impl Part {
@@ -77,6 +90,15 @@ impl Part {
             y,
             what,
             divisor: None,
+            targets: Targets::Classes,
+        }
+    }
+
+    /// Token ids `x` with `targets` (not classes).
+    pub fn tokens(x: Store, targets: Targets, what: String) -> Part {
+        Part {
+            targets,
+            ..Part::new(x, Tensor::new(), what)
         }
     }
 

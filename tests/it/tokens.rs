@@ -1,0 +1,193 @@
+//! Token data and mid-epoch checkpoints, driven through the binary: `check` says how a token set
+//! is read and how many windows it has; `run` refuses token data that does not fit the model,
+//! with the file (and the line) at fault; a run saved every N steps and killed mid-epoch resumes
+//! with the same batches, its step losses those of a run never stopped, bit for bit.
+//!
+//! The runs here have no language model: an mlp whose inputs are `seq_len` and whose classes are
+//! the vocabulary takes the set's checks as a language model would (its data is refused before
+//! any step); the windows and targets themselves are tested in the data module.
+use std::path::Path;
+
+use crate::common::*;
+
+/// An mlp over `seq_len` inputs and `vocab` classes reading token data `[data]` (`extra`).
+fn on_tokens(t: &Test, seq_len: i64, vocab: i64, extra: &str) -> Test {
+    t.clone().spec(table(&format!(
+        "[job]\nthreads = 1\ndevice = \"cpu\"\n[model]\npreset = \"mlp\"\n[model.mlp]\ninputs = {seq_len}\nhidden = [8]\nnum_classes = {vocab}\n\
+         [data]\nseq_len = {seq_len}\n{extra}\n\
+         [train]\nepochs = 1\nbatch_size = 4\noptimizer = \"sgd\"\nlr = 0.1\n[log]\nprogress = \"off\"\n"
+    )))
+}
+
+fn write_u16(path: &Path, ids: impl IntoIterator<Item = u16>) {
+    let bytes: Vec<u8> = ids.into_iter().flat_map(u16::to_le_bytes).collect();
+    std::fs::write(path, bytes).unwrap();
+}
+
+/// A word-level tokenizer.json of `words` (ids in order after `<unk>` = 0 and `</s>` = 1).
+fn tokenizer(path: &Path, words: &[&str]) {
+    let mut vocab = serde_json::json!({"<unk>": 0, "</s>": 1});
+    for (i, w) in words.iter().enumerate() {
+        vocab[*w] = serde_json::json!(i + 2);
+    }
+    let t = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+    });
+    std::fs::write(path, t.to_string()).unwrap();
+}
+
+#[test]
+fn check_says_how_a_token_set_is_read_and_how_many_windows_it_has() {
+    let t = Test::new();
+    let bin = t.dir().join("train.bin");
+    write_u16(&bin, (0..1000).map(|i| (i % 50) as u16));
+    let extra = format!(
+        "source = \"tokens\"\npath = \"{}\"\ntoken_dtype = \"uint16\"",
+        bin.display()
+    );
+    let r = on_tokens(&t, 9, 64, &extra).command("check").run();
+    assert!(
+        r.stdout.contains("int64 token ids and targets")
+            && r.stdout.contains(
+                "the set is read in place through a memory map (token ids, int64 batches): 100 windows of 9 tokens"
+            ),
+        "{}",
+        r.stdout
+    );
+    // jsonl: where its token cache will be, until a run writes it.
+    let (data, tok) = (t.dir().join("d.jsonl"), t.dir().join("tokenizer.json"));
+    std::fs::write(&data, "{\"text\": \"hello world\"}\n").unwrap();
+    tokenizer(&tok, &["hello", "world"]);
+    let extra = format!(
+        "source = \"jsonl\"\npath = \"{}\"\ntokenizer = \"{}\"\ntext_field = \"text\"",
+        data.display(),
+        tok.display()
+    );
+    let r = on_tokens(&t, 2, 8, &extra).command("check").run();
+    assert!(
+        r.stdout.contains("not tokenized yet: the first run writes"),
+        "{}",
+        r.stdout
+    );
+    // A token source without seq_len is refused by the spec's checks.
+    let r = t
+        .clone()
+        .spec(table(&format!(
+            "[model]\npreset = \"mlp\"\n[model.mlp]\ninputs = 4\nhidden = [8]\nnum_classes = 64\n[data]\nsource = \"tokens\"\npath = \"{}\"\ntoken_dtype = \"uint16\"\n",
+            bin.display()
+        )))
+        .command("check")
+        .exit(2)
+        .stderr_has("data.seq_len")
+        .run();
+    assert!(
+        r.stderr.contains("is required when data.source is \"tokens\""),
+        "{}",
+        r.stderr
+    );
+}
+
+#[test]
+fn token_data_that_does_not_fit_the_model_is_refused_with_its_place() {
+    let t = Test::new();
+    let bin = t.dir().join("train.bin");
+    write_u16(&bin, (0..400).map(|i| if i == 123 { 700 } else { (i % 50) as u16 }));
+    let tokens = |seq_len: i64, vocab: i64| {
+        let extra = format!(
+            "source = \"tokens\"\npath = \"{}\"\ntoken_dtype = \"uint16\"",
+            bin.display()
+        );
+        on_tokens(&t, seq_len, vocab, &extra)
+            .name(&format!("t{seq_len}-{vocab}"))
+            .exit(2)
+    };
+    tokens(7, 512)
+        .stderr_has("the token at position 123 (counting from 0) has id 700, outside the model's vocabulary of 512 ids")
+        .run();
+    tokens(400, 1024)
+        .stderr_has("holds 400 token(s), fewer than one window of data.seq_len + 1 = 401 tokens")
+        .run();
+    let (data, tok) = (t.dir().join("d.jsonl"), t.dir().join("tokenizer.json"));
+    tokenizer(&tok, &["hello", "world", "again"]);
+    let jsonl = |name: &str, lines: &str, vocab: i64| {
+        std::fs::write(&data, lines).unwrap();
+        let extra = format!(
+            "source = \"jsonl\"\npath = \"{}\"\ntokenizer = \"{}\"\ntext_field = \"text\"",
+            data.display(),
+            tok.display()
+        );
+        on_tokens(&t, 2, vocab, &extra).name(name).exit(2)
+    };
+    let good = "{\"text\": \"hello world\"}\n\n{\"text\": \"again\"}\n";
+    jsonl("field", &format!("{good}{{\"body\": \"hello\"}}\n"), 16)
+        .stderr_has("line 4: has no field \"text\"")
+        .run();
+    jsonl("json", &format!("{good}{{\"text\": \"hello\"\n"), 16)
+        .stderr_has("line 4: not valid JSON")
+        .run();
+    jsonl("vocab", good, 4)
+        .stderr_has("has a vocabulary of 5 ids, more than the model's vocabulary of 4")
+        .run();
+    // Nothing of the refused files was cached.
+    let cached = std::fs::read_dir(t.dir())
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().contains(".tokens-"))
+        .count();
+    assert_eq!(cached, 0);
+}
+
+#[test]
+fn a_run_killed_mid_epoch_resumes_from_its_step_checkpoint_with_the_same_batches() {
+    // Digits: 45 steps an epoch; a checkpoint every 20 steps, the last before the kill at 60,
+    // mid-way through the second epoch.
+    let t = Test::new()
+        .set("log.every_steps", 1)
+        .set("train.epochs", 2)
+        .set("checkpoint.every_steps", 20);
+    let straight = t.clone().name("straight").run();
+    let saved: Vec<(String, i64)> = straight
+        .checkpoints()
+        .iter()
+        .map(|c| (c.reason.clone(), c.step))
+        .collect();
+    let want = [
+        ("steps", 20),
+        ("steps", 40),
+        ("epoch", 45),
+        ("steps", 60),
+        ("steps", 80),
+        ("epoch", 90),
+    ];
+    assert_eq!(saved, want.map(|(r, s)| (r.to_owned(), s)));
+    let mut running = t
+        .clone()
+        .name("killed")
+        .env("MEMTRAIN_FAULT_AWAIT_SIGNAL_AT_STEP", "67")
+        .exit(-1)
+        .spawn();
+    running.await_stderr("fault: waiting for a signal at step 67");
+    // SAFETY: our own child, still running (it waits for a signal).
+    unsafe { libc::kill(running.pid(), libc::SIGKILL) };
+    let killed = running.finish();
+    killed.resume().stderr_has("step-000000060").run();
+    // Every step record, the ones a resumed session redid too (the typed reader drops those).
+    let losses = |o: &Outcome| -> Vec<(i64, serde_json::Value)> {
+        let text = std::fs::read_to_string(o.out.join("metrics.jsonl")).unwrap();
+        text.lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|e| e["type"] == "step")
+            .map(|e| (e["step"].as_i64().unwrap(), e["loss"].clone()))
+            .collect()
+    };
+    let whole: std::collections::HashMap<i64, serde_json::Value> = losses(&straight).into_iter().collect();
+    assert_eq!(whole.len(), 90);
+    let again = losses(&killed);
+    // Steps 61 to 67 ran twice, before the kill and after the resume: the same losses both times.
+    assert_eq!(again.len(), 90 + 7);
+    for (step, loss) in &again {
+        assert_eq!(Some(loss), whole.get(step), "step {step}");
+    }
+    assert_eq!(straight.final_bytes(), killed.final_bytes());
+}
