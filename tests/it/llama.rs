@@ -95,3 +95,99 @@ fn logits_equal_transformers_for_each_flavour() {
         assert!(gap <= 1e-5 * scale, "{what}: logits differ by {gap} (scale {scale})");
     }
 }
+
+/// A job on the llama preset (`[model]` body `model`), for `check`.
+fn llama_job(t: &Test, model: &str) -> Test {
+    t.clone()
+        .spec(table(&format!(
+            "[job]\nthreads = 1\ndevice = \"cpu\"\nseed = 3\n[model]\n{model}\n[train]\nepochs = 1\nbatch_size = 2\n"
+        )))
+        .command("check")
+}
+
+#[test]
+fn check_takes_a_hugging_face_directorys_sizes_and_names_a_contradiction() {
+    let t = Test::new();
+    llama_py(t.dir(), &["make", "--out", "hf", "--kind", "qwen2", "--llama3"]);
+    let hf = t.dir().join("hf");
+    let job = llama_job(&t, &format!("preset = \"llama\"\ninit_from = \"{}\"", hf.display()));
+    let c = job.clone().run();
+    for line in [
+        "vocab_size = 96",
+        "hidden_size = 32",
+        "intermediate_size = 48",
+        "num_hidden_layers = 2",
+        "num_key_value_heads = 2",
+        "max_position_embeddings = 256",
+        "qkv_bias = true",
+        "rope_theta = 5000.0",
+        "[model.llama.rope_scaling]",
+        "original_max_position_embeddings = 64",
+        "0 created, 0 dropped",
+        "(huggingface names)",
+    ] {
+        assert!(c.stdout.contains(line), "{line}: {}", c.stdout);
+    }
+    job.set("model.llama.num_hidden_layers", 3)
+        .exit(2)
+        .stderr_has("model.llama.num_hidden_layers is 3, but the checkpoint's")
+        .stderr_has("config.json says num_hidden_layers = 2")
+        .run();
+}
+
+#[test]
+fn bad_options_are_spec_errors_that_say_why() {
+    let t = Test::new();
+    let job = llama_job(&t, "preset = \"llama\"");
+    job.clone().run();
+    for (key, value, says) in [
+        (
+            "seq_len",
+            4096,
+            "model.llama.seq_len 4096 is beyond the model's 512 positions (max_position_embeddings)",
+        ),
+        (
+            "num_attention_heads",
+            5,
+            "model.llama.hidden_size must be a multiple of num_attention_heads (5)",
+        ),
+        (
+            "num_key_value_heads",
+            3,
+            "model.llama.num_key_value_heads must divide num_attention_heads (4)",
+        ),
+    ] {
+        job.clone()
+            .set(&format!("model.llama.{key}"), value)
+            .exit(2)
+            .stderr_has(says)
+            .run();
+    }
+}
+
+#[test]
+fn a_sharded_directory_loads_and_an_index_naming_a_missing_shard_is_refused() {
+    let t = Test::new();
+    llama_py(t.dir(), &["make", "--out", "hf", "--shards", "3", "--io", "io.safetensors"]);
+    let hf = t.dir().join("hf");
+    let index: serde_json::Value = json(&hf.join("model.safetensors.index.json"));
+    let mut shards: Vec<&str> = index["weight_map"]
+        .as_object()
+        .unwrap()
+        .values()
+        .filter_map(|v| v.as_str())
+        .collect();
+    shards.sort();
+    shards.dedup();
+    assert!(shards.len() > 1, "{shards:?}");
+    let (_vs, built) = loaded(&from_dir(&hf, ""));
+    let (gap, scale) = gap(&built, &io(t.dir(), "ids"), &io(t.dir(), "logits"));
+    assert!(gap <= 1e-5 * scale, "sharded: logits differ by {gap} (scale {scale})");
+
+    std::fs::remove_file(hf.join(shards[1])).unwrap();
+    llama_job(&t, &format!("preset = \"llama\"\ninit_from = \"{}\"", hf.display()))
+        .exit(2)
+        .stderr_has("model.init_from")
+        .stderr_has(&format!("names the shard {}, which does not exist", hf.join(shards[1]).display()))
+        .run();
+}
