@@ -43,11 +43,14 @@ fn from_dir(dir: &Path, lora: &str) -> memtrain::spec::Model {
 }
 
 /// The model of `m` with its `init_from` loaded: (variables, network).
+#[track_caller]
 fn loaded(m: &memtrain::spec::Model) -> (tch::nn::VarStore, memtrain::model::Built) {
     let vs = tch::nn::VarStore::new(tch::Device::Cpu);
     let built = memtrain::model::build(&vs.root(), m).unwrap();
     let load = memtrain::run::init_from(&vs, &built.head, m, m.init_from.as_ref().unwrap()).unwrap();
-    assert_eq!((load.created, load.dropped), (0, 0), "every tensor matched: {load:?}");
+    let adapters = vs.variables().keys().filter(|n| n.contains(".lora_")).count() as u64;
+    // Every tensor matched; only the adapters, which the checkpoint lacks, are made fresh.
+    assert_eq!((load.created, load.dropped), (adapters, 0), "{load:?}");
     (vs, built)
 }
 
@@ -168,7 +171,10 @@ fn bad_options_are_spec_errors_that_say_why() {
 #[test]
 fn a_sharded_directory_loads_and_an_index_naming_a_missing_shard_is_refused() {
     let t = Test::new();
-    llama_py(t.dir(), &["make", "--out", "hf", "--shards", "3", "--io", "io.safetensors"]);
+    llama_py(
+        t.dir(),
+        &["make", "--out", "hf", "--shards", "3", "--io", "io.safetensors"],
+    );
     let hf = t.dir().join("hf");
     let index: serde_json::Value = json(&hf.join("model.safetensors.index.json"));
     let mut shards: Vec<&str> = index["weight_map"]
@@ -188,6 +194,93 @@ fn a_sharded_directory_loads_and_an_index_naming_a_missing_shard_is_refused() {
     llama_job(&t, &format!("preset = \"llama\"\ninit_from = \"{}\"", hf.display()))
         .exit(2)
         .stderr_has("model.init_from")
-        .stderr_has(&format!("names the shard {}, which does not exist", hf.join(shards[1]).display()))
+        .stderr_has(&format!(
+            "names the shard {}, which does not exist",
+            hf.join(shards[1]).display()
+        ))
         .run();
+}
+
+/// A run of the llama preset over `hf` with LoRA adapters (`lora`, with random B so they
+/// change the logits) as `memtrain run` leaves one: its resolved spec and a checkpoint holding
+/// the adapters. Returns the run directory, the checkpoint, and memtrain's adapted logits.
+fn adapted_run(t: &Test, hf: &Path, lora: &str) -> (std::path::PathBuf, std::path::PathBuf, tch::Tensor) {
+    let m = from_dir(hf, lora);
+    let (vs, built) = loaded(&m);
+    let mut adapters = vec![];
+    tch::no_grad(|| {
+        for (name, var) in vs.variables() {
+            if name.ends_with("lora_B.weight") {
+                var.shallow_clone().copy_(&(tch::Tensor::randn_like(&var) * 0.1));
+            }
+            if name.contains(".lora_") {
+                adapters.push((name, var.detach().copy()));
+            }
+        }
+    });
+    assert!(!adapters.is_empty());
+    let ids = io(t.dir(), "ids");
+    let ours = tch::no_grad(|| memtrain::model::logits(built.net.as_ref(), &built.net.forward_t(&ids, false)));
+    let run = t.dir().join("run");
+    let ck = run.join("checkpoints").join("epoch-1");
+    std::fs::create_dir_all(&ck).unwrap();
+    memtrain::checkpoint::write_safetensors(&ck.join("model.safetensors"), &adapters).unwrap();
+    let spec = format!(
+        "[job]\nthreads = 1\ndevice = \"cpu\"\n[model]\npreset = \"llama\"\ninit_from = \"{}\"\n[model.lora]\n{lora}\n",
+        hf.display()
+    );
+    std::fs::write(run.join("config.resolved.toml"), spec).unwrap();
+    (run, ck, ours)
+}
+
+#[test]
+fn export_writes_a_directory_transformers_loads_with_the_adapters_merged() {
+    for (flags, architecture) in [
+        (vec!["--kind", "qwen2"], "Qwen2ForCausalLM"),
+        (vec!["--tie", "--llama3"], "LlamaForCausalLM"),
+    ] {
+        let t = Test::new();
+        let mut args = vec!["make", "--out", "hf", "--io", "io.safetensors"];
+        args.extend(flags);
+        llama_py(t.dir(), &args);
+        let lora = "rank = 2\ntargets = [\"q\", \"v\", \"o\", \"gate\", \"down\"]";
+        let (run, ck, ours) = adapted_run(&t, &t.dir().join("hf"), lora);
+        let out = t.dir().join("exported");
+        t.clone()
+            .no_spec()
+            .command("export")
+            .args_replaced(&[
+                run.to_str().unwrap(),
+                "--checkpoint",
+                ck.to_str().unwrap(),
+                "--format",
+                "huggingface",
+                out.to_str().unwrap(),
+            ])
+            .run();
+        let info = llama_py(t.dir(), &["logits", "--dir", "exported", "--io", "io.safetensors"]);
+        assert_eq!(info["architectures"], serde_json::json!([architecture]), "{info}");
+        let theirs = io(t.dir(), "theirs");
+        let before = io(t.dir(), "logits");
+        let moved = (&ours - &before).abs().max().double_value(&[]);
+        assert!(moved > 1e-3, "the adapters change the logits ({moved})");
+        let gap = (&ours - &theirs).abs().max().double_value(&[]);
+        let scale = theirs.abs().max().double_value(&[]);
+        eprintln!("{architecture} exported: transformers' logits differ from memtrain's adapted ones by {gap:e} (largest {scale})");
+        assert!(gap <= 1e-5 * scale, "{architecture}: {gap} (scale {scale})");
+        t.clone()
+            .no_spec()
+            .command("export")
+            .args_replaced(&[
+                run.to_str().unwrap(),
+                "--checkpoint",
+                ck.to_str().unwrap(),
+                "--format",
+                "timm",
+                "x",
+            ])
+            .exit(2)
+            .stderr_has("timm cannot hold this model")
+            .run();
+    }
 }

@@ -68,9 +68,14 @@ impl Format for HuggingFace {
 
     fn claims(&self, names: &[&str]) -> bool {
         names.iter().any(|n| {
-            ["vit.", "vision_model.", "embeddings.patch_embeddings.", "model.embed_tokens."]
-                .iter()
-                .any(|p| n.starts_with(p))
+            [
+                "vit.",
+                "vision_model.",
+                "embeddings.patch_embeddings.",
+                "model.embed_tokens.",
+            ]
+            .iter()
+            .any(|p| n.starts_with(p))
         })
     }
 
