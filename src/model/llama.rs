@@ -560,3 +560,115 @@ pub fn hf_config(o: &LlamaOptions) -> serde_json::Value {
     }
     c
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tch::Device;
+
+    fn built(o: &LlamaOptions) -> (nn::VarStore, Llama) {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let net = Llama::new(&vs.root(), o);
+        (vs, net)
+    }
+
+    /// Each decoder layer's variables are its block's, and only they get gradients from it; the
+    /// output projection (and a tied embedding, which the head shares) belong to no block, so
+    /// the model does not stream by block; every variable has a layer for layer decay.
+    #[test]
+    fn blocks_own_their_layers_and_the_head_stands_outside_the_chain() {
+        for tied in [false, true] {
+            let o = LlamaOptions {
+                tie_word_embeddings: tied,
+                seq_len: 8,
+                ..Default::default()
+            };
+            let (vs, net) = built(&o);
+            assert_eq!(net.blocks(), 4);
+            for (name, _) in vs.variables() {
+                let block = net.block_of(&name);
+                let want = match name.as_str() {
+                    "lm_head.weight" => None,
+                    "model.embed_tokens.weight" => (!tied).then_some(0),
+                    "model.norm.weight" => Some(3),
+                    n if n.starts_with("model.layers.0.") => Some(1),
+                    n if n.starts_with("model.layers.1.") => Some(2),
+                    n => panic!("unexpected variable {n}"),
+                };
+                assert_eq!(block, want, "{name}");
+                assert!(net.layer_of(&name).is_some(), "{name}");
+            }
+            assert!(crate::model::block_vars(&net, &vs).is_err());
+            let ids = Tensor::randint(o.vocab_size, [2, 8], (Kind::Int64, Device::Cpu));
+            let hidden = net.block(0, &[ids], true);
+            let h = hidden[0].detach().set_requires_grad(true);
+            net.block(1, &[h], true)[0].sum(Kind::Float).backward();
+            for (name, t) in vs.variables() {
+                assert_eq!(t.grad().defined(), name.starts_with("model.layers.0."), "{name}");
+            }
+            let out = net.forward_t(&Tensor::zeros([1, 8], (Kind::Int64, Device::Cpu)), false);
+            assert_eq!(out.size(), [1, 8, o.hidden_size]);
+            assert_eq!(net.output_head().unwrap().size(), [o.vocab_size, o.hidden_size]);
+        }
+    }
+
+    #[test]
+    fn lora_targets_name_projections_short_or_as_peft_does() {
+        let o = LlamaOptions::default();
+        for targets in [vec!["q", "down"], vec!["q_proj", "mlp.down_proj"]] {
+            let (vs, mut net) = built(&o);
+            let lora = LoraOptions {
+                targets: targets.iter().map(|t| t.to_string()).collect(),
+                ..Default::default()
+            };
+            let made = net.adapt(&vs.root(), &lora);
+            assert_eq!(
+                made,
+                [
+                    "model.layers.0.self_attn.q_proj",
+                    "model.layers.0.mlp.down_proj",
+                    "model.layers.1.self_attn.q_proj",
+                    "model.layers.1.mlp.down_proj"
+                ]
+            );
+            let names: Vec<String> = vs.variables().into_keys().collect();
+            assert!(names.iter().any(|n| n == "model.layers.1.mlp.down_proj.lora_B.weight"));
+        }
+        let (_, net) = built(&o);
+        let lora = LoraOptions::default();
+        let e = crate::model::lora::no_target(&lora, "llama", &net.adaptable()).0;
+        assert!(e.contains("its layers are self_attn.q_proj, self_attn.k_proj"), "{e}");
+    }
+
+    #[test]
+    fn llama3_scaling_keeps_high_frequencies_divides_low_ones_and_blends_between() {
+        let plain = LlamaOptions {
+            hidden_size: 64,
+            num_attention_heads: 1,
+            ..Default::default()
+        };
+        let scaled = LlamaOptions {
+            rope_scaling: Some(RopeScaling {
+                original_max_position_embeddings: 64,
+                ..Default::default()
+            }),
+            ..plain.clone()
+        };
+        let (a, b) = (inv_freq(&plain), inv_freq(&scaled));
+        let v = |t: &Tensor, i: i64| t.double_value(&[i]);
+        // Wavelength 2π/f: below 64/4 kept, above 64/1 divided by the factor (8).
+        assert_eq!(v(&a, 0), v(&b, 0));
+        let last = a.size()[0] - 1;
+        assert!((v(&b, last) - v(&a, last) / 8.0).abs() < 1e-12);
+        let between = (0..=last)
+            .filter(|&i| {
+                let w = 2.0 * std::f64::consts::PI / v(&a, i);
+                (16.0..64.0).contains(&w)
+            })
+            .collect::<Vec<_>>();
+        assert!(!between.is_empty());
+        for i in between {
+            assert!(v(&b, i) < v(&a, i) && v(&b, i) > v(&a, i) / 8.0, "{i}");
+        }
+    }
+}

@@ -154,7 +154,7 @@ pub fn adapter_for(
 
 /// Targets that match no layer: the error names the layers there are, by their short names
 /// (the part after the block) and one full name.
-pub(super) fn no_target(o: &LoraOptions, preset: &str, offered: &[String]) -> crate::exit::UsageError {
+pub(crate) fn no_target(o: &LoraOptions, preset: &str, offered: &[String]) -> crate::exit::UsageError {
     // A block's layers once, without the block's own prefix (`self_attention.in_proj_q` of
     // `encoder.layers.encoder_layer_0.`, `self_attn.q_proj` of `model.layers.0.`).
     let mut short: Vec<&str> = vec![];
