@@ -305,4 +305,53 @@ mod tests {
         assert!(problems[0].1.contains("num_attention_heads = 2"), "{}", problems[0].1);
         assert!(problems[0].1.contains("config.json"), "{}", problems[0].1);
     }
+
+    #[test]
+    fn a_llama_config_gives_hugging_faces_defaults_and_refuses_what_the_preset_lacks() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("config.json");
+        let given = |text: &str| {
+            std::fs::write(&config, text).unwrap();
+            llama_options(&config)
+        };
+        // transformers 4's names: rope_theta beside rope_scaling; left-out keys the class's defaults.
+        let g = given(
+            r#"{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 8, "rope_theta": 500000.0,
+                "rope_scaling": {"factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192, "rope_type": "llama3"}}"#,
+        )
+        .unwrap();
+        let value = |o: &str| g.iter().find(|x| x.option == o).map(|x| x.value.clone());
+        assert_eq!(value("num_key_value_heads"), Some(Value::Integer(8)));
+        assert_eq!(value("rms_norm_eps"), Some(Value::Float(1e-6)));
+        assert_eq!(value("rope_theta"), Some(Value::Float(500000.0)));
+        assert_eq!(value("tie_word_embeddings"), Some(Value::Boolean(false)));
+        let scaling = value("rope_scaling").unwrap();
+        assert_eq!(scaling["factor"].as_float(), Some(32.0));
+        assert_eq!(scaling["rope_type"].as_str(), Some("llama3"));
+        // Qwen2: biases on q, k and v only.
+        let g = given(r#"{"model_type": "qwen2", "rope_scaling": null, "use_sliding_window": false}"#).unwrap();
+        assert!(g
+            .iter()
+            .any(|x| x.option == "qkv_bias" && x.value == Value::Boolean(true)));
+        assert!(!g.iter().any(|x| x.option == "rope_scaling"));
+        for (text, says) in [
+            (r#"{"model_type": "vit"}"#, "model_type = \"vit\""),
+            (r#"{"hidden_act": "gelu"}"#, "hidden_act = \"gelu\""),
+            (
+                r#"{"model_type": "qwen2", "use_sliding_window": true}"#,
+                "sliding-window",
+            ),
+            (
+                r#"{"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}"#,
+                "rope_type = \"yarn\"",
+            ),
+        ] {
+            let e = given(text).unwrap_err();
+            assert!(
+                e.contains(says) && e.contains("the llama preset does not compute"),
+                "{e}"
+            );
+        }
+    }
 }
