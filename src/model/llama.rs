@@ -231,12 +231,12 @@ fn check_scaling(s: &RopeScaling) -> Vec<(&'static str, String)> {
     p
 }
 
-/// The rotary embeddings' inverse frequencies `[head_dim / 2]` (fp32, on the CPU), as
+/// The rotary embeddings' inverse frequencies `[head_dim / 2]` (fp32, on `device`), as
 /// transformers computes them: the default's, then Llama 3's scaling. Each step is the same
 /// float32 operation as Python's (a scalar over a tensor is its reciprocal times the scalar).
-fn inv_freq(o: &LlamaOptions) -> Tensor {
+fn inv_freq(o: &LlamaOptions, device: tch::Device) -> Tensor {
     let dim = o.head_dim();
-    let steps = Tensor::arange_start_step(0, dim, 2, (Kind::Int64, tch::Device::Cpu)).to_kind(Kind::Float);
+    let steps = Tensor::arange_start_step(0, dim, 2, (Kind::Int64, device)).to_kind(Kind::Float);
     let inv = Tensor::pow_scalar(o.rope_theta, &(steps / dim as f64)).reciprocal();
     let Some(s) = &o.rope_scaling else {
         return inv;
@@ -410,9 +410,11 @@ pub struct Llama {
     norm: RmsNorm,
     /// None: tied to the embedding.
     lm_head: Option<Tensor>,
-    /// The rotary inverse frequencies, on the CPU (not a variable: transformers does not save
-    /// them either).
-    inv_freq: Tensor,
+    options: LlamaOptions,
+    /// The rotary inverse frequencies, made on the device of the first input that needs them
+    /// (a copy from the host before every layer would wait for the device). Not a variable:
+    /// transformers does not save them either.
+    inv_freq: std::cell::RefCell<Option<Tensor>>,
 }
 
 impl Llama {
@@ -431,16 +433,24 @@ impl Llama {
             norm: RmsNorm::new(&(&model / "norm"), o.hidden_size, o.rms_norm_eps),
             lm_head: (!o.tie_word_embeddings)
                 .then(|| (root / "lm_head").var("weight", &[o.vocab_size, o.hidden_size], std)),
-            inv_freq: tch::no_grad(|| inv_freq(o)),
+            options: o.clone(),
+            inv_freq: Default::default(),
         }
     }
 
     /// cos and sin `[seq, head_dim]` of positions `0..seq`, in fp32 (outside autocast's reach:
     /// a product and a concatenation), then in the activations' type.
     fn rope(&self, x: &Tensor) -> (Tensor, Tensor) {
-        let l = x.size()[1];
-        let positions = Tensor::arange(l, (Kind::Float, x.device()));
-        let freqs = positions.unsqueeze(1) * self.inv_freq.to_device(x.device()).unsqueeze(0);
+        let (l, device) = (x.size()[1], x.device());
+        let mut cached = self.inv_freq.borrow_mut();
+        let inv = match cached.as_ref().filter(|t| t.device() == device) {
+            Some(t) => t.shallow_clone(),
+            None => cached
+                .insert(tch::no_grad(|| inv_freq(&self.options, device)))
+                .shallow_clone(),
+        };
+        let positions = Tensor::arange(l, (Kind::Float, device));
+        let freqs = positions.unsqueeze(1) * inv.unsqueeze(0);
         let emb = Tensor::cat(&[&freqs, &freqs], -1);
         (emb.cos().to_kind(x.kind()), emb.sin().to_kind(x.kind()))
     }
@@ -654,7 +664,7 @@ mod tests {
             }),
             ..plain.clone()
         };
-        let (a, b) = (inv_freq(&plain), inv_freq(&scaled));
+        let (a, b) = (inv_freq(&plain, Device::Cpu), inv_freq(&scaled, Device::Cpu));
         let v = |t: &Tensor, i: i64| t.double_value(&[i]);
         // Wavelength 2π/f: below 64/4 kept, above 64/1 divided by the factor (8).
         assert_eq!(v(&a, 0), v(&b, 0));
