@@ -1,5 +1,6 @@
 //! `memtrain export RUN_DIR --format torchvision|timm|huggingface OUT`: a run's weights, with
-//! any LoRA adapters merged into the layers they adapt, under the names another library loads.
+//! any LoRA adapters merged into the layers they adapt, under the names another library loads
+//! (a llama run as a Hugging Face `LlamaForCausalLM` or `Qwen2ForCausalLM` directory).
 //!
 //! The model is built from the run's resolved spec on the CPU, its base read from
 //! `model.init_from` where the checkpoint holds only what trained (and only if that file is
@@ -32,9 +33,10 @@ pub fn export(args: &ExportArgs) -> Result<()> {
     let (tensors, config) = match trained.spec.model.preset.as_str() {
         "vit" => vit_names(&trained.spec, merged, args.format)?,
         "resnet18" | "resnet34" | "resnet50" => resnet_names(&trained.spec, merged, args.format)?,
+        "llama" => llama_names(&trained.spec, merged, args.format)?,
         other => {
             return Err(UsageError(format!(
-                "the {other} preset has no counterpart in {}: export takes vit and resnet runs",
+                "the {other} preset has no counterpart in {}: export takes vit, resnet and llama runs",
                 args.format.name()
             ))
             .into())
@@ -315,6 +317,20 @@ fn resnet_names(spec: &Spec, vars: BTreeMap<String, Tensor>, format: ExportForma
             ),
         )),
     }
+}
+
+/// The llama preset's names are Hugging Face's: `LlamaForCausalLM` (or `Qwen2ForCausalLM`) with
+/// its `config.json`. A tied model's file holds the embedding alone, as `save_pretrained` writes.
+fn llama_names(spec: &Spec, vars: BTreeMap<String, Tensor>, format: ExportFormat) -> Result<Exported> {
+    if format != ExportFormat::Huggingface {
+        return Err(cannot_hold(
+            format,
+            "it holds image models, not language models; export it as huggingface",
+        ));
+    }
+    let options = spec.model.options.get("llama").cloned();
+    let o: model::llama::LlamaOptions = options.unwrap_or(toml::Value::Table(Default::default())).try_into()?;
+    Ok((vars.into_iter().collect(), Some(model::llama::hf_config(&o))))
 }
 
 /// `model.safetensors` (and `config.json`) in a new directory, all or nothing.

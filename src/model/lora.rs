@@ -154,12 +154,14 @@ pub fn adapter_for(
 
 /// Targets that match no layer: the error names the layers there are, by their short names
 /// (the part after the block) and one full name.
-pub(super) fn no_target(o: &LoraOptions, preset: &str, offered: &[String]) -> crate::exit::UsageError {
-    // A block's layers once, without the block's own prefix (`self_attention.in_proj_q`).
+pub(crate) fn no_target(o: &LoraOptions, preset: &str, offered: &[String]) -> crate::exit::UsageError {
+    // A block's layers once, without the block's own prefix (`self_attention.in_proj_q` of
+    // `encoder.layers.encoder_layer_0.`, `self_attn.q_proj` of `model.layers.0.`).
     let mut short: Vec<&str> = vec![];
     for name in offered {
         let s = name
             .split_once("_layer_")
+            .or_else(|| name.split_once("layers."))
             .and_then(|(_, r)| r.split_once('.'))
             .map_or(name.as_str(), |(_, r)| r);
         if !short.contains(&s) {

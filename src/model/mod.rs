@@ -5,6 +5,7 @@
 mod darts;
 mod init;
 mod layers;
+pub mod llama;
 pub mod lora;
 mod mlp;
 mod preset;
@@ -53,6 +54,7 @@ const PRESETS: &[&dyn AnyPreset] = &[
     &resnet::ResNetPreset::<34>,
     &resnet::ResNetPreset::<50>,
     &vit::VitPreset,
+    &llama::LlamaPreset,
     &torchscript::TorchScriptPreset,
 ];
 

@@ -13,6 +13,7 @@ mod finetune_groups;
 mod fit;
 mod foundation;
 mod gpu_check;
+mod llama;
 mod lora;
 mod models;
 mod oom;

@@ -2,7 +2,7 @@
 //! `query`/`key`/`value` joined into memtrain's packed in-projection, q, k, v in that order),
 //! as `save_pretrained` writes them and as transformers 5 names them in memory, and
 //! `CLIPVisionModel` / `CLIPVisionModelWithProjection` (a CLIP checkpoint's text tower maps to
-//! nothing).
+//! nothing); `LlamaForCausalLM` and `Qwen2ForCausalLM`, whose names are the llama preset's own.
 use super::{by_module, in_block, numbered, Format, How, Target};
 
 pub struct HuggingFace;
@@ -68,15 +68,23 @@ impl Format for HuggingFace {
 
     fn claims(&self, names: &[&str]) -> bool {
         names.iter().any(|n| {
-            ["vit.", "vision_model.", "embeddings.patch_embeddings."]
-                .iter()
-                .any(|p| n.starts_with(p))
+            [
+                "vit.",
+                "vision_model.",
+                "embeddings.patch_embeddings.",
+                "model.embed_tokens.",
+            ]
+            .iter()
+            .any(|p| n.starts_with(p))
         })
     }
 
     fn map(&self, name: &str) -> Option<Target> {
         if let Some(rest) = name.strip_prefix("vision_model.") {
             return clip(rest);
+        }
+        if name.starts_with("model.") || name.starts_with("lm_head.") {
+            return Some(Target::whole(name));
         }
         match name {
             "visual_projection.weight" => Some(Target::whole("projection.weight")),

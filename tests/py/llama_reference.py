@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""Hugging Face decoders for memtrain's llama preset tests (run with $MEMTRAIN_PYTHON).
+
+  make --out DIR [--kind llama|qwen2] [--kv-heads K] [--tie] [--llama3] [--head-dim D]
+       [--attention-bias] [--shards N] [--io io.safetensors]
+      a tiny randomly initialised LlamaForCausalLM (or Qwen2ForCausalLM), seeded and moved off
+      its initialisation, written by save_pretrained (config.json + safetensors); with --io,
+      fixed token ids `ids` [2, 12] and the model's fp32 logits on them (`logits`).
+  logits --dir DIR --io io.safetensors
+      loads DIR with AutoModelForCausalLM.from_pretrained and writes its logits on the ids of
+      io.safetensors into it as `theirs`.
+Prints {"names": [...], "config": {...}} as JSON.
+"""
+import argparse
+import json
+
+import torch
+from safetensors.torch import load_file, save_file
+
+SIZES = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=256)
+
+
+def make(a):
+    import transformers
+
+    torch.manual_seed(0)
+    kw = dict(SIZES, num_key_value_heads=a.kv_heads, tie_word_embeddings=a.tie, rms_norm_eps=1e-5,
+              rope_theta=5000.0)
+    if a.head_dim:
+        kw["head_dim"] = a.head_dim
+    if a.llama3:
+        # Frequencies on every side of the scaling's bands at head_dim 8 (wavelengths 6 to 1e3).
+        kw["rope_scaling"] = dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                  original_max_position_embeddings=64)
+    if a.kind == "qwen2":
+        config = transformers.Qwen2Config(**kw)
+        model = transformers.Qwen2ForCausalLM(config)
+    else:
+        config = transformers.LlamaConfig(attention_bias=a.attention_bias, **kw)
+        model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.eval()
+    shard = {} if a.shards <= 1 else {"max_shard_size": "10KB"}
+    model.save_pretrained(a.out, **shard)
+    if a.io:
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, SIZES["vocab_size"], (2, 12), generator=g)
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits
+        save_file({"ids": ids, "logits": logits.contiguous()}, a.io)
+    names = sorted(model.state_dict().keys())
+    print(json.dumps({"names": names, "config": json.load(open(f"{a.out}/config.json"))}))
+
+
+def logits(a):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(a.dir, dtype=torch.float32)
+    model.eval()
+    io = load_file(a.io)
+    with torch.no_grad():
+        io["theirs"] = model(input_ids=io["ids"]).logits.contiguous()
+    save_file(io, a.io)
+    print(json.dumps({"architectures": model.config.architectures, "class": type(model).__name__}))
+
+
+def main():
+    p = argparse.ArgumentParser()
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("make")
+    m.add_argument("--out", required=True)
+    m.add_argument("--kind", default="llama", choices=["llama", "qwen2"])
+    m.add_argument("--kv-heads", type=int, default=2)
+    m.add_argument("--head-dim", type=int, default=0)
+    m.add_argument("--tie", action="store_true")
+    m.add_argument("--llama3", action="store_true")
+    m.add_argument("--attention-bias", action="store_true")
+    m.add_argument("--shards", type=int, default=1)
+    m.add_argument("--io")
+    l = sub.add_parser("logits")
+    l.add_argument("--dir", required=True)
+    l.add_argument("--io", required=True)
+    a = p.parse_args()
+    make(a) if a.cmd == "make" else logits(a)
+
+
+if __name__ == "__main__":
+    main()
