@@ -5,6 +5,7 @@
 mod darts;
 mod init;
 mod layers;
+pub mod lm_loss;
 pub mod lora;
 mod mlp;
 mod preset;

@@ -13,6 +13,7 @@ mod finetune_groups;
 mod fit;
 mod foundation;
 mod gpu_check;
+mod lm_loss;
 mod lora;
 mod models;
 mod oom;
