@@ -9,6 +9,7 @@
 //! a surrogate whose backward is exactly them (tch has no custom autograd function).
 use tch::{Kind, Tensor};
 
+use super::Net;
 use crate::shim;
 
 /// Targets of this value are ignored, as PyTorch's `ignore_index` default has it.
@@ -32,6 +33,15 @@ pub struct TokenLoss {
 /// hold, at least one.
 pub fn chunk_tokens(vocab: i64) -> i64 {
     (CHUNK_LOGIT_BYTES / (4 * vocab.max(1))).max(1)
+}
+
+/// Logits from a model's output: the output itself, or a language model's hidden states through
+/// its output projection (`Net::output_head`).
+pub fn logits(net: &dyn Net, out: &Tensor) -> Tensor {
+    match net.output_head() {
+        Some(w) => out.matmul(&w.to_kind(out.kind()).tr()),
+        None => out.shallow_clone(),
+    }
 }
 
 /// The projection's gradient, accumulated chunk by chunk, and the hidden states' (row blocks).
