@@ -46,6 +46,11 @@ pub struct TrainState {
     pub epoch_loss_sum: f64,
     pub epoch_correct: i64,
     pub epoch_seen: i64,
+    /// A language model's counted target tokens: the epoch's so far, and the run's.
+    #[serde(default)]
+    pub epoch_tokens: u64,
+    #[serde(default)]
+    pub tokens_seen: u64,
     /// The memory levers engaged at this point (`policy::levers`), by name.
     #[serde(default)]
     pub levers: Vec<String>,
@@ -586,6 +591,8 @@ mod tests {
             epoch_loss_sum: 0.0,
             epoch_correct: 0,
             epoch_seen: 0,
+            epoch_tokens: 0,
+            tokens_seen: 0,
             levers: vec![],
             scaler: None,
             monitored,

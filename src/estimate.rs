@@ -48,6 +48,8 @@ pub struct Estimate {
     pub gpu: bool,
     /// The shape of one input sample.
     pub input_shape: Vec<i64>,
+    /// A language model's vocabulary: its next-token loss holds one chunk of logits at a time.
+    pub vocab: Option<i64>,
 }
 
 /// Where each term of the bill lives under a spec (`memory.*`).
@@ -256,6 +258,7 @@ pub fn estimate(job: &Sections) -> Result<Estimate> {
         homes: Homes::of(job.memory),
         cap: job.memory.limit.map(|l| l.0),
         input_shape: c.input_shape.clone(),
+        vocab: c.vocab,
         gpu: job.device != crate::spec::Device::Cpu,
     })
 }
@@ -343,6 +346,7 @@ impl fmt::Display for Estimate {
             self.micro_batch,
             self.accumulation_steps
         )?;
+        self.write_loss_chunk(f)?;
         self.write_bill(f)
     }
 }
@@ -358,6 +362,22 @@ pub fn cannot_fit(device: u64, cap: u64) -> String {
 }
 
 impl Estimate {
+    /// A language model's next-token loss: one chunk of fp32 logits, not the micro-batch's.
+    fn write_loss_chunk(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Some(vocab) = self.vocab else {
+            return Ok(());
+        };
+        let tokens = self.micro_batch.max(1) * self.input_shape.iter().product::<i64>().max(1);
+        let chunk = crate::model::lm_loss::chunk_tokens(vocab).min(tokens);
+        let bytes = |t: i64| human_bytes((t * vocab * 4) as u64);
+        writeln!(
+            f,
+            "next-token loss  {chunk} of the micro-batch's {tokens} tokens at a time: {} of fp32 logits (and as much for their softmax and gradient), not the whole {}",
+            bytes(chunk),
+            bytes(tokens)
+        )
+    }
+
     /// Each term with where the spec puts it, the device's share against the cap, and what
     /// would make it fit when it cannot.
     fn write_bill(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -16,7 +16,7 @@ use crate::cli::EvalArgs;
 use crate::data::classes::{self, ClassNames, DataClasses};
 use crate::data::Dataset;
 use crate::exit::{OomExit, UsageError};
-use crate::model::{self, Built};
+use crate::model::{self, lm_loss, Built};
 use crate::oom::{self, StepError};
 use crate::plan::{Facts, Place, Placement, Request};
 use crate::spec::{self, Spec};
@@ -36,8 +36,14 @@ pub struct EvalReport {
     pub top5: Option<f64>,
     /// The micro-batch the pass ended at (halved from the spec's on an OOM).
     pub micro_batch: i64,
-    /// Every class of the run, in index order.
+    /// Every class of the run, in index order (none for a language model).
     pub classes: Vec<ClassRow>,
+    /// A language model's counted target tokens (`loss` and `accuracy` are then per token).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<i64>,
+    /// A language model's `exp(loss)`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub perplexity: Option<f64>,
 }
 
 /// One class's line of the table.
@@ -245,6 +251,16 @@ struct Sums {
     top5: i64,
     count: Vec<i64>,
     right: Vec<i64>,
+    /// A language model's counted target tokens; None for a classifier.
+    tokens: Option<i64>,
+}
+
+/// A language model's micro-batch: its next-token loss sum, counted targets and correct ones.
+struct TokenChunk {
+    loss: f64,
+    tokens: i64,
+    correct: i64,
+    samples: i64,
 }
 
 /// One micro-batch's per-sample results, on the host.
@@ -254,6 +270,7 @@ struct Chunk {
     /// The k largest logits' classes, k per sample, largest first.
     top: Vec<i64>,
     k: usize,
+    language: Option<TokenChunk>,
 }
 
 /// The set at `micro_batch`, halved on an OOM and continued from the micro-batch that failed.
@@ -307,7 +324,23 @@ fn chunk(net: &dyn model::Net, set: &Dataset, idx: &[i64], device: Device, class
     let _squeeze = crate::fault::squeeze_in(crate::fault::Phase::Validation, None);
     let (x, y) = set.batch(&Tensor::from_slice(idx));
     let y = y.to_device(device);
-    let logits = net.forward_t(&x.to_device(device), false).to_kind(Kind::Float);
+    let out = net.forward_t(&x.to_device(device), false);
+    if let Some(w) = net.output_head() {
+        let t = lm_loss::next_token_loss(&out, &w, &y, None, lm_loss::chunk_tokens(w.size()[0]));
+        return Chunk {
+            labels: vec![],
+            losses: vec![],
+            top: vec![],
+            k: 0,
+            language: Some(TokenChunk {
+                loss: t.loss.double_value(&[]),
+                tokens: t.tokens.int64_value(&[]),
+                correct: t.correct.int64_value(&[]),
+                samples: idx.len() as i64,
+            }),
+        };
+    }
+    let logits = out.to_kind(Kind::Float);
     let losses = logits.cross_entropy_loss::<Tensor>(&y, None, tch::Reduction::None, -100, 0.0);
     let k = classes.min(5);
     let (_, top) = logits.topk(k, -1, true, true);
@@ -316,11 +349,19 @@ fn chunk(net: &dyn model::Net, set: &Dataset, idx: &[i64], device: Device, class
         losses: Vec::<f64>::try_from(losses.to_kind(Kind::Double).to_device(Device::Cpu)).expect("losses"),
         top: Vec::<i64>::try_from(top.flatten(0, -1).to_device(Device::Cpu)).expect("classes"),
         k: k as usize,
+        language: None,
     }
 }
 
 impl Sums {
     fn add(&mut self, c: &Chunk) {
+        if let Some(t) = &c.language {
+            self.loss += t.loss;
+            self.samples += t.samples;
+            self.correct += t.correct;
+            *self.tokens.get_or_insert(0) += t.tokens;
+            return;
+        }
         for (i, &label) in c.labels.iter().enumerate() {
             let top = &c.top[i * c.k..(i + 1) * c.k];
             let right = top.first() == Some(&label);
@@ -344,6 +385,21 @@ impl Sums {
         classes: i64,
     ) -> EvalReport {
         let share = |a: i64, n: i64| (n > 0).then(|| a as f64 / n as f64);
+        if let Some(tokens) = self.tokens {
+            let loss = self.loss / tokens.max(1) as f64;
+            return EvalReport {
+                checkpoint: weights.to_path_buf(),
+                data,
+                samples: self.samples,
+                loss,
+                accuracy: share(self.correct, tokens).unwrap_or(0.0),
+                top5: None,
+                micro_batch,
+                classes: vec![],
+                tokens: Some(tokens),
+                perplexity: Some(loss.exp()),
+            };
+        }
         EvalReport {
             checkpoint: weights.to_path_buf(),
             data,
@@ -360,6 +416,8 @@ impl Sums {
                     accuracy: share(self.right[i], self.count[i]),
                 })
                 .collect(),
+            tokens: None,
+            perplexity: None,
         }
     }
 }
@@ -370,6 +428,13 @@ fn print(r: &EvalReport) -> Result<()> {
         None => "the run's validation data".to_owned(),
     };
     crate::outln!("eval {} on {on}: {} samples", r.checkpoint.display(), r.samples)?;
+    if let (Some(tokens), Some(ppl)) = (r.tokens, r.perplexity) {
+        return crate::outln!(
+            "{tokens} tokens  loss {:.4}  perplexity {ppl:.2}  token accuracy {:.2}%",
+            r.loss,
+            100.0 * r.accuracy
+        );
+    }
     let top5 = r.top5.map(|t| format!("  top-5 {:.2}%", 100.0 * t)).unwrap_or_default();
     crate::outln!("loss {:.4}  accuracy {:.2}%{top5}", r.loss, 100.0 * r.accuracy)?;
     let width = r.classes.iter().map(|c| c.name.len()).max().unwrap_or(5).max(5);

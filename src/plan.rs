@@ -618,6 +618,8 @@ pub fn fresh_state(shape: BatchShape) -> TrainState {
         epoch_loss_sum: 0.0,
         epoch_correct: 0,
         epoch_seen: 0,
+        epoch_tokens: 0,
+        tokens_seen: 0,
         levers: vec![],
         scaler: None,
         monitored: None,

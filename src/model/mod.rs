@@ -6,6 +6,7 @@ mod darts;
 mod init;
 mod layers;
 pub mod llama;
+pub mod lm_loss;
 pub mod lora;
 mod mlp;
 mod preset;
@@ -21,6 +22,7 @@ use crate::data::classes::DataClasses;
 use crate::spec::schema::{Data, Model};
 
 pub use darts::{derive_genotype, Darts, DartsOptions};
+pub use lm_loss::logits;
 pub use lora::with_frozen;
 pub use mlp::Mlp;
 pub use preset::{block_vars, run_chain, Built, Chain, ExtraStep, Genotype, Net, Preset, ARCH_PREFIX};
@@ -44,6 +46,8 @@ pub struct Counts {
     pub blockwise: bool,
     /// The shape of one input sample.
     pub input_shape: Vec<i64>,
+    /// A language model's vocabulary (its output projection's rows).
+    pub vocab: Option<i64>,
 }
 
 /// The registry: one line per preset.
@@ -134,15 +138,6 @@ fn preset_named(name: &str) -> Option<&'static dyn AnyPreset> {
 
 fn preset_of(model: &Model) -> Result<&'static dyn AnyPreset> {
     preset_named(&model.preset).ok_or_else(|| anyhow::anyhow!("unknown preset \"{}\"", model.preset))
-}
-
-/// Logits from a model's output: the output itself, or a language model's hidden states through
-/// its output projection (`Net::output_head`).
-pub fn logits(net: &dyn Net, out: &tch::Tensor) -> tch::Tensor {
-    match net.output_head() {
-        Some(w) => out.matmul(&w.to_kind(out.kind()).tr()),
-        None => out.shallow_clone(),
-    }
 }
 
 pub fn names() -> Vec<&'static str> {
@@ -522,6 +517,7 @@ pub fn counts(model: &Model, train: &crate::spec::schema::Train) -> Result<Count
         has_blocks: built.net.chain().is_some(),
         blockwise: blockwise(built.net.as_ref(), &vs),
         input_shape: built.input_shape.clone(),
+        vocab: built.net.output_head().map(|w| w.size()[0]),
         ..Counts::default()
     };
     let infos = param_infos(&vs, built.net.as_ref());

@@ -138,6 +138,37 @@ pub struct StepEvent {
     /// in the step), averaged like `seconds` over the steps since the previous step record.
     #[serde(default)]
     pub data_wait_seconds: f64,
+    /// A language model's step: its tokens, rate and perplexity (`loss` is then the mean over
+    /// the step's counted target tokens).
+    #[serde(flatten, default, skip_serializing_if = "Option::is_none")]
+    pub language: Option<StepTokens>,
+}
+
+/// A language model's step figures.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct StepTokens {
+    /// The step's counted target tokens (not ignored), which its loss is the mean over.
+    pub tokens: u64,
+    /// The run's counted target tokens so far, this step's included.
+    pub tokens_seen: u64,
+    /// The epoch's tokens so far over its step time so far, as `samples_per_s`.
+    pub tokens_per_s: f64,
+    /// `exp(loss)`.
+    pub perplexity: f64,
+}
+
+/// A language model's epoch figures.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct EpochTokens {
+    /// The run's counted target tokens so far.
+    pub tokens_seen: u64,
+    /// The epoch's counted target tokens over its training time.
+    pub tokens_per_s: f64,
+    /// `exp(train_loss)`, the training loss being the epoch's token mean.
+    pub train_perplexity: f64,
+    /// `exp(val_loss)`, the validation loss being the token mean.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_perplexity: Option<f64>,
 }
 
 /// Per-epoch results, also the summary's `final`.
@@ -154,6 +185,10 @@ pub struct EpochResult {
     pub seconds: f64,
     #[serde(deserialize_with = "nan_if_null")]
     pub samples_per_s: f64,
+    /// A language model's run (`train_loss`, `val_loss` and the accuracies are then per counted
+    /// target token).
+    #[serde(flatten, default, skip_serializing_if = "Option::is_none")]
+    pub language: Option<EpochTokens>,
 }
 
 /// One data-parallel rank's memory peaks, as rank 0 records them for every rank.

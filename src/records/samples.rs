@@ -61,6 +61,7 @@ pub fn step(step: i64, loss: f64, allocated: u64, peak_allocated: u64) -> StepEv
         host_reads: 1,
         host_update_seconds: None,
         data_wait_seconds: 0.05,
+        language: None,
     }
 }
 
@@ -74,6 +75,7 @@ pub fn epoch(step: i64, val_acc: f64) -> EpochEvent {
             val_acc: Some(val_acc),
             seconds: 2.0,
             samples_per_s: 24.0,
+            language: None,
         },
         samples: 48,
         step,

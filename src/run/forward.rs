@@ -25,10 +25,11 @@
 use tch::{Device, Kind, Reduction, Tensor};
 
 use super::stream::{streamed_logits, Pass, Streamer};
+use super::tally::Count;
 use crate::data::Dataset;
 use crate::fault::{self, Phase};
 use crate::host::{Fence, Home, Host};
-use crate::model::{Chain, Net};
+use crate::model::{lm_loss, Chain, Net};
 use crate::oom::{self, inside_guard as ok};
 use crate::shim::{self, Autocast};
 use crate::spec::Precision;
@@ -133,7 +134,7 @@ impl Forward {
         stream: Option<&Streamer>,
         batch: &Batch,
         train: bool,
-    ) -> (Tensor, Tensor) {
+    ) -> (Tensor, Tensor, Count) {
         let x = &batch.x;
         let logits = match (stream, net.chain()) {
             // One autocast region per block: its cast cache goes with the block.
@@ -143,15 +144,23 @@ impl Forward {
                 net.forward_t(x, train)
             }
         };
-        self.loss(&logits, &batch.y)
+        self.loss(net, &logits, &batch.y)
     }
 
-    /// Sum-reduced cross-entropy in fp32 and the correct count, from logits.
-    pub fn loss(&self, logits: &Tensor, y: &Tensor) -> (Tensor, Tensor) {
-        let logits = logits.to_kind(Kind::Float);
+    /// Sum-reduced cross-entropy in fp32, the correct count and what the loss counts, from the
+    /// model's output: logits (a sample each), or a language model's hidden states, whose
+    /// next-token loss goes through the output projection a chunk of tokens at a time (a token
+    /// each, ignored targets left out).
+    pub fn loss(&self, net: &dyn Net, out: &Tensor, y: &Tensor) -> (Tensor, Tensor, Count) {
+        if let Some(w) = net.output_head() {
+            let chunk = lm_loss::chunk_tokens(w.size()[0]);
+            let t = lm_loss::next_token_loss(out, &w, y, self.precision.precision.autocast(), chunk);
+            return (t.loss, t.correct, Count::Counted(t.tokens));
+        }
+        let logits = out.to_kind(Kind::Float);
         let loss = logits.cross_entropy_loss::<Tensor>(y, None, Reduction::Sum, -100, 0.0);
         let correct = logits.argmax(-1, false).eq_tensor(y).sum(Kind::Int64);
-        (loss, correct)
+        (loss, correct, Count::Known(y.size()[0] as f64))
     }
 
     /// The loss backward starts from: the group mean's share, times the loss scale.
@@ -163,16 +172,17 @@ impl Forward {
         }
     }
 
-    /// Forward, loss and backward of one micro-batch, the loss divided by `n` (the group's size)
+    /// Forward, loss and backward of one micro-batch, the loss divided by `n` (the group's size:
+    /// its samples, or a language model's counted target tokens)
     /// before backward; returns the sum-reduced loss and the correct count. `around` is told of
     /// each block as the forward reaches it and after each block's backward.
     pub fn forward_backward(&self, net: &dyn Net, m: &Micro, n: f64, around: &mut dyn Around) -> (Tensor, Tensor) {
         match net.chain().filter(|_| self.recompute || m.stream.is_some()) {
-            Some(chain) => recomputed(self, chain, m, n, around),
+            Some(_) => recomputed(self, net, m, n, around),
             None => {
                 around.settle();
                 let forward = stage(Phase::Forward, m.step);
-                let (loss, c) = self.forward_loss(net, None, &m.batch, true);
+                let (loss, c, _) = self.forward_loss(net, None, &m.batch, true);
                 drop(forward);
                 let _backward = stage(Phase::Backward, m.step);
                 self.scaled(&loss, n, m.loss_scale).backward();
@@ -312,7 +322,8 @@ impl Flow<'_> {
 
 /// Checkpointed forward, loss and backward of one micro-batch; returns the sum-reduced loss and
 /// the correct count, as `Forward::forward_loss` does.
-fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, around: &mut dyn Around) -> (Tensor, Tensor) {
+fn recomputed(p: &Forward, net: &dyn Net, m: &Micro, n: f64, around: &mut dyn Around) -> (Tensor, Tensor) {
+    let chain = net.chain().expect("a recomputed model has a chain");
     let forward = stage(Phase::Forward, m.step);
     let (x, y) = (m.batch.x.shallow_clone(), &m.batch.y);
     let k = chain.blocks();
@@ -352,11 +363,12 @@ fn recomputed(p: &Forward, chain: &dyn Chain, m: &Micro, n: f64, around: &mut dy
     let head_in = leaves(&state);
     flow.ready(around, k - 1);
     let (loss, correct) = {
-        let logits = {
+        let out = {
             let _autocast = p.precision.autocast(p.device);
             chain.block(k - 1, &head_in, true).pop().expect("logits")
         };
-        p.loss(&logits, y)
+        let (loss, correct, _) = p.loss(net, &out, y);
+        (loss, correct)
     };
     // The last saved boundary and its block come back while the head's backward runs.
     let mut ahead = saved.pop().map(|(ins, rng)| (bounds.fetch(ins), rng));

@@ -17,6 +17,7 @@ mod stream;
 mod summary;
 mod tally;
 mod terminal;
+mod tokens;
 mod trainer;
 mod validation;
 

@@ -10,10 +10,11 @@ use tch::Device;
 
 use super::clock::Stamp;
 use super::tally::{Read, Staged, Tally};
+use super::tokens::perplexity;
 use crate::data::DataWait;
 use crate::memory::{self, Place, StepMemory};
 use crate::readback;
-use crate::records::StepEvent;
+use crate::records::{StepEvent, StepTokens};
 
 /// The per-step readings folded into the windows that records report: since the last step
 /// line, and since the epoch began.
@@ -35,6 +36,7 @@ struct StagedRecord {
     steps: u32,
     /// The epoch's samples so far, this step's included.
     seen: u64,
+    tokens: Option<TokenCounts>,
     /// Its step's host update finishes in the next step's forward: the record waits for it.
     awaits_update: bool,
 }
@@ -84,6 +86,19 @@ pub struct Logged {
     pub skipped: bool,
     /// The epoch's samples so far, this step's included.
     pub seen: u64,
+    /// A language model's counted target tokens.
+    pub tokens: Option<TokenCounts>,
+}
+
+/// A language model's counted target tokens at a logged step.
+#[derive(Debug, Clone, Copy)]
+pub struct TokenCounts {
+    /// The step's group's, which its loss is the mean over.
+    pub step: u64,
+    /// The epoch's so far in this session, this step's included (its rate's numerator).
+    pub epoch: u64,
+    /// The run's so far.
+    pub run: u64,
 }
 
 /// A written-out step record and, when no step was added since it was staged, the epoch's sums
@@ -121,7 +136,7 @@ impl Stager {
     /// Sums that start from what is already known (a resumed epoch's).
     pub fn new(device: Device, loss_sum: f64, correct: i64) -> Stager {
         Stager {
-            tally: Tally::new(device, loss_sum, correct),
+            tally: Tally::new(device, loss_sum, correct, 0.0),
             windows: StepWindows::default(),
             reads: readback::Mark::now(),
             data_wait: DataWait::default(),
@@ -208,6 +223,7 @@ impl Stager {
             host_reads: self.reads.take(),
             host_update_seconds: self.host.seconds.take(),
             data_wait_seconds: self.data_wait.take_line(steps),
+            language: None,
         };
         let awaits_update = self.host.deferred == Some(true);
         let ready = read.ready() && !crate::fault::late_reads() && !awaits_update;
@@ -216,6 +232,7 @@ impl Stager {
             event,
             steps,
             seen: l.seen,
+            tokens: l.tokens,
             awaits_update,
         });
         Ok(ready)
@@ -230,6 +247,7 @@ impl Stager {
             mut event,
             steps,
             seen,
+            tokens,
             ..
         }) = self.staged.take()
         else {
@@ -243,6 +261,16 @@ impl Stager {
         self.epoch_step_seconds += elapsed;
         event.seconds = elapsed / steps as f64;
         event.samples_per_s = seen as f64 / self.epoch_step_seconds.max(1e-9);
+        if let Some(t) = tokens {
+            // The token mean, which the step's gradient is the gradient of.
+            event.loss = r.step_loss_sum / t.step.max(1) as f64;
+            event.language = Some(StepTokens {
+                tokens: t.step,
+                tokens_seen: t.run,
+                tokens_per_s: t.epoch as f64 / self.epoch_step_seconds.max(1e-9),
+                perplexity: perplexity(event.loss),
+            });
+        }
         self.step_mark = done;
         self.last_loss = Some(event.loss);
         Ok(Some(Collected { event, sums }))

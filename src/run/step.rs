@@ -26,7 +26,7 @@ use tch::{Kind, Tensor};
 use super::execution::Execution;
 use super::forward::{Around, Forward, Micro};
 use super::stream::Streamer;
-use super::tally::{Tally, Totals};
+use super::tally::{Count, Tally, Totals};
 use crate::data::Dataset;
 use crate::fault::{self, Phase};
 use crate::memory::{self, Place};
@@ -78,7 +78,8 @@ pub struct Work<'a> {
     pub buffers: &'a [Tensor],
     /// Parameters streamed by block (`memory.parameters = "host"`).
     pub stream: Option<&'a Streamer>,
-    /// What the loss is divided by: the whole group's size, across all ranks.
+    /// What the loss is divided by: the whole group's size, across all ranks (a language
+    /// model's: the group's counted target tokens).
     pub divisor: f64,
     /// False for a rank with no samples in this group: it runs one sample with a zero loss, so
     /// its Reducer takes part, and reports nothing.
@@ -145,7 +146,7 @@ impl StepPipeline {
         };
         let out = self.agree(d, opt, work, synced, attempt)?;
         if let Some(t) = tally {
-            t.add_values(out.0, out.1);
+            t.add_values(out.0, out.1, work.divisor);
         }
         Ok(out.2)
     }
@@ -238,7 +239,7 @@ impl StepPipeline {
         };
         // A rank without samples ran one with a zero loss: it counts nothing.
         let totals = match work.contributes {
-            true => Totals::new(loss_sum, correct),
+            true => Totals::new(loss_sum, correct, Count::Known(work.divisor)),
             false => Totals::zero(device),
         };
         (totals, found_inf, prepared)

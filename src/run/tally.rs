@@ -7,26 +7,42 @@ use tch::{Device, Kind, Tensor};
 use super::clock::Stamp;
 use crate::readback;
 
-/// One step's loss sum (fp32) and correct count (int64), where the step computed them.
+/// What a loss sum averages over: samples, or a language model's counted target tokens.
+#[derive(Debug)]
+pub enum Count {
+    /// Known on the host (a batch's samples, a group's tokens counted before its step).
+    Known(f64),
+    /// Counted where the loss was computed (int64 scalar).
+    Counted(Tensor),
+}
+
+/// One step's loss sum (fp32), correct count (int64) and what the loss counts, where the step
+/// computed them.
 #[derive(Debug)]
 pub struct Totals {
     loss_sum: Tensor,
     correct: Tensor,
+    count: Count,
 }
 
 impl Totals {
-    pub fn new(loss_sum: Tensor, correct: Tensor) -> Totals {
-        Totals { loss_sum, correct }
+    pub fn new(loss_sum: Tensor, correct: Tensor, count: Count) -> Totals {
+        Totals {
+            loss_sum,
+            correct,
+            count,
+        }
     }
 
     pub fn zero(device: Device) -> Totals {
         Totals::new(
             Tensor::zeros([], (Kind::Float, device)),
             Tensor::zeros([], (Kind::Int64, device)),
+            Count::Known(0.0),
         )
     }
 
-    /// Both values, in one read.
+    /// The loss sum and correct count, in one read.
     pub fn read(&self) -> Result<(f64, i64)> {
         let v = readback::values(&[&self.loss_sum, &self.correct])?;
         Ok((v[0], v[1] as i64))
@@ -39,10 +55,14 @@ pub struct Read {
     pub step_loss_sum: f64,
     pub epoch_loss_sum: f64,
     pub epoch_correct: i64,
+    /// What the step's and the epoch's loss sums count (samples, or target tokens).
+    pub step_count: f64,
+    pub epoch_count: f64,
 }
 
 /// The epoch's running sums and the last step's loss, on the device, in one f64 tensor made
-/// once (`[step loss, epoch loss sum, step correct count, epoch correct count]`): a step adds to
+/// once (`[step loss, epoch loss sum, step correct count, epoch correct count, step count,
+/// epoch count]`, the counts being what the loss sums average over): a step adds to
 /// it in place, before its optimizer step writes, so nothing of the step's attempt outlives it
 /// and adding allocates nothing. The loss is summed in f64 in step order, which is exactly what
 /// adding each step's value read as f64 on the host gave; counts below 2^53 stay exact in f64.
@@ -55,13 +75,14 @@ pub struct Tally {
 
 impl Tally {
     /// Sums that start from what is already known (a resumed epoch's).
-    pub fn new(device: Device, loss_sum: f64, correct: i64) -> Tally {
+    pub fn new(device: Device, loss_sum: f64, correct: i64, count: f64) -> Tally {
         // Filled where it lives: an upload from pageable memory would make the host wait for the
         // device's queued work.
-        let sums = Tensor::zeros([4], (Kind::Double, device));
+        let sums = Tensor::zeros([6], (Kind::Double, device));
         tch::no_grad(|| {
             let _ = sums.narrow(0, 1, 1).fill_(loss_sum);
             let _ = sums.narrow(0, 3, 1).fill_(correct as f64);
+            let _ = sums.narrow(0, 5, 1).fill_(count);
         });
         Tally { sums, pending: false }
     }
@@ -80,17 +101,28 @@ impl Tally {
             let mut step_correct = self.sums.get(2);
             step_correct.copy_(&step.correct);
             let _ = self.sums.get(3).g_add_(&step_correct);
+            let mut step_count = self.sums.get(4);
+            match &step.count {
+                // A host value fills in a kernel: a copy from the host would wait for the device.
+                Count::Known(n) => {
+                    let _ = step_count.fill_(*n);
+                }
+                Count::Counted(t) => step_count.copy_(t),
+            }
+            let _ = self.sums.get(5).g_add_(&step_count);
         });
         self.pending = true;
     }
 
     /// Adds values already on the host (a data-parallel step agreed on them).
-    pub fn add_values(&mut self, loss_sum: f64, correct: i64) {
+    pub fn add_values(&mut self, loss_sum: f64, correct: i64, count: f64) {
         tch::no_grad(|| {
             let _ = self.sums.get(0).fill_(loss_sum);
             let _ = self.sums.get(1).g_add_scalar_(loss_sum);
             let _ = self.sums.get(2).fill_(correct as f64);
             let _ = self.sums.get(3).g_add_scalar_(correct as f64);
+            let _ = self.sums.get(4).fill_(count);
+            let _ = self.sums.get(5).g_add_scalar_(count);
         });
         self.pending = true;
     }
@@ -159,6 +191,8 @@ impl Read {
             step_loss_sum: v[0],
             epoch_loss_sum: v[1],
             epoch_correct: v[3] as i64,
+            step_count: v[4],
+            epoch_count: v[5],
         }
     }
 }
@@ -171,10 +205,10 @@ mod tests {
     fn the_device_sum_equals_the_hosts_step_by_step_sum() {
         let steps = [0.1f32, 1e8, 3.3, -7.25e-3, 1.0 / 3.0];
         let mut host = 12.5f64;
-        let mut tally = Tally::new(Device::Cpu, 12.5, 4);
+        let mut tally = Tally::new(Device::Cpu, 12.5, 4, 2.0);
         for (i, &l) in steps.iter().enumerate() {
             host += l as f64;
-            tally.add(Totals::new(Tensor::from(l), Tensor::from(i as i64)));
+            tally.add(Totals::new(Tensor::from(l), Tensor::from(i as i64), Count::Known(8.0)));
         }
         assert!(tally.pending());
         let r = tally.read().unwrap();
@@ -182,10 +216,21 @@ mod tests {
         assert_eq!(r.epoch_loss_sum.to_bits(), host.to_bits());
         assert_eq!(r.step_loss_sum, (1.0f32 / 3.0) as f64);
         assert_eq!(r.epoch_correct, 4 + 10);
+        assert_eq!((r.step_count, r.epoch_count), (8.0, 2.0 + 5.0 * 8.0));
+        // Tokens counted on the device add alike.
+        tally.add(Totals::new(
+            Tensor::from(0.5f32),
+            Tensor::from(1i64),
+            Count::Counted(Tensor::from(300i64)),
+        ));
+        let r = tally.read().unwrap();
+        assert_eq!((r.step_count, r.epoch_count), (300.0, 342.0));
+        host += 0.5;
         // The agreed values of a data-parallel step add alike.
-        tally.add_values(2.5, 3);
+        tally.add_values(2.5, 3, 6.0);
         let r = tally.read().unwrap();
         assert_eq!(r.epoch_loss_sum.to_bits(), (host + 2.5).to_bits());
-        assert_eq!((r.step_loss_sum, r.epoch_correct), (2.5, 17));
+        assert_eq!((r.step_loss_sum, r.epoch_correct), (2.5, 18));
+        assert_eq!((r.step_count, r.epoch_count), (6.0, 348.0));
     }
 }

@@ -21,6 +21,8 @@ pub enum Notice {
         done: u64,
         loss: Option<f64>,
         samples_per_s: f64,
+        /// A language model's counted target tokens per second.
+        tokens_per_s: Option<f64>,
         memory: u64,
     },
     /// The epoch's steps are over (or the run stops in them).
@@ -142,10 +144,17 @@ impl Terminal {
                 done,
                 loss,
                 samples_per_s,
+                tokens_per_s,
                 memory,
             } => self.progress.step(done, || {
-                let loss = loss.map_or("-".into(), |l| format!("{l:.4}"));
-                format!("loss {loss}  {samples_per_s:.1} samples/s  mem {}", human_bytes(memory))
+                let text = loss.map_or("-".into(), |l| format!("{l:.4}"));
+                match tokens_per_s {
+                    Some(t) => {
+                        let ppl = loss.map_or("-".into(), |l| format!("{:.2}", l.exp()));
+                        format!("loss {text} ppl {ppl}  {t:.0} tokens/s  mem {}", human_bytes(memory))
+                    }
+                    None => format!("loss {text}  {samples_per_s:.1} samples/s  mem {}", human_bytes(memory)),
+                }
             }),
             Notice::EpochEnds => self.progress.finish_epoch(),
             Notice::OomAnswered {
@@ -263,6 +272,21 @@ fn epoch_line(r: &EpochResult, m: &MemorySample, epochs: i64) -> String {
             human_bytes(m.peak_rss_bytes)
         ),
     };
+    if let Some(t) = &r.language {
+        let val = match (r.val_loss, t.val_perplexity) {
+            (Some(l), Some(p)) => format!("  val loss {l:.4} ppl {p:.2}"),
+            _ => String::new(),
+        };
+        return format!(
+            "epoch {}/{}  train loss {:.4} ppl {:.2}{val}  {}  {:.0} tokens/s  | {mem}",
+            r.epoch,
+            epochs,
+            r.train_loss,
+            t.train_perplexity,
+            human_duration(r.seconds),
+            t.tokens_per_s
+        );
+    }
     format!(
         "epoch {}/{}  train loss {:.4} acc {:.1}%{val}  {}  {:.1} samples/s  | {mem}",
         r.epoch,

@@ -18,9 +18,10 @@ use super::components::{Components, LoopSettings, Outputs};
 use super::execution::Execution;
 use super::parts::{ArchAt, ArchStep, Parts, Trained};
 use super::rollback::Attempt;
-use super::stager::{Logged, Stager};
+use super::stager::{Logged, Stager, TokenCounts};
 use super::step::{StepOutput, StepPipeline, Work};
 use super::terminal::{Lost, Notice, Terminal};
+use super::tokens;
 use crate::checkpoint::{Store, TrainState};
 use crate::data::{self, Splits};
 use crate::exit::Interrupted;
@@ -47,6 +48,8 @@ struct Stepped {
 struct EpochClock {
     t0: Instant,
     seen: u64,
+    /// A language model's counted target tokens this session of the epoch.
+    tokens: u64,
 }
 
 /// This session of the loop: its start, the stop flag, what it has done so far.
@@ -146,7 +149,7 @@ impl Trainer {
     }
 
     /// One optimizer step of the weights over `group`.
-    fn weight_step(&mut self, group: &[i64], lr: f64) -> Result<StepOutput, StepError> {
+    fn weight_step(&mut self, group: &[i64], lr: f64, tokens: Option<u64>) -> Result<StepOutput, StepError> {
         let buffers = self.recompute_buffers();
         let micro_batch = self.shape().micro_batch as usize;
         let (share, contributes) = self.execution.share(group, micro_batch);
@@ -161,7 +164,8 @@ impl Trainer {
             loss_scale: self.state.scaler.map(|s| s.scale),
             buffers: &buffers,
             stream: stream.as_ref(),
-            divisor: group.len() as f64,
+            // A language model's loss is the mean over the group's counted target tokens.
+            divisor: tokens.map_or(group.len() as f64, |t| t as f64),
             contributes,
             stop: self.run.stop.requested(),
             synced: true,
@@ -295,6 +299,7 @@ impl Trainer {
             let mut clock = EpochClock {
                 t0: Instant::now(),
                 seen: 0,
+                tokens: 0,
             };
             if let Some(status) = self.train_epoch(&mut clock)? {
                 return Ok(status);
@@ -376,6 +381,11 @@ impl Trainer {
             })?;
         }
         let lr = self.model.sched.lr_at(self.model.opt.steps_taken());
+        let tokens = self
+            .model
+            .net
+            .output_head()
+            .map(|_| tokens::counted(&self.data.train, group));
         let work = if measure {
             Attempt::Preflight
         } else {
@@ -386,7 +396,7 @@ impl Trainer {
                 memory::reset_peaks(t.place());
             }
             let _squeeze = measure.then(|| fault::squeeze_in(Phase::Preflight, step));
-            t.weight_step(group, lr)
+            t.weight_step(group, lr, tokens)
         })?;
         if measure {
             self.run.preflight_pending = false;
@@ -402,6 +412,11 @@ impl Trainer {
         self.state.global_step += 1;
         self.state.epoch_seen += group.len() as i64;
         clock.seen += group.len() as u64;
+        if let Some(t) = tokens {
+            clock.tokens += t;
+            self.state.epoch_tokens += t;
+            self.state.tokens_seen += t;
+        }
         self.stager.stepped(self.place());
         let cleared = self.cache.after_step(self.place(), self.state.global_step as u64);
         self.record_clear(cleared)?;
@@ -410,6 +425,11 @@ impl Trainer {
             skipped: found_inf,
             samples: group.len(),
             micro_batch: self.shape().micro_batch,
+            tokens: tokens.map(|step| TokenCounts {
+                step,
+                epoch: clock.tokens,
+                run: self.state.tokens_seen,
+            }),
         };
         // A grow-back follows the step that earned it, and so does its record.
         self.record_step(ran, lr, clock)?;
@@ -434,6 +454,7 @@ impl Trainer {
     /// or ends the run) collects them (see `stager`). Then the progress line.
     fn record_step(&mut self, ran: Ran, lr: f64, clock: &EpochClock) -> Result<()> {
         self.flush_record()?;
+        let ran_tokens = ran.tokens;
         let every = self.settings.log_every;
         if every > 0 && self.state.global_step % every == 0 {
             let logged = Logged {
@@ -445,6 +466,7 @@ impl Trainer {
                 loss_scale: self.state.scaler.map(|s| s.scale),
                 skipped: ran.skipped,
                 seen: clock.seen,
+                tokens: ran.tokens,
             };
             if self.stager.stage(logged)? {
                 self.flush_record()?;
@@ -456,6 +478,7 @@ impl Trainer {
             done: self.state.groups_done as u64,
             loss: self.stager.last_loss(),
             samples_per_s: rate,
+            tokens_per_s: ran_tokens.map(|_| clock.tokens as f64 / clock.t0.elapsed().as_secs_f64().max(1e-9)),
             memory: self.stager.epoch_memory(),
         });
         Ok(())
@@ -509,6 +532,31 @@ impl Trainer {
         Ok(None)
     }
 
+    /// The epoch's figures: per sample, or a language model's per counted target token.
+    fn epoch_result(&self, val: Option<(f64, f64)>, seconds: f64, clock: &EpochClock) -> EpochResult {
+        let lm = self.model.net.output_head().is_some();
+        let seen = match lm {
+            true => self.state.epoch_tokens.max(1) as f64,
+            false => self.state.epoch_seen.max(1) as f64,
+        };
+        let train_loss = self.state.epoch_loss_sum / seen;
+        EpochResult {
+            epoch: self.state.epoch + 1,
+            train_loss,
+            train_acc: self.state.epoch_correct as f64 / seen,
+            val_loss: val.map(|v| v.0),
+            val_acc: val.map(|v| v.1),
+            seconds,
+            samples_per_s: clock.seen as f64 / seconds.max(1e-9),
+            language: lm.then(|| EpochTokens {
+                tokens_seen: self.state.tokens_seen,
+                tokens_per_s: clock.tokens as f64 / seconds.max(1e-9),
+                train_perplexity: tokens::perplexity(train_loss),
+                val_perplexity: val.map(|v| tokens::perplexity(v.0)),
+            }),
+        }
+    }
+
     /// Validation, the epoch's record (which the terminal shows as the epoch line), and the
     /// epoch's checkpoint.
     fn end_epoch(&mut self, clock: &EpochClock) -> Result<()> {
@@ -526,16 +574,7 @@ impl Trainer {
                 return Err(anyhow::anyhow!("gathering every rank's memory peaks: {e:#}{note}"));
             }
         };
-        let seen = self.state.epoch_seen.max(1) as f64;
-        let result = EpochResult {
-            epoch: self.state.epoch + 1,
-            train_loss: self.state.epoch_loss_sum / seen,
-            train_acc: self.state.epoch_correct as f64 / seen,
-            val_loss: val.map(|v| v.0),
-            val_acc: val.map(|v| v.1),
-            seconds,
-            samples_per_s: clock.seen as f64 / seconds.max(1e-9),
-        };
+        let result = self.epoch_result(val, seconds, clock);
         let shape = self.shape();
         let ev = EpochEvent {
             result: result.clone(),
@@ -570,7 +609,8 @@ impl Trainer {
         s.epoch_loss_sum = 0.0;
         s.epoch_correct = 0;
         s.epoch_seen = 0;
-        self.stager.tally = super::tally::Tally::new(self.pipeline.forward.device, 0.0, 0);
+        s.epoch_tokens = 0;
+        self.stager.tally = super::tally::Tally::new(self.pipeline.forward.device, 0.0, 0, 0.0);
         let every = self.settings.checkpoint_every;
         let last_epoch = s.epoch == self.settings.epochs;
         s.finished = last_epoch;
@@ -592,4 +632,5 @@ struct Ran {
     skipped: bool,
     samples: usize,
     micro_batch: i64,
+    tokens: Option<TokenCounts>,
 }

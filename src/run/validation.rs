@@ -37,7 +37,7 @@ impl Trainer {
         self.eval_grow_back()?;
         let mut pass = EvalPass {
             next: 0,
-            tally: Tally::new(self.device(), 0.0, 0),
+            tally: Tally::new(self.device(), 0.0, 0, 0.0),
             clean: true,
         };
         loop {
@@ -53,7 +53,12 @@ impl Trainer {
         let b = self.recovery.eval_micro_batch();
         self.recovery.on_eval_pass(pass.clean, (n + b - 1) / b);
         let r = pass.tally.read().context("reading the validation sums")?;
-        Ok(Some((r.epoch_loss_sum / n as f64, r.epoch_correct as f64 / n as f64)))
+        // A language model's figures are per counted target token.
+        let n = match self.model.net.output_head() {
+            Some(_) => r.epoch_count.max(1.0),
+            None => n as f64,
+        };
+        Ok(Some((r.epoch_loss_sum / n, r.epoch_correct as f64 / n)))
     }
 
     /// Validation from `pass.next` to the end at the micro-batch in force. Summed on the device
@@ -75,9 +80,10 @@ impl Trainer {
                     for (i, chunk) in chunks.iter().enumerate() {
                         let batch = ahead.take().expect("one placed batch per micro-batch");
                         ahead = chunks.get(i + 1).map(|c| f.inputs(&self.data.val, c, 0));
-                        let (l, c) = f.forward_loss(self.model.net.as_ref(), self.model.stream.as_ref(), &batch, false);
+                        let (l, c, k) =
+                            f.forward_loss(self.model.net.as_ref(), self.model.stream.as_ref(), &batch, false);
                         // Adding allocates nothing, so a micro-batch is either in the sums or not.
-                        pass.tally.add(Totals::new(l, c));
+                        pass.tally.add(Totals::new(l, c, k));
                         pass.next += chunk.len();
                     }
                 })

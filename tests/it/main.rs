@@ -14,6 +14,7 @@ mod fit;
 mod foundation;
 mod gpu_check;
 mod llama;
+mod lm_loss;
 mod lora;
 mod models;
 mod oom;
