@@ -247,6 +247,37 @@ fn darts_search_logs_its_genotype() {
     assert!(model.iter().any(|(n, _)| n == "arch.alpha_normal"));
 }
 
+/// A DARTS supernet trains only from a micro-batch of 2: every operation ends in a batch norm
+/// without affine parameters, so at 1 the pooled features the head sees are zero and the stem
+/// and cells get no gradient, whatever the learning rate. The main job searches at 2 or more.
+#[test]
+fn darts_trains_from_a_micro_batch_of_two_and_the_main_job_uses_one() {
+    let stem = |batch: i64, lr: f64| {
+        let r = Test::darts()
+            .set("train.batch_size", batch)
+            .set("train.epochs", 1)
+            .set("train.lr", lr)
+            .run();
+        let model = tensors(&r.final_model());
+        let (_, w) = model
+            .into_iter()
+            .find(|(n, _)| n == "stem.conv.weight")
+            .expect("the stem's weight is checkpointed");
+        w
+    };
+    let moved = |batch: i64| (stem(batch, 0.05) - stem(batch, 1e-9)).abs().max().double_value(&[]);
+    let (at_one, at_two) = (moved(1), moved(2));
+    assert!(at_one < 1e-4, "at micro-batch 1 the stem moved by {at_one}");
+    assert!(at_two > 1e-2, "at micro-batch 2 the stem moved by only {at_two}");
+
+    let main: toml::Table = std::fs::read_to_string(repo().join("configs/darts_4gb.toml"))
+        .expect("the main job reads")
+        .parse()
+        .expect("the main job is TOML");
+    let batch = main["train"]["batch_size"].as_integer().expect("train.batch_size");
+    assert!(batch >= 2, "configs/darts_4gb.toml searches at micro-batch {batch}");
+}
+
 #[test]
 fn bf16_trains_and_checkpoints_in_bf16() {
     let r = Test::new().set("train.precision", "bf16").run();
