@@ -26,6 +26,7 @@ pub fn main(cli: Cli) -> i32 {
         Command::Clean(args) => crate::clean::clean(&args),
         Command::Export(args) => crate::export::export(&args),
         Command::Eval(args) => crate::eval::eval(&args),
+        Command::Generate(args) => crate::generate::generate(&args),
     };
     match result {
         Ok(()) => exit::OK,

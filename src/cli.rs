@@ -48,6 +48,42 @@ pub enum Command {
     /// Write a run's weights, LoRA merged, under the names torchvision, timm or Hugging Face
     /// load, into a new directory.
     Export(ExportArgs),
+    /// Continue a prompt with a language-model run's weights, greedily or by sampling, through
+    /// the decoder's key/value cache, under the run's device and memory cap.
+    Generate(GenerateArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    /// A run directory written by `memtrain run` (a language model: the llama preset).
+    pub run_dir: PathBuf,
+    /// The text to continue, tokenized with the run's data.tokenizer (or --tokenizer).
+    #[arg(long, value_name = "TEXT", required_unless_present = "prompt_ids", conflicts_with = "prompt_ids")]
+    pub prompt: Option<String>,
+    /// Token ids to continue instead of text, separated by commas or spaces.
+    #[arg(long, value_name = "IDS")]
+    pub prompt_ids: Option<String>,
+    /// A tokenizer.json to use instead of the run's data.tokenizer.
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<PathBuf>,
+    /// The most tokens to add.
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    pub max_new_tokens: i64,
+    /// Sampling temperature; 0 takes the most likely token each time (greedy).
+    #[arg(long, value_name = "T", default_value_t = 0.0)]
+    pub temperature: f64,
+    /// Sample from the K most likely tokens only (0: from all).
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    pub top_k: i64,
+    /// The sampling seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: i64,
+    /// Go on past the end-of-text token.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// A checkpoint directory (or model.safetensors) of the run instead of its best (else newest).
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Args)]

@@ -61,14 +61,7 @@ pub fn eval(args: &EvalArgs) -> Result<()> {
     // Before anything is loaded, so the cap counts every CPU tensor byte.
     crate::shim::cpu_alloc_install().context("installing the counting CPU allocator")?;
     let run_dir = &args.run_dir;
-    let resolved = run_dir.join("config.resolved.toml");
-    if !resolved.is_file() {
-        return Err(UsageError(format!(
-            "{} is not a run directory: it has no config.resolved.toml (memtrain run writes it)",
-            run_dir.display()
-        ))
-        .into());
-    }
+    let resolved = resolved_spec(run_dir)?;
     let weights = weights_file(run_dir, args.checkpoint.as_deref())?;
     let names = class_names(run_dir, args.data.is_some())?;
     let relabel = args.data.as_deref().map(|p| folder_map(p, &names)).transpose()?;
@@ -94,9 +87,22 @@ pub fn eval(args: &EvalArgs) -> Result<()> {
     Ok(())
 }
 
+/// A run directory's resolved spec file (`config.resolved.toml`).
+pub(crate) fn resolved_spec(run_dir: &Path) -> Result<PathBuf> {
+    let resolved = run_dir.join("config.resolved.toml");
+    if !resolved.is_file() {
+        return Err(UsageError(format!(
+            "{} is not a run directory: it has no config.resolved.toml (memtrain run writes it)",
+            run_dir.display()
+        ))
+        .into());
+    }
+    Ok(resolved)
+}
+
 /// `--checkpoint` (a model.safetensors, or a checkpoint directory holding one), else the
 /// run's best checkpoint, else its newest.
-fn weights_file(run_dir: &Path, given: Option<&Path>) -> Result<PathBuf> {
+pub(crate) fn weights_file(run_dir: &Path, given: Option<&Path>) -> Result<PathBuf> {
     let (file, what) = match given {
         Some(p) if p.is_dir() => (p.join("model.safetensors"), "--checkpoint"),
         Some(p) => (p.to_path_buf(), "--checkpoint"),
@@ -168,7 +174,7 @@ fn folder_map(folder: &Path, names: &Option<ClassNames>) -> Result<Vec<i64>> {
 }
 
 /// The run's resolved spec; with `--data`, reading that image folder whole as validation data.
-fn load_spec(resolved: &Path, data: Option<&Path>) -> Result<Spec> {
+pub(crate) fn load_spec(resolved: &Path, data: Option<&Path>) -> Result<Spec> {
     let mut sets = vec![];
     if let Some(p) = data {
         let path = toml::Value::String(p.display().to_string()).to_string();
@@ -180,7 +186,7 @@ fn load_spec(resolved: &Path, data: Option<&Path>) -> Result<Spec> {
 }
 
 /// The run's device and cap, set up as `run` sets them.
-fn place(spec: &Spec, run_dir: &Path) -> Result<Place> {
+pub(crate) fn place(spec: &Spec, run_dir: &Path) -> Result<Place> {
     let request = Request {
         out: Some(run_dir.to_path_buf()),
         resume: None,
@@ -207,7 +213,7 @@ fn place(spec: &Spec, run_dir: &Path) -> Result<Place> {
 }
 
 /// The model of the spec with the weights of `file`, on `place`.
-fn build_model(spec: &Spec, file: &Path, place: Place) -> Result<(nn::VarStore, Built)> {
+pub(crate) fn build_model(spec: &Spec, file: &Path, place: Place) -> Result<(nn::VarStore, Built)> {
     let device = place.tch();
     let built_on = match spec.model.preset == "torchscript" {
         true => device,

@@ -29,6 +29,7 @@ pub mod cli;
 pub mod data;
 pub mod estimate;
 pub mod eval;
+pub mod generate;
 pub mod exit;
 pub mod export;
 pub mod fault;

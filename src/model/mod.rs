@@ -25,7 +25,7 @@ pub use darts::{derive_genotype, Darts, DartsOptions};
 pub use lm_loss::logits;
 pub use lora::with_frozen;
 pub use mlp::Mlp;
-pub use preset::{block_vars, run_chain, Built, Chain, ExtraStep, Genotype, Net, Preset, ARCH_PREFIX};
+pub use preset::{block_vars, run_chain, Built, Chain, ExtraStep, Genotype, KvCache, Net, Preset, ARCH_PREFIX};
 pub use vit::{Activation, VitOptions};
 
 /// Values by role, as the static estimate counts them.
@@ -186,6 +186,9 @@ fn follow(table: &mut toml::map::Map<String, toml::Value>, name: &str, value: i6
 /// out; one the spec sets that the data contradicts is a problem naming both sizes. A ViT also
 /// needs patches that tile the data's images.
 pub fn follow_data(preset: &str, m: &mut Model, data: &DataImages) -> Vec<(String, String)> {
+    if let (&[tokens], "llama") = (data.sample, preset) {
+        return follow_window(m, tokens, &data.source);
+    }
     let &[c, h, w] = data.sample else {
         return vec![];
     };
@@ -238,6 +241,28 @@ pub fn follow_data(preset: &str, m: &mut Model, data: &DataImages) -> Vec<(Strin
         }
     }
     problems
+}
+
+/// A decoder's `seq_len` from the token data's windows (`data.seq_len`).
+fn follow_window(m: &mut Model, tokens: i64, source: &str) -> Vec<(String, String)> {
+    let toml::Value::Table(table) = m
+        .options
+        .entry("llama".to_owned())
+        .or_insert_with(|| toml::Value::Table(Default::default()))
+    else {
+        return vec![];
+    };
+    match table.get("seq_len").and_then(toml::Value::as_integer) {
+        None => {
+            table.insert("seq_len".into(), toml::Value::Integer(tokens));
+            vec![]
+        }
+        Some(s) if s != tokens => vec![(
+            "model.llama.seq_len".into(),
+            format!("is {s}, but the data's windows are {tokens} tokens ({source}, data.seq_len); leave seq_len out to follow the data, or set both alike"),
+        )],
+        Some(_) => vec![],
+    }
 }
 
 /// Presets whose head follows the data's classes where the spec leaves `num_classes` out; a

@@ -44,6 +44,32 @@ pub trait Net: std::fmt::Debug {
     fn output_head(&self) -> Option<Tensor> {
         None
     }
+    /// A decoder's forward over `ids` `[batch, new]` that follow the positions `cache` holds:
+    /// their keys and values are read from it and the new ones appended. The final hidden states
+    /// `[batch, new, hidden]`. None: the preset keeps no cache, and generation runs the whole
+    /// sequence for each new token.
+    fn decode(&self, _ids: &Tensor, _cache: &mut KvCache) -> Option<Tensor> {
+        None
+    }
+}
+
+/// The keys and values a decoder has computed for the positions it has seen, one pair
+/// `[batch, kv_heads, positions, head_dim]` per layer, so that generation runs only each new
+/// token.
+#[derive(Debug, Default)]
+pub struct KvCache {
+    pub layers: Vec<(Tensor, Tensor)>,
+}
+
+impl KvCache {
+    /// The positions held.
+    pub fn len(&self) -> i64 {
+        self.layers.first().map_or(0, |(k, _)| k.size()[2])
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// A model as a sequence of blocks: block 0 takes `[input]`, each block takes the previous
