@@ -276,6 +276,27 @@ fn a_resume_with_other_data_or_seed_is_said_and_speed_keys_are_not() {
 }
 
 #[test]
+fn a_resume_with_another_seq_len_says_the_windows_moved() {
+    let shape = BatchShape {
+        micro_batch: 32,
+        accumulation_steps: 1,
+    };
+    let tokens =
+        |n: i64| format!("[data]\nsource = \"tokens\"\npath = \"t.bin\"\ntoken_dtype = \"uint16\"\nseq_len = {n}\n");
+    let was = resumed_from(&tokens(16), fresh_state(shape));
+    let p = Plan::resolve(&spec(&tokens(8)), &resuming(), &was).unwrap();
+    assert!(
+        p.notices
+            .first()
+            .is_some_and(|n| n.starts_with("resuming with data.seq_len (the run had 16) changed")),
+        "{:?}",
+        p.notices
+    );
+    let same = Plan::resolve(&spec(&tokens(16)), &resuming(), &was).unwrap();
+    assert!(same.notices.is_empty(), "{:?}", same.notices);
+}
+
+#[test]
 fn a_resume_that_monitors_another_metric_drops_the_saved_value() {
     let resume = resuming();
     let mut state = fresh_state(BatchShape {

@@ -255,6 +255,9 @@ pub fn follow(table: &mut toml::Table, known: &[String], given: &[Given], config
 }
 
 fn same(a: &Value, b: &Value) -> bool {
+    if let (Value::Table(x), Value::Table(y)) = (a, b) {
+        return x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| same(v, w)));
+    }
     match (
         a.as_float().or(a.as_integer().map(|i| i as f64)),
         b.as_float().or(b.as_integer().map(|i| i as f64)),
@@ -328,6 +331,12 @@ mod tests {
         assert_eq!(value("tie_word_embeddings"), Some(Value::Boolean(false)));
         let scaling = value("rope_scaling").unwrap();
         assert_eq!(scaling["factor"].as_float(), Some(32.0));
+        // A spec's table that says the same with integers agrees with it; another factor does not.
+        let spec: toml::Table = "rope_type = \"llama3\"\nfactor = 32\nlow_freq_factor = 1\nhigh_freq_factor = 4\noriginal_max_position_embeddings = 8192".parse().unwrap();
+        assert!(same(&Value::Table(spec.clone()), &scaling));
+        let mut other = spec;
+        other.insert("factor".into(), Value::Integer(8));
+        assert!(!same(&Value::Table(other), &scaling));
         assert_eq!(scaling["rope_type"].as_str(), Some("llama3"));
         // Qwen2: biases on q, k and v only.
         let g = given(r#"{"model_type": "qwen2", "rope_scaling": null, "use_sliding_window": false}"#).unwrap();

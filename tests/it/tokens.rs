@@ -191,3 +191,22 @@ fn a_run_killed_mid_epoch_resumes_from_its_step_checkpoint_with_the_same_batches
     }
     assert_eq!(straight.final_bytes(), killed.final_bytes());
 }
+
+#[test]
+fn every_minutes_saves_within_the_epoch() {
+    // A mark of 0.6 ms passes between any two steps: each step saves, none waits for the epoch.
+    let r = Test::new()
+        .set("train.epochs", 1)
+        .set("checkpoint.every_epochs", 0)
+        .set("checkpoint.every_minutes", 0.00001)
+        .run();
+    let saved: Vec<(String, i64)> = r.checkpoints().iter().map(|c| (c.reason.clone(), c.step)).collect();
+    assert!(saved.len() >= 10, "{saved:?}");
+    assert!(
+        saved[..saved.len() - 1]
+            .iter()
+            .all(|(why, s)| why == "minutes" && *s < 45),
+        "{saved:?}"
+    );
+    assert_eq!(saved.last().unwrap(), &("epoch".to_owned(), 45));
+}
