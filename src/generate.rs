@@ -162,7 +162,7 @@ fn joined(words: &Words, prompt: &[i64], new: &[i64]) -> String {
     }
 }
 
-/// Up to `max_new` tokens after `prompt`, stopping after `eos`: through the decoder's cache
+/// Up to `max_new` tokens after `prompt`, stopping at `eos` (left out): through the decoder's cache
 /// where it keeps one, else the whole sequence each time.
 fn continued(
     net: &dyn Net,
@@ -183,11 +183,12 @@ fn continued(
         };
         let last = hidden.select(1, hidden.size()[1] - 1).squeeze_dim(0);
         let next = sampler.next(&model::logits(net, &last));
-        out.push(next);
-        seq.push(next);
         if Some(next) == eos {
+            // The stop, not part of the text.
             break;
         }
+        out.push(next);
+        seq.push(next);
         pending = Tensor::from_slice(&[next]).to_device(device).unsqueeze(0);
     }
     out

@@ -21,7 +21,7 @@ use tch::nn::{self, Init, Module};
 use tch::{Kind, Tensor};
 
 use super::lora::{adapted, adapter_for, Adapter, LoraOptions};
-use super::preset::{run_chain, Built, Chain, Net, Preset};
+use super::preset::{run_chain, Built, Chain, KvCache, Net, Preset};
 
 /// `[model.llama]`, with Hugging Face's `LlamaConfig` names; the defaults are a tiny model.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -363,19 +363,39 @@ impl DecoderLayer {
         }
     }
 
-    fn attention(&self, x: &Tensor, rope: &(Tensor, Tensor), train: bool) -> Tensor {
+    /// Causal self-attention over `x`; with `cache`, `x` follows the positions whose keys and
+    /// values it holds, and its own are appended to them.
+    fn attention(&self, x: &Tensor, rope: &(Tensor, Tensor), train: bool, cache: Option<&mut Kv>) -> Tensor {
         let (n, l, _) = x.size3().expect("[batch, seq, hidden]");
         let heads = |t: Tensor, h: i64| t.view([n, l, h, self.head_dim]).transpose(1, 2);
         let q = rotate(&heads(self.project(0, x, train), self.heads), rope);
         let k = rotate(&heads(self.project(1, x, train), self.kv_heads), rope);
         let v = heads(self.project(2, x, train), self.kv_heads);
-        let a = Tensor::scaled_dot_product_attention::<Tensor>(
+        let (k, v, start) = match cache {
+            None => (k, v, 0),
+            Some(slot) => {
+                let (k, v, start) = match slot.take() {
+                    Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 2), Tensor::cat(&[&pv, &v], 2), pk.size()[2]),
+                    None => (k, v, 0),
+                };
+                *slot = Some((k.shallow_clone(), v.shallow_clone()));
+                (k, v, start)
+            }
+        };
+        // A query at position start + i sees keys 0..=start + i: the plain causal mask when
+        // nothing came before, none for a single new query, else an explicit one.
+        let (mask, causal) = match (start, l) {
+            (0, _) => (None, true),
+            (_, 1) => (None, false),
+            (s, l) => (Some(Tensor::ones([l, s + l], (Kind::Bool, x.device())).tril(s)), false),
+        };
+        let a = Tensor::scaled_dot_product_attention::<&Tensor>(
             &q,
             &k,
             &v,
-            None,
+            mask.as_ref(),
             0.0,
-            true,
+            causal,
             None,
             self.kv_heads != self.heads,
         );
@@ -383,13 +403,16 @@ impl DecoderLayer {
         self.project(3, &a, train)
     }
 
-    fn forward_t(&self, x: &Tensor, rope: &(Tensor, Tensor), train: bool) -> Tensor {
-        let h = x + self.attention(&self.input_layernorm.forward(x), rope, train);
+    fn forward_t(&self, x: &Tensor, rope: &(Tensor, Tensor), train: bool, cache: Option<&mut Kv>) -> Tensor {
+        let h = x + self.attention(&self.input_layernorm.forward(x), rope, train, cache);
         let y = self.post_attention_layernorm.forward(&h);
         let gated = self.project(4, &y, train).silu() * self.project(5, &y, train);
         &h + self.project(6, &gated, train)
     }
 }
+
+/// One layer's keys and values so far, `[batch, kv_heads, positions, head_dim]` each.
+type Kv = Option<(Tensor, Tensor)>;
 
 /// `base/a/b` for the dotted name `a.b`.
 fn path<'a>(base: &nn::Path<'a>, dotted: &str) -> nn::Path<'a> {
@@ -438,9 +461,9 @@ impl Llama {
         }
     }
 
-    /// cos and sin `[seq, head_dim]` of positions `0..seq`, in fp32 (outside autocast's reach:
-    /// a product and a concatenation), then in the activations' type.
-    fn rope(&self, x: &Tensor) -> (Tensor, Tensor) {
+    /// cos and sin `[seq, head_dim]` of positions `start..start + seq`, in fp32 (outside
+    /// autocast's reach: a product and a concatenation), then in the activations' type.
+    fn rope(&self, x: &Tensor, start: i64) -> (Tensor, Tensor) {
         let (l, device) = (x.size()[1], x.device());
         let mut cached = self.inv_freq.borrow_mut();
         let inv = match cached.as_ref().filter(|t| t.device() == device) {
@@ -449,7 +472,7 @@ impl Llama {
                 .insert(tch::no_grad(|| inv_freq(&self.options, device)))
                 .shallow_clone(),
         };
-        let positions = Tensor::arange(l, (Kind::Float, device));
+        let positions = Tensor::arange_start(start, start + l, (Kind::Float, device));
         let freqs = positions.unsqueeze(1) * inv.unsqueeze(0);
         let emb = Tensor::cat(&[&freqs, &freqs], -1);
         (emb.cos().to_kind(x.kind()), emb.sin().to_kind(x.kind()))
@@ -468,7 +491,7 @@ impl Chain for Llama {
         } else if i == self.layers.len() + 1 {
             self.norm.forward(x)
         } else {
-            self.layers[i - 1].forward_t(x, &self.rope(x), train)
+            self.layers[i - 1].forward_t(x, &self.rope(x, 0), train, None)
         };
         vec![out]
     }
@@ -505,6 +528,22 @@ impl Net for Llama {
 
     fn chain(&self) -> Option<&dyn Chain> {
         Some(self)
+    }
+
+    fn decode(&self, ids: &Tensor, cache: &mut KvCache) -> Option<Tensor> {
+        let start = cache.len();
+        let mut x = Tensor::embedding(&self.embed_tokens, ids, -1, false, false);
+        let rope = self.rope(&x, start);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let mut kv: Kv = cache.layers.get(i).map(|(k, v)| (k.shallow_clone(), v.shallow_clone()));
+            x = layer.forward_t(&x, &rope, false, Some(&mut kv));
+            let kv = kv.expect("attention leaves the keys and values it saw");
+            match cache.layers.get_mut(i) {
+                Some(slot) => *slot = kv,
+                None => cache.layers.push(kv),
+            }
+        }
+        Some(self.norm.forward(&x))
     }
 
     fn output_head(&self) -> Option<Tensor> {
@@ -580,6 +619,33 @@ mod tests {
         let vs = nn::VarStore::new(Device::Cpu);
         let net = Llama::new(&vs.root(), o);
         (vs, net)
+    }
+
+    /// Decoding through the key/value cache, a prompt of 5 tokens and then one token at a time,
+    /// gives the hidden states the whole sequence's forward gives at each position (grouped-query
+    /// attention with Llama 3 scaling, so the positions' rotations count); a chunk of 3 after a
+    /// cached prefix takes the explicit mask and agrees too.
+    #[test]
+    fn decoding_through_the_cache_gives_the_full_forward() {
+        let o = LlamaOptions {
+            rope_scaling: Some(RopeScaling::default()),
+            ..Default::default()
+        };
+        let (_vs, net) = built(&o);
+        let ids = Tensor::from_slice(&[5i64, 17, 3, 99, 41, 7, 250, 12, 64]).unsqueeze(0);
+        let full = tch::no_grad(|| net.forward_t(&ids, false));
+        let close = |a: &Tensor, b: &Tensor| (a - b).abs().max().double_value(&[]);
+        for chunks in [&[5i64, 1, 1, 1, 1][..], &[4, 3, 2]] {
+            let mut cache = KvCache::default();
+            let mut at = 0;
+            for &c in chunks {
+                let h = tch::no_grad(|| net.decode(&ids.narrow(1, at, c), &mut cache)).unwrap();
+                let gap = close(&h, &full.narrow(1, at, c));
+                assert!(gap < 1e-5, "chunks {chunks:?}: positions {at}..{}: {gap}", at + c);
+                at += c;
+            }
+            assert_eq!(cache.len(), 9);
+        }
     }
 
     /// Each decoder layer's variables are its block's, and only they get gradients from it; the

@@ -144,9 +144,9 @@ pub fn names() -> Vec<&'static str> {
     PRESETS.iter().map(|p| p.name()).collect()
 }
 
-/// Presets that take square images `[in_channels, image_size, image_size]`, whose size and
-/// channels follow the data when the spec leaves them out.
-const IMAGE_PRESETS: &[&str] = &["resnet18", "resnet34", "resnet50", "vit"];
+/// Presets whose input shape follows the data when the spec leaves it out: square images
+/// `[in_channels, image_size, image_size]`, and a decoder's token windows `[seq_len]`.
+const IMAGE_PRESETS: &[&str] = &["llama", "resnet18", "resnet34", "resnet50", "vit"];
 
 /// The data's own sample shape, and how to name the data in a message.
 pub struct DataImages<'a> {

@@ -12,6 +12,7 @@ mod finetune_data;
 mod finetune_groups;
 mod fit;
 mod foundation;
+mod generate;
 mod gpu_check;
 mod llama;
 mod lm_loss;
