@@ -9,7 +9,7 @@
 //! a surrogate whose backward is exactly them (tch has no custom autograd function).
 use tch::{Kind, Tensor};
 
-use super::Net;
+use super::preset::Net;
 use crate::shim;
 
 /// Targets of this value are ignored, as PyTorch's `ignore_index` default has it.

@@ -320,6 +320,17 @@ impl Flow<'_> {
     }
 }
 
+/// The chain's last block with the graph on, and the loss of its output.
+fn head_loss(p: &Forward, net: &dyn Net, head_in: &[Tensor], y: &Tensor) -> (Tensor, Tensor) {
+    let chain = net.chain().expect("a recomputed model has a chain");
+    let out = {
+        let _autocast = p.precision.autocast(p.device);
+        chain.block(chain.blocks() - 1, head_in, true).pop().expect("logits")
+    };
+    let (loss, correct, _) = p.loss(net, &out, y);
+    (loss, correct)
+}
+
 /// Checkpointed forward, loss and backward of one micro-batch; returns the sum-reduced loss and
 /// the correct count, as `Forward::forward_loss` does.
 fn recomputed(p: &Forward, net: &dyn Net, m: &Micro, n: f64, around: &mut dyn Around) -> (Tensor, Tensor) {
@@ -362,14 +373,7 @@ fn recomputed(p: &Forward, net: &dyn Net, m: &Micro, n: f64, around: &mut dyn Ar
 
     let head_in = leaves(&state);
     flow.ready(around, k - 1);
-    let (loss, correct) = {
-        let out = {
-            let _autocast = p.precision.autocast(p.device);
-            chain.block(k - 1, &head_in, true).pop().expect("logits")
-        };
-        let (loss, correct, _) = p.loss(net, &out, y);
-        (loss, correct)
-    };
+    let (loss, correct) = head_loss(p, net, &head_in, y);
     // The last saved boundary and its block come back while the head's backward runs.
     let mut ahead = saved.pop().map(|(ins, rng)| (bounds.fetch(ins), rng));
     drop(forward);

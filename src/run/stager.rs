@@ -136,7 +136,7 @@ impl Stager {
     /// Sums that start from what is already known (a resumed epoch's).
     pub fn new(device: Device, loss_sum: f64, correct: i64) -> Stager {
         Stager {
-            tally: Tally::new(device, loss_sum, correct, 0.0),
+            tally: Tally::new(device, loss_sum, correct),
             windows: StepWindows::default(),
             reads: readback::Mark::now(),
             data_wait: DataWait::default(),

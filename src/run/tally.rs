@@ -74,17 +74,30 @@ pub struct Tally {
 }
 
 impl Tally {
-    /// Sums that start from what is already known (a resumed epoch's).
-    pub fn new(device: Device, loss_sum: f64, correct: i64, count: f64) -> Tally {
+    /// Sums that start from what is already known (a resumed epoch's); the counts are not
+    /// summed (they read 0).
+    pub fn new(device: Device, loss_sum: f64, correct: i64) -> Tally {
         // Filled where it lives: an upload from pageable memory would make the host wait for the
         // device's queued work.
-        let sums = Tensor::zeros([6], (Kind::Double, device));
+        let sums = Tensor::zeros([4], (Kind::Double, device));
         tch::no_grad(|| {
             let _ = sums.narrow(0, 1, 1).fill_(loss_sum);
             let _ = sums.narrow(0, 3, 1).fill_(correct as f64);
-            let _ = sums.narrow(0, 5, 1).fill_(count);
         });
         Tally { sums, pending: false }
+    }
+
+    /// Sums from zero that sum the counts too (a language model's validation, whose tokens are
+    /// counted on the device).
+    pub fn counting(device: Device) -> Tally {
+        Tally {
+            sums: Tensor::zeros([6], (Kind::Double, device)),
+            pending: false,
+        }
+    }
+
+    fn counts(&self) -> bool {
+        self.sums.size()[0] == 6
     }
 
     /// Adds a step's totals where they are: nothing is read. (After a CPU fallback the step's
@@ -101,6 +114,9 @@ impl Tally {
             let mut step_correct = self.sums.get(2);
             step_correct.copy_(&step.correct);
             let _ = self.sums.get(3).g_add_(&step_correct);
+            if !self.counts() {
+                return;
+            }
             let mut step_count = self.sums.get(4);
             match &step.count {
                 // A host value fills in a kernel: a copy from the host would wait for the device.
@@ -121,8 +137,10 @@ impl Tally {
             let _ = self.sums.get(1).g_add_scalar_(loss_sum);
             let _ = self.sums.get(2).fill_(correct as f64);
             let _ = self.sums.get(3).g_add_scalar_(correct as f64);
-            let _ = self.sums.get(4).fill_(count);
-            let _ = self.sums.get(5).g_add_scalar_(count);
+            if self.counts() {
+                let _ = self.sums.get(4).fill_(count);
+                let _ = self.sums.get(5).g_add_scalar_(count);
+            }
         });
         self.pending = true;
     }
@@ -191,8 +209,8 @@ impl Read {
             step_loss_sum: v[0],
             epoch_loss_sum: v[1],
             epoch_correct: v[3] as i64,
-            step_count: v[4],
-            epoch_count: v[5],
+            step_count: v.get(4).copied().unwrap_or(0.0),
+            epoch_count: v.get(5).copied().unwrap_or(0.0),
         }
     }
 }
@@ -205,7 +223,7 @@ mod tests {
     fn the_device_sum_equals_the_hosts_step_by_step_sum() {
         let steps = [0.1f32, 1e8, 3.3, -7.25e-3, 1.0 / 3.0];
         let mut host = 12.5f64;
-        let mut tally = Tally::new(Device::Cpu, 12.5, 4, 2.0);
+        let mut tally = Tally::new(Device::Cpu, 12.5, 4);
         for (i, &l) in steps.iter().enumerate() {
             host += l as f64;
             tally.add(Totals::new(Tensor::from(l), Tensor::from(i as i64), Count::Known(8.0)));
@@ -216,21 +234,32 @@ mod tests {
         assert_eq!(r.epoch_loss_sum.to_bits(), host.to_bits());
         assert_eq!(r.step_loss_sum, (1.0f32 / 3.0) as f64);
         assert_eq!(r.epoch_correct, 4 + 10);
-        assert_eq!((r.step_count, r.epoch_count), (8.0, 2.0 + 5.0 * 8.0));
-        // Tokens counted on the device add alike.
+        // The agreed values of a data-parallel step add alike.
+        tally.add_values(2.5, 3, 8.0);
+        let r = tally.read().unwrap();
+        assert_eq!(r.epoch_loss_sum.to_bits(), (host + 2.5).to_bits());
+        assert_eq!((r.step_loss_sum, r.epoch_correct), (2.5, 17));
+        assert_eq!(
+            (r.step_count, r.epoch_count),
+            (0.0, 0.0),
+            "a plain tally sums no counts"
+        );
+    }
+
+    #[test]
+    fn a_counting_tally_sums_known_and_device_counts() {
+        let mut tally = Tally::counting(Device::Cpu);
+        tally.add(Totals::new(Tensor::from(1.5f32), Tensor::from(2i64), Count::Known(8.0)));
         tally.add(Totals::new(
             Tensor::from(0.5f32),
             Tensor::from(1i64),
             Count::Counted(Tensor::from(300i64)),
         ));
         let r = tally.read().unwrap();
-        assert_eq!((r.step_count, r.epoch_count), (300.0, 342.0));
-        host += 0.5;
-        // The agreed values of a data-parallel step add alike.
+        assert_eq!((r.step_count, r.epoch_count), (300.0, 308.0));
+        assert_eq!((r.epoch_loss_sum, r.epoch_correct), (2.0, 3));
         tally.add_values(2.5, 3, 6.0);
         let r = tally.read().unwrap();
-        assert_eq!(r.epoch_loss_sum.to_bits(), (host + 2.5).to_bits());
-        assert_eq!((r.step_loss_sum, r.epoch_correct), (2.5, 18));
-        assert_eq!((r.step_count, r.epoch_count), (6.0, 348.0));
+        assert_eq!((r.step_count, r.epoch_count), (6.0, 314.0));
     }
 }

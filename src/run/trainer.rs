@@ -610,7 +610,7 @@ impl Trainer {
         s.epoch_correct = 0;
         s.epoch_seen = 0;
         s.epoch_tokens = 0;
-        self.stager.tally = super::tally::Tally::new(self.pipeline.forward.device, 0.0, 0, 0.0);
+        self.stager.tally = super::tally::Tally::new(self.pipeline.forward.device, 0.0, 0);
         let every = self.settings.checkpoint_every;
         let last_epoch = s.epoch == self.settings.epochs;
         s.finished = last_epoch;

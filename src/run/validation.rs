@@ -37,7 +37,11 @@ impl Trainer {
         self.eval_grow_back()?;
         let mut pass = EvalPass {
             next: 0,
-            tally: Tally::new(self.device(), 0.0, 0, 0.0),
+            // A language model's figures are per counted token, counted where the loss is.
+            tally: match self.model.net.output_head() {
+                Some(_) => Tally::counting(self.device()),
+                None => Tally::new(self.device(), 0.0, 0),
+            },
             clean: true,
         };
         loop {
