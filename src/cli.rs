@@ -58,7 +58,12 @@ pub struct GenerateArgs {
     /// A run directory written by `memtrain run` (a language model: the llama preset).
     pub run_dir: PathBuf,
     /// The text to continue, tokenized with the run's data.tokenizer (or --tokenizer).
-    #[arg(long, value_name = "TEXT", required_unless_present = "prompt_ids", conflicts_with = "prompt_ids")]
+    #[arg(
+        long,
+        value_name = "TEXT",
+        required_unless_present = "prompt_ids",
+        conflicts_with = "prompt_ids"
+    )]
     pub prompt: Option<String>,
     /// Token ids to continue instead of text, separated by commas or spaces.
     #[arg(long, value_name = "IDS")]

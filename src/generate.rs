@@ -21,9 +21,10 @@ impl Words {
     fn open(args: &GenerateArgs, spec: &crate::spec::Spec) -> Result<Words> {
         let path = args.tokenizer.as_deref().or(spec.data.tokenizer.as_deref());
         let tokenizer = match path {
-            Some(p) => Some(tokenizers::Tokenizer::from_file(p).map_err(|e| {
-                UsageError(format!("the tokenizer {} does not read: {e}", p.display()))
-            })?),
+            Some(p) => Some(
+                tokenizers::Tokenizer::from_file(p)
+                    .map_err(|e| UsageError(format!("the tokenizer {} does not read: {e}", p.display())))?,
+            ),
             None => None,
         };
         Ok(Words { tokenizer })
@@ -41,7 +42,9 @@ impl Words {
             )
             .into());
         };
-        let enc = t.encode(text, true).map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?;
+        let enc = t
+            .encode(text, true)
+            .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?;
         Ok(enc.get_ids().iter().map(|&i| i as i64).collect())
     }
 
@@ -60,7 +63,8 @@ impl Words {
         match &self.tokenizer {
             Some(t) => {
                 let ids: Vec<u32> = ids.iter().map(|&i| i as u32).collect();
-                t.decode(&ids, true).unwrap_or_else(|e| format!("(the tokenizer cannot decode these ids: {e})"))
+                t.decode(&ids, true)
+                    .unwrap_or_else(|e| format!("(the tokenizer cannot decode these ids: {e})"))
             }
             None => ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(" "),
         }
@@ -209,9 +213,15 @@ mod tests {
     #[test]
     fn greedy_takes_the_largest_logit_and_top_1_sampling_agrees() {
         let logits = Tensor::from_slice(&[0.1f32, 2.0, -1.0, 1.9]);
-        let greedy = Sampler { temperature: 0.0, top_k: 0 };
+        let greedy = Sampler {
+            temperature: 0.0,
+            top_k: 0,
+        };
         assert_eq!(greedy.next(&logits), 1);
-        let top1 = Sampler { temperature: 1.5, top_k: 1 };
+        let top1 = Sampler {
+            temperature: 1.5,
+            top_k: 1,
+        };
         for _ in 0..5 {
             assert_eq!(top1.next(&logits), 1);
         }

@@ -58,15 +58,33 @@ fn a_trained_decoder_continues_its_sentence_and_stops_at_the_end() {
     );
     // Token ids in, past the end-of-text token with --ignore-eos (the tokenizer writes it: this
     // one does not mark it special).
-    let o = generate(&t, &[&dir, "--prompt-ids", "2 3", "--max-new-tokens", "8", "--ignore-eos"]).run();
+    let o = generate(
+        &t,
+        &[&dir, "--prompt-ids", "2 3", "--max-new-tokens", "8", "--ignore-eos"],
+    )
+    .run();
     let ids: Vec<&str> = o.stdout.split_whitespace().collect();
-    let want = ["one", "two", "three", "four", "five", "six", "seven", "eight", "</s>", "one"];
+    let want = [
+        "one", "two", "three", "four", "five", "six", "seven", "eight", "</s>", "one",
+    ];
     assert_eq!(ids[..10], want[..], "{}", o.stdout);
     // Sampling is seeded: the same seed gives the same text.
     let sample = |seed: &str| {
-        generate(&t, &[&dir, "--prompt", "one", "--temperature", "1.5", "--seed", seed, "--ignore-eos"])
-            .run()
-            .stdout
+        generate(
+            &t,
+            &[
+                &dir,
+                "--prompt",
+                "one",
+                "--temperature",
+                "1.5",
+                "--seed",
+                seed,
+                "--ignore-eos",
+            ],
+        )
+        .run()
+        .stdout
     };
     assert_eq!(sample("4"), sample("4"));
 

@@ -9,7 +9,13 @@
   logits --dir DIR --io io.safetensors
       loads DIR with AutoModelForCausalLM.from_pretrained and writes its logits on the ids of
       io.safetensors into it as `theirs`.
-Prints {"names": [...], "config": {...}} as JSON.
+  train --dir DIR --data train.bin --seq-len T --batch B --steps N --lr LR --weight-decay WD --seed S
+      the plain PyTorch loop memtrain's full fine-tune must equal: DIR loaded by
+      AutoModelForCausalLM, the uint16 token file cut into back-to-back windows of T + 1, groups
+      of B windows in memtrain's epoch order, the summed cross-entropy of the next tokens divided
+      by the group's token count, backward, torch.optim.AdamW (foreach=False). Prints
+      {"losses": [...]}.
+make and logits print {"names": [...], "config": {...}} as JSON.
 """
 import argparse
 import json
@@ -67,6 +73,43 @@ def logits(a):
     print(json.dumps({"architectures": model.config.architectures, "class": type(model).__name__}))
 
 
+def train(a):
+    import os
+    import sys
+
+    import numpy as np
+    import transformers
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import reference
+
+    torch.set_num_threads(1)
+    model = transformers.AutoModelForCausalLM.from_pretrained(a.dir, dtype=torch.float32)
+    model.train()
+    ids = torch.from_numpy(np.fromfile(a.data, dtype=np.uint16).astype(np.int64))
+    w = a.seq_len + 1
+    n = len(ids) // w
+    windows = ids[: n * w].view(n, w)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.weight_decay, foreach=False)
+    losses, epoch = [], 0
+    while len(losses) < a.steps:
+        order = reference.epoch_order(n, a.seed, epoch)
+        for s in range(0, n, a.batch):
+            if len(losses) == a.steps:
+                break
+            batch = windows[torch.tensor(order[s:s + a.batch])]
+            x, y = batch[:, :-1], batch[:, 1:]
+            logits = model(input_ids=x).logits
+            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
+                                                     reduction="sum") / y.numel()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        epoch += 1
+    print(json.dumps({"losses": losses}))
+
+
 def main():
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -83,8 +126,17 @@ def main():
     l = sub.add_parser("logits")
     l.add_argument("--dir", required=True)
     l.add_argument("--io", required=True)
+    t = sub.add_parser("train")
+    t.add_argument("--dir", required=True)
+    t.add_argument("--data", required=True)
+    t.add_argument("--seq-len", type=int, required=True)
+    t.add_argument("--batch", type=int, required=True)
+    t.add_argument("--steps", type=int, required=True)
+    t.add_argument("--lr", type=float, required=True)
+    t.add_argument("--weight-decay", type=float, required=True)
+    t.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
-    make(a) if a.cmd == "make" else logits(a)
+    {"make": make, "logits": logits, "train": train}[a.cmd](a)
 
 
 if __name__ == "__main__":
