@@ -20,6 +20,9 @@ pub struct Estimate {
     pub frozen: u64,
     /// Of the frozen values, those `train.frozen_dtype = "bf16"` stores in bf16 (0 otherwise).
     pub frozen_bf16: u64,
+    /// Bytes of the variables that stay on the device when parameters stream (a decoder's
+    /// output projection: `Chain::resident`).
+    pub resident_bytes: u64,
     pub arch_weights: u64,
     /// Non-trained state such as BatchNorm running statistics.
     pub buffers: u64,
@@ -122,11 +125,17 @@ impl Estimate {
     /// pass through the device one block at a time; that transient is part of the activations'
     /// share, which the preflight step measures.
     pub fn device_bytes(&self, homes: Homes) -> u64 {
-        self.terms_at(homes)
+        let placed: u64 = self
+            .terms_at(homes)
             .iter()
             .filter(|t| t.3 == Home::Device)
             .map(|t| t.2)
-            .sum()
+            .sum();
+        // Streamed parameters leave the output projection on the device.
+        match homes.parameters {
+            Home::Host => placed + self.resident_bytes,
+            Home::Device => placed,
+        }
     }
 
     /// The placements that would bring the static device bill under `cap`, cheapest first
@@ -238,6 +247,7 @@ pub fn estimate(job: &Sections) -> Result<Estimate> {
         preset: job.model.preset.clone(),
         weights,
         frozen: c.frozen,
+        resident_bytes: c.resident_bytes,
         frozen_bf16: match t.frozen_dtype {
             crate::spec::FrozenDtype::Bf16 => c.frozen_low,
             crate::spec::FrozenDtype::Fp32 => 0,
@@ -437,7 +447,7 @@ impl Estimate {
             ),
             None => writeln!(
                 f,
-                "  even with the optimizer state and gradients on the host the parameters alone ({}) do not fit, and this model's parameters cannot stream by block (memory.parameters = \"host\": vit and resnet presets): lower the precision (train.precision = \"bf16\") or raise memory.limit",
+                "  even with the optimizer state and gradients on the host the parameters alone ({}) do not fit, and this model's parameters cannot stream by block (memory.parameters = \"host\": the vit, resnet and llama presets): lower the precision (train.precision = \"bf16\") or raise memory.limit",
                 human_bytes(self.parameter_bytes())
             ),
         }

@@ -511,6 +511,11 @@ impl Chain for Llama {
         }
     }
 
+    /// The output projection (the embedding, when tied): the loss reads it after the last block.
+    fn resident(&self, var: &str) -> bool {
+        var == "lm_head.weight" || (self.lm_head.is_none() && var == "model.embed_tokens.weight")
+    }
+
     /// The embedding at the bottom, the output projection at the top with the final norm.
     fn layer_of(&self, var: &str) -> Option<usize> {
         match var {

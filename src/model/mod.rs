@@ -40,6 +40,9 @@ pub struct Counts {
     pub frozen: u64,
     /// Of those, the values `train.frozen_dtype` can store in bf16 (`autocast_weight`).
     pub frozen_low: u64,
+    /// Bytes that stay on the device while parameters stream (`Chain::resident`), in the dtype
+    /// they are kept in.
+    pub resident_bytes: u64,
     /// The model is a sequence of blocks (levers that work block by block apply).
     pub has_blocks: bool,
     /// Each variable belongs to one block, so parameters can stream block by block.
@@ -557,6 +560,15 @@ pub fn counts(model: &Model, train: &crate::spec::schema::Train) -> Result<Count
             .map(|(p, _)| p.name.as_str())
             .collect(),
     };
+    let resident_names: std::collections::HashSet<String> = match built.net.chain() {
+        Some(ch) => vs
+            .variables()
+            .into_keys()
+            .filter(|n| ch.block_of(n).is_none() && ch.resident(n))
+            .collect(),
+        None => Default::default(),
+    };
+    let resident = |n: &str| resident_names.contains(n);
     drop(built);
     for (name, t) in vs.variables() {
         let n = t.numel() as u64;
@@ -564,8 +576,14 @@ pub fn counts(model: &Model, train: &crate::spec::schema::Train) -> Result<Count
             c.arch_weights += n;
         } else if frozen.contains(name.as_str()) {
             c.frozen += n;
-            if autocast_weight(&name, &t) {
+            let low = autocast_weight(&name, &t);
+            if low {
                 c.frozen_low += n;
+            }
+            if resident(&name) {
+                let bf16 = (low && train.frozen_dtype == crate::spec::FrozenDtype::Bf16)
+                    || train.precision == crate::spec::Precision::Bf16;
+                c.resident_bytes += n * if bf16 { 2 } else { 4 };
             }
         } else if t.requires_grad() {
             c.weights += n;

@@ -91,10 +91,16 @@ pub trait Chain {
     fn layer_of(&self, var: &str) -> Option<usize> {
         self.block_of(var)
     }
+
+    /// A variable no block uses that is read after the last one (a decoder's output projection,
+    /// which the loss applies): it stays on the device while the blocks' parameters stream.
+    fn resident(&self, _var: &str) -> bool {
+        false
+    }
 }
 
 /// Every variable of `vs` by the block that uses it (`Chain::block_of`), or the name of one
-/// that belongs to no block.
+/// that belongs to no block and is not `Chain::resident` (those are left out).
 pub fn block_vars(c: &dyn Chain, vs: &nn::VarStore) -> Result<Vec<Vec<(String, Tensor)>>, String> {
     let mut blocks: Vec<Vec<(String, Tensor)>> = (0..c.blocks()).map(|_| vec![]).collect();
     let mut vars: Vec<(String, Tensor)> = vs.variables().into_iter().collect();
@@ -102,6 +108,7 @@ pub fn block_vars(c: &dyn Chain, vs: &nn::VarStore) -> Result<Vec<Vec<(String, T
     for (name, t) in vars {
         match c.block_of(&name).filter(|&i| i < blocks.len()) {
             Some(i) => blocks[i].push((name, t)),
+            None if c.resident(&name) => {}
             None => return Err(name),
         }
     }

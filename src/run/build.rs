@@ -711,13 +711,23 @@ pub fn init_from(vs: &nn::VarStore, head: &[String], model: &spec::Model, path: 
 /// The block of the model's chain that uses each weight, when every weight belongs to one: a
 /// host update then finishes block by block during the next forward, beside the device's work.
 fn param_blocks(net: &dyn Net, vs: &nn::VarStore, opt: &Optimizer) -> Option<Vec<usize>> {
-    let by_block = model::block_vars(net.chain()?, vs).ok()?;
+    let chain = net.chain()?;
+    let by_block = model::block_vars(chain, vs).ok()?;
+    // A resident variable is read after the last block.
+    let last = by_block.len().checked_sub(1)?;
     let of: std::collections::HashMap<&str, usize> = by_block
         .iter()
         .enumerate()
         .flat_map(|(b, vars)| vars.iter().map(move |(n, _)| (n.as_str(), b)))
         .collect();
-    opt.params().iter().map(|(n, _)| of.get(n.as_str()).copied()).collect()
+    opt.params()
+        .iter()
+        .map(|(n, _)| {
+            of.get(n.as_str())
+                .copied()
+                .or_else(|| chain.resident(n).then_some(last))
+        })
+        .collect()
 }
 
 mod restore;

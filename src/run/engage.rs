@@ -38,7 +38,7 @@ impl Target for Parts<'_> {
         };
         match Streamer::new(&model.vs, chain, Host::new(self.forward.device)) {
             Ok(s) => model.stream = Some(s),
-            Err(name) => tracing::warn!("parameters cannot stream: {name} belongs to no one block"),
+            Err(why) => tracing::warn!("parameters cannot stream: {why}"),
         }
         let _ = crate::shim::empty_cache();
     }

@@ -47,7 +47,23 @@ impl Streamer {
     /// Moves every variable of `vs` to the host, grouped by the block of `chain` that uses it;
     /// Err: the name of a variable that belongs to no one block.
     pub fn new(vs: &nn::VarStore, chain: &dyn Chain, host: Host) -> Result<Self, String> {
-        let by_block = block_vars(chain, vs)?;
+        let by_block = block_vars(chain, vs).map_err(|name| format!("{name} belongs to no one block"))?;
+        // What stays on the device: only what does not train (its update would be the host's).
+        let resident: Vec<(String, Tensor)> = vs
+            .variables()
+            .into_iter()
+            .filter(|(n, _)| chain.block_of(n).is_none() && chain.resident(n))
+            .collect();
+        if let Some((name, _)) = resident.iter().find(|(_, t)| t.requires_grad()) {
+            return Err(format!(
+                "{name} is read after the last block and trains; freeze it (train.freeze, or [model.lora]) to stream the rest"
+            ));
+        }
+        for (_, t) in &resident {
+            if t.device() != host.device {
+                tch::no_grad(|| t.shallow_clone().set_data(&t.to_device(host.device)));
+            }
+        }
         // Not by requires_grad: a frozen parameter is no buffer (the optimizer may write its
         // host copy once it is unfrozen, which a buffer's copy-back would overwrite).
         let buffers: std::collections::HashSet<String> =

@@ -538,7 +538,7 @@ pub fn placement(t: &Train, m: &Memory) -> crate::optim::Placement {
 
 /// The presets whose every variable belongs to one block, so their parameters can stream
 /// (`memory.parameters = "host"`); DARTS's architecture weights are used by every cell.
-const STREAMS: &[&str] = &["vit", "resnet18", "resnet34", "resnet50"];
+const STREAMS: &[&str] = &["vit", "resnet18", "resnet34", "resnet50", "llama"];
 
 /// Whether `memory.parameters = "host"` is open to this preset.
 pub fn streams(preset: &str) -> bool {

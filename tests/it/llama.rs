@@ -341,3 +341,91 @@ fn a_full_fine_tune_trains_as_a_plain_pytorch_loop_does() {
     assert!(theirs[19] < theirs[0], "the loop learns: {theirs:?}");
     assert_close(&ours, &theirs, 1e-6);
 }
+
+/// `memory.parameters = "host"` on a LoRA llama: the decoder layers stream from host memory and
+/// the frozen output projection (the embedding, when tied) stays on the device; the per-step
+/// losses equal the unstreamed run's bit for bit on the CPU (the same optimizer implementation).
+/// A full fine-tune, whose output projection trains, says why it cannot stream.
+#[test]
+fn a_lora_decoder_streams_its_layers_and_keeps_its_frozen_head() {
+    for tie in [false, true] {
+        let t = Test::new();
+        let dir = t.dir().to_path_buf();
+        let mut args = vec!["make", "--out", "hf"];
+        if tie {
+            args.push("--tie");
+        }
+        llama_py(&dir, &args);
+        let ids: Vec<u8> = (0..3000u32)
+            .flat_map(|i| (((i * 7) % 96) as u16).to_le_bytes())
+            .collect();
+        std::fs::write(dir.join("train.bin"), ids).unwrap();
+        let spec = table(&format!(
+            "[job]\nthreads = 1\ndevice = \"cpu\"\n[model]\npreset = \"llama\"\ninit_from = \"{}\"\n\
+             [model.lora]\nrank = 4\ntargets = [\"q\", \"v\", \"down\"]\n\
+             [data]\nsource = \"tokens\"\npath = \"{}\"\ntoken_dtype = \"uint16\"\nseq_len = 16\n\
+             [train]\nepochs = 1\nbatch_size = 4\noptimizer = \"adamw\"\nlr = 0.003\noptimizer_impl = \"fused\"\n\
+             [log]\nevery_steps = 1\nprogress = \"off\"\n",
+            dir.join("hf").display(),
+            dir.join("train.bin").display()
+        ));
+        let plain = t
+            .clone()
+            .name("plain")
+            .spec(spec.clone())
+            .arg("--max-steps")
+            .arg("8")
+            .run();
+        let streamed = t
+            .clone()
+            .name("streamed")
+            .spec(spec.clone())
+            .set("memory.parameters", "host")
+            .arg("--max-steps")
+            .arg("8")
+            .run();
+        assert!(
+            !streamed.stderr.contains("cannot stream"),
+            "tie {tie}: {}",
+            streamed.stderr
+        );
+        // check counts the output projection on the device: 96 x 32 fp32 values.
+        let checked = t
+            .clone()
+            .command("check")
+            .spec(spec.clone())
+            .set("memory.parameters", "host")
+            .run()
+            .stdout;
+        let line = checked.lines().find(|l| l.starts_with("device static")).unwrap();
+        assert!(line.starts_with("device static    12.00 KiB"), "tie {tie}: {line}");
+        // The base rests in host memory: only the streamed run has any there.
+        assert_eq!(plain.summary().memory.peak_host_bytes, None);
+        let host = streamed.summary().memory.peak_host_bytes.unwrap_or(0);
+        assert!(host > 20_000, "tie {tie}: the layers rest on the host ({host} B)");
+        assert_eq!(step_losses(&plain).len(), 8);
+        assert_eq!(
+            step_losses(&plain),
+            step_losses(&streamed),
+            "tie {tie}: streamed equals plain"
+        );
+        if !tie {
+            let mut full = spec.clone();
+            full["model"].as_table_mut().unwrap().remove("lora");
+            let o = t
+                .clone()
+                .name("full")
+                .spec(full)
+                .set("memory.parameters", "host")
+                .arg("--max-steps")
+                .arg("2")
+                .run();
+            assert!(
+                o.stderr
+                    .contains("lm_head.weight is read after the last block and trains; freeze it"),
+                "{}",
+                o.stderr
+            );
+        }
+    }
+}
