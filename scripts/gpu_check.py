@@ -1936,6 +1936,138 @@ def check_finetune(r, probe):
     return [judge_finetune(p.rc, summary_of(out), e.rc, report)]
 
 
+LLAMA_GENERATE = "llama trains, then generates"
+SENTENCE = "one two three four five six seven eight"
+
+
+def word_tokenizer(path):
+    """A word-level tokenizer.json of SENTENCE's words after <unk> = 0 and </s> = 1."""
+    vocab = {"<unk>": 0, "</s>": 1, **{w: i + 2 for i, w in enumerate(SENTENCE.split())}}
+    t = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+         "pre_tokenizer": {"type": "Whitespace"}, "post_processor": None, "decoder": None,
+         "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}}
+    with open(path, "w") as f:
+        json.dump(t, f)
+
+
+def judge_llama_generate(rc, summary, gen_rc, text):
+    """A small decoder trained on one repeated sentence on the device (the chunked next-token loss)
+    continues it through its key/value cache and stops at the end-of-text token."""
+    want = "three four five six seven eight"
+    ok = rc == 0 and gen_rc == 0 and (text or "").strip() == want and str((summary or {}).get("device", "")) == DEVICE
+    seen = (f"train exit {rc}, final train loss {get(summary, 'final.train_loss')}, perplexity "
+            f"{get(summary, 'final.train_perplexity')}; generate exit {gen_rc}: {(text or '').strip()!r}")
+    return Check(LLAMA_GENERATE, f"on {DEVICE}: generate prints {want!r}", seen, ok)
+
+
+def check_llama_generate(r, probe):
+    data, tok = r.path("sentence.jsonl"), r.path("words.json")
+    word_tokenizer(tok)
+    with open(data, "w") as f:
+        f.write("\n".join(json.dumps({"text": SENTENCE}) for _ in range(300)) + "\n")
+    spec = spec_file(r, "llama_small", f"""[job]
+name = "gpu-check-llama"
+[model]
+preset = "llama"
+[model.llama]
+vocab_size = 16
+hidden_size = 32
+intermediate_size = 64
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+max_position_embeddings = 64
+[data]
+source = "jsonl"
+path = "{data}"
+tokenizer = "{tok}"
+text_field = "text"
+seq_len = 16
+[train]
+epochs = 3
+batch_size = 8
+optimizer = "adamw"
+lr = 0.01
+[log]
+progress = "off"
+""")
+    p, out = r.run("llama_small", spec, [dev()])
+    g = r.mt("llama_generate", ["generate", out, "--prompt", "three four", "--max-new-tokens", "10"]) if p.rc == 0 else p
+    return [judge_llama_generate(p.rc, summary_of(out), g.rc, g.stdout if p.rc == 0 else None)]
+
+
+# A Llama-3.1-8B shape: bf16 base streamed from host memory, rank-16 LoRA on every projection,
+# seq_len 2048, under a 12 GiB cap with no quantisation (the rehearsal shrinks it).
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                seq_len=2048, cap=12 * GiB, steps=4)
+LLAMA_8B_ROW = "Llama-8B LoRA, bf16 base streamed, under 12 GiB"
+
+
+def judge_llama_streamed(rc, records, summary, cap):
+    steps = of_type(records, "step")
+    losses = [s.get("loss") for s in steps]
+    finite = bool(losses) and all(isinstance(x, (int, float)) and math.isfinite(x) for x in losses)
+    key = "memory.peak_reserved_bytes" if DEVICE == "cuda" else "memory.peak_allocated_bytes"
+    peak, host = get(summary, key), get(summary, "memory.peak_host_bytes")
+    secs = sorted(s["seconds"] for s in steps[1:]) or [None]
+    ok = rc == 0 and finite and isinstance(peak, int) and peak <= cap and isinstance(host, int) and host > 0
+    seen = (f"exit {rc}, {len(steps)} steps, losses {[round(x, 3) for x in losses if isinstance(x, float)]}, "
+            f"peak {size(peak)} ({key.split('.')[-1]}), host {size(host)}, median step {secs[len(secs) // 2]} s")
+    return Check(LLAMA_8B_ROW, f"trains with its base on the host, device peak <= {size(cap)}", seen, ok)
+
+
+def check_llama_streamed(r, probe):
+    t = dict(LLAMA_8B)
+    n = t["seq_len"] + 1
+    data = r.path("tokens-8b.bin")
+    import array
+
+    with open(data, "wb") as f:
+        array.array("I", [(i * 7919) % t["vocab_size"] for i in range(8 * n)]).tofile(f)
+    sizes = "\n".join(f"{k} = {t[k]}" for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                                 "num_attention_heads", "num_key_value_heads", "max_position_embeddings"))
+    spec = spec_file(r, "llama_8b", f"""[job]
+name = "gpu-check-llama-8b"
+[model]
+preset = "llama"
+[model.llama]
+{sizes}
+rope_theta = 500000.0
+[model.llama.rope_scaling]
+rope_type = "llama3"
+factor = 8.0
+[model.lora]
+rank = 16
+alpha = 32.0
+targets = ["q", "k", "v", "o", "gate", "up", "down"]
+[data]
+source = "tokens"
+path = "{data}"
+token_dtype = "uint32"
+seq_len = {t["seq_len"]}
+[train]
+epochs = 1
+batch_size = 1
+optimizer = "adamw"
+lr = 1e-4
+precision = "bf16-mixed"
+frozen_dtype = "bf16"
+[memory]
+limit = "{t["cap"] >> 20}MiB"
+parameters = "host"
+[checkpoint]
+every_epochs = 0
+[log]
+every_steps = 1
+progress = "off"
+""")
+    p, out = r.run("llama_8b", spec, [dev()], extra=["--max-steps", str(t["steps"])])
+    if p.rc != 0:
+        return [failure(LLAMA_8B_ROW, "completes", p)]
+    return [judge_llama_streamed(p.rc, records_of(out), summary_of(out), t["cap"])]
+
+
 # In order of what matters most when the budget runs short; (name, function, rows it yields).
 CHECKS = [
     ("info", check_info, ["info vs torch.cuda"]),
@@ -1959,6 +2091,8 @@ CHECKS = [
     ("collective_oom", check_collective_oom, ["NCCL collective OOM"]),
     ("resident_nan", check_resident_nan, [RESIDENT_NAN]),
     ("finetune", check_finetune, [FINETUNE]),
+    ("llama_generate", check_llama_generate, [LLAMA_GENERATE]),
+    ("llama_streamed", check_llama_streamed, [LLAMA_8B_ROW]),
     ("darts", check_darts, ["darts_4gb under 4 GiB"]),
     ("eval_oom", check_eval_oom, ["validation OOM (1 GiB cap)"]),
     ("cache_clear", check_cache_clear, ["cache clear cost"]),

@@ -579,6 +579,22 @@ class Offload(unittest.TestCase):
         late = [dict(r, seconds=1.0) for r in records]
         self.assertAlmostEqual(g.wall_rate(late, 1), 12 / 3.0)
 
+    def test_the_language_model_rows_judge_what_they_claim(self):
+        summary = {"device": g.DEVICE, "final": {"train_loss": 0.1, "train_perplexity": 1.1}}
+        self.assertTrue(g.judge_llama_generate(0, summary, 0, "three four five six seven eight\n").ok)
+        self.assertFalse(g.judge_llama_generate(0, summary, 0, "three four five six").ok, "stopped short")
+        self.assertFalse(g.judge_llama_generate(0, dict(summary, device="elsewhere"), 0,
+                                                "three four five six seven eight").ok, "not on the device")
+        steps = [{"type": "step", "loss": 2.0, "seconds": 1.0}, {"type": "step", "loss": 1.9, "seconds": 1.1}]
+        mem = {"memory": {"peak_reserved_bytes": 10 * g.GiB, "peak_allocated_bytes": 10 * g.GiB,
+                          "peak_host_bytes": 16 * g.GiB}}
+        self.assertTrue(g.judge_llama_streamed(0, steps, mem, 12 * g.GiB).ok)
+        self.assertFalse(g.judge_llama_streamed(0, steps, mem, 8 * g.GiB).ok, "over the cap")
+        nan = [dict(steps[0], loss=float("nan"))]
+        self.assertFalse(g.judge_llama_streamed(0, nan, mem, 12 * g.GiB).ok, "a NaN loss")
+        self.assertFalse(g.judge_llama_streamed(0, steps, {"memory": dict(mem["memory"], peak_host_bytes=0)},
+                                                12 * g.GiB).ok, "nothing on the host: not streamed")
+
     def test_speed_rows_print_the_ratio_and_the_host_bandwidth(self):
         base = self.steps([1] * 4, times=[0.0, 1.0, 2.0, 3.0])
         host = self.steps([1] * 4, times=[0.0, 2.0, 4.0, 6.0], host=0.5)
@@ -622,6 +638,21 @@ class Rehearsal(unittest.TestCase):
 
     def test_a_fine_tune_with_frozen_layers_and_groups_evaluates_to_its_own_figures(self):
         (c,) = self.rows(g.check_finetune)
+        self.assertTrue(c.ok, c)
+
+    def test_a_small_decoder_trains_and_continues_its_sentence(self):
+        (c,) = self.rows(g.check_llama_generate)
+        self.assertTrue(c.ok, c)
+
+    def test_a_lora_decoder_streams_its_base_under_the_cap(self):
+        saved = g.LLAMA_8B
+        g.LLAMA_8B = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                          seq_len=32, cap=64 << 20, steps=3)
+        try:
+            (c,) = self.rows(g.check_llama_streamed)
+        finally:
+            g.LLAMA_8B = saved
         self.assertTrue(c.ok, c)
 
     def test_fp16_inf(self):
