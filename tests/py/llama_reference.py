@@ -15,6 +15,13 @@
       of B windows in memtrain's epoch order, the summed cross-entropy of the next tokens divided
       by the group's token count, backward, torch.optim.AdamW (foreach=False). Prints
       {"losses": [...]}.
+  lora-init --dir DIR --out init.safetensors
+      peft's LoRA (rank 4, alpha 8, q_proj and v_proj, init_lora_weights=False: B random too)
+      over DIR, written with the base under memtrain's names (Hugging Face's, adapters without
+      peft's ".default").
+  lora-train --dir DIR --init init.safetensors --data train.bin --seq-len T --batch B --steps N
+             --lr LR --weight-decay WD --seed S
+      the loop of `train` over that peft model, its adapters from init.safetensors.
 make and logits print {"names": [...], "config": {...}} as JSON.
 """
 import argparse
@@ -84,13 +91,14 @@ def train(a):
     import reference
 
     torch.set_num_threads(1)
-    model = transformers.AutoModelForCausalLM.from_pretrained(a.dir, dtype=torch.float32)
+    model = getattr(a, "model", None) or transformers.AutoModelForCausalLM.from_pretrained(a.dir, dtype=torch.float32)
     model.train()
     ids = torch.from_numpy(np.fromfile(a.data, dtype=np.uint16).astype(np.int64))
     w = a.seq_len + 1
     n = len(ids) // w
     windows = ids[: n * w].view(n, w)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=a.weight_decay, foreach=False)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=a.lr, weight_decay=a.weight_decay, foreach=False)
     losses, epoch = [], 0
     while len(losses) < a.steps:
         order = reference.epoch_order(n, a.seed, epoch)
@@ -110,6 +118,50 @@ def train(a):
     print(json.dumps({"losses": losses}))
 
 
+LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+
+
+def peft_model(path):
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(3)
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return get_peft_model(base, LoraConfig(**LORA))
+
+
+def memtrain_name(peft_name):
+    return peft_name.removeprefix("base_model.model.").replace(".default.", ".").replace(".base_layer.", ".")
+
+
+def lora_init(a):
+    m = peft_model(a.dir)
+    save_file({memtrain_name(k): v.contiguous() for k, v in m.state_dict().items()}, a.out)
+    print(json.dumps({"trainable": sum(p.numel() for p in m.parameters() if p.requires_grad)}))
+
+
+def lora_train(a):
+    m = peft_model(a.dir)
+    init = load_file(a.init)
+    with torch.no_grad():
+        for k, v in m.state_dict().items():
+            if ".lora_" in k:
+                v.copy_(init[memtrain_name(k)])
+    a.model = m
+    train(a)
+
+
+def add_train_args(t):
+    t.add_argument("--data", required=True)
+    t.add_argument("--seq-len", type=int, required=True)
+    t.add_argument("--batch", type=int, required=True)
+    t.add_argument("--steps", type=int, required=True)
+    t.add_argument("--lr", type=float, required=True)
+    t.add_argument("--weight-decay", type=float, required=True)
+    t.add_argument("--seed", type=int, default=0)
+
+
+
 def main():
     p = argparse.ArgumentParser()
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -126,17 +178,16 @@ def main():
     l = sub.add_parser("logits")
     l.add_argument("--dir", required=True)
     l.add_argument("--io", required=True)
-    t = sub.add_parser("train")
-    t.add_argument("--dir", required=True)
-    t.add_argument("--data", required=True)
-    t.add_argument("--seq-len", type=int, required=True)
-    t.add_argument("--batch", type=int, required=True)
-    t.add_argument("--steps", type=int, required=True)
-    t.add_argument("--lr", type=float, required=True)
-    t.add_argument("--weight-decay", type=float, required=True)
-    t.add_argument("--seed", type=int, default=0)
+    li = sub.add_parser("lora-init")
+    li.add_argument("--dir", required=True)
+    li.add_argument("--out", required=True)
+    for name in ("train", "lora-train"):
+        t = sub.add_parser(name)
+        t.add_argument("--dir", required=True)
+        t.add_argument("--init", default=None)
+        add_train_args(t)
     a = p.parse_args()
-    {"make": make, "logits": logits, "train": train}[a.cmd](a)
+    {"make": make, "logits": logits, "train": train, "lora-init": lora_init, "lora-train": lora_train}[a.cmd](a)
 
 
 if __name__ == "__main__":
