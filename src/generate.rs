@@ -50,13 +50,9 @@ impl Words {
 
     /// The end-of-text id: `data.eos_id`, else the tokenizer's by a well-known name.
     fn eos(&self, spec: &crate::spec::Spec) -> Option<i64> {
-        spec.data.eos_id.or_else(|| {
-            let t = self.tokenizer.as_ref()?;
-            ["</s>", "<|endoftext|>", "<|end_of_text|>", "<|eot_id|>", "<eos>"]
-                .iter()
-                .find_map(|n| t.token_to_id(n))
-                .map(i64::from)
-        })
+        spec.data
+            .eos_id
+            .or_else(|| crate::data::eos_by_name(self.tokenizer.as_ref()?).map(i64::from))
     }
 
     fn text(&self, ids: &[i64]) -> String {
@@ -157,12 +153,13 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
 /// The generated part as text: the whole sequence decoded minus the prompt decoded, so that a
 /// tokenizer that joins pieces (spaces, byte fallback) prints them as it would together.
 fn joined(words: &Words, prompt: &[i64], new: &[i64]) -> String {
+    if words.tokenizer.is_none() {
+        return format!(" | {}", words.text(new));
+    }
     let all: Vec<i64> = prompt.iter().chain(new).copied().collect();
-    let (whole, head) = (words.text(&all), words.text(prompt));
-    match whole.strip_prefix(&head) {
-        Some(rest) if words.tokenizer.is_some() => rest.to_owned(),
-        _ if words.tokenizer.is_some() => format!(" {}", words.text(new)),
-        _ => format!(" | {}", words.text(new)),
+    match words.text(&all).strip_prefix(&words.text(prompt)) {
+        Some(rest) => rest.to_owned(),
+        None => format!(" {}", words.text(new)),
     }
 }
 

@@ -71,6 +71,12 @@ impl Dataset {
         })
     }
 
+    /// The targets of samples `idx` that carry loss, where the set's shape alone says it: every
+    /// next token of a token file does. None where targets of their own may be ignored.
+    pub fn plain_target_count(&self, idx: &[i64]) -> Option<u64> {
+        matches!(self.source.targets, Targets::Next).then(|| idx.len() as u64 * self.source.labels_per_sample() as u64)
+    }
+
     /// Whether the samples are token ids (int64 batches, a target a token).
     pub fn is_tokens(&self) -> bool {
         self.source.is_tokens()

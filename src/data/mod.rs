@@ -40,6 +40,7 @@ mod wait;
 pub use augment::{Augmenter, Draw};
 pub use dataset::{workers, Dataset, Splits};
 use jitter::Jitter;
+pub use source::jsonl::eos_by_name;
 use source::{reader, Opened, Part, Want};
 pub use split::epoch_order;
 pub use wait::DataWait;

@@ -6,10 +6,13 @@ use tch::{Kind, Tensor};
 use crate::data::Dataset;
 use crate::model::lm_loss::IGNORE;
 
-/// The target tokens of `group` that count (not `IGNORE`), read before its step so that every
-/// micro-batch's loss is divided by the group's count. Labels need no augmentation, so they are
-/// gathered plainly (a set kept on the device is read from there: one read per step).
+/// The target tokens of `group` that count (not `IGNORE`), known before its step so that every
+/// micro-batch's loss is divided by the group's count. A token file's count follows from the
+/// group's size; targets of their own are gathered plainly (they need no augmentation).
 pub fn counted(data: &Dataset, group: &[i64]) -> u64 {
+    if let Some(n) = data.plain_target_count(group) {
+        return n;
+    }
     let (_, y) = data.batch(&Tensor::from_slice(group));
     y.ne(IGNORE).sum(Kind::Int64).int64_value(&[]).max(0) as u64
 }

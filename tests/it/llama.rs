@@ -285,6 +285,43 @@ fn export_writes_a_directory_transformers_loads_with_the_adapters_merged() {
     }
 }
 
+/// A token file of 4000 ids in a noisy pattern (train.bin, uint16) and its first 100 (val.bin) in
+/// `dir`: something to learn and to miss.
+fn pattern_files(dir: &Path) {
+    let ids: Vec<u8> = (0..4000u32)
+        .flat_map(|i| (((i * 7 + (i * i) % 13) % 96) as u16).to_le_bytes())
+        .collect();
+    std::fs::write(dir.join("train.bin"), &ids).unwrap();
+    std::fs::write(dir.join("val.bin"), &ids[..200]).unwrap();
+}
+
+/// The plain PyTorch loop's 20 per-step losses over `hf` in `dir` (`command`: `train`, or
+/// `lora-train` with its flags), as the specs below train: windows of 24, groups of 4, seed 5,
+/// AdamW at `lr` with weight decay 0.01.
+fn python_losses(dir: &Path, command: &[&str], lr: &str) -> Vec<f64> {
+    let mut args = command.to_vec();
+    args.extend([
+        "--dir",
+        "hf",
+        "--data",
+        "train.bin",
+        "--seq-len",
+        "24",
+        "--batch",
+        "4",
+        "--steps",
+        "20",
+    ]);
+    args.extend(["--lr", lr, "--weight-decay", "0.01", "--seed", "5"]);
+    let py = llama_py(dir, &args);
+    py["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect()
+}
+
 /// A full fine-tune of a tiny `LlamaForCausalLM` on a token file: memtrain's 20 per-step losses
 /// (the next-token loss in chunks, AdamW) equal a plain PyTorch loop's around the same
 /// transformers model, same windows in the same order, within 1e-6 relative; the summed
@@ -295,10 +332,7 @@ fn a_full_fine_tune_trains_as_a_plain_pytorch_loop_does() {
     let dir = t.dir().to_path_buf();
     llama_py(&dir, &["make", "--out", "hf", "--kv-heads", "2"]);
     // 96-token vocabulary: a pattern with noise, so there is something to learn and to miss.
-    let ids: Vec<u16> = (0..4000u32).map(|i| ((i * 7 + (i * i) % 13) % 96) as u16).collect();
-    let bytes: Vec<u8> = ids.iter().flat_map(|i| i.to_le_bytes()).collect();
-    std::fs::write(dir.join("train.bin"), &bytes).unwrap();
-    std::fs::write(dir.join("val.bin"), &bytes[..200]).unwrap();
+    pattern_files(&dir);
     let spec = format!(
         "[job]\nthreads = 1\ndevice = \"cpu\"\nseed = 5\n[model]\npreset = \"llama\"\ninit_from = \"{hf}\"\n\
          [data]\nsource = \"tokens\"\npath = \"{d}/train.bin\"\nval_path = \"{d}/val.bin\"\ntoken_dtype = \"uint16\"\nseq_len = 24\n\
@@ -309,34 +343,7 @@ fn a_full_fine_tune_trains_as_a_plain_pytorch_loop_does() {
     );
     let r = t.spec(table(&spec)).arg("--max-steps").arg("20").run();
     let ours = step_losses(&r);
-    let py = llama_py(
-        &dir,
-        &[
-            "train",
-            "--dir",
-            "hf",
-            "--data",
-            "train.bin",
-            "--seq-len",
-            "24",
-            "--batch",
-            "4",
-            "--steps",
-            "20",
-            "--lr",
-            "0.002",
-            "--weight-decay",
-            "0.01",
-            "--seed",
-            "5",
-        ],
-    );
-    let theirs: Vec<f64> = py["losses"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap())
-        .collect();
+    let theirs = python_losses(&dir, &["train"], "0.002");
     assert_eq!(ours.len(), 20);
     assert!(theirs[19] < theirs[0], "the loop learns: {theirs:?}");
     assert_close(&ours, &theirs, 1e-6);
@@ -356,10 +363,7 @@ fn a_lora_decoder_streams_its_layers_and_keeps_its_frozen_head() {
             args.push("--tie");
         }
         llama_py(&dir, &args);
-        let ids: Vec<u8> = (0..3000u32)
-            .flat_map(|i| (((i * 7) % 96) as u16).to_le_bytes())
-            .collect();
-        std::fs::write(dir.join("train.bin"), ids).unwrap();
+        pattern_files(&dir);
         let spec = table(&format!(
             "[job]\nthreads = 1\ndevice = \"cpu\"\n[model]\npreset = \"llama\"\ninit_from = \"{}\"\n\
              [model.lora]\nrank = 4\ntargets = [\"q\", \"v\", \"down\"]\n\
@@ -439,11 +443,7 @@ fn lora_trains_a_decoder_as_peft_does() {
     let dir = t.dir().to_path_buf();
     llama_py(&dir, &["make", "--out", "hf", "--kv-heads", "2"]);
     llama_py(&dir, &["lora-init", "--dir", "hf", "--out", "init.safetensors"]);
-    let ids: Vec<u8> = (0..4000u32)
-        .flat_map(|i| (((i * 7 + (i * i) % 13) % 96) as u16).to_le_bytes())
-        .collect();
-    std::fs::write(dir.join("train.bin"), &ids).unwrap();
-    std::fs::write(dir.join("val.bin"), &ids[..200]).unwrap();
+    pattern_files(&dir);
     let spec = format!(
         "[job]\nthreads = 1\ndevice = \"cpu\"\nseed = 5\n[model]\npreset = \"llama\"\ninit_from = \"{d}/init.safetensors\"\n\
          [model.llama]\nvocab_size = 96\nhidden_size = 32\nintermediate_size = 48\nnum_hidden_layers = 2\n\
@@ -456,36 +456,7 @@ fn lora_trains_a_decoder_as_peft_does() {
     );
     let r = t.spec(table(&spec)).arg("--max-steps").arg("20").run();
     let ours = step_losses(&r);
-    let py = llama_py(
-        &dir,
-        &[
-            "lora-train",
-            "--dir",
-            "hf",
-            "--init",
-            "init.safetensors",
-            "--data",
-            "train.bin",
-            "--seq-len",
-            "24",
-            "--batch",
-            "4",
-            "--steps",
-            "20",
-            "--lr",
-            "0.01",
-            "--weight-decay",
-            "0.01",
-            "--seed",
-            "5",
-        ],
-    );
-    let theirs: Vec<f64> = py["losses"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap())
-        .collect();
+    let theirs = python_losses(&dir, &["lora-train", "--init", "init.safetensors"], "0.01");
     assert_eq!(ours.len(), 20);
     assert!((theirs[19] - theirs[0]).abs() > 1e-3, "the adapters train: {theirs:?}");
     assert_close(&ours, &theirs, 1e-5);

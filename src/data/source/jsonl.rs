@@ -37,7 +37,19 @@ pub struct Jsonl;
 pub const IGNORED: i64 = -100;
 
 /// Names an EOS token goes by in common tokenizers, tried in order.
-const EOS_NAMES: [&str; 5] = ["</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|im_end|>"];
+const EOS_NAMES: [&str; 6] = [
+    "</s>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<eos>",
+    "<|im_end|>",
+    "<|eot_id|>",
+];
+
+/// The tokenizer's end-of-text token, found by one of its common names (`EOS_NAMES`).
+pub fn eos_by_name(tokenizer: &tokenizers::Tokenizer) -> Option<u32> {
+    EOS_NAMES.iter().find_map(|n| tokenizer.token_to_id(n))
+}
 
 impl Reader for Jsonl {
     fn sample_shape(&self, data: &Data, _: &Path) -> Result<Option<Vec<i64>>> {
@@ -126,7 +138,7 @@ impl<'a> Text<'a> {
         let eos = match data.eos_id {
             Some(id) if id >= vocab => bail!("data.eos_id = {id} is outside the model's vocabulary of {vocab} ids"),
             Some(id) => Some(id as u32),
-            None => EOS_NAMES.iter().find_map(|n| tokenizer.token_to_id(n)),
+            None => eos_by_name(&tokenizer),
         };
         if eos.is_none() && matches!(shape, Shape::Plain { .. }) {
             bail!(

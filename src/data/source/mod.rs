@@ -17,7 +17,7 @@ use crate::spec::schema::{Data, DataSource};
 mod arrays;
 mod cifar10;
 pub(super) mod imagefolder;
-pub(super) mod jsonl;
+pub(crate) mod jsonl;
 mod mnist;
 pub(super) mod npz;
 mod safetensors;
