@@ -5,6 +5,7 @@ use std::path::PathBuf;
 fn main() {
     println!("cargo:rerun-if-changed=src/shim/shim.cpp");
     println!("cargo:rerun-if-changed=src/shim/cuda.cpp");
+    println!("cargo:rerun-if-changed=src/shim/graph.cpp");
     println!("cargo:rerun-if-changed=src/shim/dist.cpp");
     println!("cargo:rerun-if-changed=src/shim/guard.h");
     println!("cargo:rerun-if-env-changed=LIBTORCH_CXX11_ABI");
@@ -25,7 +26,10 @@ fn main() {
 
     let cuda_include = have_cuda.then(|| cuda_include(&root)).flatten();
     let mut build = torch_cpp(&root, &abi);
-    build.file("src/shim/shim.cpp").file("src/shim/cuda.cpp");
+    build
+        .file("src/shim/shim.cpp")
+        .file("src/shim/cuda.cpp")
+        .file("src/shim/graph.cpp");
     if have_cuda {
         build.define("MEMTRAIN_HAVE_CUDA", None);
     }

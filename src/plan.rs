@@ -18,6 +18,9 @@ use crate::policy::levers::CpuFallback;
 use crate::spec::{self, Spec};
 use crate::{shim, sysmem};
 
+pub mod graph;
+pub use graph::GraphPlan;
+
 /// What the command line asks of `run`.
 #[derive(Debug, Clone, Default)]
 pub struct Request {
@@ -218,6 +221,8 @@ pub struct Plan {
     pub oom_reported: bool,
     /// Set when a resumed run has nothing left to train; `run` says so and stops.
     pub nothing_to_do: Option<String>,
+    /// Whether steps are captured as CUDA graphs, or why not.
+    pub graph: GraphPlan,
     /// What `run` says before it starts and goes on: settings of the spec this run cannot honour
     /// where it runs, a resume whose data differs from its run's, each with why.
     pub notices: Vec<String>,
@@ -274,6 +279,8 @@ impl Plan {
             (Some(r), _) => Some((r.cores / r.local_size.max(1)).max(1) as i32),
             (None, _) => None,
         };
+        let graph = graph::resolve(spec, device, facts.rank.is_some())?;
+        notices.extend(graph::cpu_notice(spec, device));
         let device_budget = match device {
             Place::Cpu => None,
             Place::Cuda(_) => cap.as_ref().map(|c| c.bytes).or(facts.cuda_total_bytes),
@@ -295,6 +302,7 @@ impl Plan {
             offload_on_oom: spec.memory.on_oom.contains(&spec::OomAction::Offload),
             oom_reported: facts.run_dir_has_oom_report,
             nothing_to_do,
+            graph,
             notices,
         })
     }

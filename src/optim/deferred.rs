@@ -152,6 +152,7 @@ impl Optimizer {
         let chunk = &p.live[run.range];
         tch::no_grad(|| {
             implementation.apply(Batch {
+                class: run.class,
                 rule: &*rules[run.class],
                 step,
                 params: &mut p.targets,

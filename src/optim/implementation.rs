@@ -86,6 +86,8 @@ pub fn of(which: OptimizerImpl) -> Box<dyn Implementation> {
 
 /// What `reserve` sees of the container.
 pub struct Reserve<'a> {
+    /// The parameters' class (group): its step and learning rate are its own.
+    pub class: usize,
     pub rule: &'a dyn Rule,
     pub params: &'a [(String, Tensor)],
     pub live: &'a [(usize, Tensor)],
@@ -97,6 +99,8 @@ pub struct Reserve<'a> {
 
 /// What one step's updates read and write (state on the device).
 pub struct Batch<'a> {
+    /// The parameters' class (group), as in [`Reserve`].
+    pub class: usize,
     pub rule: &'a dyn Rule,
     pub step: Step,
     pub params: &'a mut [(String, Tensor)],
@@ -122,6 +126,24 @@ pub trait Implementation: Send {
     /// error here would be a bug (shapes and kinds are the optimizer's own); it comes back as
     /// an error, not a panic.
     fn apply(&self, b: Batch<'_>) -> Result<()>;
+
+    /// From now on `apply` reads each class's step count and learning rate from tensors on the
+    /// device that [`Implementation::stage`] writes, so that a captured update reads the step it
+    /// replays; false where the kernels only take them as arguments.
+    fn read_scalars_on_device(&mut self) -> bool {
+        false
+    }
+
+    /// Whether `read_scalars_on_device` is on.
+    fn reads_scalars_on_device(&self) -> bool {
+        false
+    }
+
+    /// Writes class `class`'s `step` where `apply` reads it on the device (nothing unless
+    /// [`Implementation::read_scalars_on_device`] was turned on).
+    fn stage(&mut self, _class: usize, _step: Step) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// `foreach=False, fused=False`: the rule's `update`, parameter by parameter, in temporaries
@@ -215,10 +237,27 @@ impl Implementation for Foreach {
 }
 
 /// `fused=True`: one fused kernel per device and dtype. Its step counts are a 0-dim float
-/// tensor per device (the count is shared), made in `reserve`.
+/// tensor per device (the count is shared), made in `reserve`. Read on the device (a captured
+/// step), each class has its own count and learning rate per device, written by `stage`.
 #[derive(Default)]
 pub struct Fused {
     steps: Vec<(Device, Tensor)>,
+    /// Per class: the scalars the kernels read on the device; None: from the host at each apply.
+    on_device: Option<Vec<Vec<DeviceScalars>>>,
+}
+
+/// One class's step count and learning rate (0-dim float32) on one device.
+struct DeviceScalars {
+    device: Device,
+    count: Tensor,
+    lr: Tensor,
+}
+
+impl Fused {
+    fn scalars(&self, class: usize, device: Device) -> Option<&DeviceScalars> {
+        let on_device = self.on_device.as_ref()?;
+        on_device.get(class)?.iter().find(|s| s.device == device)
+    }
 }
 
 impl Implementation for Fused {
@@ -232,6 +271,20 @@ impl Implementation for Fused {
             if !self.steps.iter().any(|(sd, _)| *sd == d) {
                 self.steps.push((d, Tensor::zeros([], (Kind::Float, d))));
             }
+            // Only CUDA's kernels take their scalars from the device; an update on the host (state
+            // moved there by recovery) takes them as arguments.
+            if let Some(classes) = self.on_device.as_mut().filter(|_| d.is_cuda()) {
+                if classes.len() <= r.class {
+                    classes.resize_with(r.class + 1, Vec::new);
+                }
+                if !classes[r.class].iter().any(|s| s.device == d) {
+                    classes[r.class].push(DeviceScalars {
+                        device: d,
+                        count: Tensor::zeros([], (Kind::Float, d)),
+                        lr: Tensor::zeros([], (Kind::Float, d)),
+                    });
+                }
+            }
         }
     }
 
@@ -239,14 +292,21 @@ impl Implementation for Fused {
         let rule = multi(b.rule);
         for members in groups(&b, false) {
             let (params, grads, state) = lists(&b, &members.idx);
-            let mut count = self
-                .steps
-                .iter()
-                .find(|(d, _)| *d == members.device)
-                .expect("reserved for every device")
-                .1
-                .shallow_clone();
-            let _ = count.f_fill_(b.step.number as f64)?;
+            let staged = self.scalars(b.class, members.device);
+            let count = match staged {
+                Some(s) => s.count.shallow_clone(),
+                None => {
+                    let mut count = self
+                        .steps
+                        .iter()
+                        .find(|(d, _)| *d == members.device)
+                        .expect("reserved for every device")
+                        .1
+                        .shallow_clone();
+                    let _ = count.f_fill_(b.step.number as f64)?;
+                    count
+                }
+            };
             let steps: Vec<Tensor> = params.iter().map(|_| count.shallow_clone()).collect();
             let g = Group {
                 params: &params,
@@ -262,10 +322,31 @@ impl Implementation for Fused {
                 // it on the host first and then does not apply the step at all (nor count it),
                 // which leaves parameters, state and step count as the kernel would.
                 found_inf: None,
+                lr: staged.map(|s| &s.lr),
             };
             rule.fused(b.step, g, scaling)?;
         }
         mark_written(b);
+        Ok(())
+    }
+
+    fn read_scalars_on_device(&mut self) -> bool {
+        self.on_device.get_or_insert_with(Vec::new);
+        true
+    }
+
+    fn reads_scalars_on_device(&self) -> bool {
+        self.on_device.is_some()
+    }
+
+    fn stage(&mut self, class: usize, step: Step) -> Result<()> {
+        let Some(classes) = &mut self.on_device else {
+            return Ok(());
+        };
+        for s in classes.get_mut(class).into_iter().flatten() {
+            let _ = s.count.f_fill_(step.number as f64)?;
+            let _ = s.lr.f_fill_(step.lr)?;
+        }
         Ok(())
     }
 }

@@ -68,8 +68,9 @@ pub use implementation::{refusal, resolve, Placement};
 use implementation::{Batch, Implementation, Reserve};
 use masters::{update_runs, Masters};
 pub use quant::dynamic_map;
+use rule::Rule;
 pub use rule::Slot;
-use rule::{Rule, Step};
+pub use rule::Step;
 pub use schedule::LrSchedule;
 use shard::steps_param;
 pub use shard::Shard;
@@ -396,6 +397,7 @@ impl Optimizer {
                     let grads_on_host = self.host_grads.is_some();
                     for (c, members) in self.by_class(&live) {
                         self.implementation.reserve(Reserve {
+                            class: c,
                             rule: &*self.rules[c],
                             params: &self.params,
                             live: &members,
@@ -420,6 +422,7 @@ impl Optimizer {
                     // The update runs where its gradients, state and targets all are: on the host.
                     for (c, members) in self.by_class(&live) {
                         self.implementation.reserve(Reserve {
+                            class: c,
                             rule: &*self.rules[c],
                             params: &targets,
                             live: &members,
@@ -491,43 +494,81 @@ impl Optimizer {
     /// gradient, in temporaries `prepare` allocated. An error (a libtorch call refusing its
     /// arguments: a bug, never memory) leaves the step uncounted.
     pub fn apply(&mut self, prepared: Prepared, lr: f64) -> Result<()> {
+        let step = self.stage(lr)?;
+        self.apply_staged(prepared, step)?;
+        self.count(step);
+        Ok(())
+    }
+
+    /// The next step's scalars, written where its update reads them: the rules' multipliers,
+    /// and the step count and learning rate on the device where the implementation reads them
+    /// there (a captured update: written before each replay, outside the graph).
+    pub fn stage(&mut self, lr: f64) -> Result<Step> {
         let step = Step {
             number: self.steps + 1,
             lr,
         };
         for c in 0..self.classes.len() {
-            let values = self.rules[c].multipliers(self.class_step(c, step));
+            let class_step = self.class_step(c, step);
+            let values = self.rules[c].multipliers(class_step);
             tch::no_grad(|| self.multipliers[c].refill(&values));
+            tch::no_grad(|| self.implementation.stage(c, class_step))?;
         }
+        Ok(step)
+    }
+
+    /// The update of a staged step, uncounted (see [`Optimizer::count`]): what a captured step
+    /// records once and replays.
+    pub fn apply_staged(&mut self, prepared: Prepared, step: Step) -> Result<()> {
         if self.state.home() == Home::Host {
-            self.apply_on_host(prepared, step)?;
-        } else {
-            let Prepared {
-                live,
-                workspace,
-                grad_scale,
-                ..
-            } = prepared;
-            for (c, members) in self.by_class(&live) {
-                let class_step = self.class_step(c, step);
-                tch::no_grad(|| {
-                    self.implementation.apply(Batch {
-                        rule: &*self.rules[c],
-                        step: class_step,
-                        params: &mut self.params,
-                        live: &members,
-                        state: &mut self.state,
-                        workspace: &workspace,
-                        multipliers: &self.multipliers[c],
-                        forms_of: self.forms_of,
-                        grads_on_host: self.host_grads.is_some(),
-                        grad_scale: &grad_scale,
-                    })
-                })?;
-            }
+            return self.apply_on_host(prepared, step);
         }
-        self.steps = step.number;
+        let Prepared {
+            live,
+            workspace,
+            grad_scale,
+            ..
+        } = prepared;
+        for (c, members) in self.by_class(&live) {
+            let class_step = self.class_step(c, step);
+            tch::no_grad(|| {
+                self.implementation.apply(Batch {
+                    class: c,
+                    rule: &*self.rules[c],
+                    step: class_step,
+                    params: &mut self.params,
+                    live: &members,
+                    state: &mut self.state,
+                    workspace: &workspace,
+                    multipliers: &self.multipliers[c],
+                    forms_of: self.forms_of,
+                    grads_on_host: self.host_grads.is_some(),
+                    grad_scale: &grad_scale,
+                })
+            })?;
+        }
         Ok(())
+    }
+
+    /// `step` has been applied (by `apply_staged`, or by a replay of it).
+    pub fn count(&mut self, step: Step) {
+        self.steps = step.number;
+    }
+
+    /// Readies the update for a captured step: "auto" becomes the fused kernels, which then
+    /// read their step count and learning rate from the device (see [`Optimizer::stage`]).
+    /// False when the update cannot be captured (another implementation was asked for).
+    pub fn ready_for_capture(&mut self) -> bool {
+        if self.hyper.implementation == OptimizerImpl::Auto {
+            self.hyper.implementation = OptimizerImpl::Fused;
+            self.choose_implementation();
+        }
+        self.implementation.read_scalars_on_device()
+    }
+
+    /// Whether the update reads its scalars from the device, as a captured step needs.
+    pub fn reads_scalars_on_device(&self) -> bool {
+        self.implementation.reads_scalars_on_device()
     }
 
     /// The update with the state on the host, run by run: each run goes up while the next is

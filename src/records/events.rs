@@ -28,6 +28,7 @@ pub enum Event {
     GrowBack(GrowBackEvent),
     CacheClear(CacheClearEvent),
     Prefetch(PrefetchEvent),
+    Graph(GraphEvent),
     End(Summary),
 }
 
@@ -59,6 +60,9 @@ pub struct StartEvent {
     /// What `model.init_from` loaded, when it is set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub init: Option<InitLoad>,
+    /// `train.cuda_graph` as resolved for this session: "captured: ..." or "eager: <why>".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cuda_graph: Option<String>,
 }
 
 /// What `model.init_from` did: memtrain variables filled from the checkpoint (kept) or left as
@@ -325,6 +329,27 @@ pub struct PrefetchEvent {
     pub prefetch: i64,
     /// Available RAM (MemAvailable) when the depth was given up.
     pub available_bytes: u64,
+}
+
+/// A step shape was captured as a CUDA graph, or a step that could have been runs eager from
+/// now on, and why.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GraphEvent {
+    /// The global step it happened at (the captured step is this one).
+    pub step: i64,
+    /// "weights", or "architecture" for DARTS's architecture step.
+    pub of: String,
+    pub micro_batch: i64,
+    /// Micro-batches per step in the captured graph.
+    pub micro_batches: i64,
+    /// "captured", or "eager".
+    pub action: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// What the graph's private memory pool holds between replays (the device's reserved
+    /// memory grew by this much during the capture).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool_bytes: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

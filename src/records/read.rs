@@ -114,6 +114,7 @@ impl Event {
             Event::GrowBack(e) => Some(e.step),
             Event::CacheClear(e) => Some(e.step),
             Event::Prefetch(e) => Some(e.step),
+            Event::Graph(e) => Some(e.step),
             Event::Preflight(_) | Event::End(_) => None,
         }
     }

@@ -33,6 +33,7 @@ pub fn start(step: i64, resumed: bool, cap_bytes: Option<u64>) -> StartEvent {
         setup_peak_allocated_bytes: Some(1000),
         setup_peak_reserved_bytes: None,
         init: None,
+        cuda_graph: None,
     }
 }
 

@@ -250,7 +250,7 @@ impl Run {
                     human_duration(c.seconds)
                 ),
             ),
-            Event::Preflight(_) | Event::Prefetch(_) | Event::End(_) => {}
+            Event::Preflight(_) | Event::Prefetch(_) | Event::Graph(_) | Event::End(_) => {}
         }
     }
 

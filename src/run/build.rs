@@ -100,10 +100,14 @@ impl Factory<'_> {
                 model.opt.to_device(device);
             })?;
         }
+        self.ready_for_capture(&mut model, arch.as_mut());
         let spec_toml = spec::to_toml(spec);
         let dir = &self.plan.writes_to;
         fs::create_dir_all(dir).with_context(|| format!("creating run directory {}", dir.display()))?;
-        atomic::write_atomic(&dir.join("config.resolved.toml"), spec_toml.as_bytes())?;
+        atomic::write_atomic(
+            &dir.join("config.resolved.toml"),
+            self.resolved_toml(&spec_toml).as_bytes(),
+        )?;
         crate::data::classes::ClassNames::of_run(&spec.data, built.num_classes)?.write(dir)?;
         let opening = Opening {
             state: &state,
@@ -373,6 +377,25 @@ impl Factory<'_> {
         .flatten()
     }
 
+    /// A plan that captures steps has each optimizer read its scalars on the device.
+    fn ready_for_capture(&self, model: &mut Trained, arch: Option<&mut ArchStep>) {
+        if self.plan.graph.captures() {
+            model.opt.ready_for_capture();
+            if let Some(a) = arch {
+                a.opt.ready_for_capture();
+            }
+        }
+    }
+
+    /// The resolved spec as written to the run directory: when the spec asks for CUDA graphs, a
+    /// first line says what the run decided and why.
+    fn resolved_toml(&self, spec_toml: &str) -> String {
+        match self.plan.spec.train.cuda_graph {
+            spec::CudaGraph::Off => spec_toml.to_owned(),
+            _ => format!("# train.cuda_graph: {}\n{spec_toml}", self.plan.graph.describe()),
+        }
+    }
+
     /// The records (with the start event), the terminal and its opening lines, checkpoints and
     /// the cache policy.
     fn outputs(&self, spec_toml: &str, opening: Opening, quiet: bool) -> Result<Outputs> {
@@ -407,6 +430,7 @@ impl Factory<'_> {
             setup_peak_allocated_bytes: setup.peak_allocated_bytes,
             setup_peak_reserved_bytes: setup.peak_reserved_bytes,
             init,
+            cuda_graph: Some(self.plan.graph.describe()),
         }))?;
         let progress = Progress::new(spec.log.progress, quiet);
         progress.println(&format!(
@@ -442,6 +466,9 @@ impl Factory<'_> {
             optimizer_impl.name(),
             spec.train.optimizer_impl.name()
         ));
+        if spec.train.cuda_graph != spec::CudaGraph::Off {
+            progress.println(&format!("CUDA graph: {}", self.plan.graph.describe()));
+        }
         let m = &spec.memory;
         Ok(Outputs {
             recorder,

@@ -3,27 +3,23 @@
 use anyhow::{Context, Result};
 use tch::Tensor;
 
+use super::graph::StepGraphs;
 use crate::checkpoint::NamedTensors;
 use crate::optim::Optimizer;
 use crate::parallel::Dist;
-use crate::records::RankPeak;
+use crate::plan::GraphPlan;
+use crate::records::{GraphEvent, RankPeak};
 
 pub enum Execution {
-    Local,
+    /// One process, whose steps may be captured as CUDA graphs.
+    Local(StepGraphs),
     DataParallel(Dist),
 }
 
 impl Execution {
     pub fn group(&self) -> Option<&Dist> {
         match self {
-            Execution::Local => None,
-            Execution::DataParallel(d) => Some(d),
-        }
-    }
-
-    pub fn group_mut(&mut self) -> Option<&mut Dist> {
-        match self {
-            Execution::Local => None,
+            Execution::Local(_) => None,
             Execution::DataParallel(d) => Some(d),
         }
     }
@@ -50,7 +46,7 @@ impl Execution {
     /// never on one rank's own.
     pub fn stops(&self, agreed: bool, asked_here: bool) -> bool {
         match self {
-            Execution::Local => asked_here,
+            Execution::Local(_) => asked_here,
             Execution::DataParallel(_) => agreed,
         }
     }
@@ -84,6 +80,15 @@ impl Execution {
     /// Another rank is gone: no collective runs from here on. (Called after any save: dropping
     /// a group can block on a hung peer with NCCL.)
     pub fn lose_peers(&mut self) {
-        *self = Execution::Local;
+        let why = "the data-parallel group was lost".to_owned();
+        *self = Execution::Local(StepGraphs::new(GraphPlan::Eager(why)));
+    }
+
+    /// What the captured steps have to record since last asked (nothing in a group).
+    pub fn graph_events(&mut self) -> Vec<GraphEvent> {
+        match self {
+            Execution::Local(g) => g.take_events(),
+            Execution::DataParallel(_) => Vec::new(),
+        }
     }
 }

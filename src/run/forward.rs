@@ -66,6 +66,16 @@ pub struct Batch {
     pub y: Tensor,
 }
 
+impl Batch {
+    /// The same tensors again: what a replayed graph reads is what its capture read.
+    pub fn alias(&self) -> Batch {
+        Batch {
+            x: self.x.shallow_clone(),
+            y: self.y.shallow_clone(),
+        }
+    }
+}
+
 /// The forward part: device, precision and whether the forward is recomputed in backward
 /// (models with a chain; the `recompute` lever turns it on).
 #[derive(Debug, Clone, Copy)]

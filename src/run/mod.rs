@@ -6,6 +6,7 @@ mod engage;
 mod execution;
 mod finetune;
 mod forward;
+mod graph;
 mod oom_answer;
 mod parts;
 mod resume;
@@ -122,7 +123,7 @@ fn load_spec(args: &RunArgs, world: Option<&World>) -> Result<Spec> {
 /// 0 creates anything; the plan gave each rank its device, threads and directory.
 fn join(world: Option<World>, plan: &Plan) -> Result<Execution> {
     let Some(w) = world else {
-        return Ok(Execution::Local);
+        return Ok(Execution::Local(graph::StepGraphs::new(plan.graph.clone())));
     };
     if plan.device != Place::Cpu && !shim::dist::backends().nccl && w.size == 1 {
         return Err(UsageError(format!(

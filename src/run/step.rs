@@ -24,7 +24,8 @@
 use tch::{Kind, Tensor};
 
 use super::execution::Execution;
-use super::forward::{Around, Forward, Micro};
+use super::forward::{Around, Batch, Forward, Micro};
+use super::graph::StepKind;
 use super::stream::Streamer;
 use super::tally::{Count, Tally, Totals};
 use crate::data::Dataset;
@@ -32,7 +33,7 @@ use crate::fault::{self, Phase};
 use crate::memory::{self, Place};
 use crate::model::Net;
 use crate::oom::{self, StepError};
-use crate::optim::{clip_grads, Optimizer, Prepared};
+use crate::optim::{clip_grads, Optimizer, Prepared, Step};
 use crate::parallel::{Dist, Local, Outcome};
 use crate::readback;
 use crate::shim;
@@ -91,6 +92,15 @@ pub struct Work<'a> {
     pub synced: bool,
 }
 
+/// A step's borrowed parts, as the pipeline and the graphs pass them on.
+pub struct Stepping<'s, 'o> {
+    pub net: &'s dyn Net,
+    pub opt: &'s mut Optimizer,
+    pub others: &'s mut [&'o mut Optimizer],
+    pub work: &'s Work<'s>,
+    pub tally: Option<&'s mut Tally>,
+}
+
 /// What one guarded attempt yields: loss sum and correct count, inf found, the prepared step.
 type Attempt = (Totals, bool, Option<Prepared>);
 
@@ -111,7 +121,8 @@ impl StepPipeline {
     /// Runs the pipeline once for `work`, stepping `opt`; `others` are optimizers whose
     /// gradients are zeroed too (their parameters get gradients from this backward pass but
     /// are not stepped here). The step's loss and correct count go into `tally` (the weight
-    /// step's; the architecture step keeps none).
+    /// step's; the architecture step keeps none). A single process may run it as a captured
+    /// CUDA graph (`graph`).
     pub fn run(
         &self,
         net: &dyn Net,
@@ -121,34 +132,91 @@ impl StepPipeline {
         exec: &mut Execution,
         tally: Option<&mut Tally>,
     ) -> Result<StepOutput, StepError> {
+        let stepping = Stepping {
+            net,
+            opt,
+            others,
+            work,
+            tally,
+        };
+        let d = match exec {
+            Execution::Local(graphs) => {
+                let kind = match work.step {
+                    Some(_) => StepKind::Weights,
+                    None => StepKind::Architecture,
+                };
+                return graphs.step(self, kind, stepping);
+            }
+            Execution::DataParallel(d) => d,
+        };
+        let Stepping {
+            net,
+            opt,
+            others,
+            tally,
+            ..
+        } = stepping;
         let place = self.place();
-        let reducer = exec.group().filter(|_| work.synced).and_then(Dist::reducer);
+        let reducer = work.synced.then(|| d.reducer()).flatten();
         let synced = reducer.is_some();
         if let Some(r) = reducer {
             r.enter().map_err(peer_lost)?;
         }
         let attempt = oom::guarded_counting(
             || memory::oom_count(place),
-            || self.attempt(net, opt, others, work, reducer),
+            || self.attempt(net, opt, others, work, reducer, None),
         );
-        let Some(d) = exec.group_mut() else {
-            let (totals, found_inf, prepared) = attempt?;
-            // Into the tally in place, before the optimizer writes: nothing of the attempt is
-            // alive while it does, so an applied step peaks no higher than a skipped one.
-            match tally {
-                Some(t) => t.add(totals),
-                None => drop(totals),
-            }
-            if let Some(p) = prepared {
-                opt.apply(p, work.lr).map_err(other)?;
-            }
-            return Ok(StepOutput { found_inf, stop: false });
-        };
         let out = self.agree(d, opt, work, synced, attempt)?;
         if let Some(t) = tally {
             t.add_values(out.0, out.1, work.divisor);
         }
         Ok(out.2)
+    }
+
+    /// The step in a single process, eager.
+    pub(super) fn eager(&self, s: Stepping) -> Result<StepOutput, StepError> {
+        let Stepping {
+            net,
+            opt,
+            others,
+            work,
+            tally,
+        } = s;
+        let place = self.place();
+        let attempt = oom::guarded_counting(
+            || memory::oom_count(place),
+            || self.attempt(net, opt, others, work, None, None),
+        );
+        let (totals, found_inf, prepared) = attempt?;
+        // Into the tally in place, before the optimizer writes: nothing of the attempt is
+        // alive while it does, so an applied step peaks no higher than a skipped one.
+        match tally {
+            Some(t) => t.add(totals),
+            None => drop(totals),
+        }
+        if let Some(p) = prepared {
+            opt.apply(p, work.lr).map_err(other)?;
+        }
+        Ok(StepOutput { found_inf, stop: false })
+    }
+
+    /// Every micro-batch of `work`, on its way to the device.
+    pub(super) fn uploads(&self, work: &Work) -> Vec<Batch> {
+        work.group
+            .chunks(work.micro_batch.max(1))
+            .map(|c| self.forward.inputs(work.data, c, work.epoch))
+            .collect()
+    }
+
+    /// The step as a capture records it: reading `inputs` in place of uploads, the update
+    /// applied with the scalars `step` staged. Inside the OOM guard: an error panics.
+    pub(super) fn recorded(&self, s: &mut Stepping, inputs: &[Batch], step: Step) -> Totals {
+        let (totals, _, prepared) = self.attempt(s.net, s.opt, s.others, s.work, None, Some(inputs));
+        let prepared = prepared.expect("a captured step has no loss scale, so it is never skipped");
+        if let Err(e) = s.opt.apply_staged(prepared, step) {
+            panic!("{e:#}");
+        }
+        totals
     }
 
     /// One attempt inside the OOM guard: zero, forward and backward per micro-batch, unscale,
@@ -161,6 +229,7 @@ impl StepPipeline {
         others: &mut [&mut Optimizer],
         work: &Work,
         reducer: Option<&Reducer>,
+        fixed: Option<&[Batch]>,
     ) -> Attempt {
         // zero: gradients are released, as PyTorch's default zero_grad does; placing the inputs
         // counts as forward's memory
@@ -177,7 +246,11 @@ impl StepPipeline {
         let mut loss_sum = Tensor::zeros([], (Kind::Float, device));
         let mut correct = Tensor::zeros([], (Kind::Int64, device));
         let chunks: Vec<&[i64]> = work.group.chunks(work.micro_batch.max(1)).collect();
-        let inputs = |i: usize| chunks.get(i).map(|c| self.forward.inputs(work.data, c, work.epoch));
+        // A capture reads the inputs where every replay will have them.
+        let inputs = |i: usize| match fixed {
+            Some(f) => f.get(i).map(Batch::alias),
+            None => chunks.get(i).map(|c| self.forward.inputs(work.data, c, work.epoch)),
+        };
         let mut ahead = inputs(0);
         for i in 0..chunks.len() {
             // The next micro-batch's copy is on its way while this one runs.

@@ -34,6 +34,15 @@ impl Totals {
         }
     }
 
+    /// The same tensors again: a captured step's totals are rewritten in place by each replay.
+    pub fn alias(&self) -> Totals {
+        let count = match &self.count {
+            Count::Known(n) => Count::Known(*n),
+            Count::Counted(t) => Count::Counted(t.shallow_clone()),
+        };
+        Totals::new(self.loss_sum.shallow_clone(), self.correct.shallow_clone(), count)
+    }
+
     pub fn zero(device: Device) -> Totals {
         Totals::new(
             Tensor::zeros([], (Kind::Float, device)),

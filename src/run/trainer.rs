@@ -408,6 +408,10 @@ impl Trainer {
         self.stager.host_updates(on_host, found_inf, ran);
         self.stager.data_wait.add(self.data.train.take_wait());
         self.record_shed()?;
+        for e in self.execution.graph_events() {
+            // Both of this optimizer step's steps (DARTS's architecture step too) are its.
+            self.emit(Event::Graph(GraphEvent { step, ..e }))?;
+        }
         self.state.groups_done += 1;
         self.state.global_step += 1;
         self.state.epoch_seen += group.len() as i64;

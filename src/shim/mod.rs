@@ -4,6 +4,7 @@
 //! Everything C++ stays behind this module.
 pub mod copies;
 pub mod dist;
+pub mod graph;
 
 use std::ffi::{c_char, CStr};
 
@@ -98,6 +99,7 @@ extern "C" {
         decoupled: i32,
         grad_scale: *const C_tensor,
         found_inf: *const C_tensor,
+        lr_on_device: *const C_tensor,
     ) -> *mut c_char;
     fn mt_fused_sgd(
         params: *const *const C_tensor,
@@ -112,6 +114,7 @@ extern "C" {
         first_step: i32,
         grad_scale: *const C_tensor,
         found_inf: *const C_tensor,
+        lr_on_device: *const C_tensor,
     ) -> *mut c_char;
     fn mt_amp_unscale(
         grads: *const *const C_tensor,
@@ -606,12 +609,15 @@ pub struct FusedAdam {
     pub decoupled: bool,
 }
 
-/// GradScaler's arguments to a fused kernel: the scale the gradients still carry (None: they
-/// were unscaled already) and the flag that makes the kernel skip the step.
+/// What a fused kernel reads from the device besides its lists: GradScaler's arguments (the
+/// scale the gradients still carry, None: they were unscaled already; the flag that makes the
+/// kernel skip the step) and the learning rate, when it lives in a 0-dim float32 tensor on the
+/// parameters' device (None: the hyper-parameters' `lr`), as a captured step needs.
 #[derive(Clone, Copy, Default)]
 pub struct Scaling<'a> {
     pub grad_scale: Option<&'a tch::Tensor>,
     pub found_inf: Option<&'a tch::Tensor>,
+    pub lr: Option<&'a tch::Tensor>,
 }
 
 fn opt_ptr(t: Option<&tch::Tensor>) -> *const C_tensor {
@@ -652,6 +658,7 @@ pub fn fused_adam(
             h.decoupled as i32,
             opt_ptr(scaling.grad_scale),
             opt_ptr(scaling.found_inf),
+            opt_ptr(scaling.lr),
         )
     })
 }
@@ -694,6 +701,7 @@ pub fn fused_sgd(
             h.first_step as i32,
             opt_ptr(scaling.grad_scale),
             opt_ptr(scaling.found_inf),
+            opt_ptr(scaling.lr),
         )
     })
 }

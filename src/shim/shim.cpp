@@ -542,31 +542,44 @@ char *mt_foreach(int32_t op, at::Tensor **a, at::Tensor **b, at::Tensor **c, int
 
 // torch._fused_adam_ / _fused_adamw_ (amsgrad and maximize off), in place on params and
 // moments; `steps` holds one 0-dim float tensor per parameter. grad_scale and found_inf may be
-// null (GradScaler's arguments).
+// null (GradScaler's arguments); lr_t, when not null, is the learning rate as a 0-dim float32
+// tensor on the parameters' device (the overload a captured step needs), in place of `lr`.
 char *mt_fused_adam(at::Tensor **params, at::Tensor **grads, at::Tensor **exp_avgs, at::Tensor **exp_avg_sqs,
                     at::Tensor **steps, int64_t n, double lr, double beta1, double beta2, double weight_decay,
-                    double eps, int32_t decoupled, at::Tensor *grad_scale, at::Tensor *found_inf) {
+                    double eps, int32_t decoupled, at::Tensor *grad_scale, at::Tensor *found_inf,
+                    at::Tensor *lr_t) {
   return guarded([&] {
     auto p = tensor_list(params, n), g = tensor_list(grads, n), m = tensor_list(exp_avgs, n),
          v = tensor_list(exp_avg_sqs, n), s = tensor_list(steps, n);
     std::vector<at::Tensor> none;
-    if (decoupled)
+    if (decoupled && lr_t)
+      at::_fused_adamw_(p, g, m, v, none, s, *lr_t, beta1, beta2, weight_decay, eps, false, false,
+                        maybe(grad_scale), maybe(found_inf));
+    else if (decoupled)
       at::_fused_adamw_(p, g, m, v, none, s, lr, beta1, beta2, weight_decay, eps, false, false, maybe(grad_scale),
                         maybe(found_inf));
+    else if (lr_t)
+      at::_fused_adam_(p, g, m, v, none, s, *lr_t, beta1, beta2, weight_decay, eps, false, false,
+                       maybe(grad_scale), maybe(found_inf));
     else
       at::_fused_adam_(p, g, m, v, none, s, lr, beta1, beta2, weight_decay, eps, false, false, maybe(grad_scale),
                        maybe(found_inf));
   });
 }
 
-// torch._fused_sgd_ (dampening 0, maximize off); `bufs` is empty (n_bufs = 0) without momentum.
+// torch._fused_sgd_ (dampening 0, maximize off); `bufs` is empty (n_bufs = 0) without momentum;
+// lr_t as for mt_fused_adam.
 char *mt_fused_sgd(at::Tensor **params, at::Tensor **grads, at::Tensor **bufs, int64_t n, int64_t n_bufs,
                    double weight_decay, double momentum, double lr, int32_t nesterov, int32_t first_step,
-                   at::Tensor *grad_scale, at::Tensor *found_inf) {
+                   at::Tensor *grad_scale, at::Tensor *found_inf, at::Tensor *lr_t) {
   return guarded([&] {
     auto p = tensor_list(params, n), g = tensor_list(grads, n), b = tensor_list(bufs, n_bufs);
-    at::_fused_sgd_(p, g, b, weight_decay, momentum, lr, 0.0, nesterov != 0, false, first_step != 0,
-                    maybe(grad_scale), maybe(found_inf));
+    if (lr_t)
+      at::_fused_sgd_(p, g, b, weight_decay, momentum, *lr_t, 0.0, nesterov != 0, false, first_step != 0,
+                      maybe(grad_scale), maybe(found_inf));
+    else
+      at::_fused_sgd_(p, g, b, weight_decay, momentum, lr, 0.0, nesterov != 0, false, first_step != 0,
+                      maybe(grad_scale), maybe(found_inf));
   });
 }
 

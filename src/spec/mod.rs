@@ -3,6 +3,7 @@
 //! Every problem is first expressed as a dotted key path (`train.batch_size`), then placed:
 //! in an override if `--set` supplied that key, else at the key's line:column in the file.
 pub mod error;
+mod launch;
 pub mod schema;
 mod validate;
 pub use error::SpecError;

@@ -2,6 +2,7 @@
 use std::fmt;
 use std::path::PathBuf;
 
+pub use super::launch::{graph_declines, CudaGraph, OptimizerImpl};
 use crate::host::Home;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
@@ -366,35 +367,6 @@ pub enum OptimizerKind {
     Adamw,
 }
 
-/// `train.optimizer_impl`: how the optimizer's update is launched (the numbers are PyTorch's
-/// implementation of the same name).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum OptimizerImpl {
-    /// One parameter at a time (`foreach=False, fused=False`).
-    Single,
-    /// Multi-tensor `_foreach_*` ops over groups of parameters (`foreach=True`).
-    Foreach,
-    /// One fused kernel per group (`fused=True`: `_fused_sgd_`, `_fused_adam_`, `_fused_adamw_`).
-    Fused,
-    /// PyTorch's default: foreach on CUDA, single on the CPU, single wherever the others cannot
-    /// apply.
-    Auto,
-}
-
-impl OptimizerImpl {
-    pub const WORDS: &'static str = "\"single\", \"foreach\", \"fused\" or \"auto\"";
-
-    pub fn name(self) -> &'static str {
-        match self {
-            OptimizerImpl::Single => "single",
-            OptimizerImpl::Foreach => "foreach",
-            OptimizerImpl::Fused => "fused",
-            OptimizerImpl::Auto => "auto",
-        }
-    }
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Precision {
     /// Everything in fp32.
@@ -483,6 +455,8 @@ pub struct Train {
     pub optimizer_state_bits: u32,
     /// How the update is launched: one parameter at a time, foreach ops or fused kernels.
     pub optimizer_impl: OptimizerImpl,
+    /// Whether the step is captured as a CUDA graph and replayed.
+    pub cuda_graph: CudaGraph,
     /// Clip the global gradient norm to this value; 0 turns clipping off.
     pub grad_clip_norm: f64,
     pub precision: Precision,
@@ -555,6 +529,7 @@ impl Default for Train {
             eps: 1e-8,
             optimizer_state_bits: 32,
             optimizer_impl: OptimizerImpl::Auto,
+            cuda_graph: CudaGraph::Off,
             grad_clip_norm: 0.0,
             precision: Precision::Fp32,
             activation_checkpointing: false,

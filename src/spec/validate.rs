@@ -71,6 +71,7 @@ pub fn validate(s: &Spec) -> Problems {
     frozen_dtype(&mut p, s);
     memory(&mut p, &s.memory, &s.train, &s.model.preset);
     optimizer_impl(&mut p, s);
+    cuda_graph(&mut p, s);
     checkpoint(&mut p, s);
     at_least(&mut p, "log.every_steps", s.log.every_steps, 0);
     p
@@ -523,6 +524,19 @@ fn optimizer_impl(p: &mut Problems, s: &Spec) {
     let key = "train.optimizer_impl";
     if let Some(why) = crate::optim::refusal(asked, placement(&s.train, &s.memory)) {
         p.push((key.into(), why));
+    }
+}
+
+/// "on" promises a captured step: a setting that rules capture out is the spec's mistake.
+fn cuda_graph(p: &mut Problems, s: &Spec) {
+    if s.train.cuda_graph != super::CudaGraph::On {
+        return;
+    }
+    if let Some(why) = super::graph_declines(s) {
+        p.push((
+            "train.cuda_graph".into(),
+            format!("\"on\" cannot capture this run's step: {why}; set train.cuda_graph = \"auto\" to run such steps eager, or change that setting"),
+        ));
     }
 }
 

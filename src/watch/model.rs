@@ -466,6 +466,7 @@ fn describe(e: &Event) -> Option<JobEvent> {
                 p.prefetch
             ),
         ),
+        Event::Graph(g) => ("graph", graph_text(g)),
         Event::End(s) => ("end", format!("ended: {}", s.status.name())),
     };
     Some(JobEvent {
@@ -473,6 +474,22 @@ fn describe(e: &Event) -> Option<JobEvent> {
         kind: kind.into(),
         text,
     })
+}
+
+/// A `graph` record's line: what was captured, or why steps run eager.
+fn graph_text(g: &crate::records::GraphEvent) -> String {
+    match &g.reason {
+        Some(why) => format!("{} step runs eager: {why}", g.of),
+        None => format!(
+            "{} step captured at micro-batch {} x {}{}",
+            g.of,
+            g.micro_batch,
+            g.micro_batches,
+            g.pool_bytes
+                .map(|b| format!(", pool {}", human_bytes(b)))
+                .unwrap_or_default()
+        ),
+    }
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ mod fit;
 mod foundation;
 mod generate;
 mod gpu_check;
+mod graphs;
 mod llama;
 mod lm_loss;
 mod lora;

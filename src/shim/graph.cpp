@@ -1,0 +1,158 @@
+// CUDA graphs of a whole training step (train.cuda_graph): a capture stream of the shim's own,
+// capture into a private memory pool, replay, and a failed capture undone so that nothing of it
+// stays (no stream left capturing, no pool left routing allocations). at::cuda::CUDAGraph does
+// the work; the shim adds the stream discipline PyTorch's `torch.cuda.graph` context adds in
+// Python, and the clean-up after a capture that threw.
+#include <ATen/Context.h>
+#ifdef MEMTRAIN_HAVE_CUDA_RUNTIME
+#include <ATen/core/CachingHostAllocator.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/core/Event.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+
+#include "guard.h"
+
+using mt::guarded;
+
+#ifdef MEMTRAIN_HAVE_CUDA_RUNTIME
+namespace {
+
+// Reaches the pool of a capture whose end threw: CUDA ended the capture, but
+// at::cuda::CUDAGraph stopped before it stopped routing allocations to the pool and before it
+// could release it.
+struct Graph : at::cuda::CUDAGraph {
+  Graph() : at::cuda::CUDAGraph(false) {}
+
+  void release_failed_pool() {
+    // Each step on its own: one that was never begun must not keep the others from running.
+    try { c10::cuda::CUDACachingAllocator::endAllocateToPool(capture_dev_, mempool_id_); } catch (...) {}
+    try { at::getHostAllocator(at::kCUDA)->end_allocate_to_pool(mempool_id_); } catch (...) {}
+    try { c10::cuda::CUDACachingAllocator::releasePool(capture_dev_, mempool_id_); } catch (...) {}
+    try { at::getHostAllocator(at::kCUDA)->release_pool(mempool_id_); } catch (...) {}
+  }
+};
+
+// `to` waits for the work queued on `from` so far.
+void order(c10::cuda::CUDAStream from, c10::cuda::CUDAStream to) {
+  c10::Event e(c10::DeviceType::CUDA);
+  e.record(from.unwrap());
+  e.block(to.unwrap());
+}
+
+}  // namespace
+
+// A stream to capture on (captures must not use the default stream), made current for a while:
+// eager warm-up steps run on it too, so the libraries' per-stream workspaces exist before a
+// capture needs them.
+struct MtSideStream {
+  c10::cuda::CUDAStream side;
+  std::optional<c10::cuda::CUDAStream> outer;
+};
+
+struct MtGraph {
+  std::unique_ptr<Graph> graph;
+  bool capturing = false;
+};
+#else
+struct MtSideStream {};
+struct MtGraph {};
+#endif
+
+#ifdef MEMTRAIN_HAVE_CUDA_RUNTIME
+#define MT_GRAPH_ONLY(...) __VA_ARGS__
+#else
+#define MT_GRAPH_ONLY(...) throw std::runtime_error("this memtrain was built without the CUDA runtime's headers: no CUDA graphs");
+#endif
+
+extern "C" {
+
+char *mt_side_stream_new(int64_t device, MtSideStream **out) {
+  return guarded([&] {
+    MT_GRAPH_ONLY({
+      auto s = c10::cuda::getStreamFromPool(false, static_cast<c10::DeviceIndex>(device));
+      *out = new MtSideStream{s, std::nullopt};
+    })
+  });
+}
+
+// The side stream becomes current, after the work queued on the stream that was.
+char *mt_side_stream_enter(MtSideStream *s) {
+  return guarded([&] {
+    MT_GRAPH_ONLY({
+      if (s->outer) throw std::logic_error("the capture stream is current already");
+      auto outer = c10::cuda::getCurrentCUDAStream(s->side.device_index());
+      order(outer, s->side);
+      c10::cuda::setCurrentCUDAStream(s->side);
+      s->outer = outer;
+    })
+  });
+}
+
+// The stream that was current is again, after the work queued on the side stream.
+char *mt_side_stream_leave(MtSideStream *s) {
+  return guarded([&] {
+    MT_GRAPH_ONLY({
+      if (!s->outer) return;
+      c10::cuda::setCurrentCUDAStream(*s->outer);
+      order(s->side, *s->outer);
+      s->outer.reset();
+    })
+  });
+}
+
+void mt_side_stream_free(MtSideStream *s) { delete s; }
+
+// Capture begins on the current stream (the side stream, entered), into a private pool.
+char *mt_graph_begin(MtGraph **out) {
+  return guarded([&] {
+    MT_GRAPH_ONLY({
+      auto g = std::make_unique<MtGraph>();
+      g->graph = std::make_unique<Graph>();
+      g->graph->capture_begin();
+      g->capturing = true;
+      *out = g.release();
+    })
+  });
+}
+
+// Capture ends and the graph is instantiated, ready to replay.
+char *mt_graph_end(MtGraph *g) {
+  return guarded([&] {
+    MT_GRAPH_ONLY({
+      g->capturing = false;
+      g->graph->capture_end();
+    })
+  });
+}
+
+// A capture that failed part-way (the step threw inside it) is ended and its pool given back,
+// whatever state it was left in; the graph can then only be freed.
+char *mt_graph_abandon(MtGraph *g) {
+  return guarded([&] {
+    MT_GRAPH_ONLY({
+      if (!g->capturing) return;
+      g->capturing = false;
+      try {
+        g->graph->capture_end();
+      } catch (...) {
+        g->graph->release_failed_pool();
+      }
+      g->graph->reset();
+    })
+  });
+}
+
+// One launch of the whole captured work, on the current stream.
+char *mt_graph_replay(MtGraph *g) {
+  return guarded([&] { MT_GRAPH_ONLY(g->graph->replay();) });
+}
+
+void mt_graph_free(MtGraph *g) { delete g; }
+
+}  // extern "C"
