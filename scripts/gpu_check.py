@@ -2069,6 +2069,181 @@ progress = "off"
 
 
 # In order of what matters most when the budget runs short; (name, function, rows it yields).
+# --- CUDA graphs (train.cuda_graph) ---------------------------------------------------------
+# Each row runs a job eager ("off") and captured ("on") from the same spec, with the fused
+# optimizer (what a captured step needs) and deterministic algorithms. SGD's fused kernel
+# multiplies by the learning rate in double precision and reads a float32 one from the device,
+# so the SGD jobs use a rate float32 holds exactly (0.0625) with a constant schedule.
+GRAPH_STEPS = 8
+GRAPH_COMMON = ['train.optimizer_impl="fused"', "log.every_steps=1"]
+
+
+def darts_text():
+    # configs/darts_4gb.toml sets memory.fraction, which memtrain refuses beside memory.limit.
+    with open(os.path.join(ROOT, "configs", "darts_4gb.toml")) as f:
+        return "".join(l for l in f if not re.match(r"\s*fraction\s*=", l))
+
+
+def graph_jobs(r):
+    """(row name, spec path, settings both runs share)."""
+    exact_sgd = ["train.lr=0.0625", 'train.schedule="constant"', "train.warmup_steps=0"]
+    return [
+        ("mlp", DIGITS, [dev(), 'train.optimizer="adam"', "train.epochs=1"]),
+        ("resnet18", spec_file(r, "graph-resnet", RESNET.format(device=DEVICE)), exact_sgd),
+        ("vit", spec_file(r, "graph-vit", VIT.format(device=DEVICE, dropout=0.1, samples=640, epochs=1)), []),
+        ("darts", spec_file(r, "graph-darts", darts_text()), exact_sgd + [dev(), "data.samples=60", "train.epochs=1"]),
+    ]
+
+
+def graph_events(records, action=None):
+    return [e for e in of_type(records, "graph") if action is None or e.get("action") == action]
+
+
+def judge_graph_exact(model, eager_records, graph_records, need=("weights",)):
+    """A captured run's per-step losses equal the eager run's bit for bit, and each step kind
+    in `need` was captured."""
+    eager, graphed = step_losses(eager_records), step_losses(graph_records)
+    captured = {e.get("of") for e in graph_events(graph_records, "captured")}
+    missing = [k for k in need if k not in captured]
+    said = (of_type(graph_records, "start") or [{}])[0].get("cuda_graph") or "-"
+    same = bool(eager) and eager == graphed
+    gap = max_rel_gap(graphed, eager) if eager and len(eager) == len(graphed) else None
+    seen = (f"{len(graphed)} steps vs {len(eager)}, " + ("bit for bit" if same else f"loss gap {gap_text(gap)}")
+            + (f"; not captured: {', '.join(missing)} ({said})" if missing else
+               f"; captured: {', '.join(sorted(c for c in captured if c))}"))
+    return Check(f"graph exact: {model}", "captured losses equal the eager run's bit for bit", seen,
+                 same and not missing)
+
+
+def check_graph_exact(r, probe):
+    rows = []
+    steps = ["--max-steps", str(GRAPH_STEPS)]
+    for model, spec, sets in graph_jobs(r):
+        runs = {}
+        for mode in ("off", "on"):
+            runs[mode] = r.run(f"graph-{model}-{mode}", spec, GRAPH_COMMON + sets + [f'train.cuda_graph="{mode}"'],
+                               extra=steps, env=DETERMINISTIC_ENV)
+        bad = [p for p, _ in runs.values() if p.rc != 0]
+        if bad:
+            rows.append(failure(f"graph exact: {model}", "both runs complete", bad[0]))
+            continue
+        need = ("weights", "architecture") if model == "darts" else ("weights",)
+        rows.append(judge_graph_exact(model, records_of(runs["off"][1]), records_of(runs["on"][1]), need))
+    return rows
+
+
+def judge_graph_capture_oom(eager_records, records):
+    """An OOM inside the capture leaves no graph: the step runs eager (a `graph` record says
+    why, an `oom` record answers "eager") and the run trains on exactly as the eager run."""
+    eager_steps = graph_events(records, "eager")
+    why = (eager_steps or [{}])[0].get("reason") or ""
+    ooms = [o for o in of_type(records, "oom") if get(o, "decision.action") == "eager"]
+    same = step_losses(records) == step_losses(eager_records) and bool(step_losses(records))
+    oom_said = "out of memory" in why
+    ok = same and bool(eager_steps) and oom_said and bool(ooms) and not graph_events(records, "captured")
+    seen = (f"{len(step_losses(records))} steps, " + ("losses equal the eager run's" if same else "losses differ")
+            + f"; graph record: {why[:90] or 'none'}; oom records answered eager: {len(ooms)}")
+    return Check("graph capture OOM", "no graph kept, the step runs eager with an oom record", seen, ok)
+
+
+def check_graph_capture_oom(r, probe):
+    sets = GRAPH_COMMON + [dev(), 'train.optimizer="adam"', "train.epochs=1"]
+    steps = ["--max-steps", str(GRAPH_STEPS)]
+    p, eager = r.run("graph-oom-off", DIGITS, sets + ['train.cuda_graph="off"'], extra=steps, env=DETERMINISTIC_ENV)
+    if p.rc != 0:
+        return [failure("graph capture OOM", "the eager run completes", p)]
+    env = dict(DETERMINISTIC_ENV, MEMTRAIN_FAULT_OOM_IN_CAPTURE="1")
+    p, out = r.run("graph-oom-on", DIGITS, sets + ['train.cuda_graph="on"'], extra=steps, env=env)
+    if p.rc != 0:
+        return [failure("graph capture OOM", "the run completes", p)]
+    return [judge_graph_capture_oom(records_of(eager), records_of(out))]
+
+
+def judge_graph_backoff(records, configured):
+    """After an OOM halves the micro-batch, the new shape is captured; after a grow-back that
+    fails again, it is captured anew."""
+    backed = [o for o in of_type(records, "oom") if get(o, "decision.action") == "backoff"]
+    captured = [e for e in graph_events(records, "captured") if e.get("of") == "weights"]
+    smaller = [e for e in captured if e.get("micro_batch", configured) < configured]
+    ok = bool(backed) and len(smaller) >= 2
+    seen = (f"{len(backed)} backoff(s), {len(of_type(records, 'grow_back'))} grow-back(s); captured at micro-batch "
+            + (", ".join(str(e.get("micro_batch")) for e in captured) or "none"))
+    return Check("graph after backoff", "the backed-off shape is captured, and again after a failed grow-back",
+                 seen, ok)
+
+
+def check_graph_backoff(r, probe):
+    sets = big() + GRAPH_COMMON + ['train.optimizer="adam"', "train.epochs=12", "memory.grow_back_after=3",
+                                   'train.cuda_graph="on"']
+    p, out = r.run("graph-backoff", DIGITS, sets)
+    if p.rc != 0:
+        return [failure("graph after backoff", "completes", p)]
+    return [judge_graph_backoff(records_of(out), 1024)]
+
+
+def judge_graph_declines(records):
+    """"auto" beside a host lever runs eager and says which setting rules capture out."""
+    said = (of_type(records, "start") or [{}])[0].get("cuda_graph") or ""
+    captured = graph_events(records, "captured")
+    ok = said.startswith("eager:") and "memory.optimizer_state" in said and not captured and bool(step_losses(records))
+    return Check("graph declines a host lever", "\"auto\" runs eager and names memory.optimizer_state",
+                 f"start: {said[:100] or 'nothing said'}; captured: {len(captured)}", ok)
+
+
+def check_graph_declines(r, probe):
+    sets = [dev(), "train.epochs=1", 'train.cuda_graph="auto"', 'memory.optimizer_state="host"']
+    p, out = r.run("graph-declines", DIGITS, sets, extra=["--max-steps", "4"])
+    if p.rc != 0:
+        return [failure("graph declines a host lever", "completes", p)]
+    return [judge_graph_declines(records_of(out))]
+
+
+# (row name, job, settings, target speed-up of the captured run over the eager one)
+GRAPH_SPEED_ROWS = [
+    ("darts main job", "darts", [], 2.0),
+    ("resnet18 224 px b8", "resnet18", ["model.resnet18.image_size=224", "train.batch_size=8"], 1.3),
+    ("vit-b16 b8", "vit", ["model.vit.image_size=224", "model.vit.patch_size=16", "model.vit.layers=12",
+                           "model.vit.heads=12", "model.vit.hidden_dim=768", "model.vit.mlp_dim=3072",
+                           "train.batch_size=8"], 1.3),
+]
+GRAPH_SPEED_WARMUP, GRAPH_SPEED_STEPS = 5, 30
+
+
+def judge_graph_speed(name, eager_records, graph_records, eager_summary, graph_summary, target):
+    """A speed row: both runs trained, the captured one at >= `target` times the eager one's
+    samples/s (device-clock step seconds after the warm-up, which includes the capture)."""
+    base, rate = wall_rate(eager_records, GRAPH_SPEED_WARMUP), wall_rate(graph_records, GRAPH_SPEED_WARMUP)
+    captured = bool(graph_events(graph_records, "captured"))
+    ratio = rate / base if base and rate else None
+    pe, pg = get(eager_summary, "memory.peak_reserved_bytes"), get(graph_summary, "memory.peak_reserved_bytes")
+    seen = ("-" if ratio is None else f"{rate:.1f} vs {base:.1f} samples/s = {ratio:.2f}x (target {target:.2f}x)") \
+        + f"; peak reserved {size(pg)} vs eager {size(pe)}" + ("" if captured else "; never captured")
+    ok = ratio is not None and ratio >= target and captured
+    return Check(f"graph speed: {name}", f"captured at >= {target:.2f}x the eager run's samples/s", seen, ok)
+
+
+def check_graph_speed(r, probe):
+    rows = []
+    jobs = {m: (spec, sets) for m, spec, sets in graph_jobs(r)}
+    steps = ["--max-steps", str(GRAPH_SPEED_WARMUP + GRAPH_SPEED_STEPS)]
+    for name, job, extra_sets, target in GRAPH_SPEED_ROWS:
+        spec, sets = jobs[job]
+        if job == "darts":
+            sets = [dev(), "train.epochs=1"]  # the main job itself, SGD and its schedule as shipped
+        runs = {}
+        for mode in ("off", "on"):
+            runs[mode] = r.run(f"graph-speed-{job}-{mode}", spec,
+                               GRAPH_COMMON + sets + extra_sets + [f'train.cuda_graph="{mode}"'], extra=steps)
+        bad = [p for p, _ in runs.values() if p.rc != 0]
+        if bad:
+            rows.append(failure(f"graph speed: {name}", "both runs complete", bad[0]))
+            continue
+        (_, eager), (_, graphed) = runs["off"], runs["on"]
+        rows.append(judge_graph_speed(name, records_of(eager), records_of(graphed), summary_of(eager),
+                                      summary_of(graphed), target))
+    return rows
+
+
 CHECKS = [
     ("info", check_info, ["info vs torch.cuda"]),
     ("backoff", check_backoff, ["OOM backoff (1 GiB cap)"]),
@@ -2094,6 +2269,11 @@ CHECKS = [
     ("llama_generate", check_llama_generate, [LLAMA_GENERATE]),
     ("llama_streamed", check_llama_streamed, [LLAMA_8B_ROW]),
     ("darts", check_darts, ["darts_4gb under 4 GiB"]),
+    ("graph_exact", check_graph_exact, [f"graph exact: {m}" for m in ("mlp", "resnet18", "vit", "darts")]),
+    ("graph_capture_oom", check_graph_capture_oom, ["graph capture OOM"]),
+    ("graph_backoff", check_graph_backoff, ["graph after backoff"]),
+    ("graph_declines", check_graph_declines, ["graph declines a host lever"]),
+    ("graph_speed", check_graph_speed, [f"graph speed: {n}" for n, *_ in GRAPH_SPEED_ROWS]),
     ("eval_oom", check_eval_oom, ["validation OOM (1 GiB cap)"]),
     ("cache_clear", check_cache_clear, ["cache clear cost"]),
     ("host_levers", check_host_levers, [f"host levers: {c}" for c, *_ in HOST_COMBOS]),

@@ -242,6 +242,21 @@ pub fn late_reads() -> bool {
     *SET.get_or_init(|| std::env::var_os(LATE_READS).is_some_and(|v| v == "1"))
 }
 
+/// `MEMTRAIN_FAULT_OOM_IN_CAPTURE=1`: the run's first capture of a step as a CUDA graph asks,
+/// inside the capture, for more device memory than any GPU has, so the capture meets a real
+/// allocation failure and must leave no graph behind.
+pub const OOM_IN_CAPTURE: &str = "MEMTRAIN_FAULT_OOM_IN_CAPTURE";
+
+pub fn oom_in_capture(device: tch::Device) {
+    static SET: OnceLock<bool> = OnceLock::new();
+    static DONE: AtomicBool = AtomicBool::new(false);
+    let set = *SET.get_or_init(|| std::env::var_os(OOM_IN_CAPTURE).is_some_and(|v| v == "1"));
+    if set && !DONE.swap(true, Ordering::SeqCst) {
+        // 4 TiB: no device has it, so the allocator fails for real.
+        let _ = tch::Tensor::empty([1i64 << 42], (tch::Kind::Uint8, device));
+    }
+}
+
 /// `MEMTRAIN_FAULT_CUDA_SYNC_ERROR_AFTER_STEP=N`: after global step N's record is staged, every
 /// synchronizing CUDA call fails with where it came from (set `TORCH_SHOW_CPP_STACKTRACES=1`
 /// for libtorch's frames): finds a wait on the device that a step makes without meaning to.

@@ -214,6 +214,8 @@ pub struct Decision {
 
 impl Decision {
     pub const FAIL: &'static str = "fail";
+    /// Capturing the step as a CUDA graph ran out of memory: the step runs eager.
+    pub const EAGER: &'static str = "eager";
     /// Validation's own micro-batch halved (training's shape untouched).
     pub const EVAL_BACKOFF: &'static str = "eval_backoff";
     /// Validation at one sample still ran out of memory: this epoch's validation is skipped.

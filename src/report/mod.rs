@@ -452,6 +452,10 @@ fn decision_mark(o: &OomEvent) -> (MarkKind, String) {
         (None, _) if o.decision.action == crate::oom::Decision::SKIP => {
             (MarkKind::Fail, format!("skipped at {before}; the run went on"))
         }
+        (None, _) if o.decision.action == crate::oom::Decision::EAGER => (
+            MarkKind::Fail,
+            format!("CUDA graph capture at {before}; the step ran eager"),
+        ),
         (None, _) => (MarkKind::Fail, format!("failed at {before}")),
     }
 }

@@ -3,7 +3,7 @@
 use anyhow::{Context, Result};
 use tch::Tensor;
 
-use super::graph::StepGraphs;
+use super::graph::{CaptureOom, StepGraphs};
 use crate::checkpoint::NamedTensors;
 use crate::optim::Optimizer;
 use crate::parallel::Dist;
@@ -82,6 +82,14 @@ impl Execution {
     pub fn lose_peers(&mut self) {
         let why = "the data-parallel group was lost".to_owned();
         *self = Execution::Local(StepGraphs::new(GraphPlan::Eager(why)));
+    }
+
+    /// Captures that ran out of memory since last asked (none in a group).
+    pub fn capture_ooms(&mut self) -> Vec<CaptureOom> {
+        match self {
+            Execution::Local(g) => g.take_ooms(),
+            Execution::DataParallel(_) => Vec::new(),
+        }
     }
 
     /// What the captured steps have to record since last asked (nothing in a group).

@@ -27,11 +27,13 @@
 use tch::Device;
 
 use super::forward::Batch;
+use super::oom_answer::first_line;
 use super::step::{StepOutput, StepPipeline, Stepping};
 use super::tally::Totals;
+use crate::fault::Phase;
 use crate::host::Home;
 use crate::memory;
-use crate::oom::{self, StepError};
+use crate::oom::{self, OomKind, StepError};
 use crate::plan::GraphPlan;
 use crate::records::GraphEvent;
 use crate::shim::graph::{Capture, CudaGraph, SideStream};
@@ -112,9 +114,18 @@ enum Route {
     Replay,
 }
 
+/// A capture that ran out of memory: the trainer records it as an OOM whose answer was to run
+/// the step eager.
+pub struct CaptureOom {
+    pub kind: OomKind,
+    pub message: String,
+    pub phase: Option<Phase>,
+}
+
 /// The run's captured steps (a single process; data-parallel ranks run eager).
 pub struct StepGraphs {
     plan: GraphPlan,
+    ooms: Vec<CaptureOom>,
     side: Option<SideStream>,
     slots: [Slot; 2],
     /// The last reason recorded for running eager, so each is recorded once.
@@ -127,6 +138,7 @@ impl StepGraphs {
     pub fn new(plan: GraphPlan) -> StepGraphs {
         StepGraphs {
             plan,
+            ooms: Vec::new(),
             side: None,
             slots: Default::default(),
             said: None,
@@ -137,6 +149,11 @@ impl StepGraphs {
     /// The records of what happened since last asked.
     pub fn take_events(&mut self) -> Vec<GraphEvent> {
         std::mem::take(&mut self.events)
+    }
+
+    /// The captures that ran out of memory since last asked.
+    pub fn take_ooms(&mut self) -> Vec<CaptureOom> {
+        std::mem::take(&mut self.ooms)
     }
 
     /// One step: eager, a warm-up, a capture or a replay.
@@ -225,8 +242,12 @@ impl StepGraphs {
                 replay(pipeline, c, &mut s)
             }
             Err(e) => {
-                let why = match &e {
-                    StepError::Oom { message, .. } => format!("the capture ran out of memory ({message})"),
+                let why = match e {
+                    StepError::Oom { kind, message, phase } => {
+                        let why = format!("the capture ran out of memory ({})", first_line(&message));
+                        self.ooms.push(CaptureOom { kind, message, phase });
+                        why
+                    }
                     other => format!("the capture failed: {other:?}"),
                 };
                 slot.state = SlotState::Declined;
@@ -309,6 +330,7 @@ fn record(pipeline: &StepPipeline, side: &mut SideStream, s: &mut Stepping) -> R
             let step = s.opt.stage(s.work.lr).unwrap_or_else(|e| panic!("{e:#}"));
             let on_side = side.enter().unwrap_or_else(|e| panic!("{e:#}"));
             let capture = Capture::begin().unwrap_or_else(|e| panic!("{e:#}"));
+            crate::fault::oom_in_capture(pipeline.forward.device);
             let totals = pipeline.recorded(s, &inputs, step);
             let graph = capture.end().unwrap_or_else(|e| panic!("{e:#}"));
             drop(on_side);

@@ -525,6 +525,70 @@ SMALL_RESNET = g.RESNET.replace("image_size = 128", "image_size = 32").replace("
     .replace("batch_size = 64", "batch_size = 16")
 
 
+class Graphs(unittest.TestCase):
+    """The CUDA-graph rows' judges on made-up records."""
+
+    @staticmethod
+    def graph(action, of="weights", micro_batch=8, reason=None):
+        return {"type": "graph", "action": action, "of": of, "micro_batch": micro_batch, "micro_batches": 1,
+                "reason": reason}
+
+    def run_of(self, losses, *events, start="captured: ..."):
+        return [{"type": "start", "cuda_graph": start}] + [step(i + 1, l) for i, l in enumerate(losses)] + list(events)
+
+    def test_exact_means_bit_for_bit_and_every_step_kind_captured(self):
+        eager = self.run_of([2.0, 1.5, 1.25])
+        ok = self.run_of([2.0, 1.5, 1.25], self.graph("captured"))
+        self.assertTrue(g.judge_graph_exact("mlp", eager, ok).ok)
+        off_by_ulp = self.run_of([2.0, 1.5, 1.2500000000000002], self.graph("captured"))
+        self.assertFalse(g.judge_graph_exact("mlp", eager, off_by_ulp).ok, "a last-bit difference fails")
+        never = self.run_of([2.0, 1.5, 1.25], start="eager: why")
+        c = g.judge_graph_exact("mlp", eager, never)
+        self.assertFalse(c.ok)
+        self.assertIn("eager: why", c.seen)
+        self.assertFalse(g.judge_graph_exact("darts", eager, ok, ("weights", "architecture")).ok)
+        both = ok + [self.graph("captured", of="architecture")]
+        self.assertTrue(g.judge_graph_exact("darts", eager, both, ("weights", "architecture")).ok)
+
+    def test_a_capture_oom_runs_eager_with_its_records(self):
+        eager = self.run_of([2.0, 1.5])
+        why = "the capture ran out of memory (CUDA out of memory. Tried to allocate 4.00 TiB)"
+        oom = {"type": "oom", "decision": {"action": "eager"}}
+        self.assertTrue(g.judge_graph_capture_oom(eager, self.run_of([2.0, 1.5], self.graph("eager", reason=why),
+                                                                     oom)).ok)
+        self.assertFalse(g.judge_graph_capture_oom(eager, self.run_of([2.0, 1.5], self.graph("eager", reason=why))).ok,
+                         "no oom record")
+        self.assertFalse(g.judge_graph_capture_oom(eager, self.run_of([2.0, 1.5], self.graph("captured"), oom)).ok)
+        other = self.graph("eager", reason="the capture failed: Other")
+        self.assertFalse(g.judge_graph_capture_oom(eager, self.run_of([2.0, 1.5], other, oom)).ok,
+                         "a failure that was no OOM")
+
+    def test_backoff_needs_the_smaller_shape_captured_twice(self):
+        backoff = {"type": "oom", "decision": {"action": "backoff"}}
+        twice = self.run_of([1.0], backoff, self.graph("captured", micro_batch=512),
+                            {"type": "grow_back"}, backoff, self.graph("captured", micro_batch=512))
+        self.assertTrue(g.judge_graph_backoff(twice, 1024).ok)
+        once = self.run_of([1.0], backoff, self.graph("captured", micro_batch=512))
+        self.assertFalse(g.judge_graph_backoff(once, 1024).ok)
+
+    def test_declining_names_the_setting(self):
+        said = "eager: memory.optimizer_state = \"host\" runs the update on the host"
+        self.assertTrue(g.judge_graph_declines(self.run_of([1.0], start=said)).ok)
+        self.assertFalse(g.judge_graph_declines(self.run_of([1.0], start="eager: the run is on the CPU")).ok)
+        self.assertFalse(g.judge_graph_declines(self.run_of([1.0], self.graph("captured"), start=said)).ok)
+
+    def test_a_speed_row_fails_below_its_target_even_when_it_completes(self):
+        def timed(seconds, *events):
+            return [dict(step(i + 1, 1.0), seconds=seconds, samples=8) for i in range(10)] + list(events)
+        eager, fast = timed(0.1), timed(0.04, self.graph("captured"))
+        mem = {"memory": {"peak_reserved_bytes": GiB}}
+        c = g.judge_graph_speed("x", eager, fast, mem, mem, 2.0)
+        self.assertTrue(c.ok, c)
+        self.assertIn("2.50x (target 2.00x)", c.seen)
+        self.assertFalse(g.judge_graph_speed("x", eager, timed(0.08, self.graph("captured")), mem, mem, 2.0).ok)
+        self.assertFalse(g.judge_graph_speed("x", eager, timed(0.04), mem, mem, 2.0).ok, "never captured")
+
+
 class Offload(unittest.TestCase):
     def steps(self, losses, times=None, host=None):
         times = times or [float(i) for i in range(len(losses))]
@@ -638,6 +702,10 @@ class Rehearsal(unittest.TestCase):
 
     def test_a_fine_tune_with_frozen_layers_and_groups_evaluates_to_its_own_figures(self):
         (c,) = self.rows(g.check_finetune)
+        self.assertTrue(c.ok, c)
+
+    def test_auto_beside_a_host_lever_runs_eager_and_names_it(self):
+        (c,) = self.rows(g.check_graph_declines)
         self.assertTrue(c.ok, c)
 
     def test_a_small_decoder_trains_and_continues_its_sentence(self):
