@@ -516,6 +516,14 @@ impl Chain for Llama {
         var == "lm_head.weight" || (self.lm_head.is_none() && var == "model.embed_tokens.weight")
     }
 
+    /// A tied embedding is read by the embedding lookup first.
+    fn resident_from(&self, var: &str) -> usize {
+        match var {
+            "model.embed_tokens.weight" => 0,
+            _ => self.blocks() - 1,
+        }
+    }
+
     /// The embedding at the bottom, the output projection at the top with the final norm.
     fn layer_of(&self, var: &str) -> Option<usize> {
         match var {

@@ -349,8 +349,8 @@ impl Around for Optimizer {
         }
     }
 
-    fn after_block(&mut self) {
-        self.collect_grads();
+    fn after_block(&mut self, i: usize) {
+        self.collect_grads(i);
     }
 }
 
