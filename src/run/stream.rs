@@ -57,9 +57,13 @@ impl Streamer {
             .filter(|(n, _)| chain.block_of(n).is_none() && chain.resident(n))
             .collect();
         for (_, t) in &resident {
-            if t.device() != host.device {
-                tch::no_grad(|| t.shallow_clone().set_data(&t.to_device(host.device)));
-            }
+            // On the CPU a copy made here, outside the host's scope, is counted (and capped) as
+            // the device's, where a GPU run holds it.
+            let on_device = match t.device() == host.device {
+                true => tch::no_grad(|| t.copy()),
+                false => t.to_device(host.device),
+            };
+            tch::no_grad(|| t.shallow_clone().set_data(&on_device));
         }
         // Not by requires_grad: a frozen parameter is no buffer (the optimizer may write its
         // host copy once it is unfrozen, which a buffer's copy-back would overwrite).

@@ -15,6 +15,7 @@ mod foundation;
 mod generate;
 mod gpu_check;
 mod llama;
+mod llama_stream;
 mod lm_loss;
 mod lora;
 mod models;
