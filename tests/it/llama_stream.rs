@@ -79,6 +79,11 @@ fn a_full_fine_tune_streams_its_layers_and_trains_its_output_projection_exactly(
             checked.contains("with its gradient; its update runs on the host"),
             "{checked}"
         );
+        let lever = checked
+            .lines()
+            .find(|l| l.trim_start().starts_with("host_parameters"))
+            .unwrap();
+        assert!(lever.contains("on from the start (spec)"), "{lever}");
     }
 }
 
