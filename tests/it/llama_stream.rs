@@ -91,7 +91,7 @@ fn a_full_fine_tune_streams_its_layers_and_trains_its_output_projection_exactly(
 /// 8 MiB of static state does not fit a 2 MiB cap, neither as it is nor with the optimizer
 /// state and gradients on the host (its parameters alone are 2 MiB); with the layers streamed
 /// it trains under the cap, by the counting CPU allocator, to the uncapped run's losses and
-/// weights.
+/// weights. Under a cap it first meets in a step, "offload" streams it from then on.
 #[test]
 fn a_full_fine_tune_too_large_for_the_cap_trains_under_it_streamed() {
     let t = Test::new();
@@ -124,4 +124,16 @@ fn a_full_fine_tune_too_large_for_the_cap_trains_under_it_streamed() {
     assert_eq!(s.final_bytes(), free.final_bytes());
     let losses = step_losses(&s);
     assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+    // Not streamed from the start: an OOM answered by "offload" streams it from then on.
+    let offloaded = t
+        .clone()
+        .name("offloaded")
+        .set("memory.limit", "2400KiB")
+        .set("memory.optimizer_state", "host")
+        .set("memory.gradients", "host")
+        .set("memory.on_oom", vec!["offload"])
+        .stderr_has("offloading: parameters rest in host memory")
+        .run();
+    assert!(!offloaded.stderr.contains("cannot stream"), "{}", offloaded.stderr);
+    assert_eq!(offloaded.final_bytes(), free.final_bytes());
 }
