@@ -1,5 +1,6 @@
 //! Gradients on the host (`memory.gradients = "host"`): each parameter's gradient leaves the
-//! device as soon as a block's backward has produced it and accumulates in a host buffer. The
+//! device as soon as a block's backward has produced it and accumulates in a host buffer (one
+//! read by an earlier block too, a tied embedding, once that block's backward is done). The
 //! same buffers stage the gradients of an update that runs on the host
 //! (`memory.optimizer_state = "host"`), downloaded once backward is done.
 //!
