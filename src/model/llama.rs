@@ -691,11 +691,14 @@ mod tests {
             let blocks = crate::model::block_vars(&net, &vs).unwrap();
             let held: usize = blocks.iter().map(Vec::len).sum();
             assert_eq!(held, vs.variables().len() - 1, "all but the output projection");
-            assert!(net.resident(if tied {
+            let head = if tied {
                 "model.embed_tokens.weight"
             } else {
                 "lm_head.weight"
-            }));
+            };
+            assert!(net.resident(head));
+            // A host update of it is done before the first block that reads it.
+            assert_eq!(net.resident_from(head), if tied { 0 } else { 3 }, "tied {tied}");
             let ids = Tensor::randint(o.vocab_size, [2, 8], (Kind::Int64, Device::Cpu));
             let hidden = net.block(0, &[ids], true);
             let h = hidden[0].detach().set_requires_grad(true);
