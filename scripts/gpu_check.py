@@ -2004,7 +2004,9 @@ LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, nu
 LLAMA_8B_ROW = "Llama-8B LoRA, bf16 base streamed, under 12 GiB"
 
 
-def judge_llama_streamed(rc, records, summary, cap):
+def streamed_run(rc, records, summary, cap):
+    """A streamed language-model run: whether it completed under `cap` with finite losses and
+    its weights in host memory, what was seen, and its losses."""
     steps = of_type(records, "step")
     losses = [s.get("loss") for s in steps]
     finite = bool(losses) and all(isinstance(x, (int, float)) and math.isfinite(x) for x in losses)
@@ -2014,19 +2016,31 @@ def judge_llama_streamed(rc, records, summary, cap):
     ok = rc == 0 and finite and isinstance(peak, int) and peak <= cap and isinstance(host, int) and host > 0
     seen = (f"exit {rc}, {len(steps)} steps, losses {[round(x, 3) for x in losses if isinstance(x, float)]}, "
             f"peak {size(peak)} ({key.split('.')[-1]}), host {size(host)}, median step {secs[len(secs) // 2]} s")
+    return ok, seen, losses if finite else []
+
+
+def judge_llama_streamed(rc, records, summary, cap):
+    ok, seen, _ = streamed_run(rc, records, summary, cap)
     return Check(LLAMA_8B_ROW, f"trains with its base on the host, device peak <= {size(cap)}", seen, ok)
+
+
+def llama_tokens(r, name, t):
+    """A token file of `t`'s vocabulary with 8 windows of its seq_len, and `t`'s sizes as
+    `[model.llama]` lines."""
+    import array
+
+    n = t["seq_len"] + 1
+    data = r.path(f"tokens-{name}.bin")
+    with open(data, "wb") as f:
+        array.array("I", [(i * 7919) % t["vocab_size"] for i in range(8 * n)]).tofile(f)
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings")
+    return data, "\n".join(f"{k} = {t[k]}" for k in keys)
 
 
 def check_llama_streamed(r, probe):
     t = dict(LLAMA_8B)
-    n = t["seq_len"] + 1
-    data = r.path("tokens-8b.bin")
-    import array
-
-    with open(data, "wb") as f:
-        array.array("I", [(i * 7919) % t["vocab_size"] for i in range(8 * n)]).tofile(f)
-    sizes = "\n".join(f"{k} = {t[k]}" for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                                 "num_attention_heads", "num_key_value_heads", "max_position_embeddings"))
+    data, sizes = llama_tokens(r, "8b", t)
     spec = spec_file(r, "llama_8b", f"""[job]
 name = "gpu-check-llama-8b"
 [model]
@@ -2066,6 +2080,61 @@ progress = "off"
     if p.rc != 0:
         return [failure(LLAMA_8B_ROW, "completes", p)]
     return [judge_llama_streamed(p.rc, records_of(out), summary_of(out), t["cap"])]
+
+
+# A Llama-3.2-1B shape (tied embeddings): a full fine-tune in fp32 with AdamW, seq_len 1024,
+# under a 4 GiB cap: the layers stream from host memory, the optimizer state and gradients live
+# there, and the tied embedding trains on the device (the rehearsal shrinks it).
+LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                seq_len=1024, cap=4 * GiB, steps=4)
+LLAMA_1B_ROW = "Llama-1B full fine-tune fp32, streamed, under 4 GiB"
+
+
+def judge_llama_full_1b(rc, records, summary, cap):
+    ok, seen, losses = streamed_run(rc, records, summary, cap)
+    if losses:
+        seen += f"; losses {'fell' if losses[-1] < losses[0] else 'did not fall'}"
+    return Check(LLAMA_1B_ROW, f"every weight trains, the layers streamed, device peak <= {size(cap)}", seen, ok)
+
+
+def check_llama_full_1b(r, probe):
+    t = dict(LLAMA_1B)
+    data, sizes = llama_tokens(r, "1b", t)
+    spec = spec_file(r, "llama_1b", f"""[job]
+name = "gpu-check-llama-1b"
+[model]
+preset = "llama"
+[model.llama]
+{sizes}
+tie_word_embeddings = true
+rope_theta = 500000.0
+[model.llama.rope_scaling]
+rope_type = "llama3"
+factor = 32.0
+[data]
+source = "tokens"
+path = "{data}"
+token_dtype = "uint32"
+seq_len = {t["seq_len"]}
+[train]
+epochs = 1
+batch_size = 1
+optimizer = "adamw"
+lr = 1e-5
+[memory]
+limit = "{t["cap"] >> 20}MiB"
+parameters = "host"
+[checkpoint]
+every_epochs = 0
+[log]
+every_steps = 1
+progress = "off"
+""")
+    p, out = r.run("llama_1b", spec, [dev()], extra=["--max-steps", str(t["steps"])])
+    if p.rc != 0:
+        return [failure(LLAMA_1B_ROW, "completes", p)]
+    return [judge_llama_full_1b(p.rc, records_of(out), summary_of(out), t["cap"])]
 
 
 # In order of what matters most when the budget runs short; (name, function, rows it yields).
@@ -2268,6 +2337,7 @@ CHECKS = [
     ("finetune", check_finetune, [FINETUNE]),
     ("llama_generate", check_llama_generate, [LLAMA_GENERATE]),
     ("llama_streamed", check_llama_streamed, [LLAMA_8B_ROW]),
+    ("llama_full_1b", check_llama_full_1b, [LLAMA_1B_ROW]),
     ("darts", check_darts, ["darts_4gb under 4 GiB"]),
     ("graph_exact", check_graph_exact, [f"graph exact: {m}" for m in ("mlp", "resnet18", "vit", "darts")]),
     ("graph_capture_oom", check_graph_capture_oom, ["graph capture OOM"]),

@@ -23,6 +23,10 @@ pub struct Estimate {
     /// Bytes of the variables that stay on the device when parameters stream (a decoder's
     /// output projection: `Chain::resident`).
     pub resident_bytes: u64,
+    /// Of `weights`, the values of the resident variables that train (a full fine-tune's
+    /// output projection): with the parameters streamed they stay on the device, and so does
+    /// their gradient while backward makes it; their state and update are the host's.
+    pub resident_trained: u64,
     pub arch_weights: u64,
     /// Non-trained state such as BatchNorm running statistics.
     pub buffers: u64,
@@ -133,7 +137,28 @@ impl Estimate {
             .sum();
         // Streamed parameters leave the output projection on the device.
         match homes.parameters {
-            Home::Host => placed + self.resident_bytes,
+            Home::Host => placed + self.resident_device_bytes(),
+            Home::Device => placed,
+        }
+    }
+
+    /// What streamed parameters leave on the device: the resident variables, and for those
+    /// that train, their gradient as well.
+    pub fn resident_device_bytes(&self) -> u64 {
+        self.resident_bytes + self.resident_trained * self.bytes_per_value * 2
+    }
+
+    /// The static bytes in host memory under `homes`. A frozen resident variable leaves the
+    /// host for the device; a trained one keeps its host copy, gradient and state there.
+    pub fn host_bytes(&self, homes: Homes) -> u64 {
+        let placed: u64 = self
+            .terms_at(homes)
+            .iter()
+            .filter(|t| t.3 == Home::Host)
+            .map(|t| t.2)
+            .sum();
+        match homes.parameters {
+            Home::Host => placed.saturating_sub(self.resident_bytes),
             Home::Device => placed,
         }
     }
@@ -248,6 +273,7 @@ pub fn estimate(job: &Sections) -> Result<Estimate> {
         weights,
         frozen: c.frozen,
         resident_bytes: c.resident_bytes,
+        resident_trained: c.resident_trained,
         frozen_bf16: match t.frozen_dtype {
             crate::spec::FrozenDtype::Bf16 => c.frozen_low,
             crate::spec::FrozenDtype::Fp32 => 0,
@@ -410,8 +436,20 @@ impl Estimate {
             Home::Host => "host, block boundaries only (memory.activations)",
         };
         writeln!(f, "  {:<15} {:>10}  {acts}", "activations", "measured")?;
+        if self.homes.parameters.is_host() && self.resident_device_bytes() > 0 {
+            writeln!(
+                f,
+                "  {:<15} {:>10}  device: read after the last block (the output projection), it stays there{}",
+                "resident",
+                human_bytes(self.resident_device_bytes()),
+                match self.resident_trained {
+                    0 => "",
+                    _ => " with its gradient; its update runs on the host",
+                }
+            )?;
+        }
         let device = self.device_bytes(self.homes);
-        let host = self.total_bytes() - device;
+        let host = self.host_bytes(self.homes);
         write!(
             f,
             "device static    {} (+ activations, measured by the preflight step)",

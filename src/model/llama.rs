@@ -516,6 +516,14 @@ impl Chain for Llama {
         var == "lm_head.weight" || (self.lm_head.is_none() && var == "model.embed_tokens.weight")
     }
 
+    /// A tied embedding is read by the embedding lookup first.
+    fn resident_from(&self, var: &str) -> usize {
+        match var {
+            "model.embed_tokens.weight" => 0,
+            _ => self.blocks() - 1,
+        }
+    }
+
     /// The embedding at the bottom, the output projection at the top with the final norm.
     fn layer_of(&self, var: &str) -> Option<usize> {
         match var {
@@ -683,11 +691,14 @@ mod tests {
             let blocks = crate::model::block_vars(&net, &vs).unwrap();
             let held: usize = blocks.iter().map(Vec::len).sum();
             assert_eq!(held, vs.variables().len() - 1, "all but the output projection");
-            assert!(net.resident(if tied {
+            let head = if tied {
                 "model.embed_tokens.weight"
             } else {
                 "lm_head.weight"
-            }));
+            };
+            assert!(net.resident(head));
+            // A host update of it is done before the first block that reads it.
+            assert_eq!(net.resident_from(head), if tied { 0 } else { 3 }, "tied {tied}");
             let ids = Tensor::randint(o.vocab_size, [2, 8], (Kind::Int64, Device::Cpu));
             let hidden = net.block(0, &[ids], true);
             let h = hidden[0].detach().set_requires_grad(true);

@@ -43,6 +43,9 @@ pub struct Counts {
     /// Bytes that stay on the device while parameters stream (`Chain::resident`), in the dtype
     /// they are kept in.
     pub resident_bytes: u64,
+    /// Of `weights`, the values of the resident variables that train: on the device with their
+    /// gradient while parameters stream, updated on the host.
+    pub resident_trained: u64,
     /// The model is a sequence of blocks (levers that work block by block apply).
     pub has_blocks: bool,
     /// Each variable belongs to one block, so parameters can stream block by block.
@@ -588,6 +591,9 @@ pub fn counts(model: &Model, train: &crate::spec::schema::Train) -> Result<Count
         } else if t.requires_grad() {
             c.weights += n;
             c.weight_sizes.push(n);
+            if resident(&name) {
+                c.resident_trained += n;
+            }
         } else {
             c.buffers += n;
         }

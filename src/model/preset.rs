@@ -97,6 +97,12 @@ pub trait Chain {
     fn resident(&self, _var: &str) -> bool {
         false
     }
+
+    /// The first block that reads a resident variable: a host update of it must be done before
+    /// that block runs. By default none does, and the loss reads it after the last block.
+    fn resident_from(&self, _var: &str) -> usize {
+        self.blocks().saturating_sub(1)
+    }
 }
 
 /// Every variable of `vs` by the block that uses it (`Chain::block_of`), or the name of one

@@ -1,5 +1,6 @@
 //! Gradients on the host (`memory.gradients = "host"`): each parameter's gradient leaves the
-//! device as soon as a block's backward has produced it and accumulates in a host buffer. The
+//! device as soon as a block's backward has produced it and accumulates in a host buffer (one
+//! read by an earlier block too, a tied embedding, once that block's backward is done). The
 //! same buffers stage the gradients of an update that runs on the host
 //! (`memory.optimizer_state = "host"`), downloaded once backward is done.
 //!
@@ -44,15 +45,16 @@ impl GradBuffers {
         }
     }
 
-    /// Moves every gradient the device holds into its host buffer and releases it there.
-    pub fn collect(&mut self, host: &Host, params: &[(String, Tensor)]) {
+    /// Moves every gradient the device holds whose parameter is `complete` (no later backward
+    /// of this micro-batch adds to it) into its host buffer and releases it there.
+    pub fn collect(&mut self, host: &Host, params: &[(String, Tensor)], complete: impl Fn(usize) -> bool) {
         self.add_arrived(host);
         let copies = host.copies();
         let mut moved = Vec::new();
         tch::no_grad(|| {
             for (i, (_, p)) in params.iter().enumerate() {
                 let g = p.grad();
-                if !g.defined() {
+                if !g.defined() || !complete(i) {
                     continue;
                 }
                 let buf = &mut self.buffers[i];

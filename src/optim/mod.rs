@@ -664,11 +664,16 @@ impl Optimizer {
     }
 
     /// With gradients on the host: moves what backward has produced so far off the device (a
-    /// no-op otherwise). Called after each block's backward.
-    pub fn collect_grads(&mut self) {
+    /// no-op otherwise). Called after each block's backward, `from` the block just done: a
+    /// parameter that an earlier block reads too (a tied embedding, which the loss reads after
+    /// the last block) keeps its gradient on the device until that block's backward, so the
+    /// micro-batch's pieces add up there first, as one backward adds them, and the host buffer
+    /// takes their sum.
+    pub fn collect_grads(&mut self, from: usize) {
         self.settle_now();
+        let blocks = self.blocks.as_deref();
         if let Some(h) = &mut self.host_grads {
-            h.collect(&self.host, &self.params);
+            h.collect(&self.host, &self.params, |i| blocks.is_none_or(|b| b[i] >= from));
         }
     }
 

@@ -740,8 +740,6 @@ pub fn init_from(vs: &nn::VarStore, head: &[String], model: &spec::Model, path: 
 fn param_blocks(net: &dyn Net, vs: &nn::VarStore, opt: &Optimizer) -> Option<Vec<usize>> {
     let chain = net.chain()?;
     let by_block = model::block_vars(chain, vs).ok()?;
-    // A resident variable is read after the last block.
-    let last = by_block.len().checked_sub(1)?;
     let of: std::collections::HashMap<&str, usize> = by_block
         .iter()
         .enumerate()
@@ -752,7 +750,7 @@ fn param_blocks(net: &dyn Net, vs: &nn::VarStore, opt: &Optimizer) -> Option<Vec
         .map(|(n, _)| {
             of.get(n.as_str())
                 .copied()
-                .or_else(|| chain.resident(n).then_some(last))
+                .or_else(|| chain.resident(n).then(|| chain.resident_from(n)))
         })
         .collect()
 }

@@ -114,8 +114,9 @@ pub trait Around {
     /// Nothing may stay pending from here on: before backward, and before a forward that does
     /// not go by block.
     fn settle(&mut self);
-    /// After each block's backward (once, after the whole backward, without recomputation).
-    fn after_block(&mut self);
+    /// After block `i`'s backward (once, with `i` 0, after the whole backward without
+    /// recomputation).
+    fn after_block(&mut self, i: usize);
 }
 
 /// Entering a stage of the step: marked for the OOM guard, so an OOM names it, and squeezed
@@ -196,7 +197,7 @@ impl Forward {
                 drop(forward);
                 let _backward = stage(Phase::Backward, m.step);
                 self.scaled(&loss, n, m.loss_scale).backward();
-                around.after_block();
+                around.after_block(0);
                 (loss, c)
             }
         }
@@ -394,7 +395,7 @@ fn recomputed(p: &Forward, net: &dyn Net, m: &Micro, n: f64, around: &mut dyn Ar
         flow.bring(around, j);
     }
     p.scaled(&loss, n, m.loss_scale).backward();
-    around.after_block();
+    around.after_block(k - 1);
     // The head's gradients have left (with the parameters streamed, gradients live on the
     // host), so its parameters can.
     flow.release(k - 1);
@@ -424,7 +425,7 @@ fn recomputed(p: &Forward, net: &dyn Net, m: &Micro, n: f64, around: &mut dyn Ar
         if !roots.is_empty() {
             ok(shim::backward(&roots, &gs));
         }
-        around.after_block();
+        around.after_block(i);
         // After the backward: BatchNorm's backward holds the running statistics (and checks
         // their version), so they go back only once it has run.
         tch::no_grad(|| {

@@ -422,8 +422,8 @@ impl Around for Optimizer {
         }
     }
 
-    fn after_block(&mut self) {
-        self.collect_grads();
+    fn after_block(&mut self, i: usize) {
+        self.collect_grads(i);
     }
 }
 

@@ -48,21 +48,22 @@ impl Streamer {
     /// Err: the name of a variable that belongs to no one block.
     pub fn new(vs: &nn::VarStore, chain: &dyn Chain, host: Host) -> Result<Self, String> {
         let by_block = block_vars(chain, vs).map_err(|name| format!("{name} belongs to no one block"))?;
-        // What stays on the device: only what does not train (its update would be the host's).
+        // What stays on the device. One that trains gets its gradient collected to the host
+        // and its update there, like the blocks' parameters; the update writes the host's
+        // master copy and uploads it (`optim::Masters`), before the first block that reads it.
         let resident: Vec<(String, Tensor)> = vs
             .variables()
             .into_iter()
             .filter(|(n, _)| chain.block_of(n).is_none() && chain.resident(n))
             .collect();
-        if let Some((name, _)) = resident.iter().find(|(_, t)| t.requires_grad()) {
-            return Err(format!(
-                "{name} is read after the last block and trains; freeze it (train.freeze, or [model.lora]) to stream the rest"
-            ));
-        }
         for (_, t) in &resident {
-            if t.device() != host.device {
-                tch::no_grad(|| t.shallow_clone().set_data(&t.to_device(host.device)));
-            }
+            // On the CPU a copy made here, outside the host's scope, is counted (and capped) as
+            // the device's, where a GPU run holds it.
+            let on_device = match t.device() == host.device {
+                true => tch::no_grad(|| t.copy()),
+                false => t.to_device(host.device),
+            };
+            tch::no_grad(|| t.shallow_clone().set_data(&on_device));
         }
         // Not by requires_grad: a frozen parameter is no buffer (the optimizer may write its
         // host copy once it is unfrozen, which a buffer's copy-back would overwrite).

@@ -57,7 +57,7 @@ mod tests {
         fn block_coming(&mut self, _: usize) {}
         fn block_ready(&mut self, _: usize) {}
         fn settle(&mut self) {}
-        fn after_block(&mut self) {}
+        fn after_block(&mut self, _: usize) {}
     }
 
     fn forward() -> Forward {

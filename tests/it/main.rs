@@ -16,6 +16,7 @@ mod generate;
 mod gpu_check;
 mod graphs;
 mod llama;
+mod llama_stream;
 mod lm_loss;
 mod lora;
 mod models;

@@ -658,6 +658,13 @@ class Offload(unittest.TestCase):
         self.assertFalse(g.judge_llama_streamed(0, nan, mem, 12 * g.GiB).ok, "a NaN loss")
         self.assertFalse(g.judge_llama_streamed(0, steps, {"memory": dict(mem["memory"], peak_host_bytes=0)},
                                                 12 * g.GiB).ok, "nothing on the host: not streamed")
+        full = g.judge_llama_full_1b(0, steps, mem, 12 * g.GiB)
+        self.assertTrue(full.ok, full)
+        self.assertIn("median step 1.1 s; losses fell", full.seen)
+        self.assertIn("did not fall", g.judge_llama_full_1b(0, steps[::-1], mem, 12 * g.GiB).seen)
+        self.assertFalse(g.judge_llama_full_1b(0, steps, mem, 4 * g.GiB).ok, "over the cap")
+        self.assertFalse(g.judge_llama_full_1b(0, nan, mem, 12 * g.GiB).ok, "a NaN loss")
+        self.assertFalse(g.judge_llama_full_1b(1, steps, mem, 12 * g.GiB).ok, "did not complete")
 
     def test_speed_rows_print_the_ratio_and_the_host_bandwidth(self):
         base = self.steps([1] * 4, times=[0.0, 1.0, 2.0, 3.0])
@@ -721,6 +728,17 @@ class Rehearsal(unittest.TestCase):
             (c,) = self.rows(g.check_llama_streamed)
         finally:
             g.LLAMA_8B = saved
+        self.assertTrue(c.ok, c)
+
+    def test_a_full_fine_tune_streams_its_layers_under_the_cap(self):
+        saved = g.LLAMA_1B
+        g.LLAMA_1B = dict(vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=8,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                          seq_len=64, cap=2 << 20, steps=3)
+        try:
+            (c,) = self.rows(g.check_llama_full_1b)
+        finally:
+            g.LLAMA_1B = saved
         self.assertTrue(c.ok, c)
 
     def test_fp16_inf(self):
