@@ -57,6 +57,8 @@ pub struct Estimate {
     pub input_shape: Vec<i64>,
     /// A language model's vocabulary: its next-token loss holds one chunk of logits at a time.
     pub vocab: Option<i64>,
+    /// `train.cuda_graph` when the spec asks for graphs: what a run would decide, in words.
+    pub cuda_graph: Option<String>,
 }
 
 /// Where each term of the bill lives under a spec (`memory.*`).
@@ -217,6 +219,12 @@ impl Estimate {
 fn impl_words(job: &Sections) -> String {
     use crate::spec::{Device, OptimizerImpl};
     let asked = job.train.optimizer_impl;
+    let captures = job.train.cuda_graph != crate::spec::CudaGraph::Off
+        && crate::spec::graph_declines_of(job.train, job.memory).is_none()
+        && job.device != Device::Cpu;
+    if asked == OptimizerImpl::Auto && captures {
+        return "fused (auto: a captured step reads its learning rate on the device)".into();
+    }
     let placement = crate::spec::optimizer_placement(job.train, job.memory);
     let device = match job.device {
         Device::Cpu => tch::Device::Cpu,
@@ -296,6 +304,20 @@ pub fn estimate(job: &Sections) -> Result<Estimate> {
         input_shape: c.input_shape.clone(),
         vocab: c.vocab,
         gpu: job.device != crate::spec::Device::Cpu,
+        cuda_graph: graph_words(job),
+    })
+}
+
+/// What a run of the spec decides about CUDA graphs, and what a captured step holds.
+fn graph_words(job: &Sections) -> Option<String> {
+    if job.train.cuda_graph == crate::spec::CudaGraph::Off {
+        return None;
+    }
+    let spec_reason = crate::spec::graph_declines_of(job.train, job.memory);
+    Some(match (spec_reason, job.device) {
+        (Some(why), _) => format!("eager: {why}"),
+        (None, Device::Cpu) => "eager: the run is on the CPU, and CUDA graphs are CUDA's".into(),
+        (None, _) => "captured on CUDA after 2 eager steps per batch shape; the graph's pool keeps the step's working memory (activations, gradients, temporaries) between steps, so validation and checkpoints allocate beside it rather than in it".into(),
     })
 }
 
@@ -348,6 +370,9 @@ impl fmt::Display for Estimate {
             )?,
         }
         writeln!(f, "total static     {}", human_bytes(self.total_bytes()))?;
+        if let Some(g) = &self.cuda_graph {
+            writeln!(f, "CUDA graph       {g}")?;
+        }
         writeln!(
             f,
             "by precision     parameters, gradients and optimizer state by dtype (* = train.precision)"

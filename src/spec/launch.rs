@@ -3,7 +3,7 @@
 //! reasons a spec's step cannot be captured whatever the device.
 use serde::{Deserialize, Serialize};
 
-use super::{Precision, Spec};
+use super::{Memory, Precision, Spec, Train};
 
 /// `train.optimizer_impl`: how the optimizer's update is launched (the numbers are PyTorch's
 /// implementation of the same name).
@@ -59,7 +59,11 @@ impl CudaGraph {
 /// reason names the setting, because a captured step may neither wait for the host nor move
 /// memory between host and device in the middle.
 pub fn graph_declines(s: &Spec) -> Option<String> {
-    let (t, m) = (&s.train, &s.memory);
+    graph_declines_of(&s.train, &s.memory)
+}
+
+/// [`graph_declines`] from the spec's `[train]` and `[memory]` tables alone.
+pub fn graph_declines_of(t: &Train, m: &Memory) -> Option<String> {
     let host = [
         (
             m.parameters.is_host(),

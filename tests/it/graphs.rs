@@ -96,3 +96,26 @@ fn an_unknown_value_is_a_clear_error() {
         .stderr_has("auto")
         .run();
 }
+
+#[test]
+fn check_says_what_a_run_would_decide() {
+    let cpu = job().set("train.cuda_graph", "auto").command("check").run();
+    assert!(
+        cpu.stdout.contains("CUDA graph       eager: the run is on the CPU"),
+        "{}",
+        cpu.stdout
+    );
+    let host = job()
+        .name("host")
+        .set("train.cuda_graph", "auto")
+        .set("memory.optimizer_state", "host")
+        .command("check")
+        .run();
+    assert!(
+        host.stdout.contains("CUDA graph       eager: memory.optimizer_state"),
+        "{}",
+        host.stdout
+    );
+    let off = job().name("off").command("check").run();
+    assert!(!off.stdout.contains("CUDA graph"), "{}", off.stdout);
+}
