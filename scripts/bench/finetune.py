@@ -18,13 +18,14 @@ one PyTorch, the order reversed in odd rounds; samples/s (a decoder's tokens/s: 
 seq_len target tokens) over the steps after the first epoch, from the wall time between steps;
 peak allocated tensor memory over the steps (the counting allocator on the CPU, the caching
 allocator's peak on CUDA); medians, and the memtrain/PyTorch ratios per round. The loss gap is
-the largest relative difference between the two sides' per-step losses: near 1e-6 in fp32, as
+the largest relative difference between the two sides' per-step losses: within about 1e-6 in fp32, as
 the two compute the same steps in a different order of operations (a packed in-projection
 against three, a chunked loss against whole logits).
 
 --dry-run prints the commands instead of running them (no GPU or torch needed).
 """
 import argparse
+import json
 import os
 import platform
 import subprocess
@@ -127,15 +128,11 @@ def run_side(a, work, job, mode, precision, rep, counting, side):
         got = driver.read_memtrain(out, launched)
         got["trained_parameters"] = trained_parameters(out)
         return got
-    import json
-
     return json.load(open(out))
 
 
 def trained_parameters(out):
     """The parameters memtrain's run trained, from its summary.json."""
-    import json
-
     return json.load(open(os.path.join(out, "summary.json")))["training"]["trainable_parameters"]
 
 
