@@ -160,6 +160,12 @@ def run_memtrain(a, work, job, setting, rep):
     p = subprocess.run(argv, capture_output=True, text=True, env=child_env(a))
     if p.returncode != 0:
         raise SystemExit(f"memtrain {job} {setting[0]} failed ({p.returncode}):\n{p.stderr}")
+    return read_memtrain(out, launched)
+
+
+def read_memtrain(out, launched):
+    """A finished memtrain run's figures, from its run directory `out` (metrics.jsonl and
+    summary.json); `launched`: when its process started."""
     lines = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
     steps = [l for l in lines if l["type"] == "step"]
     summary = json.load(open(os.path.join(out, "summary.json")))

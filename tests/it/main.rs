@@ -3,6 +3,7 @@
 mod common;
 
 mod bench;
+mod bench_finetune;
 mod cpu_allocator;
 mod data;
 mod distributed;
