@@ -17,6 +17,7 @@ mod gpu_check;
 mod llama;
 mod lm_loss;
 mod lora;
+mod lora_presets;
 mod models;
 mod oom;
 mod optim8;
