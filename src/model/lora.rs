@@ -336,7 +336,7 @@ mod tests {
     /// `conv2d(A.transpose(0, 1), B).transpose(0, 1) · scale`, and the 1×1 case `B A · scale`.
     #[test]
     fn a_conv_adapters_delta_is_peft_s() {
-        let _ = tch::manual_seed(0);
+        tch::manual_seed(0);
         for k in [3, 1] {
             let a = Tensor::randn([4, 6, k, k], tch::kind::FLOAT_CPU);
             let b = Tensor::randn([5, 4, 1, 1], tch::kind::FLOAT_CPU);
