@@ -358,3 +358,47 @@ impl Net for ResNet {
         "convolutions and linear layers"
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// resnet50's adaptable layers are torchvision's 53 convolutions and fc; every adapter
+    /// mirrors its convolution's kernel and stride, and adapters whose B is zero change nothing.
+    #[test]
+    fn every_convolution_and_fc_take_an_adapter_shaped_as_peft_s() {
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let o = ResNetOptions {
+            image_size: 32,
+            num_classes: 4,
+            ..Default::default()
+        };
+        let mut net = ResNetPreset::<50>::build(&vs.root(), &o).unwrap().net;
+        let x = Tensor::rand([2, 3, 32, 32], tch::kind::FLOAT_CPU);
+        let before = tch::no_grad(|| net.forward_t(&x, false));
+        let lora = LoraOptions {
+            rank: 2,
+            targets: vec!["*".into()],
+            ..Default::default()
+        };
+        let made = net.adapt(&vs.root(), &lora);
+        assert_eq!(made, net.adaptable());
+        assert_eq!(made.len(), 54);
+        assert_eq!(made[..3], ["conv1", "layer1.0.conv1", "layer1.0.conv2"]);
+        assert!(made.contains(&"layer4.0.downsample.0".to_owned()));
+        let vars = vs.variables();
+        let shape = |n: &str| vars[n].size();
+        assert_eq!(shape("conv1.lora_A.weight"), [2, 3, 7, 7]);
+        assert_eq!(shape("layer4.2.conv3.lora_A.weight"), [2, 512, 1, 1]);
+        assert_eq!(shape("layer4.2.conv3.lora_B.weight"), [2048, 2, 1, 1]);
+        assert_eq!(shape("layer2.0.conv2.lora_A.weight"), [2, 128, 3, 3]);
+        assert_eq!(shape("fc.lora_B.weight"), [4, 2]);
+        let chain = net.chain().unwrap();
+        assert_eq!(
+            chain.block_of("layer4.2.conv3.lora_A.weight"),
+            chain.block_of("layer4.2.conv3.weight")
+        );
+        let after = tch::no_grad(|| net.forward_t(&x, false));
+        assert!(before.equal(&after), "B starts at zero");
+    }
+}
