@@ -332,11 +332,43 @@ mod tests {
         assert_eq!(short_name("heads.head"), "heads.head");
     }
 
+    /// peft's `lora_B(lora_A(dropout(x))) * scaling` for a convolution: A has the base's stride
+    /// and padding, and the dropout acts on the adapter's input alone (the base sees `x` whole).
+    #[test]
+    fn a_conv_adapter_runs_a_then_b_and_drops_only_its_own_input() {
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let cfg = nn::ConvConfigND::<[i64; 2]> {
+            stride: [2, 2],
+            padding: [1, 1],
+            bias: false,
+            ..Default::default()
+        };
+        let base = Conv::new(vs.root() / "c", 3, 5, [3, 3], cfg);
+        let o = LoraOptions {
+            rank: 2,
+            alpha: 3.0,
+            dropout: 0.5,
+            ..Default::default()
+        };
+        let ad = Some(Adapter::conv(&(vs.root() / "c"), &base, &o));
+        let x = Tensor::randn([2, 3, 8, 8], tch::kind::FLOAT_CPU);
+        let b = vs.variables()["c.lora_B.weight"].shallow_clone();
+        // B at zero: whatever the dropout draws, the output is the base's on the whole input.
+        assert!(conv_adapted(&base, &ad, &x, true).equal(&base.forward(&x)));
+        tch::no_grad(|| {
+            b.shallow_clone()
+                .copy_(&Tensor::randn([5, 2, 1, 1], tch::kind::FLOAT_CPU))
+        });
+        let a = x.conv2d::<Tensor>(&vs.variables()["c.lora_A.weight"], None, [2, 2], [1, 1], [1, 1], 1);
+        let want = base.forward(&x) + a.conv2d::<Tensor>(&b, None, [1, 1], [0, 0], [1, 1], 1) * 1.5;
+        assert!(conv_adapted(&base, &ad, &x, false).allclose(&want, 1e-6, 1e-6, false));
+        assert_eq!(vs.variables()["c.lora_A.weight"].size(), [2, 3, 3, 3]);
+    }
+
     /// A convolution's merged change is peft's `get_delta_weight`:
     /// `conv2d(A.transpose(0, 1), B).transpose(0, 1) · scale`, and the 1×1 case `B A · scale`.
     #[test]
     fn a_conv_adapters_delta_is_peft_s() {
-        tch::manual_seed(0);
         for k in [3, 1] {
             let a = Tensor::randn([4, 6, k, k], tch::kind::FLOAT_CPU);
             let b = Tensor::randn([5, 4, 1, 1], tch::kind::FLOAT_CPU);
