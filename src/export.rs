@@ -34,9 +34,10 @@ pub fn export(args: &ExportArgs) -> Result<()> {
         "vit" => vit_names(&trained.spec, merged, args.format)?,
         "resnet18" | "resnet34" | "resnet50" => resnet_names(&trained.spec, merged, args.format)?,
         "llama" => llama_names(&trained.spec, merged, args.format)?,
+        "mlp" => mlp_names(merged, args.format)?,
         other => {
             return Err(UsageError(format!(
-                "the {other} preset has no counterpart in {}: export takes vit, resnet and llama runs",
+                "the {other} preset has no counterpart in {}: export takes vit, resnet, mlp and llama runs",
                 args.format.name()
             ))
             .into())
@@ -96,8 +97,8 @@ impl Trained {
         })
     }
 
-    /// Every variable by name, with each adapter merged into its layer (`W += B A · scale`) and
-    /// the adapters themselves left out.
+    /// Every variable by name, with each adapter merged into its layer (`W += B A · scale`, for
+    /// a convolution over its kernel) and the adapters themselves left out.
     pub fn merged(&self) -> Result<BTreeMap<String, Tensor>> {
         let mut vars: BTreeMap<String, Tensor> = self
             .vs
@@ -121,7 +122,7 @@ impl Trained {
             let b = vars
                 .remove(&format!("{layer}.{}", lora::ADAPTER_VARS[1]))
                 .with_context(|| format!("{layer} has lora_A but no lora_B"))?;
-            let delta = b.matmul(&a) * o.scale();
+            let delta = lora::delta_weight(&a, &b, o.scale());
             let (target, rows) = merged_into(&layer);
             let w = vars
                 .get_mut(&target)
@@ -152,10 +153,16 @@ pub fn weights_into(vs: &nn::VarStore, head: &[String], spec: &Spec, file: &Path
             crate::run::init_from(vs, head, &spec.model, path)?;
         }
     }
-    // A checkpoint over a frozen base holds what trains: the adapters and the extras.
+    // A checkpoint over a frozen base holds what trains: the adapters and the extras, and the
+    // BatchNorm running statistics, which follow the batches where BatchNorm trains.
     let rule = match (recorded.is_some() || adapted, model::lora_options(&spec.model)?) {
         (true, Some(o)) => Kept::Trained {
-            names: vs.variables().into_keys().filter(|n| o.trains(n)).collect(),
+            names: vs
+                .variables()
+                .into_keys()
+                .filter(|n| o.trains(n))
+                .chain(model::buffers(vs).into_iter().map(|(n, _)| n))
+                .collect(),
             base: None,
         },
         _ => Kept::Whole,
@@ -317,6 +324,28 @@ fn resnet_names(spec: &Spec, vars: BTreeMap<String, Tensor>, format: ExportForma
             ),
         )),
     }
+}
+
+/// The mlp preset as torchvision's `torchvision.ops.MLP(inputs, hidden + [num_classes])`, a
+/// `Sequential` of Linear, ReLU and Dropout in which linear layer `i` is module `3 i`.
+fn mlp_names(vars: BTreeMap<String, Tensor>, format: ExportFormat) -> Result<Exported> {
+    if format != ExportFormat::Torchvision {
+        return Err(cannot_hold(
+            format,
+            "it has no multilayer perceptron of this shape; export it as torchvision (torchvision.ops.MLP)",
+        ));
+    }
+    let renamed = |name: &str| -> Option<String> {
+        let (layer, part) = name.strip_prefix("fc")?.split_once('.')?;
+        Some(format!("{}.{part}", 3 * layer.parse::<usize>().ok()?))
+    };
+    vars.into_iter()
+        .map(|(n, t)| match renamed(&n) {
+            Some(m) => Ok((m, t)),
+            None => anyhow::bail!("the mlp preset has no variable {n}"),
+        })
+        .collect::<Result<Vec<_>>>()
+        .map(|v| (v, None))
 }
 
 /// The llama preset's names are Hugging Face's: `LlamaForCausalLM` (or `Qwen2ForCausalLM`) with

@@ -199,6 +199,35 @@ impl Conv {
     }
 }
 
+/// A convolution's shape and geometry, for an adapter that mirrors it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConvGeometry {
+    pub inputs: i64,
+    pub outputs: i64,
+    pub kernel: Vec<i64>,
+    pub stride: Vec<i64>,
+    pub padding: Vec<i64>,
+}
+
+impl Conv {
+    /// Its channels, kernel, stride and padding; an adapter has no place for dilation or groups,
+    /// which the presets that adapt convolutions never set.
+    pub fn geometry(&self) -> ConvGeometry {
+        assert!(
+            self.groups == 1 && self.dilation.iter().all(|&d| d == 1),
+            "an adapted convolution has neither groups nor dilation"
+        );
+        let s = self.ws.size();
+        ConvGeometry {
+            inputs: s[1],
+            outputs: s[0],
+            kernel: s[2..].to_vec(),
+            stride: self.stride.clone(),
+            padding: self.padding.clone(),
+        }
+    }
+}
+
 /// Whether kernel offset `off` (tap × dilation) meets the input for some output position `o` in
 /// `0..out`: `0 <= o·s − p + off < input`.
 fn tap_is_live(input: i64, out: i64, s: i64, p: i64, off: i64) -> bool {

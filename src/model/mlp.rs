@@ -1,8 +1,10 @@
-//! `mlp`: Linear → ReLU layers; small, for tests and tabular data.
+//! `mlp`: Linear → ReLU layers (`fc0`, `fc1`, …); small, for tests and tabular data. LoRA adapts
+//! any of them.
 use tch::{nn, nn::Module, Tensor};
 
 use anyhow::Result;
 
+use super::lora::{adapted, adapter_for, Adapter, LoraOptions};
 use super::preset::{Built, Net, Preset};
 use serde::{Deserialize, Serialize};
 
@@ -59,6 +61,7 @@ impl Preset for MlpPreset {
 #[derive(Debug)]
 pub struct Mlp {
     layers: Vec<nn::Linear>,
+    lora: Vec<Option<Adapter>>,
 }
 
 impl Mlp {
@@ -70,21 +73,37 @@ impl Mlp {
             .windows(2)
             .enumerate()
             .map(|(i, w)| nn::linear(root / format!("fc{i}"), w[0], w[1], Default::default()))
-            .collect();
-        Mlp { layers }
+            .collect::<Vec<_>>();
+        let lora = layers.iter().map(|_| None).collect();
+        Mlp { layers, lora }
     }
 }
 
 impl Net for Mlp {
-    fn forward_t(&self, xs: &Tensor, _train: bool) -> Tensor {
+    fn forward_t(&self, xs: &Tensor, train: bool) -> Tensor {
         let mut h = xs.flatten(1, -1);
         let last = self.layers.len() - 1;
-        for (i, l) in self.layers.iter().enumerate() {
-            h = l.forward(&h);
+        for (i, (l, a)) in self.layers.iter().zip(&self.lora).enumerate() {
+            h = adapted(a, l.forward(&h), &h, train);
             if i < last {
                 h = h.relu();
             }
         }
         h
+    }
+
+    fn adapt(&mut self, root: &nn::Path, o: &LoraOptions) -> Vec<String> {
+        let mut made = vec![];
+        for (i, l) in self.layers.iter().enumerate() {
+            let [out, inputs] = l.ws.size()[..] else {
+                unreachable!("a linear layer's weight is [out, in]")
+            };
+            self.lora[i] = adapter_for(root / format!("fc{i}"), inputs, out, o, &mut made);
+        }
+        made
+    }
+
+    fn adaptable(&self) -> Vec<String> {
+        (0..self.layers.len()).map(|i| format!("fc{i}")).collect()
     }
 }

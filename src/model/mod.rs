@@ -465,7 +465,8 @@ pub fn build(root: &nn::Path, model: &Model) -> Result<Built> {
     if let Some(o) = lora_options(model)? {
         let made = built.net.adapt(root, &o);
         if made.is_empty() {
-            return Err(lora::no_target(&o, &model.preset, &built.net.adaptable()).into());
+            let (offered, kind) = (built.net.adaptable(), built.net.adaptable_kind());
+            return Err(lora::no_target_among(&o, &model.preset, &offered, kind).into());
         }
         // A base checkpoint has no adapters: each is made fresh where it lacks them.
         for layer in &made {

@@ -25,14 +25,20 @@ pub trait Net: std::fmt::Debug {
     fn chain(&self) -> Option<&dyn Chain> {
         None
     }
-    /// Adds low-rank adapters (under `root`, the preset's own root) to the linear layers `o`
-    /// targets, and returns their names; none where the preset has no such layers.
+    /// Adds low-rank adapters (under `root`, the preset's own root) to the linear layers (and
+    /// convolutions) `o` targets, and returns their names; none where the preset has no such
+    /// layers.
     fn adapt(&mut self, _root: &nn::Path, _o: &LoraOptions) -> Vec<String> {
         vec![]
     }
-    /// The names of the linear layers `adapt` can adapt.
+    /// The names of the layers `adapt` can adapt.
     fn adaptable(&self) -> Vec<String> {
         vec![]
+    }
+    /// What `adaptable` lists, for a message: "linear layers", or "linear layers and
+    /// convolutions".
+    fn adaptable_kind(&self) -> &'static str {
+        "linear layers"
     }
     /// `train.freeze_batchnorm_stats`: whether the model's BatchNorm layers whose parameters
     /// are all frozen run in eval mode; a model without such layers ignores it.

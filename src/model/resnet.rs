@@ -9,6 +9,12 @@
 //!
 //! As a chain: the stem, one block per residual block, the head (pool and `fc`), so activation
 //! checkpointing keeps one tensor per residual block.
+//!
+//! LoRA adapts any convolution (`conv1`, `layerL.B.convN`, `layerL.B.downsample.0`) and `fc`,
+//! as peft adapts torchvision's `nn.Conv2d` and `nn.Linear`. The BatchNorm layers are part of the
+//! frozen base: their weight and bias get no gradient, and `train.freeze_batchnorm_stats` says
+//! whether their running statistics stay as loaded (eval mode, the default) or follow the batches
+//! as under peft, which leaves the modules in training mode.
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use tch::nn::init::{FanInOut, NonLinearity, NormalOrUniform};
@@ -16,6 +22,7 @@ use tch::nn::{self, Init, Module};
 use tch::Tensor;
 
 use super::layers::{self, BatchNorm2d, Conv};
+use super::lora::{adapted, adapter_for, conv_adapted, conv_adapter_for, Adapter, LoraOptions};
 use super::preset::{run_chain, Built, Chain, Net, Preset};
 
 /// `[model.resnet18]` (and `resnet34`, `resnet50`).
@@ -111,6 +118,8 @@ fn conv(p: nn::Path, cin: i64, cout: i64, k: i64, stride: i64, padding: i64) -> 
 struct Block {
     convs: Vec<(Conv, BatchNorm2d)>,
     downsample: Option<(Conv, BatchNorm2d)>,
+    /// The adapters of `convs`, in their order, then of the downsampling convolution.
+    lora: Vec<Option<Adapter>>,
 }
 
 impl Block {
@@ -145,20 +154,49 @@ impl Block {
                 BatchNorm2d::new(&(&d / "1"), planes * expansion, false),
             )
         });
-        Block { convs, downsample }
+        Block {
+            convs,
+            downsample,
+            lora: vec![],
+        }
+    }
+
+    /// The block's convolutions by name under it (`conv1`, …, `downsample.0`).
+    fn conv_names(&self) -> Vec<String> {
+        let mut v: Vec<String> = (1..=self.convs.len()).map(|n| format!("conv{n}")).collect();
+        if self.downsample.is_some() {
+            v.push("downsample.0".into());
+        }
+        v
+    }
+
+    fn adapt(&mut self, p: &nn::Path, o: &LoraOptions, made: &mut Vec<String>) {
+        let convs = self.convs.iter().chain(&self.downsample).map(|(c, _)| c);
+        self.lora = convs
+            .zip(self.conv_names())
+            .map(|(c, name)| {
+                let path = name.split('.').fold(p.clone(), |q, part| q / part);
+                conv_adapter_for(path, c, o, made)
+            })
+            .collect();
+    }
+
+    /// The adapter of convolution `i` (the downsampling one is last), if any.
+    fn adapter(&self, i: usize) -> &Option<Adapter> {
+        self.lora.get(i).unwrap_or(&None)
     }
 
     fn forward_t(&self, x: &Tensor, train: bool) -> Tensor {
         let last = self.convs.len() - 1;
         let mut h = x.shallow_clone();
         for (i, (c, bn)) in self.convs.iter().enumerate() {
-            h = bn.forward_t(&c.forward(&h), train);
+            h = bn.forward_t(&conv_adapted(c, self.adapter(i), &h, train), train);
             if i < last {
                 h = h.relu();
             }
         }
         let identity = match &self.downsample {
-            Some((c, bn)) => bn.forward_t(&c.forward(x), train),
+            Some((c, bn)) => bn.forward_t(&conv_adapted(c, self.adapter(last + 1), x, train), train),
             None => x.shallow_clone(),
         };
         (h + identity).relu()
@@ -174,6 +212,8 @@ pub struct ResNet {
     /// The index in `blocks` of each layer's first residual block.
     first_of_layer: Vec<usize>,
     fc: nn::Linear,
+    conv1_lora: Option<Adapter>,
+    fc_lora: Option<Adapter>,
 }
 
 impl ResNet {
@@ -214,7 +254,19 @@ impl ResNet {
             blocks,
             first_of_layer,
             fc,
+            conv1_lora: None,
+            fc_lora: None,
         }
+    }
+
+    /// Each residual block's name prefix (`layer1.0`, …).
+    fn block_names(&self) -> Vec<String> {
+        let mut v = vec![];
+        for (l, &first) in self.first_of_layer.iter().enumerate() {
+            let next = self.first_of_layer.get(l + 1).copied().unwrap_or(self.blocks.len());
+            v.extend((0..next - first).map(|b| format!("layer{}.{b}", l + 1)));
+        }
+        v
     }
 }
 
@@ -226,14 +278,16 @@ impl Chain for ResNet {
     fn block(&self, i: usize, state: &[Tensor], train: bool) -> Vec<Tensor> {
         let x = &state[0];
         let out = if i == 0 {
-            let h = self.bn1.forward_t(&self.conv1.forward(x), train).relu();
+            let h = conv_adapted(&self.conv1, &self.conv1_lora, x, train);
+            let h = self.bn1.forward_t(&h, train).relu();
             if self.max_pool {
                 h.max_pool2d([3, 3], [2, 2], [1, 1], [1, 1], false)
             } else {
                 h
             }
         } else if i == self.blocks.len() + 1 {
-            self.fc.forward(&x.adaptive_avg_pool2d([1, 1]).flatten(1, -1))
+            let pooled = x.adaptive_avg_pool2d([1, 1]).flatten(1, -1);
+            adapted(&self.fc_lora, self.fc.forward(&pooled), &pooled, train)
         } else {
             self.blocks[i - 1].forward_t(x, train)
         };
@@ -274,5 +328,77 @@ impl Net for ResNet {
 
     fn chain(&self) -> Option<&dyn Chain> {
         Some(self)
+    }
+
+    fn adapt(&mut self, root: &nn::Path, o: &LoraOptions) -> Vec<String> {
+        let mut made = vec![];
+        self.conv1_lora = conv_adapter_for(root / "conv1", &self.conv1, o, &mut made);
+        let names = self.block_names();
+        for (block, name) in self.blocks.iter_mut().zip(names) {
+            let path = name.split('.').fold(root.clone(), |q, part| q / part);
+            block.adapt(&path, o, &mut made);
+        }
+        let [out, inputs] = self.fc.ws.size()[..] else {
+            unreachable!("a linear layer's weight is [out, in]")
+        };
+        self.fc_lora = adapter_for(root / "fc", inputs, out, o, &mut made);
+        made
+    }
+
+    fn adaptable(&self) -> Vec<String> {
+        let mut v = vec!["conv1".to_owned()];
+        for (block, name) in self.blocks.iter().zip(self.block_names()) {
+            v.extend(block.conv_names().iter().map(|c| format!("{name}.{c}")));
+        }
+        v.push("fc".into());
+        v
+    }
+
+    fn adaptable_kind(&self) -> &'static str {
+        "convolutions and linear layers"
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// resnet50's adaptable layers are torchvision's 53 convolutions and fc; every adapter
+    /// mirrors its convolution's kernel and stride, and adapters whose B is zero change nothing.
+    #[test]
+    fn every_convolution_and_fc_take_an_adapter_shaped_as_peft_s() {
+        let vs = nn::VarStore::new(tch::Device::Cpu);
+        let o = ResNetOptions {
+            image_size: 32,
+            num_classes: 4,
+            ..Default::default()
+        };
+        let mut net = ResNetPreset::<50>::build(&vs.root(), &o).unwrap().net;
+        let x = Tensor::rand([2, 3, 32, 32], tch::kind::FLOAT_CPU);
+        let before = tch::no_grad(|| net.forward_t(&x, false));
+        let lora = LoraOptions {
+            rank: 2,
+            targets: vec!["*".into()],
+            ..Default::default()
+        };
+        let made = net.adapt(&vs.root(), &lora);
+        assert_eq!(made, net.adaptable());
+        assert_eq!(made.len(), 54);
+        assert_eq!(made[..3], ["conv1", "layer1.0.conv1", "layer1.0.conv2"]);
+        assert!(made.contains(&"layer4.0.downsample.0".to_owned()));
+        let vars = vs.variables();
+        let shape = |n: &str| vars[n].size();
+        assert_eq!(shape("conv1.lora_A.weight"), [2, 3, 7, 7]);
+        assert_eq!(shape("layer4.2.conv3.lora_A.weight"), [2, 512, 1, 1]);
+        assert_eq!(shape("layer4.2.conv3.lora_B.weight"), [2048, 2, 1, 1]);
+        assert_eq!(shape("layer2.0.conv2.lora_A.weight"), [2, 128, 3, 3]);
+        assert_eq!(shape("fc.lora_B.weight"), [4, 2]);
+        let chain = net.chain().unwrap();
+        assert_eq!(
+            chain.block_of("layer4.2.conv3.lora_A.weight"),
+            chain.block_of("layer4.2.conv3.weight")
+        );
+        let after = tch::no_grad(|| net.forward_t(&x, false));
+        assert!(before.equal(&after), "B starts at zero");
     }
 }

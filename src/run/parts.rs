@@ -30,8 +30,9 @@ pub struct Trained {
 pub enum Kept {
     /// Every variable.
     Whole,
-    /// Only these variables (what trains over a frozen base: LoRA's adapters and extras); the
-    /// base is read again from its file, which `base` names, on resume and export.
+    /// Only these variables (what trains over a frozen base: LoRA's adapters and extras, and the
+    /// BatchNorm running statistics); the base is read again from its file, which `base` names,
+    /// on resume and export.
     Trained {
         names: std::collections::BTreeSet<String>,
         base: Option<crate::checkpoint::BaseRef>,

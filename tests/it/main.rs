@@ -20,6 +20,7 @@ mod llama;
 mod llama_stream;
 mod lm_loss;
 mod lora;
+mod lora_presets;
 mod models;
 mod oom;
 mod optim8;

@@ -13,8 +13,9 @@ use crate::run::parts::{ArchStep, Kept, Trained};
 use crate::shim;
 
 impl Factory<'_> {
-    /// What the checkpoints keep of the model: with a frozen base (LoRA), only what trains, and
-    /// the base's file by path and content.
+    /// What the checkpoints keep of the model: with a frozen base (LoRA), only what trains and
+    /// the buffers (BatchNorm's running statistics, which follow the batches where BatchNorm
+    /// trains), and the base's file by path and content.
     pub(super) fn kept(&self, vs: &nn::VarStore) -> Result<Kept> {
         let spec = &self.plan.spec;
         if model::lora_options(&spec.model)?.is_none() {
@@ -25,6 +26,7 @@ impl Factory<'_> {
             .into_iter()
             .filter(|(_, t)| t.requires_grad())
             .map(|(n, _)| n)
+            .chain(model::buffers(vs).into_iter().map(|(n, _)| n))
             .collect();
         let base = match &spec.model.init_from {
             Some(p) => Some(BaseRef::of(p).with_context(|| format!("model.init_from {}", p.display()))?),
