@@ -2,8 +2,8 @@
 //! spec, the device and the world. What can change during a run (a lever engaged by recovery,
 //! a fall back to the CPU, a short last group, a new micro-batch after backoff) is the step's
 //! to decide, step by step, within this plan.
-use super::Place;
 use crate::exit::UsageError;
+use crate::memory::Place;
 use crate::spec::{graph_declines, CudaGraph, Spec};
 
 /// Eager steps at a batch shape before it is captured: the first creates the optimizer's state

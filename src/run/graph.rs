@@ -27,7 +27,6 @@
 use tch::Device;
 
 use super::forward::Batch;
-use super::oom_answer::first_line;
 use super::step::{StepOutput, StepPipeline, Stepping};
 use super::tally::Totals;
 use crate::fault::Phase;
@@ -244,7 +243,10 @@ impl StepGraphs {
             Err(e) => {
                 let why = match e {
                     StepError::Oom { kind, message, phase } => {
-                        let why = format!("the capture ran out of memory ({})", first_line(&message));
+                        let why = format!(
+                            "the capture ran out of memory ({})",
+                            message.lines().next().unwrap_or_default()
+                        );
                         self.ooms.push(CaptureOom { kind, message, phase });
                         why
                     }

@@ -7,6 +7,7 @@ mod execution;
 mod finetune;
 mod forward;
 mod graph;
+mod launch;
 mod oom_answer;
 mod parts;
 mod resume;

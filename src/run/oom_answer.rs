@@ -13,7 +13,7 @@ use crate::memory::{self, ClearReason, Place};
 use crate::oom::{BatchShape, Decision, OomKind, StepError};
 use crate::policy::levers::Described;
 use crate::policy::recovery::Cause;
-use crate::records::{Event, OomEvent, OomReport, Status};
+use crate::records::{Event, GraphEvent, OomEvent, OomReport, Status};
 use crate::shim;
 
 /// What differs between the OOM records of a training step, validation and a checkpoint.
@@ -193,6 +193,31 @@ impl Trainer {
             return e;
         }
         OomExit(format!("out of memory in {phase}: {reason}; {note}")).into()
+    }
+
+    /// What capturing this optimizer step's steps did (DARTS's architecture step's too): a
+    /// capture that ran out of memory is an OOM answered by running eager.
+    pub(super) fn record_graphs(&mut self, step: i64) -> Result<()> {
+        for oom in self.execution.capture_ooms() {
+            let met = OomMet {
+                phase: oom.phase.map_or("forward", |p| p.name()).to_owned(),
+                kind: oom.kind,
+                error: first_line(&oom.message).to_owned(),
+                shape: self.shape(),
+                decision: Decision {
+                    action: Decision::EAGER.into(),
+                    to: None,
+                },
+                skipped: Vec::new(),
+                report: None,
+            };
+            let e = self.oom_event(self.state.epoch + 1, met);
+            self.emit(Event::Oom(OomEvent { step, ..e }))?;
+        }
+        for e in self.execution.graph_events() {
+            self.emit(Event::Graph(GraphEvent { step, ..e }))?;
+        }
+        Ok(())
     }
 
     pub(super) fn oom_report(&self) -> OomReport {

@@ -23,9 +23,7 @@
 //! backward and unscale.
 use tch::{Kind, Tensor};
 
-use super::execution::Execution;
 use super::forward::{Around, Batch, Forward, Micro};
-use super::graph::StepKind;
 use super::stream::Streamer;
 use super::tally::{Count, Tally, Totals};
 use crate::data::Dataset;
@@ -118,44 +116,16 @@ impl StepPipeline {
         Place::of(self.forward.device)
     }
 
-    /// Runs the pipeline once for `work`, stepping `opt`; `others` are optimizers whose
-    /// gradients are zeroed too (their parameters get gradients from this backward pass but
-    /// are not stepped here). The step's loss and correct count go into `tally` (the weight
-    /// step's; the architecture step keeps none). A single process may run it as a captured
-    /// CUDA graph (`graph`).
-    pub fn run(
-        &self,
-        net: &dyn Net,
-        opt: &mut Optimizer,
-        others: &mut [&mut Optimizer],
-        work: &Work,
-        exec: &mut Execution,
-        tally: Option<&mut Tally>,
-    ) -> Result<StepOutput, StepError> {
-        let stepping = Stepping {
+    /// The step as one rank of a data-parallel group: every rank takes part in the collectives
+    /// and all agree on the outcome before any optimizer writes.
+    pub(super) fn data_parallel(&self, d: &mut Dist, s: Stepping) -> Result<StepOutput, StepError> {
+        let Stepping {
             net,
             opt,
             others,
             work,
             tally,
-        };
-        let d = match exec {
-            Execution::Local(graphs) => {
-                let kind = match work.step {
-                    Some(_) => StepKind::Weights,
-                    None => StepKind::Architecture,
-                };
-                return graphs.step(self, kind, stepping);
-            }
-            Execution::DataParallel(d) => d,
-        };
-        let Stepping {
-            net,
-            opt,
-            others,
-            tally,
-            ..
-        } = stepping;
+        } = s;
         let place = self.place();
         let reducer = work.synced.then(|| d.reducer()).flatten();
         let synced = reducer.is_some();

@@ -439,31 +439,6 @@ impl Trainer {
         Ok(Stepped { stop })
     }
 
-    /// What capturing this optimizer step's steps did (DARTS's architecture step's too): a
-    /// capture that ran out of memory is an OOM answered by running eager.
-    fn record_graphs(&mut self, step: i64) -> Result<()> {
-        for oom in self.execution.capture_ooms() {
-            let met = super::oom_answer::OomMet {
-                phase: oom.phase.map_or("forward", |p| p.name()).to_owned(),
-                kind: oom.kind,
-                error: super::oom_answer::first_line(&oom.message).to_owned(),
-                shape: self.shape(),
-                decision: crate::oom::Decision {
-                    action: crate::oom::Decision::EAGER.into(),
-                    to: None,
-                },
-                skipped: Vec::new(),
-                report: None,
-            };
-            let e = self.oom_event(self.state.epoch + 1, met);
-            self.emit(Event::Oom(OomEvent { step, ..e }))?;
-        }
-        for e in self.execution.graph_events() {
-            self.emit(Event::Graph(GraphEvent { step, ..e }))?;
-        }
-        Ok(())
-    }
-
     /// Reads the tally into the position (one read), when a step was added since the last.
     pub(super) fn read_tally(&mut self) -> Result<Option<f64>> {
         self.flush_record()?;

@@ -7,7 +7,7 @@ mod launch;
 pub mod schema;
 mod validate;
 pub use error::SpecError;
-pub use validate::{placement as optimizer_placement, streams};
+pub use validate::{graph_declines, graph_declines_of, placement as optimizer_placement, streams};
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};

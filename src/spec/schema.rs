@@ -2,7 +2,7 @@
 use std::fmt;
 use std::path::PathBuf;
 
-pub use super::launch::{graph_declines, graph_declines_of, CudaGraph, OptimizerImpl};
+pub use super::launch::{CudaGraph, OptimizerImpl};
 use crate::host::Home;
 use serde::{Deserialize, Deserializer, Serialize, Serializer};
 

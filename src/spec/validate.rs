@@ -529,10 +529,10 @@ fn optimizer_impl(p: &mut Problems, s: &Spec) {
 
 /// "on" promises a captured step: a setting that rules capture out is the spec's mistake.
 fn cuda_graph(p: &mut Problems, s: &Spec) {
-    if s.train.cuda_graph != super::CudaGraph::On {
+    if s.train.cuda_graph != CudaGraph::On {
         return;
     }
-    if let Some(why) = super::graph_declines(s) {
+    if let Some(why) = graph_declines(s) {
         p.push((
             "train.cuda_graph".into(),
             format!("\"on\" cannot capture this run's step: {why}; set train.cuda_graph = \"auto\" to run such steps eager, or change that setting"),
@@ -647,4 +647,57 @@ fn checkpoint(p: &mut Problems, s: &Spec) {
     at_least(p, "checkpoint.every_steps", c.every_steps, 0);
     in_range(p, "checkpoint.every_minutes", c.every_minutes, 0.0, f64::MAX, "[0, ∞)");
     at_least(p, "checkpoint.keep_last", c.keep_last, 1);
+}
+
+/// Why no step of `s` can be captured as one graph, on any device; None when it can. Each
+/// reason names the setting, because a captured step may neither wait for the host nor move
+/// memory between host and device in the middle.
+pub fn graph_declines(s: &Spec) -> Option<String> {
+    graph_declines_of(&s.train, &s.memory)
+}
+
+/// [`graph_declines`] from the spec's `[train]` and `[memory]` tables alone.
+pub fn graph_declines_of(t: &Train, m: &Memory) -> Option<String> {
+    let host = [
+        (
+            m.parameters.is_host(),
+            "memory.parameters = \"host\" streams blocks in and out during the step",
+        ),
+        (
+            m.optimizer_state.is_host(),
+            "memory.optimizer_state = \"host\" runs the update on the host",
+        ),
+        (
+            m.gradients.is_host(),
+            "memory.gradients = \"host\" moves gradients to the host during backward",
+        ),
+        (
+            m.activations.is_host(),
+            "memory.activations = \"host\" moves activations to the host during the step",
+        ),
+    ];
+    if let Some((_, why)) = host.iter().find(|(on, _)| *on) {
+        return Some((*why).to_owned());
+    }
+    if t.activation_checkpointing {
+        return Some(
+            "train.activation_checkpointing restores the generator's state from the host for each recomputed block"
+                .into(),
+        );
+    }
+    if t.precision == Precision::Fp16Mixed {
+        return Some("fp16-mixed decides on the host whether to skip a step whose gradients are not finite".into());
+    }
+    if t.optimizer_state_bits == 8 {
+        return Some(
+            "train.optimizer_state_bits = 8 updates one parameter at a time, with no fused kernel to capture".into(),
+        );
+    }
+    match t.optimizer_impl {
+        OptimizerImpl::Single | OptimizerImpl::Foreach => Some(format!(
+            "train.optimizer_impl = \"{}\" takes the learning rate from the host; a captured step needs \"fused\" (or \"auto\"), which reads it on the device",
+            t.optimizer_impl.name()
+        )),
+        OptimizerImpl::Fused | OptimizerImpl::Auto => None,
+    }
 }
