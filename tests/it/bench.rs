@@ -155,10 +155,7 @@ fn the_graph_benchmark_dry_run_names_its_jobs_sides_and_the_compiled_baseline() 
             .all(|l| l.contains(r#"--set 'train.optimizer_impl="fused"'"#)),
         "{out}"
     );
-    let compiled = train
-        .iter()
-        .filter(|l| l.contains("--compile reduce-overhead"))
-        .count();
+    let compiled = train.iter().filter(|l| l.contains("--compile reduce-overhead")).count();
     assert_eq!(compiled, 6, "{out}");
     assert!(
         train
