@@ -105,6 +105,19 @@ JOBS = {
                   "momentum": 0.9, "weight_decay": 3e-4},
         "steps": 40,
     },
+    # darts_main's step (2 x 2 accumulation, clipping) at darts_tiny's size: a CPU rehearsal.
+    "darts_main_tiny": {
+        "preset": "darts",
+        "options": {"in_channels": 1, "input_length": 64, "num_classes": 3, "init_channels": 4, "num_cells": 3,
+                    "num_nodes": 2, "ops": ["none", "skip_connect", "max_pool_3", "avg_pool_3", "sep_conv_3",
+                                            "sep_conv_5", "dil_conv_3", "dil_conv_5", "attention_light"],
+                    "arch_lr": 3e-4, "arch_weight_decay": 1e-3},
+        "shape": [1, 64],
+        "samples": 40,
+        "train": {"batch_size": 2, "accumulation": 2, "grad_clip_norm": 5.0, "optimizer": "sgd", "lr": 0.1,
+                  "momentum": 0.9, "weight_decay": 3e-4},
+        "steps": 14,
+    },
     "resnet18_224_b8": {
         "preset": "resnet18",
         "options": {"num_classes": 1000, "image_size": 224},
