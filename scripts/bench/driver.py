@@ -16,6 +16,18 @@ wide MLP, synthetic data) on CUDA. The PyTorch baselines (pytorch_job.py --data-
   loader         torch.utils.data.DataLoader, --workers processes, pin_memory=True, non-blocking
                  copies: how PyTorch users feed a GPU (CUDA default)
 
+A baseline MODE+COMPILE runs the model through torch.compile(model, mode=COMPILE), e.g.
+resident+reduce-overhead: Inductor's kernels replayed as CUDA graphs. Compilation falls in the
+untimed first epoch; the warm-up columns give that epoch's wall time, compilation included. On
+the CPU reduce-overhead records no graphs (Inductor's CPU kernels alone); a compiled baseline that
+cannot run is reported as failed, with the reason, and the other sides' rows go on.
+
+memtrain runs as one side or several (--memtrain-sides): default (the spec as written), eager
+(train.cuda_graph "off") and graphed (train.cuda_graph "on"), the last two both with the fused
+optimizer, so their ratio is what capturing the step alone buys; with several, a row per side,
+each with its ratio to the first. On the CPU every memtrain step runs eager, whatever the side.
+scripts/bench/graphs runs the CUDA-graph comparison this way.
+
 A ViT job has each baseline twice (--vit-twin): MODE/sdpa first, whose attention is the fastest
 plain PyTorch has (one packed in-projection and scaled_dot_product_attention, as memtrain's vit
 preset runs it; the same parameters and initial weights), then torchvision's own
@@ -57,6 +69,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -113,7 +126,22 @@ def prepare_job(job, work):
     write_data(job, os.path.join(work, "val.npz"), seed=1, samples=8)
 
 
-def memtrain_argv(a, work, job, setting, rep):
+# memtrain's sides (--memtrain-sides): the settings each adds to the spec. eager and graphed both
+# take the fused optimizer, which capture needs, so they differ in the capture alone.
+MEMTRAIN_SIDES = {
+    "default": [],
+    "eager": ['train.cuda_graph="off"', 'train.optimizer_impl="fused"'],
+    "graphed": ['train.cuda_graph="on"', 'train.optimizer_impl="fused"'],
+}
+
+
+def mt_side(name):
+    """A memtrain side's name in a round's order: "mt" for the default (the table of a single
+    side), "mt:NAME" otherwise."""
+    return "mt" if name == "default" else f"mt:{name}"
+
+
+def memtrain_argv(a, work, job, setting, rep, side="mt"):
     """Writes the setting's spec (once) and gives memtrain's command line and its run directory."""
     name, precision, ckpt = setting
     spec = os.path.join(work, f"{job}-{name}.toml")
@@ -123,9 +151,10 @@ def memtrain_argv(a, work, job, setting, rep):
             f.write(jobs.memtrain_spec(job, os.path.join(work, "init.safetensors"), os.path.join(work, "data.npz"),
                                        os.path.join(work, "val.npz"), precision, ckpt, a.threads, a.device,
                                        saves=False))
-    out = os.path.join(work, f"mt-{job}-{name}-{rep}")
+    variant = side.partition(":")[2]
+    out = os.path.join(work, f"mt-{job}-{name}{'-' + variant if variant else ''}-{rep}")
     argv = [a.memtrain, "-q", "run", spec, "--out", out, "--max-steps", str(jobs.JOBS[job]["steps"])]
-    for kv in a.memtrain_set:
+    for kv in MEMTRAIN_SIDES[variant or "default"] + a.memtrain_set:
         argv += ["--set", kv]
     return argv, out
 
@@ -142,7 +171,7 @@ def child_env(a):
 def shown(a, argv):
     """A command as --dry-run prints it, with the environment it would add."""
     prefix = f"PYTORCH_CUDA_ALLOC_CONF={a.alloc_conf} " if a.alloc_conf is not None else ""
-    return prefix + " ".join(argv)
+    return prefix + " ".join(shlex.quote(x) for x in argv)
 
 
 def first_timed(epochs):
@@ -154,12 +183,12 @@ def first_timed(epochs):
     return later[0] if later else min(1, len(epochs) - 1)
 
 
-def run_memtrain(a, work, job, setting, rep):
-    argv, out = memtrain_argv(a, work, job, setting, rep)
+def run_memtrain(a, work, job, setting, rep, side="mt"):
+    argv, out = memtrain_argv(a, work, job, setting, rep, side)
     launched = time.time()
     p = subprocess.run(argv, capture_output=True, text=True, env=child_env(a))
     if p.returncode != 0:
-        raise SystemExit(f"memtrain {job} {setting[0]} failed ({p.returncode}):\n{p.stderr}")
+        raise SystemExit(f"memtrain ({side}) {job} {setting[0]} failed ({p.returncode}):\n{p.stderr}")
     return read_memtrain(out, launched)
 
 
@@ -168,6 +197,7 @@ def read_memtrain(out, launched):
     summary.json); `launched`: when its process started."""
     lines = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
     steps = [l for l in lines if l["type"] == "step"]
+    start = next((l for l in lines if l["type"] == "start"), {})
     summary = json.load(open(os.path.join(out, "summary.json")))
     # The first record is written once the second step is queued (on CUDA), so its `time` is
     # late by part of a step: start-up here is the first step's start give or take that.
@@ -177,6 +207,8 @@ def read_memtrain(out, launched):
     samples = [s["samples"] for s in steps[k:]]
     return {
         "startup_seconds": first_start - launched,
+        "warmup_seconds": sum(s["seconds"] for s in steps[:k]),
+        "cuda_graph": start.get("cuda_graph"),
         "samples_per_s": sum(samples) / max(sum(wall), 1e-12),
         "median_step_samples_per_s": statistics.median(n / max(t, 1e-12) for n, t in zip(samples, wall)),
         "peak_allocated_bytes": max(s["memory"].get("peak_allocated_bytes", 0) for s in steps),
@@ -200,8 +232,9 @@ def baselines_of(a, job):
 
 def pytorch_argv(a, work, job, setting, rep, counting, side):
     name, precision, ckpt = setting
-    mode, _, attention = side.partition("/")
-    result = os.path.join(work, f"pt-{job}-{name}-{mode}-{attention or 'module'}-{rep}.json")
+    data, _, attention = side.partition("/")
+    mode, _, compile_mode = data.partition("+")
+    result = os.path.join(work, f"pt-{job}-{name}-{data}-{attention or 'module'}-{rep}.json")
     cmd = [sys.executable, os.path.join(HERE, "pytorch_job.py"), "train", "--job", job,
            "--init", os.path.join(work, "init.safetensors"), "--data", os.path.join(work, "data.npz"),
            "--val", os.path.join(work, "val.npz"),
@@ -210,6 +243,8 @@ def pytorch_argv(a, work, job, setting, rep, counting, side):
            "--attention", attention or "module"]
     if ckpt:
         cmd.append("--checkpointing")
+    if compile_mode:
+        cmd += ["--compile", compile_mode]
     if counting:
         cmd += ["--counting", counting]
     return cmd, result
@@ -219,6 +254,12 @@ def run_pytorch(a, work, job, setting, rep, counting, mode):
     cmd, result = pytorch_argv(a, work, job, setting, rep, counting, mode)  # mode: a side
     launched = time.time()
     p = subprocess.run(cmd + ["--launched", str(launched)], capture_output=True, text=True, env=child_env(a))
+    if p.returncode != 0 and "+" in mode.partition("/")[0]:
+        # A compiled baseline that cannot run here (no compiler, a model torch.compile cannot
+        # trace) leaves its columns marked failed; the others still measure.
+        why = [l for l in p.stderr.strip().splitlines() if l.strip()][-1:] or [f"exit status {p.returncode}"]
+        print(f"# PyTorch {mode} {job} {setting[0]} failed: {why[0]}", file=sys.stderr, flush=True)
+        return {"failed": why[0]}
     if p.returncode != 0:
         raise SystemExit(f"PyTorch ({mode}) {job} {setting[0]} failed ({p.returncode}):\n{p.stderr}")
     return json.load(open(result))
@@ -250,7 +291,12 @@ def parse_args(argv=None):
                    help="default: every setting on the CPU; fp32,bf16-mixed,fp16-mixed on CUDA")
     p.add_argument("--baselines", default=None,
                    help="PyTorch's data modes, comma-separated: host, resident, loader (default: host on the "
-                        "CPU; resident,loader on CUDA); ratios and memory are against the first")
+                        "CPU; resident,loader on CUDA), each optionally +COMPILE for torch.compile(model, "
+                        "mode=COMPILE), e.g. resident+reduce-overhead; ratios and memory are against the first")
+    p.add_argument("--memtrain-sides", default="default",
+                   help="memtrain's sides, comma-separated: default (the spec as written), eager (train.cuda_graph "
+                        "off), graphed (train.cuda_graph on); eager and graphed take the fused optimizer; with "
+                        "several, a row per side and its ratio to the first")
     p.add_argument("--vit-twin", default="both", choices=["both", "sdpa", "module"],
                    help="ViT jobs' PyTorch model: both (ratios and memory against the SDPA one), sdpa (a packed "
                         "in-projection and scaled_dot_product_attention) or module (torchvision's nn.MultiheadAttention)")
@@ -285,9 +331,15 @@ def parse_args(argv=None):
     wanted = (a.settings or ("fp32,bf16-mixed,fp16-mixed" if cuda else ",".join(s[0] for s in jobs.SETTINGS)))
     a.settings = [s for s in jobs.SETTINGS if s[0] in wanted.split(",")]
     a.baselines = (a.baselines or ("resident,loader" if cuda else "host")).split(",")
-    bad = [b for b in a.baselines if b not in ("host", "resident", "loader")]
+    bad = [b for b in a.baselines if b.partition("+")[0] not in ("host", "resident", "loader")
+           or b.endswith("+") or "/" in b]
     if bad:
-        p.error(f"no baseline {', '.join(bad)}: host, resident or loader")
+        p.error(f"no baseline {', '.join(bad)}: host, resident or loader, each optionally +COMPILE "
+                f"(a torch.compile mode, e.g. resident+reduce-overhead)")
+    a.memtrain_sides = a.memtrain_sides.split(",")
+    bad = [m for m in a.memtrain_sides if m not in MEMTRAIN_SIDES]
+    if bad:
+        p.error(f"no memtrain side {', '.join(bad)}: {', '.join(MEMTRAIN_SIDES)}")
     return a
 
 
@@ -300,33 +352,46 @@ def rows(a):
             yield job, setting
 
 
+def memtrain_sides(a):
+    return [mt_side(m) for m in a.memtrain_sides]
+
+
 def round_order(a, rep, job):
-    sides = ["mt"] + baselines_of(a, job)
+    sides = memtrain_sides(a) + baselines_of(a, job)
     return sides if rep % 2 == 0 else sides[::-1]
 
 
 def dry_run(a):
     work = tempfile.mkdtemp(prefix="memtrain-bench-dry.")
     print(f"# dry run: {a.device}, jobs {','.join(a.jobs)}, settings {','.join(s[0] for s in a.settings)}, "
-          f"baselines {','.join(a.baselines)}, {a.reps} rounds; specs written under {work}")
+          f"memtrain sides {','.join(a.memtrain_sides)}, baselines {','.join(a.baselines)}, {a.reps} rounds; "
+          f"specs written under {work}")
     counting = None if a.device.startswith("cuda") else os.path.join(ROOT, "target", "bench", "libmemtrain_shim.so")
     for job in a.jobs:
         j = jobs.JOBS[job]
+        accumulation = j["train"].get("accumulation", 1)
         print(f"# {job}: {j['preset']} {j['options']}, {j['samples']} samples of {j['shape']}, "
-              f"batch {j['train']['batch_size']}, {j['steps']} steps")
+              f"batch {j['train']['batch_size']}" + (f" x {accumulation} accumulation" if accumulation > 1 else "")
+              + f", {j['steps']} steps")
         print(" ".join([sys.executable, os.path.join(HERE, "pytorch_job.py"), "init", "--job", job, "--out",
                         os.path.join(work, job, "init.safetensors")]))
     for job, setting in rows(a):
         for rep in range(a.reps):
             for side in round_order(a, rep, job):
-                if side == "mt":
-                    argv, _ = memtrain_argv(a, os.path.join(work, job), job, setting, rep)
+                if side.startswith("mt"):
+                    argv, _ = memtrain_argv(a, os.path.join(work, job), job, setting, rep, side)
                 else:
                     argv, _ = pytorch_argv(a, os.path.join(work, job), job, setting, rep, counting, side)
                 print(shown(a, argv))
         if a.peak_diff:
             for argv in snapshot_argvs(a, os.path.join(work, job), job, setting):
                 print(shown(a, argv))
+
+
+def extended(a):
+    """Whether the table has the graph comparison's columns: a row per memtrain side, every
+    baseline's peak and each side's untimed warm-up (compilation, capture)."""
+    return len(a.memtrain_sides) > 1 or any("+" in b for b in a.baselines)
 
 
 def header(a, baselines):
@@ -337,40 +402,83 @@ def header(a, baselines):
           f"{', '.join(baselines)}; {time.strftime('%Y-%m-%d')}")
     if a.device.startswith("cuda"):
         print(f"# GPU: {torch.cuda.get_device_name(0)}")
+    elif any("+" in b for b in baselines) or "graphed" in a.memtrain_sides:
+        print("# on the CPU there are no CUDA graphs: memtrain's graphed side runs eager, and torch.compile's "
+              "reduce-overhead runs Inductor's CPU kernels without recording graphs")
     if a.alloc_conf is not None:
         print(f"# both sides: PYTORCH_CUDA_ALLOC_CONF={a.alloc_conf}")
+    if len(a.memtrain_sides) > 1 or a.memtrain_sides != ["default"]:
+        for m in a.memtrain_sides:
+            print(f"# memtrain {m}: {' '.join('--set ' + kv for kv in MEMTRAIN_SIDES[m]) or 'the spec as written'}")
     if a.memtrain_set:
         print(f"# memtrain only: --set {' --set '.join(a.memtrain_set)}")
-    cols = ["job", "setting", "samples/s memtrain"]
+    more = extended(a)
+    cols = ["job", "setting"] + (["memtrain"] if more else []) + ["samples/s memtrain"]
     for b in baselines:
         cols += [f"PyTorch {b}", "ratio (range)"]
+    if len(a.memtrain_sides) > 1:
+        cols += [f"vs memtrain {a.memtrain_sides[0]} (range)"]
     cols += ["median-step ratio (range)", "peak alloc memtrain", "PyTorch", "ratio", "Δ peak alloc",
              "Δ peak requested", "peak RSS ratio",
              "start-up memtrain", "PyTorch", "loss gap"]
+    if more:
+        cols += [f"peak alloc PyTorch {b}" for b in baselines[1:]]
+        cols += ["warm-up memtrain"] + [f"warm-up PyTorch {b}" for b in baselines]
     print("| " + " | ".join(cols) + " |")
     print("|---" * len(cols) + "|")
 
 
-def print_row(a, job, setting, mt, pt):
-    """One row: medians, and ratios against each baseline (memtrain / PyTorch, per round)."""
+def failed(runs):
+    """A baseline's failure, if any of its rounds failed (a compiled one that cannot run)."""
+    return next((q["failed"] for q in runs if "failed" in q), None)
+
+
+def print_row(a, job, setting, mt, pt, side="mt", ref=None):
+    """One row, for one memtrain side: medians, and ratios against each baseline (memtrain /
+    PyTorch, per round) and, with several memtrain sides, against the first (`ref`). Gives the
+    notes for under the table: the baselines that failed, and why."""
     baselines = baselines_of(a, job)
-    first = pt[baselines[0]]
+    usable = [b for b in baselines if not failed(pt[b])]
     n = len(mt)
     mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
-    cells = [job, setting[0], f"{med([m['samples_per_s'] for m in mt]):.1f}"]
+    more = extended(a)
+    cells = [job, setting[0]] + ([side.partition(":")[2] or "default"] if more else [])
+    cells += [f"{med([m['samples_per_s'] for m in mt]):.1f}"]
     for b in baselines:
+        if b not in usable:
+            cells += ["failed", "-"]
+            continue
         rate = [m["samples_per_s"] / q["samples_per_s"] for m, q in zip(mt, pt[b])]
         cells += [f"{med([q['samples_per_s'] for q in pt[b]]):.1f}", f"{med(rate):.2f} ({spread(rate)})"]
+    if len(a.memtrain_sides) > 1:
+        own = [m["samples_per_s"] / r["samples_per_s"] for m, r in zip(mt, ref or mt)]
+        cells += [f"{med(own):.2f} ({spread(own)})"]
+    cells += first_cells(mt, [pt[b] for b in usable]) if usable else ["-"] * 10
+    cells[-1] += "" if n == a.reps else f" ({n} of {a.reps} rounds)"
+    if more:
+        cells += [mib(med([q["peak_allocated_bytes"] for q in pt[b]])) if b in usable else "failed"
+                  for b in baselines[1:]]
+        cells += [f"{med([m['warmup_seconds'] for m in mt]):.2f} s"]
+        cells += [f"{med([q['warmup_seconds'] for q in pt[b]]):.2f} s" if b in usable else "failed" for b in baselines]
+    print("| " + " | ".join(cells) + " |", flush=True)
+    # Said under the table, which a line of its own here would break.
+    return [f"{job} {setting[0]}: PyTorch {b} failed: {failed(pt[b])}" for b in baselines if b not in usable]
+
+
+def first_cells(mt, usable):
+    """The cells against the first baseline that ran (`usable`: each one's rounds): median-step
+    ratio, peak memory, start-up; and the loss gap against them all."""
+    first = usable[0]
+    mib = lambda b: f"{b / 2**20:.1f} MiB"  # noqa: E731
     step = [m["median_step_samples_per_s"] / q["median_step_samples_per_s"] for m, q in zip(mt, first)]
     alloc = [m["peak_allocated_bytes"] / q["peak_allocated_bytes"] for m, q in zip(mt, first)]
     rss = [m["peak_rss_bytes"] / q["peak_rss_bytes"] for m, q in zip(mt, first)]
-    gap = max(loss_gap(m, q) for b in baselines for m, q in zip(mt, pt[b]))
-    cells += [f"{med(step):.2f} ({spread(step)})", mib(med([m["peak_allocated_bytes"] for m in mt])),
-              mib(med([q["peak_allocated_bytes"] for q in first])), f"{med(alloc):.2f}",
-              delta(mt, first, "peak_allocated_bytes"), delta(mt, first, "peak_requested_bytes"), f"{med(rss):.2f}",
-              f"{med([m['startup_seconds'] for m in mt]):.2f} s", f"{med([q['startup_seconds'] for q in first]):.2f} s",
-              f"{gap:.0e}" + ("" if n == a.reps else f" ({n} of {a.reps} rounds)")]
-    print("| " + " | ".join(cells) + " |", flush=True)
+    gap = max(loss_gap(m, q) for runs in usable for m, q in zip(mt, runs))
+    return [f"{med(step):.2f} ({spread(step)})", mib(med([m["peak_allocated_bytes"] for m in mt])),
+            mib(med([q["peak_allocated_bytes"] for q in first])), f"{med(alloc):.2f}",
+            delta(mt, first, "peak_allocated_bytes"), delta(mt, first, "peak_requested_bytes"), f"{med(rss):.2f}",
+            f"{med([m['startup_seconds'] for m in mt]):.2f} s", f"{med([q['startup_seconds'] for q in first]):.2f} s",
+            f"{gap:.0e}"]
 
 
 def delta(mt, pt, key):
@@ -422,7 +530,7 @@ def main(argv=None):
     t0 = time.time()
     shown_for = None
     spent = lambda: a.budget and time.time() - t0 > a.budget  # noqa: E731
-    left_out = []
+    left_out, notes = [], []
     with tempfile.TemporaryDirectory() as tmp:
         prepared = set()
         for job, setting in rows(a):
@@ -437,25 +545,33 @@ def main(argv=None):
                 # A table per set of baselines: a ViT's rows have its two twins' columns.
                 shown_for = baselines_of(a, job)
                 header(a, shown_for)
-            mt, pt = [], {b: [] for b in shown_for}
+            mt, pt = {m: [] for m in memtrain_sides(a)}, {b: [] for b in shown_for}
             for rep in range(a.reps):
                 if rep and spent():
                     break
                 for side in round_order(a, rep, job):
-                    if side == "mt":
-                        got = run_memtrain(a, work, job, setting, rep)
-                        mt.append(got)
+                    if side.startswith("mt"):
+                        got = run_memtrain(a, work, job, setting, rep, side)
+                        mt[side].append(got)
                     else:
                         got = run_pytorch(a, work, job, setting, rep, counting, side)
                         pt[side].append(got)
                     trace(a, job, setting, side, rep, got)
-            print_row(a, job, setting, mt, pt)
+            ref = mt[memtrain_sides(a)[0]]
+            for side, runs in mt.items():
+                notes += [n for n in print_row(a, job, setting, runs, pt, side, ref) if n not in notes]
+                if side != "mt" and runs:
+                    notes.append(f"{job} {setting[0]} memtrain {side[3:]}: cuda_graph {runs[0].get('cuda_graph')}")
             if a.peak_diff:
                 peak_diff(a, work, job, setting)
     print("# ratio = memtrain / PyTorch (samples/s: above 1 is faster; memory: below 1 is less), median of the rounds;"
           " median step, peak memory and start-up against each table's first baseline (a ViT's: the SDPA twin);"
           " MODE/sdpa: the ViT with a packed in-projection and scaled_dot_product_attention; start-up: launch to the first"
-          " step; loss gap: the largest relative difference between the two sides' per-step losses")
+          " step; loss gap: the largest relative difference between the two sides' per-step losses"
+          + ("; warm-up: the untimed first epoch's wall time (torch.compile's compilation, memtrain's capture)"
+             if extended(a) else ""))
+    for n in notes:
+        print(f"# {n}")
     if left_out:
         print(f"# not measured (--budget {a.budget:.0f} s spent): {', '.join(left_out)}")
 

@@ -88,10 +88,64 @@ JOBS = {
         "train": {"batch_size": 128, "optimizer": "adamw", "lr": 1e-3, "momentum": 0.0, "weight_decay": 0.05},
         "steps": 16,
     },
+    # The CUDA-graph benchmark's jobs (scripts/bench/graphs): small micro-batches, where a GPU step
+    # is bound by launching kernels. Each epoch is 10 steps, untimed (warm-up, memtrain's capture
+    # after two eager steps, torch.compile's compilation and recording); 30 timed steps follow.
+    # configs/darts_4gb.toml's model and step: micro-batch 2, 2 accumulation steps, clipping at
+    # 5, SGD with momentum (at a constant rate: a schedule is a host-side scalar on both sides).
+    "darts_main": {
+        "preset": "darts",
+        "options": {"in_channels": 1, "input_length": 3000, "num_classes": 5, "init_channels": 24, "num_cells": 3,
+                    "num_nodes": 2, "ops": ["none", "skip_connect", "max_pool_3", "avg_pool_3", "sep_conv_3",
+                                            "sep_conv_5", "dil_conv_3", "dil_conv_5", "attention_light"],
+                    "arch_lr": 3e-4, "arch_weight_decay": 1e-3},
+        "shape": [1, 3000],
+        "samples": 40,
+        "train": {"batch_size": 2, "accumulation": 2, "grad_clip_norm": 5.0, "optimizer": "sgd", "lr": 0.1,
+                  "momentum": 0.9, "weight_decay": 3e-4},
+        "steps": 40,
+    },
+    # darts_main's step (2 x 2 accumulation, clipping) at darts_tiny's size: a CPU rehearsal.
+    "darts_main_tiny": {
+        "preset": "darts",
+        "options": {"in_channels": 1, "input_length": 64, "num_classes": 3, "init_channels": 4, "num_cells": 3,
+                    "num_nodes": 2, "ops": ["none", "skip_connect", "max_pool_3", "avg_pool_3", "sep_conv_3",
+                                            "sep_conv_5", "dil_conv_3", "dil_conv_5", "attention_light"],
+                    "arch_lr": 3e-4, "arch_weight_decay": 1e-3},
+        "shape": [1, 64],
+        "samples": 40,
+        "train": {"batch_size": 2, "accumulation": 2, "grad_clip_norm": 5.0, "optimizer": "sgd", "lr": 0.1,
+                  "momentum": 0.9, "weight_decay": 3e-4},
+        "steps": 14,
+    },
+    "resnet18_224_b8": {
+        "preset": "resnet18",
+        "options": {"num_classes": 1000, "image_size": 224},
+        "shape": [3, 224, 224],
+        "samples": 80,
+        "train": {"batch_size": 8, "optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 1e-4},
+        "steps": 40,
+    },
+    "vit_b16_224_b8": {
+        "preset": "vit",
+        "options": {"image_size": 224, "patch_size": 16, "layers": 12, "heads": 12, "hidden_dim": 768,
+                    "mlp_dim": 3072, "dropout": 0.0, "attention_dropout": 0.0, "num_classes": 1000},
+        "shape": [3, 224, 224],
+        "samples": 80,
+        "train": {"batch_size": 8, "optimizer": "adamw", "lr": 1e-3, "momentum": 0.0, "weight_decay": 0.05},
+        "steps": 40,
+    },
 }
 
 CPU_JOBS = ["mlp", "darts", "resnet18", "vit"]
 GPU_JOBS = ["mlp_wide", "resnet18_224", "resnet50_224", "vit_b16_224"]
+GRAPH_JOBS = ["darts_main", "resnet18_224_b8", "vit_b16_224_b8"]
+
+
+def group_size(job):
+    """Samples per optimizer step: the micro-batch times the accumulation steps."""
+    t = JOBS[job]["train"]
+    return t["batch_size"] * t.get("accumulation", 1)
 
 # (name, precision, activation checkpointing): every precision, and recomputation on its own and
 # with bf16-mixed.
@@ -116,11 +170,12 @@ def toml_value(v):
 
 
 def memtrain_spec(job, init, data, val, precision, checkpointing, threads, device, seed=0,
-                  batch_size=None, accumulation=1, shard_optimizer_state=False, saves=True):
-    """The job as a memtrain spec; `batch_size` (the micro-batch) defaults to the job's. Without
-    `saves`, no checkpoint at epoch ends (the PyTorch side writes none either)."""
+                  batch_size=None, accumulation=None, shard_optimizer_state=False, saves=True):
+    """The job as a memtrain spec; `batch_size` (the micro-batch) and `accumulation` default to
+    the job's. Without `saves`, no checkpoint at epoch ends (the PyTorch side writes none either)."""
     j = JOBS[job]
     t = j["train"]
+    accumulation = accumulation or t.get("accumulation", 1)
     lines = [
         "[job]", f'name = "bench-{job}"', f"threads = {threads}", f'device = "{device}"', f"seed = {seed}",
         "[model]", f'preset = "{j["preset"]}"', f'init_from = "{init}"',
@@ -133,6 +188,8 @@ def memtrain_spec(job, init, data, val, precision, checkpointing, threads, devic
     ]
     if t["optimizer"] == "sgd":
         lines.append(f"momentum = {t['momentum']}")
+    if "grad_clip_norm" in t:
+        lines.append(f"grad_clip_norm = {t['grad_clip_norm']}")
     if not saves:
         lines += ["[checkpoint]", "every_epochs = 0"]
     lines += ["[log]", "every_steps = 1", 'progress = "off"']

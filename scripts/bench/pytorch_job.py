@@ -9,7 +9,8 @@ beside `memtrain run` of the same job; the two are equivalent:
 - the same data in the same order: memtrain's epoch order (SplitMix64, reimplemented in
   tests/py/reference.py), the same groups;
 - the same step: forward, cross-entropy summed over the micro-batch and divided by the group
-  size, backward, the optimizer step, one host read of the loss per step;
+  size, backward, for each micro-batch of the group (the job's accumulation steps), clipping
+  where the job clips, the optimizer step, one host read of the loss per step;
 - the same threads (torch.set_num_threads).
 
 Memory on the CPU is counted by memtrain's own counting allocator: driver.py compiles
@@ -20,6 +21,11 @@ caching allocator's peak.
 Subcommands:
   init  --job J --out init.safetensors           the job's model, seeded, as safetensors
   train --job J --init F --data d.npz ...        trains, writes a JSON result (--result)
+
+With --compile MODE the model runs through torch.compile(model, mode=MODE) (reduce-overhead:
+Inductor's kernels replayed as CUDA graphs, forward and backward; the optimizer step stays
+torch.optim's). Compilation happens in the first calls, inside the untimed first epoch; the
+result's warmup_seconds is that epoch's wall time, compilation included.
 """
 import argparse
 import ctypes
@@ -108,7 +114,12 @@ def blocks(model, job):
     return None
 
 
-def forward(model, chain, x, checkpointing):
+def forward(model, chain, x, checkpointing, compiled=None):
+    if compiled is not None:
+        # A new step for torch.compile's CUDA graphs: the previous call's outputs (already
+        # consumed: the loss and backward are done) may be overwritten by this replay.
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(x, checkpointing) if isinstance(model, darts_twin.Darts) else compiled(x)
     if isinstance(model, darts_twin.Darts):
         return model(x, checkpointing)
     if not checkpointing or chain is None:
@@ -260,6 +271,28 @@ def backward_and_step(loss, opt, scaler):
         opt.step()
 
 
+def train_group(x, y, loss_of, o, opt, scaler, params):
+    """One optimizer step over a group: forward and backward of each micro-batch (the job's
+    accumulation steps), each loss divided by the group's size, gradients clipped to the job's
+    norm, the step. Gives the group's loss (the micro-batches' sum), still on the device."""
+    micro, n = o["batch_size"], len(y)
+    total = None
+    for s in range(0, n, micro):
+        loss = loss_of(x[s:s + micro], y[s:s + micro], n)
+        (scaler.scale(loss) if scaler else loss).backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    if "grad_clip_norm" in o:
+        if scaler:
+            scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(params, o["grad_clip_norm"])
+    if scaler:
+        scaler.step(opt)
+        scaler.update()
+    else:
+        opt.step()
+    return total
+
+
 def arch_stepper(a, model, opt, loss_of, device):
     """DARTS (first order): before each weight step, an Adam step of the architecture weights on
     the next held-out micro-batch, as memtrain's extra step; its own scaler for fp16."""
@@ -324,11 +357,16 @@ def cmd_train(a):
     opt = make_optimizer(params, o, a.optimizer_impl)
     autocast_dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(precision)
     scaler = torch.amp.GradScaler(device.type) if precision == "fp16-mixed" else None
+    if a.compile and a.checkpointing and not darts:
+        # The chain's blocks run outside the model's forward, which is what torch.compile wraps.
+        raise SystemExit("--compile compiles the model's forward, which recomputation does not run through: "
+                         "leave out --checkpointing")
+    compiled = torch.compile(model, mode=a.compile) if a.compile else None
 
-    def loss_of(x, y):
+    def loss_of(x, y, group=None):
         with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            logits = forward(model, chain, x, a.checkpointing)
-        return torch.nn.functional.cross_entropy(logits.float(), y, reduction="sum") / len(y)
+            logits = forward(model, chain, x, a.checkpointing, compiled)
+        return torch.nn.functional.cross_entropy(logits.float(), y, reduction="sum") / (group or len(y))
 
     arch_step = arch_stepper(a, model, opt, loss_of, device) if darts else None
     # Data on the device: memtrain keeps the held-out set there too (it validates at epoch ends),
@@ -337,7 +375,7 @@ def cmd_train(a):
     if a.data_mode == "resident" and a.val and not darts:
         v = np.load(a.val)
         held_out = (torch.from_numpy(v["x"]).to(device), torch.from_numpy(v["y"]).to(device))
-    groups = run_order(len(y_all), o["batch_size"], a.seed, a.steps)
+    groups = run_order(len(y_all), jobs.group_size(a.job), a.seed, a.steps)
     if counting:
         counting.reset()
     if cuda:
@@ -358,18 +396,18 @@ def cmd_train(a):
         if arch_step:
             arch_step()
         opt.zero_grad(set_to_none=not a.keep_grads)
-        loss = loss_of(x, y)
-        backward_and_step(loss, opt, scaler)
+        loss = train_group(x, y, loss_of, o, opt, scaler, params)
         losses.append(loss.item())
         stamps.append(time.time())
     step_times = [b - t for t, b in zip(stamps, stamps[1:])]
     step_samples = [len(g) for g in groups]
     # The steps after the first epoch (after the first step with one epoch), as the driver times
     # memtrain's.
-    per_epoch = -(-len(y_all) // o["batch_size"])
+    per_epoch = -(-len(y_all) // jobs.group_size(a.job))
     timed = slice(per_epoch if len(groups) > per_epoch else 1, None)
     result = {
         "startup_seconds": started - a.launched if a.launched else started - T_START,
+        "warmup_seconds": sum(step_times[:timed.start]),
         "samples_per_s": sum(step_samples[timed]) / max(sum(step_times[timed]), 1e-12),
         "median_step_samples_per_s": median(
             [n / max(t, 1e-12) for n, t in zip(step_samples[timed], step_times[timed])]),
@@ -423,6 +461,8 @@ def main():
     s.add_argument("--memory-snapshot", default=None,
                    help="CUDA: record the allocator's history over the steps and write its snapshot here"
                         " (as memtrain's memory.record_history writes snapshot.pickle; scripts/bench/peak_diff.py)")
+    s.add_argument("--compile", default=None, metavar="MODE",
+                   help="run the model through torch.compile(model, mode=MODE), e.g. reduce-overhead (CUDA graphs)")
     s.add_argument("--result", required=True)
     a = p.parse_args()
     {"init": cmd_init, "train": cmd_train}[a.cmd](a)

@@ -1,6 +1,7 @@
 //! scripts/bench/run without a GPU: its CUDA dry run shows the GPU-sized jobs against both
 //! PyTorch baselines, carries the allocator and spec overrides to the sides they are for, and
-//! options that only mean something on CUDA are refused on the CPU, saying why.
+//! options that only mean something on CUDA are refused on the CPU, saying why; the CUDA-graph
+//! benchmark (scripts/bench/graphs) shows its jobs, memtrain sides and compiled baseline.
 use std::process::{Command, Output};
 
 use crate::common::*;
@@ -114,5 +115,64 @@ fn cuda_only_options_are_refused_on_the_cpu() {
         assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
         assert!(err.contains(says), "{args:?}: {err}");
         assert!(o.stdout.is_empty(), "{args:?}");
+    }
+}
+
+#[test]
+fn the_graph_benchmark_dry_run_names_its_jobs_sides_and_the_compiled_baseline() {
+    let o = Command::new(repo().join("scripts/bench/graphs"))
+        .current_dir(repo())
+        .env("BENCH_PYTHON", python())
+        .env("MEMTRAIN_BIN", env!("CARGO_BIN_EXE_memtrain"))
+        .args(["--dry-run", "--reps", "2"])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    // configs/darts_4gb.toml's shape, ResNet18 at 224 px and ViT-B/16, both at batch 8.
+    assert!(out.contains("# darts_main: darts "), "{out}");
+    assert!(out.contains("'input_length': 3000"), "{out}");
+    assert!(out.contains("'init_channels': 24, 'num_cells': 3"), "{out}");
+    assert!(out.contains("batch 2 x 2 accumulation"), "{out}");
+    assert!(out.contains("# resnet18_224_b8: resnet18 "), "{out}");
+    assert!(out.contains("# vit_b16_224_b8: vit "), "{out}");
+    let memtrain = lines_of(&out, env!("CARGO_BIN_EXE_memtrain"));
+    let train = lines_of(&out, "pytorch_job.py train");
+    // 3 jobs x 2 rounds: memtrain eager and graphed, PyTorch eager and reduce-overhead.
+    assert_eq!((memtrain.len(), train.len()), (12, 12), "{out}");
+    let graphed: Vec<_> = memtrain
+        .iter()
+        .filter(|l| l.contains(r#"--set 'train.cuda_graph="on"'"#))
+        .collect();
+    let eager: Vec<_> = memtrain
+        .iter()
+        .filter(|l| l.contains(r#"--set 'train.cuda_graph="off"'"#))
+        .collect();
+    assert_eq!((graphed.len(), eager.len()), (6, 6), "{out}");
+    assert!(
+        memtrain
+            .iter()
+            .all(|l| l.contains(r#"--set 'train.optimizer_impl="fused"'"#)),
+        "{out}"
+    );
+    let compiled = train.iter().filter(|l| l.contains("--compile reduce-overhead")).count();
+    assert_eq!(compiled, 6, "{out}");
+    assert!(
+        train
+            .iter()
+            .all(|l| l.contains("--data-mode resident ") && l.contains("--device cuda")),
+        "{out}"
+    );
+    // The DARTS spec memtrain runs has the main job's step: 2 x 2, clipped at 5.
+    let spec = memtrain[0].split_whitespace().nth(3).unwrap();
+    let text = std::fs::read_to_string(spec).unwrap();
+    for want in [
+        "input_length = 3000",
+        "batch_size = 2",
+        "accumulation_steps = 2",
+        "grad_clip_norm = 5.0",
+        "device = \"cuda\"",
+    ] {
+        assert!(text.contains(want), "{want}:\n{text}");
     }
 }
