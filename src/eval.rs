@@ -68,9 +68,11 @@ pub fn eval(args: &EvalArgs) -> Result<()> {
     let spec = load_spec(&resolved, args.data.as_deref())?;
     let place = place(&spec, run_dir)?;
     let (_vs, built) = build_model(&spec, &weights, place)?;
-    // A run from before classes.json: its classes by index.
     let names = match names {
         Some(n) => n,
+        // A language model's report is its token mean, with no table by class.
+        None if built.net.output_head().is_some() => ClassNames { classes: vec![] },
+        // A run from before classes.json: its classes by index.
         None => ClassNames::of_run(&spec.data, built.num_classes)?,
     };
     let mut set = load_set(&spec, &built)?;

@@ -104,7 +104,10 @@ impl Factory<'_> {
         let dir = &self.plan.writes_to;
         fs::create_dir_all(dir).with_context(|| format!("creating run directory {}", dir.display()))?;
         atomic::write_atomic(&dir.join("config.resolved.toml"), spec_toml.as_bytes())?;
-        crate::data::classes::ClassNames::of_run(&spec.data, built.num_classes)?.write(dir)?;
+        // A language model's outputs are its vocabulary: no class names to keep.
+        if model.net.output_head().is_none() {
+            crate::data::classes::ClassNames::of_run(&spec.data, built.num_classes)?.write(dir)?;
+        }
         let opening = Opening {
             state: &state,
             data: &data,

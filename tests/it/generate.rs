@@ -56,6 +56,11 @@ fn a_trained_decoder_continues_its_sentence_and_stops_at_the_end() {
     let t = Test::new();
     let run = trained(&t);
     let dir = run.out.display().to_string();
+    // A language model's outputs are its vocabulary: the run keeps no class list, and eval
+    // reports its token mean without one.
+    assert!(!run.out.join("classes.json").exists());
+    let e = t.clone().command("eval").no_spec().args(&[&dir]).run();
+    assert!(e.stdout.contains("perplexity"), "{}", e.stdout);
     let o = generate(&t, &[&dir, "--prompt", "three four", "--max-new-tokens", "10"]).run();
     assert_eq!(
         o.stdout.trim(),
