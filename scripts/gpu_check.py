@@ -2002,6 +2002,9 @@ LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, nu
                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
                 seq_len=2048, cap=12 * GiB, steps=4)
 LLAMA_8B_ROW = "Llama-8B LoRA, bf16 base streamed, under 12 GiB"
+LLAMA_8B_GENERATE = "Llama-8B generate, layers streamed, under 12 GiB"
+# The streamed run's generate: token ids in (the run has no tokenizer), a few greedy tokens out.
+LLAMA_8B_PROMPT, LLAMA_8B_NEW = "1 2 3 4", 4
 
 
 def streamed_run(rc, records, summary, cap):
@@ -2038,9 +2041,27 @@ def llama_tokens(r, name, t):
     return data, "\n".join(f"{k} = {t[k]}" for k in keys)
 
 
+def judge_llama_streamed_generate(rc, text, new, why=""):
+    """generate on the streamed run, with its spec's cap: the layers stream from the host as they
+    did in training (the whole model would not fit), and it prints the prompt and `new` ids."""
+    prompt, _, added = (text or "").strip().partition(" | ")
+    ids = added.split()
+    ok = rc == 0 and prompt == LLAMA_8B_PROMPT and len(ids) == new and all(i.isdigit() for i in ids)
+    seen = f"exit {rc}: {(text or '').strip()[-200:]!r}" + (f" ({why})" if rc != 0 and why else "")
+    return Check(LLAMA_8B_GENERATE, f"exit 0 and {new} new token ids after the prompt", seen, ok)
+
+
 def check_llama_streamed(r, probe):
     t = dict(LLAMA_8B)
-    data, sizes = llama_tokens(r, "8b", t)
+    n = t["seq_len"] + 1
+    data = r.path("tokens-8b.bin")
+    import array
+
+    with open(data, "wb") as f:
+        # One window a step and one held out: the epoch ends after the steps, with a checkpoint.
+        array.array("I", [(i * 7919) % t["vocab_size"] for i in range((t["steps"] + 1) * n)]).tofile(f)
+    sizes = "\n".join(f"{k} = {t[k]}" for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                                 "num_attention_heads", "num_key_value_heads", "max_position_embeddings"))
     spec = spec_file(r, "llama_8b", f"""[job]
 name = "gpu-check-llama-8b"
 [model]
@@ -2076,10 +2097,13 @@ every_epochs = 0
 every_steps = 1
 progress = "off"
 """)
-    p, out = r.run("llama_8b", spec, [dev()], extra=["--max-steps", str(t["steps"])])
+    p, out = r.run("llama_8b", spec, [dev()])
     if p.rc != 0:
-        return [failure(LLAMA_8B_ROW, "completes", p)]
-    return [judge_llama_streamed(p.rc, records_of(out), summary_of(out), t["cap"])]
+        return [failure(LLAMA_8B_ROW, "completes", p), failure(LLAMA_8B_GENERATE, "a trained run", p)]
+    g = r.mt("llama_8b_generate", ["generate", out, "--prompt-ids", LLAMA_8B_PROMPT,
+                                   "--max-new-tokens", str(LLAMA_8B_NEW), "--ignore-eos"])
+    return [judge_llama_streamed(p.rc, records_of(out), summary_of(out), t["cap"]),
+            judge_llama_streamed_generate(g.rc, g.stdout, LLAMA_8B_NEW, g.why())]
 
 
 # A Llama-3.2-1B shape (tied embeddings): a full fine-tune in fp32 with AdamW, seq_len 1024,
@@ -2336,7 +2360,7 @@ CHECKS = [
     ("resident_nan", check_resident_nan, [RESIDENT_NAN]),
     ("finetune", check_finetune, [FINETUNE]),
     ("llama_generate", check_llama_generate, [LLAMA_GENERATE]),
-    ("llama_streamed", check_llama_streamed, [LLAMA_8B_ROW]),
+    ("llama_streamed", check_llama_streamed, [LLAMA_8B_ROW, LLAMA_8B_GENERATE]),
     ("llama_full_1b", check_llama_full_1b, [LLAMA_1B_ROW]),
     ("darts", check_darts, ["darts_4gb under 4 GiB"]),
     ("graph_exact", check_graph_exact, [f"graph exact: {m}" for m in ("mlp", "resnet18", "vit", "darts")]),

@@ -51,6 +51,10 @@ pub struct TrainState {
     pub epoch_tokens: u64,
     #[serde(default)]
     pub tokens_seen: u64,
+    /// Read from a checkpoint written before tokens were counted: the two counts above are not
+    /// in it, and the run derives them from the windows it has trained on.
+    #[serde(skip)]
+    pub tokens_uncounted: bool,
     /// The memory levers engaged at this point (`policy::levers`), by name.
     #[serde(default)]
     pub levers: Vec<String>,
@@ -105,6 +109,13 @@ pub struct ArchState {
     /// fp16-mixed: the architecture step's loss scaler.
     #[serde(default)]
     pub arch_scaler: Option<crate::scaler::GradScaler>,
+}
+
+/// Whether a state holds the token counts: checkpoints from before they were counted do not.
+#[derive(Deserialize)]
+struct TokenCounts {
+    #[serde(default)]
+    tokens_seen: Option<u64>,
 }
 
 #[derive(Deserialize)]
@@ -506,6 +517,8 @@ impl Store {
                 state.levers.push(name.to_owned());
             }
         }
+        let counted: TokenCounts = serde_json::from_slice(&bytes).with_context(parse)?;
+        state.tokens_uncounted = counted.tokens_seen.is_none();
         if let Some(bad) = state.out_of_range() {
             return Err(crate::exit::UsageError(format!(
                 "{}/state.json: {bad}, which no run writes: the file was edited or damaged; \
@@ -593,6 +606,7 @@ mod tests {
             epoch_seen: 0,
             epoch_tokens: 0,
             tokens_seen: 0,
+            tokens_uncounted: false,
             levers: vec![],
             scaler: None,
             monitored,

@@ -68,9 +68,11 @@ pub fn eval(args: &EvalArgs) -> Result<()> {
     let spec = load_spec(&resolved, args.data.as_deref())?;
     let place = place(&spec, run_dir)?;
     let (_vs, built) = build_model(&spec, &weights, place)?;
-    // A run from before classes.json: its classes by index.
     let names = match names {
         Some(n) => n,
+        // A language model's report is its token mean, with no table by class.
+        None if built.net.output_head().is_some() => ClassNames { classes: vec![] },
+        // A run from before classes.json: its classes by index.
         None => ClassNames::of_run(&spec.data, built.num_classes)?,
     };
     let mut set = load_set(&spec, &built)?;
@@ -212,7 +214,8 @@ pub(crate) fn place(spec: &Spec, run_dir: &Path) -> Result<Place> {
     Ok(p.device)
 }
 
-/// The model of the spec with the weights of `file`, on `place`.
+/// The model of the spec with the weights of `file`, on `place`. Built and read on the CPU first:
+/// an OOM there (under a CPU run's cap) ends with exit 3, as one on the device does.
 pub(crate) fn build_model(spec: &Spec, file: &Path, place: Place) -> Result<(nn::VarStore, Built)> {
     let device = place.tch();
     let built_on = match spec.model.preset == "torchscript" {
@@ -220,20 +223,34 @@ pub(crate) fn build_model(spec: &Spec, file: &Path, place: Place) -> Result<(nn:
         false => Device::Cpu,
     };
     let mut vs = nn::VarStore::new(built_on);
-    let built = tch::no_grad(|| model::build(&vs.root(), &spec.model)).map_err(|e| UsageError(format!("{e:#}")))?;
-    crate::export::weights_into(&vs, &built.head, spec, file).map_err(|e| {
-        UsageError(format!(
-            "{e:#}\n  (the weights are not of the run's model, {}: evaluate them with the run that made them)",
-            spec.model.preset
-        ))
-    })?;
-    oom::guarded(|| vs.set_device(device)).map_err(|e| match e {
-        StepError::Oom { message, .. } => anyhow::Error::from(OomExit(format!(
-            "eval: the model does not fit on {device:?} under the run's cap: {message}"
-        ))),
-        other => anyhow::anyhow!("eval: moving the model to {device:?}: {other:?}"),
-    })?;
+    let loaded = oom::guarded(|| -> Result<Built> {
+        let built = tch::no_grad(|| model::build(&vs.root(), &spec.model)).map_err(|e| UsageError(format!("{e:#}")))?;
+        crate::export::weights_into(&vs, &built.head, spec, file).map_err(|e| {
+            UsageError(format!(
+                "{e:#}\n  (the weights are not of the run's model, {}: evaluate them with the run that made them)",
+                spec.model.preset
+            ))
+        })?;
+        Ok(built)
+    });
+    let built = loaded.map_err(|e| unplaced(e, built_on))??;
+    to_device(&mut vs, place)?;
     Ok((vs, built))
+}
+
+/// The whole model onto `place`'s device; an OOM there ends with exit 3.
+pub(crate) fn to_device(vs: &mut nn::VarStore, place: Place) -> Result<()> {
+    let device = place.tch();
+    oom::guarded(|| vs.set_device(device)).map_err(|e| unplaced(e, device))
+}
+
+fn unplaced(e: StepError, device: Device) -> anyhow::Error {
+    match e {
+        StepError::Oom { message, .. } => anyhow::Error::from(OomExit(format!(
+            "the model does not fit on {device:?} under the run's cap: {message}"
+        ))),
+        other => anyhow::anyhow!("placing the model on {device:?}: {other:?}"),
+    }
 }
 
 /// The set to evaluate: the run's validation set (or the `--data` folder, read as one).

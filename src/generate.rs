@@ -4,13 +4,20 @@
 //! memory cap: so a user can look at what a fine-tune learned. The prompt is tokenized with the
 //! run's `data.tokenizer` (or `--tokenizer`); `--prompt-ids` gives token ids instead. An OOM
 //! ends with exit 3; bad input with exit 2, before anything is computed.
+use std::path::Path;
+
 use anyhow::{Context, Result};
-use tch::{Kind, Tensor};
+use tch::{nn, Kind, Tensor};
 
 use crate::cli::GenerateArgs;
 use crate::exit::{OomExit, UsageError};
-use crate::model::{self, KvCache, Net};
+use crate::host::Host;
+use crate::model::{self, Built, KvCache};
 use crate::oom::{self, StepError};
+use crate::plan::Place;
+use crate::policy::levers::HostParams;
+use crate::run::{streamed_decode, streamed_logits, Streamer};
+use crate::spec::Spec;
 
 /// What the tokens are read and written with: a tokenizer, or none (ids in, ids out).
 struct Words {
@@ -116,8 +123,8 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
     let words = Words::open(args, &spec)?;
     let prompt = words.prompt(args)?;
     let place = crate::eval::place(&spec, run_dir)?;
-    let (_vs, built) = crate::eval::build_model(&spec, &weights, place)?;
-    let net = built.net.as_ref();
+    let model = Loaded::open(&spec, &weights, place)?;
+    let (built, net) = (&model.built, model.built.net.as_ref());
     if net.output_head().is_none() {
         return Err(UsageError(format!(
             "generate continues text with a language model, and this run's model ({}) is a classifier: score it with memtrain eval",
@@ -139,13 +146,13 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
     };
     let eos = (!args.ignore_eos).then(|| words.eos(&spec)).flatten();
     let device = place.tch();
-    let new = oom::guarded(|| tch::no_grad(|| continued(net, &prompt, device, sampler, args.max_new_tokens, eos)))
+    let new = oom::guarded(|| tch::no_grad(|| continued(&model, &prompt, device, sampler, args.max_new_tokens, eos)))
         .map_err(|e| match e {
-            StepError::Oom { message, .. } => anyhow::Error::from(OomExit(format!(
-                "generate: out of memory on {device:?} under the run's cap: {message}"
-            ))),
-            other => anyhow::anyhow!("generate: {other:?}"),
-        })?;
+        StepError::Oom { message, .. } => anyhow::Error::from(OomExit(format!(
+            "generate: out of memory on {device:?} under the run's cap: {message}"
+        ))),
+        other => anyhow::anyhow!("generate: {other:?}"),
+    })?;
     crate::outln!("{}{}", words.text(&prompt), joined(&words, &prompt, &new))?;
     Ok(())
 }
@@ -163,25 +170,89 @@ fn joined(words: &Words, prompt: &[i64], new: &[i64]) -> String {
     }
 }
 
+/// The run's model with its weights where the run kept them: all on the device, or (the run
+/// streamed its parameters) at rest in host memory, each block brought to the device for its
+/// turn in every forward while the key/value cache stays there.
+struct Loaded {
+    _vs: nn::VarStore,
+    built: Built,
+    stream: Option<Streamer>,
+}
+
+impl Loaded {
+    fn open(spec: &Spec, file: &Path, place: Place) -> Result<Loaded> {
+        if !streams(spec, file) {
+            let (_vs, built) = crate::eval::build_model(spec, file, place)?;
+            return Ok(Loaded {
+                _vs,
+                built,
+                stream: None,
+            });
+        }
+        // At rest on the host, apart from the device's count and never against its cap.
+        let (mut vs, built) = {
+            let _host = crate::shim::HostScope::enter();
+            crate::eval::build_model(spec, file, Place::Cpu)?
+        };
+        // Nothing trains here; a resident weight that trains could not stay on the device.
+        vs.freeze();
+        let stream = match built.net.chain() {
+            Some(chain) => Streamer::new(&vs, chain, Host::new(place.tch())),
+            None => Err("the model is not a sequence of blocks".into()),
+        };
+        let stream = match stream {
+            Ok(s) => Some(s),
+            Err(why) => {
+                tracing::warn!("parameters cannot stream: {why}; the whole model goes to the device");
+                crate::eval::to_device(&mut vs, place)?;
+                None
+            }
+        };
+        Ok(Loaded { _vs: vs, built, stream })
+    }
+
+    /// The final hidden states of `pending`, the ids after those `cache` holds; a model that
+    /// keeps no cache runs the whole sequence `seq` again.
+    fn hidden(&self, pending: &Tensor, seq: &[i64], cache: &mut KvCache) -> Tensor {
+        let net = self.built.net.as_ref();
+        let whole = || Tensor::from_slice(seq).to_device(pending.device()).unsqueeze(0);
+        match (&self.stream, net.chain()) {
+            (Some(s), Some(chain)) => streamed_decode(net, s, pending, cache)
+                .unwrap_or_else(|| streamed_logits(chain, s, &whole(), false, &|| None)),
+            _ => net
+                .decode(pending, cache)
+                .unwrap_or_else(|| net.forward_t(&whole(), false)),
+        }
+    }
+}
+
+/// Whether the run streamed its parameters from the host: by its spec, or because its memory
+/// policy engaged the lever before the checkpoint was written.
+fn streams(spec: &Spec, file: &Path) -> bool {
+    spec.memory.parameters.is_host()
+        || file
+            .parent()
+            .and_then(|ck| crate::checkpoint::Store::load_state(ck).ok())
+            .is_some_and(|state| state.levers.iter().any(|l| l == HostParams::ABOUT.name))
+}
+
 /// Up to `max_new` tokens after `prompt`, stopping at `eos` (left out): through the decoder's cache
 /// where it keeps one, else the whole sequence each time.
 fn continued(
-    net: &dyn Net,
+    model: &Loaded,
     prompt: &[i64],
     device: tch::Device,
     sampler: Sampler,
     max_new: i64,
     eos: Option<i64>,
 ) -> Vec<i64> {
+    let net = model.built.net.as_ref();
     let mut cache = KvCache::default();
     let mut seq: Vec<i64> = prompt.to_vec();
     let mut out = vec![];
     let mut pending = Tensor::from_slice(prompt).to_device(device).unsqueeze(0);
     for _ in 0..max_new {
-        let hidden = match net.decode(&pending, &mut cache) {
-            Some(h) => h,
-            None => net.forward_t(&Tensor::from_slice(&seq).to_device(device).unsqueeze(0), false),
-        };
+        let hidden = model.hidden(&pending, &seq, &mut cache);
         let last = hidden.select(1, hidden.size()[1] - 1).squeeze_dim(0);
         let next = sampler.next(&model::logits(net, &last));
         if Some(next) == eos {

@@ -628,6 +628,7 @@ pub fn fresh_state(shape: BatchShape) -> TrainState {
         epoch_seen: 0,
         epoch_tokens: 0,
         tokens_seen: 0,
+        tokens_uncounted: false,
         levers: vec![],
         scaler: None,
         monitored: None,

@@ -423,3 +423,101 @@ fn jsonl_errors_name_the_line_and_write_no_cache() {
         .collect();
     assert_eq!(left.len(), 1, "only the short file's whole cache: {left:?}");
 }
+
+/// The most anonymous memory `f` adds while it runs, sampled from another thread.
+fn peak_growth(f: impl FnOnce()) -> u64 {
+    let before = rss_anon();
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watch = {
+        let done = done.clone();
+        std::thread::spawn(move || {
+            let mut peak = 0;
+            while !done.load(std::sync::atomic::Ordering::Relaxed) {
+                peak = peak.max(rss_anon());
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            peak
+        })
+    };
+    f();
+    done.store(true, std::sync::atomic::Ordering::Relaxed);
+    watch.join().unwrap().saturating_sub(before)
+}
+
+/// The environment variable that makes `tokenize_a_large_jsonl_alone` run (in a process of its
+/// own, so no other test's allocations count).
+const ALONE: &str = "MEMTRAIN_TEST_TOKENIZE_ALONE";
+
+#[test]
+fn jsonl_is_tokenized_into_its_cache_in_bounded_memory() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "data::token_tests::tokenize_a_large_jsonl_alone",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(ALONE, "1")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    let grew: u64 = text
+        .lines()
+        .find_map(|l| l.split("peak growth: ").nth(1))
+        .unwrap_or_else(|| panic!("no measurement: {text}"))
+        .trim()
+        .parse()
+        .unwrap();
+    eprintln!(
+        "tokenizing 54 MB of ids: {} MiB more anonymous memory at the peak",
+        grew >> 20
+    );
+    assert!(
+        grew < 16 << 20,
+        "{} MiB of anonymous memory to tokenize 54 MB of ids",
+        grew >> 20
+    );
+}
+
+#[test]
+#[ignore = "run by jsonl_is_tokenized_into_its_cache_in_bounded_memory in a process of its own"]
+fn tokenize_a_large_jsonl_alone() {
+    if std::env::var_os(ALONE).is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let words = ["one", "two", "three", "four", "five", "six", "seven", "eight"];
+    let mut vocab = serde_json::json!({"<unk>": 0, "</s>": 1});
+    for (i, w) in words.iter().enumerate() {
+        vocab[*w] = serde_json::json!(i + 2);
+    }
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+    });
+    fs::write(dir.path().join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    // 1.5 million documents of 9 ids: 54 MB of int32 ids.
+    const DOCS: usize = 1_500_000;
+    {
+        use std::io::Write;
+        let line = format!("{}\n", serde_json::json!({ "text": words.join(" ") }));
+        let mut w = std::io::BufWriter::new(fs::File::create(dir.path().join("data.jsonl")).unwrap());
+        for _ in 0..DOCS {
+            w.write_all(line.as_bytes()).unwrap();
+        }
+    }
+    let spec = Data {
+        text_field: Some("text".into()),
+        ..jsonl_spec(dir.path(), 16)
+    };
+    let mut windows = 0;
+    let grew = peak_growth(|| {
+        let s = load(&spec, &[16], 16, 0).unwrap();
+        windows = s.train.len();
+    });
+    assert_eq!(windows, (DOCS * 9 / 17) as i64);
+    println!("peak growth: {grew}");
+}

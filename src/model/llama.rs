@@ -543,20 +543,24 @@ impl Net for Llama {
         Some(self)
     }
 
-    fn decode(&self, ids: &Tensor, cache: &mut KvCache) -> Option<Tensor> {
-        let start = cache.len();
-        let mut x = Tensor::embedding(&self.embed_tokens, ids, -1, false, false);
-        let rope = self.rope(&x, start);
-        for (i, layer) in self.layers.iter().enumerate() {
-            let mut kv: Kv = cache.layers.get(i).map(|(k, v)| (k.shallow_clone(), v.shallow_clone()));
-            x = layer.forward_t(&x, &rope, false, Some(&mut kv));
-            let kv = kv.expect("attention leaves the keys and values it saw");
-            match cache.layers.get_mut(i) {
-                Some(slot) => *slot = kv,
-                None => cache.layers.push(kv),
-            }
+    fn decode_block(&self, i: usize, x: &Tensor, start: i64, cache: &mut KvCache) -> Option<Tensor> {
+        if i == 0 {
+            return Some(Tensor::embedding(&self.embed_tokens, x, -1, false, false));
         }
-        Some(self.norm.forward(&x))
+        let Some(layer) = self.layers.get(i - 1) else {
+            return Some(self.norm.forward(x));
+        };
+        let mut kv: Kv = cache
+            .layers
+            .get(i - 1)
+            .map(|(k, v)| (k.shallow_clone(), v.shallow_clone()));
+        let out = layer.forward_t(x, &self.rope(x, start), false, Some(&mut kv));
+        let kv = kv.expect("attention leaves the keys and values it saw");
+        match cache.layers.get_mut(i - 1) {
+            Some(slot) => *slot = kv,
+            None => cache.layers.push(kv),
+        }
+        Some(out)
     }
 
     fn output_head(&self) -> Option<Tensor> {

@@ -54,7 +54,19 @@ pub trait Net: std::fmt::Debug {
     /// their keys and values are read from it and the new ones appended. The final hidden states
     /// `[batch, new, hidden]`. None: the preset keeps no cache, and generation runs the whole
     /// sequence for each new token.
-    fn decode(&self, _ids: &Tensor, _cache: &mut KvCache) -> Option<Tensor> {
+    fn decode(&self, ids: &Tensor, cache: &mut KvCache) -> Option<Tensor> {
+        let blocks = self.chain()?.blocks();
+        let start = cache.len();
+        let mut x = ids.shallow_clone();
+        for i in 0..blocks {
+            x = self.decode_block(i, &x, start, cache)?;
+        }
+        Some(x)
+    }
+    /// Block `i` of the chain in `decode`, block by block so that parameters streamed by block
+    /// can be brought in around it: `x` is the previous block's output (the ids for block 0),
+    /// `start` the positions the cache held when this forward began. None: no cache.
+    fn decode_block(&self, _i: usize, _x: &Tensor, _start: i64, _cache: &mut KvCache) -> Option<Tensor> {
         None
     }
 }

@@ -108,7 +108,10 @@ impl Factory<'_> {
             &dir.join("config.resolved.toml"),
             self.resolved_toml(&spec_toml).as_bytes(),
         )?;
-        crate::data::classes::ClassNames::of_run(&spec.data, built.num_classes)?.write(dir)?;
+        // A language model's outputs are its vocabulary: no class names to keep.
+        if model.net.output_head().is_none() {
+            crate::data::classes::ClassNames::of_run(&spec.data, built.num_classes)?.write(dir)?;
+        }
         let opening = Opening {
             state: &state,
             data: &data,

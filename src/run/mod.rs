@@ -44,6 +44,7 @@ use crate::spec::{self, Spec};
 pub use build::{copy_into, init_from};
 use execution::Execution;
 pub use parts::Kept;
+pub use stream::{streamed_decode, streamed_logits, Streamer};
 use trainer::Trainer;
 
 pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {

@@ -15,7 +15,7 @@ use std::cell::{Cell, RefCell};
 use tch::{nn, Tensor};
 
 use crate::host::{Fence, Host};
-use crate::model::{block_vars, Chain};
+use crate::model::{block_vars, Chain, KvCache, Net};
 use crate::shim::Autocast;
 
 /// One variable: the live variable and its host copy.
@@ -201,4 +201,22 @@ pub fn streamed_logits(
         pass.release(i);
     }
     state.pop().expect("the last block returns the logits")
+}
+
+/// A decoder's cached forward over `ids` (`Net::decode`), block by block as
+/// [`streamed_logits`] runs them: only the blocks in flight are on the device, the cache stays
+/// there. None: the model keeps no cache.
+pub fn streamed_decode(net: &dyn Net, stream: &Streamer, ids: &Tensor, cache: &mut KvCache) -> Option<Tensor> {
+    let blocks = net.chain()?.blocks();
+    let start = cache.len();
+    let pass = stream.pass();
+    let mut x = ids.shallow_clone();
+    pass.bring(0);
+    for i in 0..blocks {
+        pass.bring(i + 1);
+        pass.ready(i);
+        x = net.decode_block(i, &x, start, cache)?;
+        pass.release(i);
+    }
+    Some(x)
 }

@@ -17,6 +17,19 @@ pub fn counted(data: &Dataset, group: &[i64]) -> u64 {
     y.ne(IGNORE).sum(Kind::Int64).int64_value(&[]).max(0) as u64
 }
 
+/// The counts a checkpoint written before tokens were counted would hold at epoch `epoch`
+/// (0-based) after its first `done` groups: (the epoch's, the run's), the run having trained on
+/// every window of each epoch before.
+pub fn resumed_counts(data: &Dataset, groups: &[&[i64]], done: usize, epoch: i64) -> (u64, u64) {
+    let sum = |gs: &[&[i64]]| -> u64 { gs.iter().map(|g| counted(data, g)).sum() };
+    let this = sum(&groups[..done.min(groups.len())]);
+    let before = match epoch {
+        0 => 0,
+        e => sum(groups) * e as u64,
+    };
+    (this, before + this)
+}
+
 /// The perplexity of a token-mean loss.
 pub fn perplexity(loss: f64) -> f64 {
     loss.exp()

@@ -317,6 +317,11 @@ impl Trainer {
         let e = self.recovery.configured().effective();
         let order = data::epoch_order(n, self.settings.seed, epoch);
         let groups: Vec<&[i64]> = order.chunks(e as usize).collect();
+        if std::mem::take(&mut self.state.tokens_uncounted) && self.model.net.output_head().is_some() {
+            let done = self.state.groups_done as usize;
+            (self.state.epoch_tokens, self.state.tokens_seen) =
+                tokens::resumed_counts(&self.data.train, &groups, done, epoch);
+        }
         self.model.unfreeze_if_due(epoch);
         memory::reset_peaks(self.place());
         clock.t0 = Instant::now();

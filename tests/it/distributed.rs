@@ -482,3 +482,53 @@ fn an_oom_inside_a_collective_saves_the_last_step_as_an_ooms() {
     assert_eq!(ck.len(), 1, "{ck:?}");
     assert_eq!((ck[0].reason.as_str(), ck[0].step), ("oom", 1), "{ck:?}");
 }
+
+/// A language model on prompt/completion pairs, whose windows count different numbers of target
+/// tokens: two ranks' losses are token means over both ranks' tokens, training and validation,
+/// as one process's are over all of them.
+#[test]
+fn two_ranks_take_a_language_models_token_means_over_every_rank() {
+    let t = Test::new();
+    let words = ["one", "two", "three", "four", "five", "six", "seven", "eight"];
+    let mut vocab = serde_json::json!({"<unk>": 0, "</s>": 1});
+    for (i, w) in words.iter().enumerate() {
+        vocab[*w] = serde_json::json!(i + 2);
+    }
+    let tok = t.dir().join("tokenizer.json");
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+    });
+    std::fs::write(&tok, tokenizer.to_string()).unwrap();
+    // Completions of 1 to 7 words: a window counts 2 to 8 target tokens.
+    let lines: Vec<String> = (0..64)
+        .map(|i| {
+            let cut = 1 + i % 7;
+            let prompt = words[..1].join(" ");
+            let completion = words[1..=cut].join(" ");
+            serde_json::json!({ "prompt": prompt, "completion": completion }).to_string()
+        })
+        .collect();
+    let data = t.dir().join("pairs.jsonl");
+    std::fs::write(&data, lines.join("\n")).unwrap();
+    let t = t.spec(table(&format!(
+        "[job]\nthreads = 1\ndevice = \"cpu\"\n[model]\npreset = \"llama\"\n\
+         [model.llama]\nvocab_size = 16\nhidden_size = 16\nintermediate_size = 32\nnum_hidden_layers = 1\n\
+         num_attention_heads = 2\nnum_key_value_heads = 1\nmax_position_embeddings = 16\n\
+         [data]\nsource = \"jsonl\"\npath = \"{}\"\ntokenizer = \"{}\"\nprompt_field = \"prompt\"\n\
+         completion_field = \"completion\"\nseq_len = 10\nval_fraction = 0.25\n\
+         [train]\nepochs = 2\nbatch_size = 8\naccumulation_steps = 2\noptimizer = \"adamw\"\nlr = 0.01\n\
+         [log]\nprogress = \"off\"\n",
+        data.display(),
+        tok.display()
+    )));
+    let one = t.clone().name("one").run();
+    let two = t.clone().name("two").arg("--nproc").arg("2").run();
+    assert_close_losses(&step_losses(&one), &step_losses(&two));
+    for (a, b) in one.epochs().iter().zip(two.epochs().iter()) {
+        let (a, b) = (&a.result, &b.result);
+        assert_close_losses(&[a.train_loss], &[b.train_loss]);
+        assert_close_losses(&[a.val_loss.unwrap()], &[b.val_loss.unwrap()]);
+    }
+}

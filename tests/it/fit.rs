@@ -291,3 +291,57 @@ fn fit_says_what_is_wrong_with_its_input_and_when_nothing_fits() {
     assert_eq!(r["settings"][0]["largest_micro_batch"], Value::Null);
     assert!(!tuned.exists(), "nothing is written without a recommendation");
 }
+
+/// A small llama over a flat token file, windows of `data.seq_len` = 48 tokens: fit's probes run
+/// the language model at that window, so the micro-batch it recommends under a budget too small
+/// for the spec's 16 trains its epoch at 48 tokens a window without an OOM.
+#[test]
+fn fit_recommends_a_language_model_batch_that_trains_at_its_seq_len() {
+    let t = Test::new();
+    let bin = t.dir().join("tokens.bin");
+    let ids: Vec<u8> = (0..12_000u32)
+        .flat_map(|i| ((i * 7 % 61) as u16).to_le_bytes())
+        .collect();
+    std::fs::write(&bin, ids).unwrap();
+    let text = format!(
+        "[job]\nname = \"lm\"\nthreads = 1\ndevice = \"cpu\"\n[model]\npreset = \"llama\"\n\
+         [model.llama]\nvocab_size = 64\nhidden_size = 32\nintermediate_size = 64\nnum_hidden_layers = 2\n\
+         num_attention_heads = 4\nnum_key_value_heads = 2\nmax_position_embeddings = 64\n\
+         [data]\nsource = \"tokens\"\npath = \"{}\"\ntoken_dtype = \"uint16\"\nseq_len = 48\n\
+         [train]\nepochs = 1\nbatch_size = 16\noptimizer = \"adamw\"\nlr = 0.001\n[log]\nprogress = \"off\"\n",
+        bin.display()
+    );
+    let t = t.name("lm").spec_text(&text);
+    let tuned = t.clone().name("tuned").spec_written();
+    let o = t
+        .clone()
+        .command("fit")
+        .args(&[
+            "--limit",
+            "3MiB",
+            "--precision",
+            "fp32",
+            "--checkpointing",
+            "off",
+            "--steps",
+            "2",
+            "--json",
+            "--write",
+            tuned.spec_path().to_str().unwrap(),
+        ])
+        .run();
+    let r: Value = serde_json::from_str(&o.stdout).unwrap();
+    let b = r["recommendation"]["batch_size"].as_i64().unwrap();
+    assert!(b < 16, "16 windows of 48 tokens do not fit in 3 MiB: {}", o.stdout);
+    let spec: toml::Table = std::fs::read_to_string(tuned.spec_path()).unwrap().parse().unwrap();
+    assert_eq!(spec["data"]["seq_len"].as_integer(), Some(48));
+    assert_eq!(spec["train"]["batch_size"].as_integer(), Some(b));
+
+    let run = tuned.args(&["--set", "memory.on_oom=[\"fail\"]"]).run();
+    assert!(run.ooms().is_empty());
+    assert_eq!(run.epochs().len(), 1);
+    assert_eq!(run.starts()[0].micro_batch, b);
+    let step = &run.steps()[0];
+    let tokens = step.language.expect("a language model step counts its tokens").tokens;
+    assert_eq!(tokens, (step.samples * 48) as u64, "windows of 48 tokens");
+}

@@ -21,12 +21,18 @@ fn tokenizer(path: &Path) {
     std::fs::write(path, t.to_string()).unwrap();
 }
 
-/// A llama of 16 tokens trained for 3 epochs on 300 copies of the sentence.
-fn trained(t: &Test) -> Outcome {
+/// The sentence's jsonl file (300 copies) and its tokenizer, in `t`'s directory.
+fn sentence_files(t: &Test) -> (std::path::PathBuf, std::path::PathBuf) {
     let (data, tok) = (t.dir().join("d.jsonl"), t.dir().join("tokenizer.json"));
     tokenizer(&tok);
     let line = serde_json::json!({ "text": SENTENCE }).to_string();
     std::fs::write(&data, format!("{}\n", vec![line; 300].join("\n"))).unwrap();
+    (data, tok)
+}
+
+/// A llama of 16 tokens trained for 3 epochs on 300 copies of the sentence.
+fn trained(t: &Test) -> Outcome {
+    let (data, tok) = sentence_files(t);
     t.clone()
         .name("lm")
         .spec(table(&format!(
@@ -50,6 +56,11 @@ fn a_trained_decoder_continues_its_sentence_and_stops_at_the_end() {
     let t = Test::new();
     let run = trained(&t);
     let dir = run.out.display().to_string();
+    // A language model's outputs are its vocabulary: the run keeps no class list, and eval
+    // reports its token mean without one.
+    assert!(!run.out.join("classes.json").exists());
+    let e = t.clone().command("eval").no_spec().args(&[&dir]).run();
+    assert!(e.stdout.contains("perplexity"), "{}", e.stdout);
     let o = generate(&t, &[&dir, "--prompt", "three four", "--max-new-tokens", "10"]).run();
     assert_eq!(
         o.stdout.trim(),
@@ -97,5 +108,63 @@ fn a_trained_decoder_continues_its_sentence_and_stops_at_the_end() {
     generate(&t, &[&digits.out.display().to_string(), "--prompt-ids", "1"])
         .exit(2)
         .stderr_has("is a classifier: score it with memtrain eval")
+        .run();
+}
+
+/// A run whose decoder layers streamed from host memory (`memory.parameters = "host"`) under a
+/// cap smaller than its weights: generate streams them the same way under that cap, and its
+/// greedy tokens are those of the whole model on the device.
+#[test]
+fn a_streamed_run_generates_under_its_cap_token_for_token_as_the_whole_model() {
+    let t = Test::new();
+    let (data, tok) = sentence_files(&t);
+    // 8 layers of about 1 MiB each; the cap holds two of them, not all eight.
+    let run = t
+        .clone()
+        .name("streamed")
+        .spec(table(&format!(
+            "[job]\nthreads = 2\ndevice = \"cpu\"\n[model]\npreset = \"llama\"\n\
+             [model.llama]\nvocab_size = 16\nhidden_size = 128\nintermediate_size = 512\nnum_hidden_layers = 8\n\
+             num_attention_heads = 4\nnum_key_value_heads = 2\nmax_position_embeddings = 64\n\
+             [data]\nsource = \"jsonl\"\npath = \"{}\"\ntokenizer = \"{}\"\ntext_field = \"text\"\nseq_len = 16\n\
+             [train]\nepochs = 1\nbatch_size = 8\noptimizer = \"adamw\"\nlr = 0.001\n\
+             [memory]\nparameters = \"host\"\nlimit = \"4MiB\"\n[log]\nprogress = \"off\"\n",
+            data.display(),
+            tok.display()
+        )))
+        .run();
+    let dir = run.out.display().to_string();
+    let ids = ["--prompt-ids", "2 3 4", "--max-new-tokens", "12", "--ignore-eos"];
+    let streamed = generate(&t, &[&[dir.as_str()], &ids[..]].concat()).run().stdout;
+
+    // The same weights read by a run directory whose spec keeps them on the device.
+    let resolved = std::fs::read_to_string(run.out.join("config.resolved.toml")).unwrap();
+    let elsewhere = |name: &str, drop: &[&str]| {
+        let d = t.dir().join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        let kept: Vec<&str> = resolved
+            .lines()
+            .filter(|l| !drop.iter().any(|k| l.trim_start().starts_with(k)))
+            .collect();
+        std::fs::write(d.join("config.resolved.toml"), kept.join("\n")).unwrap();
+        d.display().to_string()
+    };
+    // The weights alone: the checkpoint's state names the levers the run had engaged.
+    let checkpoint = memtrain::checkpoint::Store::latest_in(&run.out).unwrap();
+    let ck = t.dir().join("model.safetensors");
+    std::fs::copy(checkpoint.join("model.safetensors"), &ck).unwrap();
+    let ck = ck.display().to_string();
+    let whole = elsewhere("whole", &["parameters =", "limit ="]);
+    let whole = generate(&t, &[&[whole.as_str(), "--checkpoint", &ck], &ids[..]].concat())
+        .run()
+        .stdout;
+    assert_eq!(streamed, whole, "streamed greedy decoding equals the whole model's");
+    assert_eq!(streamed.split_whitespace().count(), 3 + 12, "{streamed}");
+
+    // Under the same cap the whole model does not fit: streaming is what keeps it under.
+    let capped = elsewhere("capped", &["parameters ="]);
+    generate(&t, &[&[capped.as_str(), "--checkpoint", &ck], &ids[..]].concat())
+        .exit(3)
+        .stderr_has("out of memory")
         .run();
 }

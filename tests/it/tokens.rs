@@ -3,9 +3,10 @@
 //! with the file (and the line) at fault; a run saved every N steps and killed mid-epoch resumes
 //! with the same batches, its step losses those of a run never stopped, bit for bit.
 //!
-//! The runs here have no language model: an mlp whose inputs are `seq_len` and whose classes are
+//! Most runs here have no language model: an mlp whose inputs are `seq_len` and whose classes are
 //! the vocabulary takes the set's checks as a language model would (its data is refused before
-//! any step); the windows and targets themselves are tested in the data module.
+//! any step); the windows and targets themselves are tested in the data module. A small llama
+//! resumes from a checkpoint that lacks its token counts.
 use std::path::Path;
 
 use crate::common::*;
@@ -209,4 +210,77 @@ fn every_minutes_saves_within_the_epoch() {
         "{saved:?}"
     );
     assert_eq!(saved.last().unwrap(), &("epoch".to_owned(), 45));
+}
+
+/// A language model's run killed mid-epoch and resumed from a checkpoint written before tokens
+/// were counted (its state has neither count): the resumed run derives both from the windows it
+/// trained on, so its epoch loss (the token mean) and its token counts are those of a run never
+/// stopped.
+#[test]
+fn a_resume_from_a_checkpoint_without_token_counts_derives_them() {
+    let t = Test::new();
+    let (data, tok) = (t.dir().join("pairs.jsonl"), t.dir().join("tokenizer.json"));
+    let words = ["one", "two", "three", "four", "five", "six", "seven", "eight"];
+    tokenizer(&tok, &words);
+    // Completions of 1 to 7 words: windows of 2 to 8 counted targets.
+    let lines: Vec<String> = (0..64)
+        .map(|i| {
+            let completion = words[1..=1 + i % 7].join(" ");
+            serde_json::json!({ "prompt": words[0], "completion": completion }).to_string()
+        })
+        .collect();
+    std::fs::write(&data, lines.join("\n")).unwrap();
+    // 51 training windows, 13 steps an epoch; a checkpoint every 5 steps, the last before the
+    // kill at step 20 at step 15, two steps into the second epoch.
+    let t = t
+        .spec(table(&format!(
+            "[job]\nthreads = 1\ndevice = \"cpu\"\n[model]\npreset = \"llama\"\n\
+             [model.llama]\nvocab_size = 16\nhidden_size = 16\nintermediate_size = 32\nnum_hidden_layers = 1\n\
+             num_attention_heads = 2\nnum_key_value_heads = 1\nmax_position_embeddings = 16\n\
+             [data]\nsource = \"jsonl\"\npath = \"{}\"\ntokenizer = \"{}\"\nprompt_field = \"prompt\"\n\
+             completion_field = \"completion\"\nseq_len = 10\n\
+             [train]\nepochs = 2\nbatch_size = 4\noptimizer = \"adamw\"\nlr = 0.01\n\
+             [checkpoint]\nevery_steps = 5\n[log]\nevery_steps = 1\nprogress = \"off\"\n",
+            data.display(),
+            tok.display()
+        )))
+        .clone();
+    let straight = t.clone().name("straight").run();
+    let mut running = t
+        .clone()
+        .name("killed")
+        .env("MEMTRAIN_FAULT_AWAIT_SIGNAL_AT_STEP", "20")
+        .exit(-1)
+        .spawn();
+    running.await_stderr("fault: waiting for a signal at step 20");
+    // SAFETY: our own child, still running (it waits for a signal).
+    unsafe { libc::kill(running.pid(), libc::SIGKILL) };
+    let killed = running.finish();
+    let latest = memtrain::checkpoint::Store::latest_in(&killed.out).unwrap();
+    assert!(latest.ends_with("step-000000015"), "{}", latest.display());
+    let state = latest.join("state.json");
+    let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&state).unwrap()).unwrap();
+    assert!(json["epoch_tokens"].as_u64().unwrap() > 0);
+    let fields = json.as_object_mut().unwrap();
+    fields.remove("epoch_tokens");
+    fields.remove("tokens_seen");
+    std::fs::write(&state, json.to_string()).unwrap();
+    let resumed = killed.resume().run();
+
+    let tokens = |o: &Outcome| -> Vec<u64> {
+        o.epochs()
+            .iter()
+            .map(|e| e.result.language.expect("a language model's epoch").tokens_seen)
+            .collect()
+    };
+    assert_eq!(tokens(&resumed), tokens(&straight));
+    let (a, b) = (&straight.epochs()[1].result, &resumed.epochs()[1].result);
+    assert!(
+        (a.train_loss - b.train_loss).abs() <= 1e-9 * a.train_loss,
+        "the second epoch's token mean: {} straight, {} resumed",
+        a.train_loss,
+        b.train_loss
+    );
+    let last = |o: &Outcome| o.steps().last().unwrap().language.unwrap().tokens_seen;
+    assert_eq!(last(&resumed), last(&straight));
 }

@@ -665,6 +665,10 @@ class Offload(unittest.TestCase):
         self.assertFalse(g.judge_llama_full_1b(0, steps, mem, 4 * g.GiB).ok, "over the cap")
         self.assertFalse(g.judge_llama_full_1b(0, nan, mem, 12 * g.GiB).ok, "a NaN loss")
         self.assertFalse(g.judge_llama_full_1b(1, steps, mem, 12 * g.GiB).ok, "did not complete")
+        self.assertTrue(g.judge_llama_streamed_generate(0, "1 2 3 4 | 17 9 9 250\n", 4).ok)
+        self.assertFalse(g.judge_llama_streamed_generate(3, "", 4, "out of memory").ok, "out of memory")
+        self.assertFalse(g.judge_llama_streamed_generate(0, "1 2 3 4 | 17 9\n", 4).ok, "stopped short")
+        self.assertFalse(g.judge_llama_streamed_generate(0, "1 2 | 17 9 9 250\n", 4).ok, "not the prompt")
 
     def test_speed_rows_print_the_ratio_and_the_host_bandwidth(self):
         base = self.steps([1] * 4, times=[0.0, 1.0, 2.0, 3.0])
@@ -725,10 +729,11 @@ class Rehearsal(unittest.TestCase):
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                           seq_len=32, cap=64 << 20, steps=3)
         try:
-            (c,) = self.rows(g.check_llama_streamed)
+            trained, generated = self.rows(g.check_llama_streamed)
         finally:
             g.LLAMA_8B = saved
-        self.assertTrue(c.ok, c)
+        self.assertTrue(trained.ok, trained)
+        self.assertTrue(generated.ok, generated)
 
     def test_a_full_fine_tune_streams_its_layers_under_the_cap(self):
         saved = g.LLAMA_1B

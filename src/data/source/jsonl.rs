@@ -15,13 +15,14 @@
 //! Blank lines are skipped. A line that is not JSON, or lacks the field, stops the run with its
 //! line number before anything is written.
 use std::fs;
-use std::io::{BufRead, Write};
+use std::io::BufRead;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context, Result};
 use tokenizers::Tokenizer;
 
+use super::token_cache::Spill;
 use super::tokens::seq_len;
 use super::DataClasses;
 use super::{Opened, Part, Reader, Want};
@@ -164,8 +165,7 @@ impl<'a> Text<'a> {
             return self.checked(opened, what);
         }
         let t0 = std::time::Instant::now();
-        let tensors = self.tokenize(path, what)?;
-        write_cache(&cache, &tensors).with_context(|| {
+        let writing = || {
             format!(
                 "{what}: writing the token cache {}{}",
                 cache.display(),
@@ -174,7 +174,14 @@ impl<'a> Text<'a> {
                     Some(_) => "",
                 }
             )
-        })?;
+        };
+        let names: &[&'static str] = match self.shape {
+            Shape::Plain { .. } => &["x"],
+            Shape::Pairs { .. } => &["x", "y"],
+        };
+        let mut spill = Spill::new(&cache, names).with_context(writing)?;
+        let shapes = self.tokenize(path, what, &mut spill, &writing)?;
+        spill.finish(&cache, &shapes).with_context(writing)?;
         tracing::info!(
             "{what}: tokenized in {:.1} s into {}",
             t0.elapsed().as_secs_f64(),
@@ -239,11 +246,16 @@ impl<'a> Text<'a> {
     }
 
     /// Every line's ids, into the tensors of the cache: `x` (a stream, or `[N, seq_len]`) and,
-    /// for pairs, `y`.
-    fn tokenize(&self, path: &Path, what: &str) -> Result<Vec<Flat>> {
+    /// for pairs, `y`; written to `spill` as they come, never held whole. Their shapes.
+    fn tokenize(
+        &self,
+        path: &Path,
+        what: &str,
+        spill: &mut Spill,
+        writing: &dyn Fn() -> String,
+    ) -> Result<Vec<Vec<i64>>> {
         let f = fs::File::open(path).with_context(|| format!("{what}: cannot read it"))?;
-        let mut stream: Vec<i32> = vec![];
-        let mut ys: Vec<i32> = vec![];
+        let mut push = |i: usize, values: &mut dyn Iterator<Item = i32>| spill.push(i, values).with_context(writing);
         let encode = |text: &str, special: bool, line: usize| -> Result<Vec<u32>> {
             let e = self
                 .tokenizer
@@ -268,24 +280,22 @@ impl<'a> Text<'a> {
             };
             match &self.shape {
                 Shape::Plain { field: f } => {
-                    stream.extend(encode(field(f)?, true, n)?.iter().map(|&t| t as i32));
-                    stream.extend(self.eos.map(|e| e as i32));
+                    push(0, &mut encode(field(f)?, true, n)?.iter().map(|&t| t as i32))?;
+                    push(0, &mut self.eos.map(|e| e as i32).into_iter())?;
                 }
                 Shape::Pairs { prompt, completion } => {
                     let p = encode(field(prompt)?, true, n)?;
                     let c = encode(field(completion)?, false, n)?;
                     let (x, y) = self.pair_window(&p, &c);
-                    stream.extend(x);
-                    ys.extend(y);
+                    push(0, &mut x.into_iter())?;
+                    push(1, &mut y.into_iter())?;
                 }
             }
         }
+        let n = spill.len(0) as i64;
         Ok(match self.shape {
-            Shape::Plain { .. } => vec![Flat::new("x", vec![stream.len() as i64], stream)],
-            Shape::Pairs { .. } => {
-                let shape = vec![ys.len() as i64 / self.seq_len, self.seq_len];
-                vec![Flat::new("x", shape.clone(), stream), Flat::new("y", shape, ys)]
-            }
+            Shape::Plain { .. } => vec![vec![n]],
+            Shape::Pairs { .. } => vec![vec![n / self.seq_len, self.seq_len]; 2],
         })
     }
 
@@ -316,64 +326,6 @@ pub fn pair_window(prompt: &[u32], completion: &[u32], eos: Option<u32>, seq_len
         })
         .collect();
     (x, y)
-}
-
-/// An int32 tensor of the cache.
-struct Flat {
-    name: &'static str,
-    shape: Vec<i64>,
-    values: Vec<i32>,
-}
-
-impl Flat {
-    fn new(name: &'static str, shape: Vec<i64>, values: Vec<i32>) -> Flat {
-        Flat { name, shape, values }
-    }
-}
-
-/// Writes `tensors` as a safetensors file at `path`: into a temporary file of this writer's own
-/// (two runs may tokenize the same file), synced, then renamed, so a reader never sees half.
-fn write_cache(path: &Path, tensors: &[Flat]) -> Result<()> {
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    fs::create_dir_all(dir)?;
-    let mut header = serde_json::Map::new();
-    let mut at = 0usize;
-    for t in tensors {
-        let end = at + t.values.len() * 4;
-        header.insert(
-            t.name.into(),
-            serde_json::json!({"dtype": "I32", "shape": t.shape, "data_offsets": [at, end]}),
-        );
-        at = end;
-    }
-    let header = serde_json::Value::Object(header).to_string();
-    let padded = format!("{header:<width$}", width = header.len().div_ceil(8) * 8);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    let tmp = dir.join(format!(".tmp-tokens-{}-{nanos:x}", std::process::id()));
-    let written = (|| -> Result<()> {
-        let file = fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
-        let mut w = std::io::BufWriter::with_capacity(1 << 20, file);
-        w.write_all(&(padded.len() as u64).to_le_bytes())?;
-        w.write_all(padded.as_bytes())?;
-        for t in tensors {
-            for v in &t.values {
-                w.write_all(&v.to_le_bytes())?;
-            }
-        }
-        let f = w.into_inner().map_err(|e| e.into_error())?;
-        f.sync_all()?;
-        fs::rename(&tmp, path)?;
-        Ok(())
-    })();
-    if written.is_err() {
-        let _ = fs::remove_file(&tmp);
-    }
-    written
 }
 
 const FNV_START: u64 = 0xCBF2_9CE4_8422_2325;

@@ -22,6 +22,7 @@ mod mnist;
 pub(super) mod npz;
 mod safetensors;
 mod synthetic;
+mod token_cache;
 mod tokens;
 
 /// The reader of each source: the one place where sources are listed.
