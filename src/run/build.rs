@@ -102,16 +102,7 @@ impl Factory<'_> {
         }
         self.ready_for_capture(&mut model, arch.as_mut());
         let spec_toml = spec::to_toml(spec);
-        let dir = &self.plan.writes_to;
-        fs::create_dir_all(dir).with_context(|| format!("creating run directory {}", dir.display()))?;
-        atomic::write_atomic(
-            &dir.join("config.resolved.toml"),
-            self.resolved_toml(&spec_toml).as_bytes(),
-        )?;
-        // A language model's outputs are its vocabulary: no class names to keep.
-        if model.net.output_head().is_none() {
-            crate::data::classes::ClassNames::of_run(&spec.data, built.num_classes)?.write(dir)?;
-        }
+        self.write_run_files(&spec_toml, model.net.output_head().is_none(), built.num_classes)?;
         let opening = Opening {
             state: &state,
             data: &data,
@@ -388,6 +379,21 @@ impl Factory<'_> {
                 a.opt.ready_for_capture();
             }
         }
+    }
+
+    /// The run directory with the resolved spec and, for a classifier, its class names (a
+    /// language model's outputs are its vocabulary: no class names to keep).
+    fn write_run_files(&self, spec_toml: &str, classifier: bool, num_classes: i64) -> Result<()> {
+        let dir = &self.plan.writes_to;
+        fs::create_dir_all(dir).with_context(|| format!("creating run directory {}", dir.display()))?;
+        atomic::write_atomic(
+            &dir.join("config.resolved.toml"),
+            self.resolved_toml(spec_toml).as_bytes(),
+        )?;
+        if classifier {
+            crate::data::classes::ClassNames::of_run(&self.plan.spec.data, num_classes)?.write(dir)?;
+        }
+        Ok(())
     }
 
     /// The resolved spec as written to the run directory: when the spec asks for CUDA graphs, a
