@@ -2162,6 +2162,78 @@ progress = "off"
 
 
 # In order of what matters most when the budget runs short; (name, function, rows it yields).
+# ViT-L/16 fine-tuned with LoRA (rank 16 on every block's attention and MLP linears, the head
+# trained) with its base in bf16 (train.frozen_dtype) in bf16-mixed, micro-batch 32, under a 4 GiB
+# cap and no host lever: the memory a LoRA fine-tune of a large ViT needs on a small card.
+VIT_L16_LORA_ROW = "ViT-L/16 LoRA mb32 under 4 GiB"
+VIT_L16_LORA_CAP = 4 * GiB
+VIT_L16_LORA_STEPS = 6
+
+
+def vit_l16_lora_spec(r, vit=None, batch=32):
+    m = "\n".join(f"{k} = {v}" for k, v in (vit or VIT_L16).items())
+    return spec_file(r, "vit-l16-lora", f"""[job]
+name = "gpu-check-vit-l16-lora"
+device = "{DEVICE}"
+[model]
+preset = "vit"
+[model.vit]
+{m}
+dropout = 0.0
+attention_dropout = 0.0
+num_classes = 10
+[model.lora]
+rank = 16
+alpha = 32.0
+targets = ["in_proj_q", "in_proj_k", "in_proj_v", "out_proj", "mlp.0", "mlp.3"]
+extras = ["heads.head"]
+[data]
+source = "synthetic"
+samples = {batch * (VIT_L16_LORA_STEPS + 1)}
+val_fraction = 0.1
+[train]
+epochs = 1
+batch_size = {batch}
+optimizer = "adamw"
+lr = 1e-3
+precision = "bf16-mixed"
+frozen_dtype = "bf16"
+[memory]
+limit = "{VIT_L16_LORA_CAP >> 20}MiB"
+on_oom = ["fail"]
+[checkpoint]
+every_epochs = 0
+[log]
+every_steps = 1
+progress = "off"
+""")
+
+
+def judge_vit_l16_lora(rc, records, summary, cap, batch=32):
+    """It trains at the spec's micro-batch (no backoff: on_oom = fail), with finite losses, a
+    device peak under the cap and nothing on the host but the data."""
+    steps = of_type(records, "step")
+    losses = [s.get("loss") for s in steps]
+    finite = bool(losses) and all(isinstance(x, (int, float)) and math.isfinite(x) for x in losses)
+    key = "memory.peak_reserved_bytes" if DEVICE == "cuda" else "memory.peak_allocated_bytes"
+    peak = get(summary, key)
+    micro = sorted({s.get("micro_batch") for s in steps})
+    ok = rc == 0 and finite and isinstance(peak, int) and peak <= cap and micro == [batch]
+    seen = (f"exit {rc}, {len(steps)} steps at micro-batch {micro}, peak {size(peak)} ({key.split('.')[-1]}), "
+            f"losses {[round(x, 3) for x in losses if isinstance(x, float)]}")
+    return Check(VIT_L16_LORA_ROW, f"trains at micro-batch {batch}, device peak <= {size(cap)}", seen, ok)
+
+
+def check_vit_l16_lora(r, probe, vit=None, batch=32, cap=None):
+    cap = cap or VIT_L16_LORA_CAP
+    spec = vit_l16_lora_spec(r, vit, batch)
+    sets = [f'memory.limit="{cap >> 20}MiB"'] if cap != VIT_L16_LORA_CAP else []
+    p, out = r.run("vit-l16-lora", spec, sets)
+    if p.rc != 0:
+        return [failure(VIT_L16_LORA_ROW, "completes under the cap", p)]
+    return [judge_vit_l16_lora(p.rc, records_of(out), summary_of(out), cap, batch)]
+
+
 # --- CUDA graphs (train.cuda_graph) ---------------------------------------------------------
 # Each row runs a job eager ("off") and captured ("on") from the same spec, with the fused
 # optimizer (what a captured step needs) and deterministic algorithms. SGD's fused kernel
@@ -2372,6 +2444,7 @@ CHECKS = [
     ("cache_clear", check_cache_clear, ["cache clear cost"]),
     ("host_levers", check_host_levers, [f"host levers: {c}" for c, *_ in HOST_COMBOS]),
     ("vit_l16_config", check_vit_l16_config, ["configs/vit_l16_4gb.toml on CUDA"]),
+    ("vit_l16_lora", check_vit_l16_lora, [VIT_L16_LORA_ROW]),
     ("offload_speed", check_offload_speed, [f"offload speed: {n}" for n, *_ in SPEED_ROWS]),
     ("twins", check_twins, [f"{DEVICE.upper()} vs PyTorch {m}" for m, _ in TWINS]),
     ("step_time", check_step_time, ["step seconds vs wall time", "peak requested bytes"]),

@@ -577,6 +577,15 @@ class Graphs(unittest.TestCase):
         self.assertFalse(g.judge_graph_declines(self.run_of([1.0], start="eager: the run is on the CPU")).ok)
         self.assertFalse(g.judge_graph_declines(self.run_of([1.0], self.graph("captured"), start=said)).ok)
 
+    def test_the_vit_l16_lora_row_needs_its_micro_batch_under_the_cap(self):
+        steps = [dict(step(i + 1, 2.0 - i / 10), micro_batch=32) for i in range(3)]
+        mem = {"memory": {"peak_reserved_bytes": 3 * GiB, "peak_allocated_bytes": 3 * GiB}}
+        self.assertTrue(g.judge_vit_l16_lora(0, steps, mem, 4 * GiB).ok)
+        self.assertFalse(g.judge_vit_l16_lora(0, steps, mem, 2 * GiB).ok, "over the cap")
+        halved = steps + [dict(step(4, 1.5), micro_batch=16)]
+        self.assertFalse(g.judge_vit_l16_lora(0, halved, mem, 4 * GiB).ok, "backed off")
+        self.assertFalse(g.judge_vit_l16_lora(0, [dict(steps[0], loss=float("nan"))], mem, 4 * GiB).ok)
+
     def test_a_speed_row_fails_below_its_target_even_when_it_completes(self):
         def timed(seconds, *events):
             return [dict(step(i + 1, 1.0), seconds=seconds, samples=8) for i in range(10)] + list(events)
@@ -713,6 +722,11 @@ class Rehearsal(unittest.TestCase):
 
     def test_a_fine_tune_with_frozen_layers_and_groups_evaluates_to_its_own_figures(self):
         (c,) = self.rows(g.check_finetune)
+        self.assertTrue(c.ok, c)
+
+    def test_a_small_vit_lora_with_a_bf16_base_trains_under_its_cap(self):
+        small = dict(image_size=32, patch_size=8, layers=2, heads=2, hidden_dim=32, mlp_dim=64)
+        (c,) = g.check_vit_l16_lora(self.r, {}, vit=small, batch=8, cap=256 << 20)
         self.assertTrue(c.ok, c)
 
     def test_auto_beside_a_host_lever_runs_eager_and_names_it(self):
