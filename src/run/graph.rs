@@ -225,6 +225,11 @@ impl StepGraphs {
         mut s: Stepping,
     ) -> Result<StepOutput, StepError> {
         let place = pipeline.place();
+        // What the eager steps left cached serves no allocation of the graph's private pool:
+        // given back first, a capture under a tight cap has the room the eager step had.
+        if let Err(e) = crate::shim::empty_cache() {
+            tracing::warn!("releasing the cache before a capture: {e:#}");
+        }
         let reserved_before = memory::sample(place).reserved_bytes.unwrap_or(0);
         let side = side_stream(&mut self.side, pipeline.forward.device)?;
         let captured = record(pipeline, side, &mut s);
