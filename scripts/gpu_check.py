@@ -2363,6 +2363,39 @@ def check_graph_declines(r, probe):
     return [judge_graph_declines(records_of(out))]
 
 
+def judge_graph_resume(whole_records, resumed_records, cut_code):
+    """A captured run cut by Ctrl-C and resumed trains the uncut captured run's steps bit for
+    bit, and the resumed session captures its step again."""
+    whole, resumed = step_losses(whole_records), step_losses(resumed_records)
+    starts = [i for i, e in enumerate(resumed_records) if e.get("type") == "start"]
+    after = resumed_records[starts[-1]:] if len(starts) > 1 else []
+    recaptured = bool(graph_events(after, "captured"))
+    same = bool(whole) and resumed == whole
+    seen = (f"cut exit {cut_code}; {len(resumed)} vs {len(whole)} steps, "
+            + ("bit for bit" if same else f"loss gap {gap_text(max_rel_gap(resumed, whole))}")
+            + ("; captured again after the resume" if recaptured else "; no capture after the resume"))
+    return Check("graph resume", "exit 130, then the uncut captured run's losses bit for bit",
+                 seen, cut_code == 130 and same and recaptured)
+
+
+def check_graph_resume(r, probe):
+    spec = spec_file(r, "graph-resume-vit", VIT.format(device=DEVICE, dropout=0.1, samples=320, epochs=2))
+    sets = GRAPH_COMMON + ['train.cuda_graph="on"']
+    p, whole = r.run("graph-whole", spec, sets, env=DETERMINISTIC_ENV)
+    if p.rc != 0:
+        return [failure("graph resume", "the uncut run completes", p)]
+    cut = r.path("graph-cut")
+    argv = [r.bin, "run", spec, "--out", cut] + [x for s in sets for x in ("--set", s)]
+    p, seen = r.spawn_until("graph-cut", argv, "fault: waiting for a signal at step 5",
+                            env=dict(DETERMINISTIC_ENV, MEMTRAIN_FAULT_AWAIT_SIGNAL_AT_STEP="5"))
+    if not seen:
+        return [failure("graph resume", "the run reaches step 5", p)]
+    q = r.mt("graph-resume", ["run", spec, "--resume", cut], env=DETERMINISTIC_ENV)
+    if q.rc != 0:
+        return [failure("graph resume", "the resumed run completes", q)]
+    return [judge_graph_resume(records_of(whole), records_of(cut), p.rc)]
+
+
 # (row name, job, settings, target speed-up of the captured run over the eager one)
 GRAPH_SPEED_ROWS = [
     ("darts main job", "darts", [], 2.0),
@@ -2439,6 +2472,7 @@ CHECKS = [
     ("graph_capture_oom", check_graph_capture_oom, ["graph capture OOM"]),
     ("graph_backoff", check_graph_backoff, ["graph after backoff"]),
     ("graph_declines", check_graph_declines, ["graph declines a host lever"]),
+    ("graph_resume", check_graph_resume, ["graph resume"]),
     ("graph_speed", check_graph_speed, [f"graph speed: {n}" for n, *_ in GRAPH_SPEED_ROWS]),
     ("eval_oom", check_eval_oom, ["validation OOM (1 GiB cap)"]),
     ("cache_clear", check_cache_clear, ["cache clear cost"]),

@@ -577,6 +577,18 @@ class Graphs(unittest.TestCase):
         self.assertFalse(g.judge_graph_declines(self.run_of([1.0], start="eager: the run is on the CPU")).ok)
         self.assertFalse(g.judge_graph_declines(self.run_of([1.0], self.graph("captured"), start=said)).ok)
 
+    def test_a_resumed_captured_run_is_bit_for_bit_and_captures_again(self):
+        whole = self.run_of([2.0, 1.5, 1.25, 1.0])
+        cut = self.run_of([2.0, 1.5], self.graph("captured"))
+        resumed = cut + [{"type": "start", "cuda_graph": "captured: ..."}, step(3, 1.25), step(4, 1.0),
+                         self.graph("captured")]
+        self.assertTrue(g.judge_graph_resume(whole, resumed, 130).ok)
+        self.assertFalse(g.judge_graph_resume(whole, resumed, 0).ok, "not cut")
+        drift = resumed[:-3] + [step(3, 1.2500001), step(4, 1.0), self.graph("captured")]
+        self.assertFalse(g.judge_graph_resume(whole, drift, 130).ok)
+        eager_after = resumed[:-1]
+        self.assertFalse(g.judge_graph_resume(whole, eager_after, 130).ok, "no capture after the resume")
+
     def test_the_vit_l16_lora_row_needs_its_micro_batch_under_the_cap(self):
         steps = [dict(step(i + 1, 2.0 - i / 10), micro_batch=32) for i in range(3)]
         mem = {"memory": {"peak_reserved_bytes": 3 * GiB, "peak_allocated_bytes": 3 * GiB}}
