@@ -2027,15 +2027,15 @@ def judge_llama_streamed(rc, records, summary, cap):
     return Check(LLAMA_8B_ROW, f"trains with its base on the host, device peak <= {size(cap)}", seen, ok)
 
 
-def llama_tokens(r, name, t):
-    """A token file of `t`'s vocabulary with 8 windows of its seq_len, and `t`'s sizes as
+def llama_tokens(r, name, t, windows=8):
+    """A token file of `t`'s vocabulary with `windows` windows of its seq_len, and `t`'s sizes as
     `[model.llama]` lines."""
     import array
 
     n = t["seq_len"] + 1
     data = r.path(f"tokens-{name}.bin")
     with open(data, "wb") as f:
-        array.array("I", [(i * 7919) % t["vocab_size"] for i in range(8 * n)]).tofile(f)
+        array.array("I", [(i * 7919) % t["vocab_size"] for i in range(windows * n)]).tofile(f)
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "max_position_embeddings")
     return data, "\n".join(f"{k} = {t[k]}" for k in keys)
@@ -2053,15 +2053,8 @@ def judge_llama_streamed_generate(rc, text, new, why=""):
 
 def check_llama_streamed(r, probe):
     t = dict(LLAMA_8B)
-    n = t["seq_len"] + 1
-    data = r.path("tokens-8b.bin")
-    import array
-
-    with open(data, "wb") as f:
-        # One window a step and one held out: the epoch ends after the steps, with a checkpoint.
-        array.array("I", [(i * 7919) % t["vocab_size"] for i in range((t["steps"] + 1) * n)]).tofile(f)
-    sizes = "\n".join(f"{k} = {t[k]}" for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                                 "num_attention_heads", "num_key_value_heads", "max_position_embeddings"))
+    # One window a step and one held out: the epoch ends after the steps, with a checkpoint.
+    data, sizes = llama_tokens(r, "8b", t, windows=t["steps"] + 1)
     spec = spec_file(r, "llama_8b", f"""[job]
 name = "gpu-check-llama-8b"
 [model]

@@ -5,6 +5,9 @@ Face model built randomly initialised in Python and saved with save_pretrained, 
 three ways (MODES): every parameter, rank-16 LoRA on the attention and MLP linears (the ViT's
 head trained beside them, peft's modules_to_save), and the head alone over a frozen backbone."""
 
+from jobs import toml_value  # one TOML writer for both benchmarks
+
+
 VIT_LORA_PEFT = ["q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2"]
 VIT_LORA_MEMTRAIN = ["in_proj_q", "in_proj_k", "in_proj_v", "out_proj", "mlp.0", "mlp.3"]
 LLAMA_LORA_PEFT = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -60,16 +63,6 @@ def steps_per_epoch(job):
 
 def token_dtype(job):
     return "uint16" if JOBS[job]["config"]["vocab_size"] <= 1 << 16 else "uint32"
-
-
-def toml_value(v):
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, str):
-        return f'"{v}"'
-    if isinstance(v, list):
-        return "[" + ", ".join(toml_value(x) for x in v) + "]"
-    return repr(v)
 
 
 def vit_options(job):

@@ -3,6 +3,16 @@ plain PyTorch). CPU_JOBS are sized for a 2-core CPU (a few seconds of steps each
 one H100/H200 (ImageNet-sized images and batches that keep the card busy, synthetic data small
 enough to stay resident: under a sixteenth of an 80 GB card, memtrain's rule)."""
 
+def darts_options(input_length, num_classes, init_channels):
+    """A DARTS job's [model.darts] options: configs/darts_4gb.toml's operations, 3 cells of 2
+    nodes and its architecture step, at the given sizes."""
+    return {"in_channels": 1, "input_length": input_length, "num_classes": num_classes,
+            "init_channels": init_channels, "num_cells": 3, "num_nodes": 2,
+            "ops": ["none", "skip_connect", "max_pool_3", "avg_pool_3", "sep_conv_3", "sep_conv_5", "dil_conv_3",
+                    "dil_conv_5", "attention_light"],
+            "arch_lr": 3e-4, "arch_weight_decay": 1e-3}
+
+
 JOBS = {
     "mlp": {
         "preset": "mlp",
@@ -16,10 +26,7 @@ JOBS = {
     # PyTorch on CUDA).
     "darts": {
         "preset": "darts",
-        "options": {"in_channels": 1, "input_length": 256, "num_classes": 5, "init_channels": 8, "num_cells": 3,
-                    "num_nodes": 2, "ops": ["none", "skip_connect", "max_pool_3", "avg_pool_3", "sep_conv_3",
-                                            "sep_conv_5", "dil_conv_3", "dil_conv_5", "attention_light"],
-                    "arch_lr": 3e-4, "arch_weight_decay": 1e-3},
+        "options": darts_options(input_length=256, num_classes=5, init_channels=8),
         "shape": [1, 256],
         "samples": 256,
         "train": {"batch_size": 16, "optimizer": "sgd", "lr": 0.025, "momentum": 0.9, "weight_decay": 3e-4},
@@ -28,10 +35,7 @@ JOBS = {
     # The same operations at a size for tests/py/test_gpu_check.py's CPU rehearsal.
     "darts_tiny": {
         "preset": "darts",
-        "options": {"in_channels": 1, "input_length": 64, "num_classes": 3, "init_channels": 4, "num_cells": 3,
-                    "num_nodes": 2, "ops": ["none", "skip_connect", "max_pool_3", "avg_pool_3", "sep_conv_3",
-                                            "sep_conv_5", "dil_conv_3", "dil_conv_5", "attention_light"],
-                    "arch_lr": 3e-4, "arch_weight_decay": 1e-3},
+        "options": darts_options(input_length=64, num_classes=3, init_channels=4),
         "shape": [1, 64],
         "samples": 64,
         "train": {"batch_size": 8, "optimizer": "sgd", "lr": 0.025, "momentum": 0.9, "weight_decay": 3e-4},
@@ -95,10 +99,7 @@ JOBS = {
     # 5, SGD with momentum (at a constant rate: a schedule is a host-side scalar on both sides).
     "darts_main": {
         "preset": "darts",
-        "options": {"in_channels": 1, "input_length": 3000, "num_classes": 5, "init_channels": 24, "num_cells": 3,
-                    "num_nodes": 2, "ops": ["none", "skip_connect", "max_pool_3", "avg_pool_3", "sep_conv_3",
-                                            "sep_conv_5", "dil_conv_3", "dil_conv_5", "attention_light"],
-                    "arch_lr": 3e-4, "arch_weight_decay": 1e-3},
+        "options": darts_options(input_length=3000, num_classes=5, init_channels=24),
         "shape": [1, 3000],
         "samples": 40,
         "train": {"batch_size": 2, "accumulation": 2, "grad_clip_norm": 5.0, "optimizer": "sgd", "lr": 0.1,
@@ -108,10 +109,7 @@ JOBS = {
     # darts_main's step (2 x 2 accumulation, clipping) at darts_tiny's size: a CPU rehearsal.
     "darts_main_tiny": {
         "preset": "darts",
-        "options": {"in_channels": 1, "input_length": 64, "num_classes": 3, "init_channels": 4, "num_cells": 3,
-                    "num_nodes": 2, "ops": ["none", "skip_connect", "max_pool_3", "avg_pool_3", "sep_conv_3",
-                                            "sep_conv_5", "dil_conv_3", "dil_conv_5", "attention_light"],
-                    "arch_lr": 3e-4, "arch_weight_decay": 1e-3},
+        "options": darts_options(input_length=64, num_classes=3, init_channels=4),
         "shape": [1, 64],
         "samples": 40,
         "train": {"batch_size": 2, "accumulation": 2, "grad_clip_norm": 5.0, "optimizer": "sgd", "lr": 0.1,

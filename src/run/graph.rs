@@ -32,7 +32,8 @@ use super::tally::Totals;
 use crate::fault::Phase;
 use crate::host::Home;
 use crate::memory;
-use crate::oom::{self, OomKind, StepError};
+use crate::oom::{OomKind, StepError};
+use crate::optim::Step;
 use crate::plan::GraphPlan;
 use crate::records::GraphEvent;
 use crate::shim::graph::{Capture, CudaGraph, SideStream};
@@ -235,15 +236,15 @@ impl StepGraphs {
         let captured = record(pipeline, side, &mut s);
         let slot = &mut self.slots[kind as usize];
         match captured {
-            Ok(c) => {
+            Ok((c, step)) => {
                 let reserved = memory::sample(place).reserved_bytes.unwrap_or(0);
                 let pool = reserved.saturating_sub(reserved_before);
                 self.events.push(event(kind, key, s.work.step, None, Some(pool)));
+                // The capture read this step's inputs and scalars where they are now: no second
+                // upload before its first launch.
+                let out = launch(pipeline, &c, &mut s, step);
                 slot.state = SlotState::Ready(c);
-                let SlotState::Ready(c) = &mut slot.state else {
-                    unreachable!("just placed")
-                };
-                replay(pipeline, c, &mut s)
+                out
             }
             Err(e) => {
                 let why = match e {
@@ -328,43 +329,40 @@ fn eligible(pipeline: &StepPipeline, s: &Stepping, key: Key) -> Result<(), Strin
 
 /// The capture itself, on the side stream, inside the OOM guard: the step's inputs placed
 /// where the graph reads them, its scalars staged, then forward to update recorded.
-fn record(pipeline: &StepPipeline, side: &mut SideStream, s: &mut Stepping) -> Result<Captured, StepError> {
-    let place = pipeline.place();
-    oom::guarded_counting(
-        || memory::oom_count(place),
-        || {
-            let inputs = pipeline.uploads(s.work);
-            let step = s.opt.stage(s.work.lr).unwrap_or_else(|e| panic!("{e:#}"));
-            let on_side = side.enter().unwrap_or_else(|e| panic!("{e:#}"));
-            let capture = Capture::begin().unwrap_or_else(|e| panic!("{e:#}"));
-            crate::fault::oom_in_capture(pipeline.forward.device);
-            let totals = pipeline.recorded(s, &inputs, step);
-            let graph = capture.end().unwrap_or_else(|e| panic!("{e:#}"));
-            drop(on_side);
-            Captured { graph, inputs, totals }
-        },
-    )
+fn record(pipeline: &StepPipeline, side: &mut SideStream, s: &mut Stepping) -> Result<(Captured, Step), StepError> {
+    pipeline.guarded(|| {
+        let inputs = pipeline.uploads(s.work);
+        let step = s.opt.stage(s.work.lr).unwrap_or_else(|e| panic!("{e:#}"));
+        let on_side = side.enter().unwrap_or_else(|e| panic!("{e:#}"));
+        let capture = Capture::begin().unwrap_or_else(|e| panic!("{e:#}"));
+        crate::fault::oom_in_capture(pipeline.forward.device);
+        let totals = pipeline.recorded(s, &inputs, step);
+        let graph = capture.end().unwrap_or_else(|e| panic!("{e:#}"));
+        drop(on_side);
+        (Captured { graph, inputs, totals }, step)
+    })
 }
 
-/// This step through the captured graph: its inputs copied in, its scalars staged, one launch,
-/// the totals into the tally and the step counted.
+/// This step through the captured graph: its inputs copied in and its scalars staged, then
+/// launched.
 fn replay(pipeline: &StepPipeline, c: &mut Captured, s: &mut Stepping) -> Result<StepOutput, StepError> {
-    let place = pipeline.place();
-    let step = oom::guarded_counting(
-        || memory::oom_count(place),
-        || {
-            let fresh = pipeline.uploads(s.work);
-            tch::no_grad(|| {
-                for (to, from) in c.inputs.iter_mut().zip(&fresh) {
-                    to.x.copy_(&from.x);
-                    to.y.copy_(&from.y);
-                }
-            });
-            let step = s.opt.stage(s.work.lr).unwrap_or_else(|e| panic!("{e:#}"));
-            c.graph.replay().unwrap_or_else(|e| panic!("{e:#}"));
-            step
-        },
-    )?;
+    let step = pipeline.guarded(|| {
+        let fresh = pipeline.uploads(s.work);
+        tch::no_grad(|| {
+            for (to, from) in c.inputs.iter_mut().zip(&fresh) {
+                to.x.copy_(&from.x);
+                to.y.copy_(&from.y);
+            }
+        });
+        s.opt.stage(s.work.lr).unwrap_or_else(|e| panic!("{e:#}"))
+    })?;
+    launch(pipeline, c, s, step)
+}
+
+/// One launch of the graph for `step`, whose inputs and scalars are in place; the totals into
+/// the tally and the step counted.
+fn launch(pipeline: &StepPipeline, c: &Captured, s: &mut Stepping, step: Step) -> Result<StepOutput, StepError> {
+    pipeline.guarded(|| c.graph.replay().unwrap_or_else(|e| panic!("{e:#}")))?;
     if let Some(t) = s.tally.as_deref_mut() {
         t.add(c.totals.alias());
     }

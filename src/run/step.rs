@@ -116,6 +116,12 @@ impl StepPipeline {
         Place::of(self.forward.device)
     }
 
+    /// `f` inside the OOM guard, counting the device's OOMs as the step's.
+    pub(super) fn guarded<T>(&self, f: impl FnOnce() -> T) -> Result<T, StepError> {
+        let place = self.place();
+        oom::guarded_counting(|| memory::oom_count(place), f)
+    }
+
     /// The step as one rank of a data-parallel group: every rank takes part in the collectives
     /// and all agree on the outcome before any optimizer writes.
     pub(super) fn data_parallel(&self, d: &mut Dist, s: Stepping) -> Result<StepOutput, StepError> {
@@ -126,16 +132,12 @@ impl StepPipeline {
             work,
             tally,
         } = s;
-        let place = self.place();
         let reducer = work.synced.then(|| d.reducer()).flatten();
         let synced = reducer.is_some();
         if let Some(r) = reducer {
             r.enter().map_err(peer_lost)?;
         }
-        let attempt = oom::guarded_counting(
-            || memory::oom_count(place),
-            || self.attempt(net, opt, others, work, reducer, None),
-        );
+        let attempt = self.guarded(|| self.attempt(net, opt, others, work, reducer, None));
         let out = self.agree(d, opt, work, synced, attempt)?;
         if let Some(t) = tally {
             t.add_values(out.0, out.1, work.divisor);
@@ -152,12 +154,7 @@ impl StepPipeline {
             work,
             tally,
         } = s;
-        let place = self.place();
-        let attempt = oom::guarded_counting(
-            || memory::oom_count(place),
-            || self.attempt(net, opt, others, work, None, None),
-        );
-        let (totals, found_inf, prepared) = attempt?;
+        let (totals, found_inf, prepared) = self.guarded(|| self.attempt(net, opt, others, work, None, None))?;
         // Into the tally in place, before the optimizer writes: nothing of the attempt is
         // alive while it does, so an applied step peaks no higher than a skipped one.
         match tally {

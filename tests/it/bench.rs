@@ -2,24 +2,12 @@
 //! PyTorch baselines, carries the allocator and spec overrides to the sides they are for, and
 //! options that only mean something on CUDA are refused on the CPU, saying why; the CUDA-graph
 //! benchmark (scripts/bench/graphs) shows its jobs, memtrain sides and compiled baseline.
-use std::process::{Command, Output};
+use std::process::Output;
 
 use crate::common::*;
 
 fn bench(args: &[&str]) -> Output {
-    Command::new(repo().join("scripts/bench/run"))
-        .current_dir(repo())
-        .env("BENCH_PYTHON", python())
-        .env("MEMTRAIN_BIN", env!("CARGO_BIN_EXE_memtrain"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn lines_of<'a>(out: &'a str, program: &str) -> Vec<&'a str> {
-    out.lines()
-        .filter(|l| !l.starts_with('#') && l.contains(program))
-        .collect()
+    bench_script("run", args)
 }
 
 #[test]
@@ -30,8 +18,8 @@ fn the_cuda_dry_run_shows_gpu_sized_jobs_against_both_baselines() {
     for job in ["resnet18_224", "resnet50_224", "vit_b16_224", "mlp_wide"] {
         assert!(out.contains(&format!("# {job}: ")), "no {job}:\n{out}");
     }
-    let train = lines_of(&out, "pytorch_job.py train");
-    let memtrain = lines_of(&out, env!("CARGO_BIN_EXE_memtrain"));
+    let train = command_lines(&out, "pytorch_job.py train");
+    let memtrain = command_lines(&out, env!("CARGO_BIN_EXE_memtrain"));
     // 4 jobs x 3 settings x 2 rounds, one memtrain run and one per baseline in each.
     assert_eq!(memtrain.len(), 24, "{out}");
     // Each baseline once a round; a ViT's twice: with the attention plain PyTorch runs fastest
@@ -83,8 +71,8 @@ fn overrides_reach_the_sides_they_are_for() {
     ]);
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let memtrain = lines_of(&out, env!("CARGO_BIN_EXE_memtrain"));
-    let train = lines_of(&out, "pytorch_job.py train");
+    let memtrain = command_lines(&out, env!("CARGO_BIN_EXE_memtrain"));
+    let train = command_lines(&out, "pytorch_job.py train");
     assert_eq!((memtrain.len(), train.len()), (1, 1), "{out}");
     for l in memtrain.iter().chain(&train) {
         assert!(
@@ -120,13 +108,7 @@ fn cuda_only_options_are_refused_on_the_cpu() {
 
 #[test]
 fn the_graph_benchmark_dry_run_names_its_jobs_sides_and_the_compiled_baseline() {
-    let o = Command::new(repo().join("scripts/bench/graphs"))
-        .current_dir(repo())
-        .env("BENCH_PYTHON", python())
-        .env("MEMTRAIN_BIN", env!("CARGO_BIN_EXE_memtrain"))
-        .args(["--dry-run", "--reps", "2"])
-        .output()
-        .unwrap();
+    let o = bench_script("graphs", &["--dry-run", "--reps", "2"]);
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     // configs/darts_4gb.toml's shape, ResNet18 at 224 px and ViT-B/16, both at batch 8.
@@ -136,8 +118,8 @@ fn the_graph_benchmark_dry_run_names_its_jobs_sides_and_the_compiled_baseline() 
     assert!(out.contains("batch 2 x 2 accumulation"), "{out}");
     assert!(out.contains("# resnet18_224_b8: resnet18 "), "{out}");
     assert!(out.contains("# vit_b16_224_b8: vit "), "{out}");
-    let memtrain = lines_of(&out, env!("CARGO_BIN_EXE_memtrain"));
-    let train = lines_of(&out, "pytorch_job.py train");
+    let memtrain = command_lines(&out, env!("CARGO_BIN_EXE_memtrain"));
+    let train = command_lines(&out, "pytorch_job.py train");
     // 3 jobs x 2 rounds: memtrain eager and graphed, PyTorch eager and reduce-overhead.
     assert_eq!((memtrain.len(), train.len()), (12, 12), "{out}");
     let graphed: Vec<_> = memtrain

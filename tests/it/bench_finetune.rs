@@ -2,24 +2,12 @@
 //! with LoRA and over a frozen backbone; a decoder in full and with LoRA), pair each memtrain run
 //! with its PyTorch twin in alternating order, and write specs that train what the PyTorch side
 //! trains; unknown modes are refused, saying which there are.
-use std::process::{Command, Output};
+use std::process::Output;
 
 use crate::common::*;
 
 fn finetune(args: &[&str]) -> Output {
-    Command::new(repo().join("scripts/bench/finetune"))
-        .current_dir(repo())
-        .env("BENCH_PYTHON", python())
-        .env("MEMTRAIN_BIN", env!("CARGO_BIN_EXE_memtrain"))
-        .args(args)
-        .output()
-        .unwrap()
-}
-
-fn runs<'a>(out: &'a str, program: &str) -> Vec<&'a str> {
-    out.lines()
-        .filter(|l| !l.starts_with('#') && l.contains(program))
-        .collect()
+    bench_script("finetune", args)
 }
 
 /// The value after `flag` on a command line.
@@ -40,15 +28,15 @@ fn the_cuda_dry_run_names_each_fine_tune_beside_its_pytorch_twin() {
     for job in ["vit_b16_224", "llama_1b"] {
         assert!(out.contains(&format!("# {job}: ")), "no {job}:\n{out}");
         assert_eq!(
-            runs(&out, "finetune_job.py make")
+            command_lines(&out, "finetune_job.py make")
                 .iter()
                 .filter(|l| l.contains(job))
                 .count(),
             1
         );
     }
-    let memtrain = runs(&out, env!("CARGO_BIN_EXE_memtrain"));
-    let pytorch = runs(&out, "finetune_job.py train");
+    let memtrain = command_lines(&out, env!("CARGO_BIN_EXE_memtrain"));
+    let pytorch = command_lines(&out, "finetune_job.py train");
     // (3 ViT modes + 2 decoder modes) x 2 rounds.
     assert_eq!((memtrain.len(), pytorch.len()), (10, 10), "{out}");
     let rows: Vec<(&str, &str)> = pytorch
@@ -115,7 +103,7 @@ fn the_cpu_dry_run_counts_pytorchs_memory_and_refuses_unknown_modes() {
     let o = finetune(&["--dry-run", "--reps", "1", "--modes", "frozen"]);
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let pytorch = runs(&out, "finetune_job.py train");
+    let pytorch = command_lines(&out, "finetune_job.py train");
     let jobs: Vec<&str> = pytorch.iter().map(|l| arg(l, "--job")).collect();
     assert_eq!(jobs, ["vit_ti_64", "llama_tiny"], "{out}");
     for l in &pytorch {

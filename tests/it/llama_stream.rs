@@ -5,6 +5,7 @@
 use std::path::Path;
 
 use crate::common::*;
+use crate::placement_stream::{peak, streamed};
 
 /// `n` token ids below `vocab`, a pattern the model can learn, as uint16 in `dir/train.bin`.
 fn token_file(dir: &Path, n: u32, vocab: u32) {
@@ -23,17 +24,6 @@ fn job(t: &Test, llama: &str, seq_len: i64, train: &str) -> Test {
          [log]\nevery_steps = 1\nprogress = \"off\"\n",
         t.dir().join("train.bin").display()
     )))
-}
-
-fn streamed(t: &Test) -> Test {
-    t.clone().name("streamed").set("memory.parameters", "host")
-}
-
-fn peak(o: &Outcome) -> u64 {
-    o.summary()
-        .memory
-        .peak_allocated_bytes
-        .expect("the CPU's peak is counted")
 }
 
 /// The output projection trains while the layers stream, untied and tied: the per-step losses,

@@ -39,11 +39,11 @@ fn resnet() -> &'static str {
     "preset = \"resnet18\"\n[model.resnet18]\nnum_classes = 4\nimage_size = 16"
 }
 
-fn streamed(t: &Test) -> Test {
+pub(crate) fn streamed(t: &Test) -> Test {
     t.clone().name("streamed").set("memory.parameters", "host")
 }
 
-fn peak(o: &Outcome) -> u64 {
+pub(crate) fn peak(o: &Outcome) -> u64 {
     o.summary()
         .memory
         .peak_allocated_bytes

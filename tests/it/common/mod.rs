@@ -827,6 +827,25 @@ pub fn reference_with(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> String
 
 /// The bootstrap environment's Python (`MEMTRAIN_PYTHON`).
 #[track_caller]
+/// A benchmark script under scripts/bench (its dry runs need no GPU), with the bootstrap's
+/// Python and this build's memtrain.
+pub fn bench_script(script: &str, args: &[&str]) -> std::process::Output {
+    Command::new(repo().join("scripts/bench").join(script))
+        .current_dir(repo())
+        .env("BENCH_PYTHON", python())
+        .env("MEMTRAIN_BIN", env!("CARGO_BIN_EXE_memtrain"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+/// The command lines of a dry run that run `program` (comments left out).
+pub fn command_lines<'a>(out: &'a str, program: &str) -> Vec<&'a str> {
+    out.lines()
+        .filter(|l| !l.starts_with('#') && l.contains(program))
+        .collect()
+}
+
 pub fn python() -> String {
     match std::env::var("MEMTRAIN_PYTHON") {
         Ok(p) => p,
