@@ -132,6 +132,21 @@ fn info(json: bool) -> Result<()> {
     Ok(())
 }
 
+/// `run` builds the model in fp32 in host memory first; a machine without that much free RAM
+/// stops there, which `check` can say before anyone waits for it.
+fn build_room_notice(model: &spec::Model, est: &crate::estimate::Estimate) -> Option<String> {
+    let free = crate::sysmem::available_bytes()?;
+    let need = est.build_bytes();
+    (model.preset != "torchscript" && need > free).then(|| {
+        format!(
+            "`memtrain run` builds the model in fp32 in host memory before it casts or moves anything: {} here, \
+             more than the {} of RAM free on this machine now; run it where more is free",
+            crate::human::human_bytes(need),
+            crate::human::human_bytes(free)
+        )
+    })
+}
+
 fn check(args: &SpecArgs) -> Result<()> {
     // The load plan of model.init_from from the checkpoint's header: a checkpoint `run` would
     // refuse is a spec error here, at init_from's line.
@@ -154,6 +169,9 @@ fn check(args: &SpecArgs) -> Result<()> {
         device: loaded.spec.job.device,
     })?;
     if let Some(n) = crate::plan::unread_data_keys(&loaded.spec.data) {
+        tracing::warn!("{n}");
+    }
+    if let Some(n) = build_room_notice(&loaded.spec.model, &est) {
         tracing::warn!("{n}");
     }
     if let Ok(Some(classes)) = crate::data::classes::probe(&loaded.spec.data) {

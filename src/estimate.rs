@@ -20,6 +20,8 @@ pub struct Estimate {
     pub frozen: u64,
     /// Of the frozen values, those `train.frozen_dtype = "bf16"` stores in bf16 (0 otherwise).
     pub frozen_bf16: u64,
+    /// The setting that freezes them: the LoRA base's adapters, or `train.freeze`.
+    pub frozen_by: &'static str,
     /// Bytes of the variables that stay on the device when parameters stream (a decoder's
     /// output projection: `Chain::resident`).
     pub resident_bytes: u64,
@@ -103,6 +105,12 @@ impl Estimate {
             8 => self.weight_sizes.iter().map(|n| state_bytes_8bit(*n)).sum::<u64>() + arch,
             _ => self.weights * self.state_per_weight * self.bytes_per_value + arch,
         }
+    }
+    /// What `memtrain run` builds before anything moves or is cast: every value in fp32, in host
+    /// memory (a TorchScript module aside, which is loaded where it runs).
+    pub fn build_bytes(&self) -> u64 {
+        let values = self.weights + self.frozen + self.arch_weights + self.buffers;
+        values.saturating_mul(4)
     }
     pub fn total_bytes(&self) -> u64 {
         self.parameter_bytes() + self.gradient_bytes() + self.optimizer_bytes()
@@ -252,7 +260,8 @@ pub struct Sections<'a> {
 }
 
 pub fn estimate(job: &Sections) -> Result<Estimate> {
-    // Counting builds the model on the host; one too large for it is said, not a panic.
+    // Counting builds the model as shapes, but a TorchScript module is loaded with its values:
+    // one too large for the host is said, not a panic.
     let c = match crate::oom::guarded(|| model::counts(job.model, job.train)) {
         Ok(counted) => counted?,
         Err(crate::oom::StepError::Oom { message, .. }) => {
@@ -282,6 +291,10 @@ pub fn estimate(job: &Sections) -> Result<Estimate> {
         frozen: c.frozen,
         resident_bytes: c.resident_bytes,
         resident_trained: c.resident_trained,
+        frozen_by: match job.model.options.contains_key(model::lora::TABLE) {
+            true => "the base under model.lora",
+            false => "train.freeze",
+        },
         frozen_bf16: match t.frozen_dtype {
             crate::spec::FrozenDtype::Bf16 => c.frozen_low,
             crate::spec::FrozenDtype::Fp32 => 0,
@@ -337,7 +350,7 @@ impl fmt::Display for Estimate {
             human_count(self.weights)
         )?;
         if self.frozen > 0 {
-            write!(f, " + {} frozen (train.freeze)", human_count(self.frozen))?;
+            write!(f, " + {} frozen ({})", human_count(self.frozen), self.frozen_by)?;
             if self.frozen_bf16 > 0 {
                 write!(f, ", {} of them kept in bf16", human_count(self.frozen_bf16))?;
             }

@@ -542,8 +542,25 @@ pub fn autocast_weight(name: &str, t: &tch::Tensor) -> bool {
 /// `train` freezes for the whole run apart (a run that unfreezes them later needs room for them
 /// by then, so they count as trained). Err: a `train` pattern that matches no weight.
 pub fn counts(model: &Model, train: &crate::spec::schema::Train) -> Result<Counts> {
+    let (vs, built) = shaped(model)?;
+    counts_of(vs, built, model, train)
+}
+
+/// The spec's model with its variables' shapes and nothing in them: counting, and `check`'s
+/// load plan, need no values, and a Llama-8B shape would otherwise fill 32 GB of host memory
+/// with its fp32 initialisation first. A TorchScript module comes with its values from its
+/// file, so it is built as it is.
+fn shaped(model: &Model) -> Result<(nn::VarStore, Built)> {
     let vs = nn::VarStore::new(Device::Cpu);
+    let _shapes = match model.preset.as_str() {
+        "torchscript" => None,
+        _ => Some(crate::shim::ShapeScope::enter()?),
+    };
     let built = tch::no_grad(|| build(&vs.root(), model))?;
+    Ok((vs, built))
+}
+
+fn counts_of(vs: nn::VarStore, built: Built, model: &Model, train: &crate::spec::schema::Train) -> Result<Counts> {
     freeze_base(&vs, model)?;
     let mut c = Counts {
         has_blocks: built.net.chain().is_some(),
@@ -616,10 +633,9 @@ pub fn init_plan(m: &Model) -> Result<Option<crate::weights::LoadPlan>, (String,
         .map_err(|e| init::at_init_from(&e.0))
 }
 
-/// A CPU build's variables (names and shapes) and its head.
+/// The spec's model's variables (names and shapes) and its head.
 fn variables(m: &Model) -> Result<(Vec<crate::weights::Shaped>, Vec<String>)> {
-    let vs = nn::VarStore::new(Device::Cpu);
-    let built = tch::no_grad(|| build(&vs.root(), m))?;
+    let (vs, built) = shaped(m)?;
     Ok((crate::weights::shapes(&vs.variables()), built.head.clone()))
 }
 

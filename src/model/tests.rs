@@ -235,3 +235,78 @@ fn vit_option_checks() {
         "{p:?}"
     );
 }
+
+/// Counting builds the model as meta tensors; the counts, the variables' shapes and the head
+/// equal a plain build's for every preset, with adapters, frozen and streamed-resident parts.
+#[test]
+fn a_shapes_only_build_counts_what_a_plain_build_holds() {
+    let llama = "vocab_size = 96\nhidden_size = 32\nintermediate_size = 48\nnum_hidden_layers = 2\n\
+                 num_attention_heads = 4\nnum_key_value_heads = 2\nmax_position_embeddings = 64\nseq_len = 16";
+    let mut cases = vec![
+        model("mlp", "num_classes = 4"),
+        model("resnet18", "num_classes = 3\nsmall_stem = true\nimage_size = 32"),
+        model("resnet50", "num_classes = 10\nimage_size = 32"),
+        model(
+            "vit",
+            "image_size = 32\npatch_size = 8\nlayers = 2\nheads = 2\nhidden_dim = 16\nmlp_dim = 32",
+        ),
+        model(
+            "vit",
+            "image_size = 32\npatch_size = 8\nlayers = 2\nheads = 2\nhidden_dim = 16\nmlp_dim = 32\n\
+             pre_norm = true\nactivation = \"quick_gelu\"\npatch_bias = false\nprojection_dim = 8",
+        ),
+        model(
+            "darts",
+            "in_channels = 1\ninput_length = 64\nnum_classes = 5\ninit_channels = 4\nnum_cells = 3\nnum_nodes = 2",
+        ),
+        model("llama", llama),
+        model(
+            "llama",
+            &format!("{llama}\ntie_word_embeddings = true\nqkv_bias = true"),
+        ),
+    ];
+    for (i, targets) in [
+        (6, "[\"q\", \"v\", \"down\"]"),
+        (3, "[\"encoder_layer_0.self_attention.in_proj_q\", \"mlp.0\"]"),
+    ] {
+        let mut m = cases[i].clone();
+        m.options.insert(
+            lora::TABLE.into(),
+            toml::Value::Table(format!("rank = 2\nalpha = 4.0\ntargets = {targets}").parse().unwrap()),
+        );
+        cases.push(m);
+    }
+    let train: crate::spec::schema::Train =
+        toml::from_str("frozen_dtype = \"bf16\"\nprecision = \"bf16-mixed\"").unwrap();
+    for m in &cases {
+        let vs = nn::VarStore::new(Device::Cpu);
+        let built = tch::no_grad(|| build(&vs.root(), m)).unwrap();
+        let plain_vars = crate::weights::shapes(&vs.variables());
+        let plain_head = built.head.clone();
+        // Each tensor's count comes in the VarStore's (hash) order.
+        let sorted = |mut c: Counts| {
+            c.weight_sizes.sort();
+            c
+        };
+        let plain = sorted(counts_of(vs, built, m, &train).unwrap());
+        assert_eq!(
+            sorted(counts(m, &train).unwrap()),
+            plain,
+            "{}: {:?}",
+            m.preset,
+            m.options
+        );
+        let (vars, head) = variables(m).unwrap();
+        assert_eq!((vars, head), (plain_vars, plain_head), "{}", m.preset);
+    }
+    // Nothing was stored: a Llama-8B shape counts in a moment with no memory to speak of.
+    let before = crate::shim::cpu_alloc_stats().allocated;
+    let big = model(
+        "llama",
+        "vocab_size = 128256\nhidden_size = 4096\nintermediate_size = 14336\nnum_hidden_layers = 32\n\
+         num_attention_heads = 32\nnum_key_value_heads = 8\nmax_position_embeddings = 131072\nseq_len = 2048",
+    );
+    let c = counts(&big, &Default::default()).unwrap();
+    assert_eq!(c.weights, 8_030_261_248);
+    assert!(crate::shim::cpu_alloc_stats().allocated < before + (64 << 20));
+}

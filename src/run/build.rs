@@ -353,8 +353,9 @@ impl Factory<'_> {
     }
 
     /// The static estimate, for the message of an OOM while building the model or its optimizer
-    /// state. Counting builds the model once more on the host, so it is done only then, with the CPU
-    /// cap lifted: the run ends on this error, and the cap has been read for the message.
+    /// state. Counting builds the model once more (as shapes, but a TorchScript module with its
+    /// values), so it is done only then, with the CPU cap lifted: the run ends on this error, and
+    /// the cap has been read for the message.
     fn after_setup_oom(&self) -> Option<crate::estimate::Estimate> {
         shim::cpu_alloc_set_cap(None);
         let spec = &self.plan.spec;

@@ -50,6 +50,8 @@ extern "C" {
     fn mt_cpu_alloc_reset_peak();
     fn mt_host_scope_enter();
     fn mt_host_scope_exit();
+    fn mt_shape_scope_enter(out: *mut *mut std::ffi::c_void) -> *mut c_char;
+    fn mt_shape_scope_exit(scope: *mut std::ffi::c_void);
     fn mt_cuda_device_facts(ordinal: i64, total: *mut u64, uuid: *mut u8) -> *mut c_char;
     fn mt_cuda_set_memory_fraction(fraction: f64, device: i64) -> *mut c_char;
     fn mt_free_error(e: *mut c_char);
@@ -396,6 +398,25 @@ impl HostScope {
 impl Drop for HostScope {
     fn drop(&mut self) {
         unsafe { mt_host_scope_exit() }
+    }
+}
+
+/// While alive, tensors this thread makes by shape (`zeros`, `randn`, an initialiser) are meta
+/// tensors: sizes and dtypes without storage or values. A model built inside one can be counted
+/// at any size; nothing inside may read or copy values. Not `Send`: the scope is this thread's.
+pub struct ShapeScope(*mut std::ffi::c_void);
+
+impl ShapeScope {
+    pub fn enter() -> Result<Self> {
+        let mut scope = std::ptr::null_mut();
+        check(unsafe { mt_shape_scope_enter(&mut scope) })?;
+        Ok(ShapeScope(scope))
+    }
+}
+
+impl Drop for ShapeScope {
+    fn drop(&mut self) {
+        unsafe { mt_shape_scope_exit(self.0) }
     }
 }
 

@@ -19,6 +19,7 @@
 #include <torch/version.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
@@ -259,6 +260,26 @@ void mt_cpu_alloc_reset_peak() {
 // Host scopes nest; each enter has its exit on the same thread.
 void mt_host_scope_enter() { ++t_host_depth; }
 void mt_host_scope_exit() { --t_host_depth; }
+
+// While a shape scope is open, this thread's factory calls (empty, zeros, randn...) make meta
+// tensors: shapes and dtypes with no storage, so a model can be built to count its parameters
+// without the gigabytes it would fill. BackendSelect is left out because it would turn the
+// CPU device in the call's options back into a CPU kernel; with it gone the Meta key, the
+// highest backend, picks the kernel. An op that needs values (copying data in or out) fails
+// or, for tch's data constructors, reads a null pointer: only code that makes tensors by shape
+// runs inside one.
+namespace {
+struct ShapeScope {
+  c10::impl::IncludeDispatchKeyGuard meta{c10::DispatchKey::Meta};
+  c10::impl::ExcludeDispatchKeyGuard no_select{c10::DispatchKeySet(c10::DispatchKey::BackendSelect)};
+};
+} // namespace
+
+char *mt_shape_scope_enter(void **out) {
+  return mt::guarded([&] { *out = new ShapeScope(); });
+}
+
+void mt_shape_scope_exit(void *scope) { delete static_cast<ShapeScope *>(scope); }
 
 int mt_accelerator_available() {
   try {

@@ -322,7 +322,7 @@ fn a_vit_l16_lora_trains_under_5_percent_of_the_model() {
         .lines()
         .find(|l| l.starts_with("model "))
         .expect("check's model line");
-    // "model            vit: 7.09M parameters + 303.3M frozen (train.freeze)"
+    // "model            vit: 7.09M parameters + 303.3M frozen (the base under model.lora)"
     let count = |s: &str| -> f64 {
         let n: f64 = s.trim_end_matches(['K', 'M']).parse().unwrap();
         n * if s.ends_with('M') { 1e6 } else { 1e3 }
@@ -330,7 +330,7 @@ fn a_vit_l16_lora_trains_under_5_percent_of_the_model() {
     let words: Vec<&str> = line.split_whitespace().collect();
     let trained = count(words[2]);
     let frozen = count(words[5]);
-    assert!(line.contains("frozen"), "{line}");
+    assert!(line.contains("frozen (the base under model.lora)"), "{line}");
     let share = trained / (trained + frozen);
     eprintln!("{line}: {:.2}% trains", share * 100.0);
     assert!(share < 0.05, "{line}");

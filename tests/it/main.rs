@@ -18,6 +18,7 @@ mod gpu_check;
 mod graphs;
 mod llama;
 mod llama_stream;
+mod lm_bill;
 mod lm_loss;
 mod lora;
 mod lora_presets;

@@ -1,0 +1,97 @@
+//! What each lever does to a language model's bill: the guide's 1B and 8B tables are what
+//! `check` prints, and `check` counts an 8B model without holding it.
+use crate::common::*;
+
+/// A Llama-shaped job over a small token file: (hidden, intermediate, layers, tied, seq_len, cap).
+fn llama(t: &Test, (hidden, inter, layers, tied, seq, cap): (i64, i64, i64, bool, i64, &str)) -> Test {
+    let tokens = t.dir().join("tokens.bin");
+    std::fs::write(&tokens, vec![0u8; 4 * 4 * (seq as usize + 1)]).unwrap();
+    t.clone().command("check").spec(table(&format!(
+        "[job]\nname = \"lm\"\n[model]\npreset = \"llama\"\n[model.llama]\nvocab_size = 128256\n\
+         hidden_size = {hidden}\nintermediate_size = {inter}\nnum_hidden_layers = {layers}\n\
+         num_attention_heads = 32\nnum_key_value_heads = 8\nmax_position_embeddings = 131072\n\
+         tie_word_embeddings = {tied}\n[data]\nsource = \"tokens\"\npath = \"{}\"\ntoken_dtype = \"uint32\"\n\
+         seq_len = {seq}\n[train]\nepochs = 1\nbatch_size = 1\noptimizer = \"adamw\"\n[memory]\nlimit = \"{cap}\"\n",
+        tokens.display()
+    )))
+}
+
+/// The five settings of each table, in its rows' order.
+fn levers(t: Test, targets: &[&str]) -> [Test; 5] {
+    let lora = |t: Test| {
+        t.set("model.lora.rank", 16)
+            .set("model.lora.alpha", 32.0)
+            .set("model.lora.targets", targets.to_vec())
+            .set("train.precision", "bf16-mixed")
+            .set("train.frozen_dtype", "bf16")
+    };
+    [
+        t.clone(),
+        t.clone()
+            .set("memory.optimizer_state", "host")
+            .set("memory.gradients", "host"),
+        t.clone().set("memory.parameters", "host"),
+        lora(t.clone()),
+        lora(t).set("memory.parameters", "host"),
+    ]
+}
+
+/// `check`'s device and host static bytes: `device static    X (...); host Y`.
+fn bill(stdout: &str) -> (String, String) {
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("device static"))
+        .expect("check's device line");
+    let device = line["device static".len()..]
+        .trim_start()
+        .split(" (")
+        .next()
+        .unwrap()
+        .to_owned();
+    let host = line.split("; host ").nth(1).unwrap_or("0").to_owned();
+    (device, host)
+}
+
+/// A markdown table's rows after its header: (device, host) from the last two cells.
+fn rows(text: &str) -> Vec<(String, String)> {
+    text.lines()
+        .skip_while(|l| !l.starts_with("| setting |"))
+        .skip(2)
+        .take_while(|l| l.starts_with('|'))
+        .map(|l| {
+            let cells: Vec<&str> = l.trim_matches('|').split(" | ").map(str::trim).collect();
+            (cells[cells.len() - 2].to_owned(), cells[cells.len() - 1].to_owned())
+        })
+        .collect()
+}
+
+#[test]
+fn the_language_model_guides_lever_tables_are_what_check_prints() {
+    let doc = std::fs::read_to_string(repo().join("docs/language-models.md")).unwrap();
+    let (one, eight) = doc
+        .split_once("The same on a Llama-3.1-8B shape")
+        .expect("the 8B table");
+    let t = Test::new();
+    let one_b = levers(llama(&t, (2048, 8192, 16, true, 1024, "4GiB")), &["q", "k", "v", "o"]);
+    let all = ["q", "k", "v", "o", "gate", "up", "down"];
+    let eight_b = levers(llama(&t, (4096, 14336, 32, false, 2048, "12GiB")), &all);
+    for (text, jobs) in [(one, one_b), (eight, eight_b)] {
+        let printed: Vec<(String, String)> = jobs.into_iter().map(|j| bill(&j.run().stdout)).collect();
+        assert_eq!(rows(text), printed);
+    }
+}
+
+/// `check` builds the model as shapes without values: an 8B model, whose fp32 initialisation
+/// alone would be 32 GB, is counted within a 4 GiB address space.
+#[test]
+fn check_counts_an_8b_model_without_holding_it() {
+    let t = Test::new();
+    let job = llama(&t, (4096, 14336, 32, false, 2048, "12GiB"));
+    let [.., streamed] = levers(job, &["q", "v"]);
+    let out = streamed
+        .launched_by("bash", &["-c", "ulimit -v 4194304 && exec \"$@\"", "bash"])
+        .run();
+    let model = out.stdout.lines().find(|l| l.starts_with("model ")).unwrap();
+    assert!(model.contains("8030.26M frozen (the base under model.lora)"), "{model}");
+    assert_eq!(bill(&out.stdout).0, "1002 MiB");
+}
