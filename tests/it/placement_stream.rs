@@ -39,6 +39,14 @@ fn resnet() -> &'static str {
     "preset = \"resnet18\"\n[model.resnet18]\nnum_classes = 4\nimage_size = 16"
 }
 
+/// `resnet` with rank-4 adapters on its convolutions and `fc`, the rest frozen.
+fn lora_resnet() -> String {
+    format!(
+        "{}\n[model.lora]\nrank = 4\nalpha = 8.0\ntargets = [\"conv1\", \"layer*.conv2\", \"downsample.0\", \"fc\"]",
+        resnet()
+    )
+}
+
 pub(crate) fn streamed(t: &Test) -> Test {
     t.clone().name("streamed").set("memory.parameters", "host")
 }
@@ -253,4 +261,59 @@ fn a_streamed_step_that_runs_out_of_memory_backs_off_exactly() {
         .run();
     assert_eq!(step_losses(&r), step_losses(&plain));
     assert_eq!(r.final_bytes(), plain.final_bytes());
+}
+
+/// "auto" is PyTorch's default where the state is on the device ("single" on the CPU) and
+/// "fused" once it is on the host, which streaming brings; PyTorch's fused Adam and AdamW
+/// kernels round otherwise than its single-tensor ones. So a streamed ResNet, whole or LoRA over a
+/// frozen base, trains the unstreamed run's bytes with one implementation named on both sides,
+/// and under "auto" the unstreamed "fused" run's: the forward is the same, the first update
+/// differs by a rounding of the update, which a ResNet on two-image batch statistics amplifies.
+#[test]
+fn a_streamed_resnet_trains_the_bytes_of_the_optimizer_implementation_it_runs() {
+    let run = |t: &Test, which: &str, name: &str| t.clone().set("train.optimizer_impl", which).name(name).run();
+    for model in [resnet().to_string(), lora_resnet()] {
+        let t = job(&model, ADAM);
+        let mut plain = Vec::new();
+        for which in ["single", "fused"] {
+            let p = run(&t, which, &format!("plain-{which}"));
+            let s = run(&streamed(&t), which, &format!("streamed-{which}"));
+            assert_eq!(step_losses(&s), step_losses(&p), "{model}: {which}");
+            assert_eq!(
+                s.final_bytes(),
+                p.final_bytes(),
+                "{model}: {which}: final weights differ"
+            );
+            plain.push(p);
+        }
+        let s = run(&streamed(&t), "auto", "streamed-auto");
+        let said = "Optimizer: adamw (fused implementation; train.optimizer_impl = \"auto\")";
+        assert!(s.stdout.contains(said) || s.stderr.contains(said), "{}", s.stdout);
+        assert_eq!(
+            s.final_bytes(),
+            plain[1].final_bytes(),
+            "{model}: auto streamed is fused"
+        );
+        let p = run(&t, "auto", "plain-auto");
+        assert_eq!(
+            p.final_bytes(),
+            plain[0].final_bytes(),
+            "{model}: auto is single on the CPU"
+        );
+        let (a, b) = (step_losses(&s), step_losses(&p));
+        assert_eq!(a[0], b[0], "{model}: the first loss comes before any update");
+        assert_ne!(a, b, "{model}: fused and single round apart");
+    }
+    // One update (4 training samples, 2 x 2 a step): the weights differ by a rounding.
+    let t = job(resnet(), ADAM).set("train.epochs", 1).set("data.samples", 5);
+    let s = run(&streamed(&t), "auto", "streamed-one");
+    let p = run(&t, "auto", "plain-one");
+    assert_eq!(s.steps().len(), 1);
+    let (a, b) = (tensors(&s.final_model()), tensors(&p.final_model()));
+    let gap = a
+        .iter()
+        .zip(&b)
+        .map(|((_, x), (_, y))| (x - y).abs().max().double_value(&[]))
+        .fold(0.0, f64::max);
+    assert!(gap > 0.0 && gap <= 2.4e-7, "largest weight difference {gap}");
 }
