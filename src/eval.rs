@@ -86,7 +86,13 @@ pub fn eval(args: &EvalArgs) -> Result<()> {
     let precision = PrecisionStage {
         precision: spec.train.precision,
     };
-    let (sums, micro_batch) = pass(built.net.as_ref(), &set, (place, precision), micro_batch, built.num_classes)?;
+    let (sums, micro_batch) = pass(
+        built.net.as_ref(),
+        &set,
+        (place, precision),
+        micro_batch,
+        built.num_classes,
+    )?;
     let report = sums.report(&weights, args.data.clone(), micro_batch, &names, built.num_classes);
     let out = args.json.clone().unwrap_or_else(|| run_dir.join("eval.json"));
     print(&report)?;

@@ -99,7 +99,12 @@ fn a_lora_run_over_a_seeded_base_evaluates_generates_and_exports_as_it_trained()
     t.clone()
         .command("export")
         .no_spec()
-        .args(&[run.out.to_str().unwrap(), "--format", "huggingface", out.to_str().unwrap()])
+        .args(&[
+            run.out.to_str().unwrap(),
+            "--format",
+            "huggingface",
+            out.to_str().unwrap(),
+        ])
         .run();
     let ids: Vec<i64> = PATTERN.iter().cycle().take(4 * 17).map(|&i| i64::from(i)).collect();
     let windows = tch::Tensor::from_slice(&ids).view([4, 17]);
@@ -133,5 +138,9 @@ fn a_bf16_base_stays_bf16_in_eval_and_generate() {
     let trained = kept(&run.stderr);
     eval_equals_validation(&t, &run);
     let generated = generate_continues_the_pattern(&t, &run);
-    assert_eq!(kept(&generated), trained, "the same weights kept in bf16 as in training");
+    assert_eq!(
+        kept(&generated),
+        trained,
+        "the same weights kept in bf16 as in training"
+    );
 }
