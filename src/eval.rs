@@ -19,6 +19,7 @@ use crate::exit::{OomExit, UsageError};
 use crate::model::{self, lm_loss, Built};
 use crate::oom::{self, StepError};
 use crate::plan::{Facts, Place, Placement, Request};
+use crate::run::PrecisionStage;
 use crate::spec::{self, Spec};
 
 /// What `eval` writes (`eval.json`).
@@ -80,7 +81,18 @@ pub fn eval(args: &EvalArgs) -> Result<()> {
         set.relabel(map);
     }
     let micro_batch = spec.train.eval_batch_size.unwrap_or(spec.train.batch_size);
-    let (sums, micro_batch) = pass(built.net.as_ref(), &set, place, micro_batch, built.num_classes)?;
+    // Computed as the run's validation computes: inputs in the model's dtype, autocast in the
+    // mixed modes.
+    let precision = PrecisionStage {
+        precision: spec.train.precision,
+    };
+    let (sums, micro_batch) = pass(
+        built.net.as_ref(),
+        &set,
+        (place, precision),
+        micro_batch,
+        built.num_classes,
+    )?;
     let report = sums.report(&weights, args.data.clone(), micro_batch, &names, built.num_classes);
     let out = args.json.clone().unwrap_or_else(|| run_dir.join("eval.json"));
     print(&report)?;
@@ -214,8 +226,10 @@ pub(crate) fn place(spec: &Spec, run_dir: &Path) -> Result<Place> {
     Ok(p.device)
 }
 
-/// The model of the spec with the weights of `file`, on `place`. Built and read on the CPU first:
-/// an OOM there (under a CPU run's cap) ends with exit 3, as one on the device does.
+/// The model of the spec with the weights of `file`, on `place`, as the run had it: its base
+/// drawn from the run's seed where no file holds it (`run::drawn_model`), in the run's dtype, its
+/// frozen weights stored as the run stored them (`train.frozen_dtype`). Built and read on the
+/// CPU first: an OOM there (under a CPU run's cap) ends with exit 3, as one on the device does.
 pub(crate) fn build_model(spec: &Spec, file: &Path, place: Place) -> Result<(nn::VarStore, Built)> {
     let device = place.tch();
     let built_on = match spec.model.preset == "torchscript" {
@@ -224,13 +238,15 @@ pub(crate) fn build_model(spec: &Spec, file: &Path, place: Place) -> Result<(nn:
     };
     let mut vs = nn::VarStore::new(built_on);
     let loaded = oom::guarded(|| -> Result<Built> {
-        let built = tch::no_grad(|| model::build(&vs.root(), &spec.model)).map_err(|e| UsageError(format!("{e:#}")))?;
+        let built =
+            tch::no_grad(|| crate::run::drawn_model(&mut vs, spec)).map_err(|e| UsageError(format!("{e:#}")))?;
         crate::export::weights_into(&vs, &built.head, spec, file).map_err(|e| {
             UsageError(format!(
                 "{e:#}\n  (the weights are not of the run's model, {}: evaluate them with the run that made them)",
                 spec.model.preset
             ))
         })?;
+        crate::run::frozen_as_trained(spec, &vs, built.net.as_ref())?;
         Ok(built)
     });
     let built = loaded.map_err(|e| unplaced(e, built_on))??;
@@ -297,7 +313,13 @@ struct Chunk {
 }
 
 /// The set at `micro_batch`, halved on an OOM and continued from the micro-batch that failed.
-fn pass(net: &dyn model::Net, set: &Dataset, place: Place, micro_batch: i64, classes: i64) -> Result<(Sums, i64)> {
+fn pass(
+    net: &dyn model::Net,
+    set: &Dataset,
+    (place, precision): (Place, PrecisionStage),
+    micro_batch: i64,
+    classes: i64,
+) -> Result<(Sums, i64)> {
     let n = set.len();
     let mut sums = Sums {
         count: vec![0; classes as usize],
@@ -309,7 +331,7 @@ fn pass(net: &dyn model::Net, set: &Dataset, place: Place, micro_batch: i64, cla
         let idx: Vec<i64> = (next..(next + b).min(n)).collect();
         let attempt = oom::guarded_counting(
             || crate::memory::oom_count(place),
-            || tch::no_grad(|| chunk(net, set, &idx, place.tch(), classes)),
+            || tch::no_grad(|| chunk(net, set, &idx, (place.tch(), precision), classes)),
         );
         match attempt {
             Ok(c) => {
@@ -341,15 +363,25 @@ fn pass(net: &dyn model::Net, set: &Dataset, place: Place, micro_batch: i64, cla
     Ok((sums, b))
 }
 
-fn chunk(net: &dyn model::Net, set: &Dataset, idx: &[i64], device: Device, classes: i64) -> Chunk {
+fn chunk(
+    net: &dyn model::Net,
+    set: &Dataset,
+    idx: &[i64],
+    (device, precision): (Device, PrecisionStage),
+    classes: i64,
+) -> Chunk {
     // The test hook that puts an OOM in validation (MEMTRAIN_FAULT_OOM_IN=validation) puts one
     // here: evaluation is a validation pass.
     let _squeeze = crate::fault::squeeze_in(crate::fault::Phase::Validation, None);
     let (x, y) = set.batch(&Tensor::from_slice(idx));
     let y = y.to_device(device);
-    let out = net.forward_t(&x.to_device(device), false);
+    let out = {
+        let _autocast = precision.autocast(device);
+        net.forward_t(&precision.input(&x, device), false)
+    };
     if let Some(w) = net.output_head() {
-        let t = lm_loss::next_token_loss(&out, &w, &y, None, lm_loss::chunk_tokens(w.size()[0]));
+        let compute = precision.precision.autocast();
+        let t = lm_loss::next_token_loss(&out, &w, &y, compute, lm_loss::chunk_tokens(w.size()[0]));
         return Chunk {
             labels: vec![],
             losses: vec![],

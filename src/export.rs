@@ -4,7 +4,8 @@
 //!
 //! The model is built from the run's resolved spec on the CPU, its base read from
 //! `model.init_from` where the checkpoint holds only what trained (and only if that file is
-//! still the one the run trained over), and the checkpoint copied in. Everything is written into
+//! still the one the run trained over), or else drawn again from the run's seed as the run drew
+//! it, and the checkpoint copied in. Everything is written into
 //! a temporary directory beside OUT and renamed into place, so a failed export leaves nothing.
 use std::collections::BTreeMap;
 use std::fs;
@@ -85,9 +86,14 @@ impl Trained {
                 .or_else(|| Store::latest_in(run_dir))
                 .ok_or_else(|| UsageError(format!("{} has no checkpoint yet", run_dir.display())))?,
         };
-        let vs = nn::VarStore::new(Device::Cpu);
-        let built = tch::no_grad(|| model::build(&vs.root(), &spec.model))?;
+        // Drawn as the run drew it: a LoRA run without model.init_from trained over that draw.
+        let mut vs = nn::VarStore::new(Device::Cpu);
+        let built = tch::no_grad(|| crate::run::drawn_model(&mut vs, &spec))?;
         let adapted = weights_into(&vs, &built.head, &spec, &ck.join("model.safetensors"))?;
+        if spec.train.precision == crate::spec::Precision::Bf16 {
+            // Written in fp32 as ever: the values the run trained, merged without rounding.
+            vs.float();
+        }
         Ok(Trained {
             spec,
             vs,

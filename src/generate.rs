@@ -16,7 +16,7 @@ use crate::model::{self, Built, KvCache};
 use crate::oom::{self, StepError};
 use crate::plan::Place;
 use crate::policy::levers::HostParams;
-use crate::run::{streamed_decode, streamed_logits, Streamer};
+use crate::run::{streamed_decode, streamed_logits, PrecisionStage, Streamer};
 use crate::spec::Spec;
 
 /// What the tokens are read and written with: a tokenizer, or none (ids in, ids out).
@@ -177,16 +177,22 @@ struct Loaded {
     _vs: nn::VarStore,
     built: Built,
     stream: Option<Streamer>,
+    /// The run's precision: a mixed run's forward goes under autocast, as in training.
+    precision: PrecisionStage,
 }
 
 impl Loaded {
     fn open(spec: &Spec, file: &Path, place: Place) -> Result<Loaded> {
+        let precision = PrecisionStage {
+            precision: spec.train.precision,
+        };
         if !streams(spec, file) {
             let (_vs, built) = crate::eval::build_model(spec, file, place)?;
             return Ok(Loaded {
                 _vs,
                 built,
                 stream: None,
+                precision,
             });
         }
         // At rest on the host, apart from the device's count and never against its cap.
@@ -208,21 +214,37 @@ impl Loaded {
                 None
             }
         };
-        Ok(Loaded { _vs: vs, built, stream })
+        Ok(Loaded {
+            _vs: vs,
+            built,
+            stream,
+            precision,
+        })
     }
 
     /// The final hidden states of `pending`, the ids after those `cache` holds; a model that
     /// keeps no cache runs the whole sequence `seq` again.
     fn hidden(&self, pending: &Tensor, seq: &[i64], cache: &mut KvCache) -> Tensor {
         let net = self.built.net.as_ref();
-        let whole = || Tensor::from_slice(seq).to_device(pending.device()).unsqueeze(0);
+        let device = pending.device();
+        let whole = || Tensor::from_slice(seq).to_device(device).unsqueeze(0);
+        // Streamed: one autocast region per block, as training's streamed forward has.
+        let autocast = || self.precision.autocast(device);
         match (&self.stream, net.chain()) {
-            (Some(s), Some(chain)) => streamed_decode(net, s, pending, cache)
-                .unwrap_or_else(|| streamed_logits(chain, s, &whole(), false, &|| None)),
-            _ => net
-                .decode(pending, cache)
-                .unwrap_or_else(|| net.forward_t(&whole(), false)),
+            (Some(s), Some(chain)) => streamed_decode(net, s, pending, cache, &autocast)
+                .unwrap_or_else(|| streamed_logits(chain, s, &whole(), false, &autocast)),
+            _ => {
+                let _autocast = autocast();
+                net.decode(pending, cache)
+                    .unwrap_or_else(|| net.forward_t(&whole(), false))
+            }
         }
+    }
+
+    /// The next token's logits from the last hidden state, through the output projection in
+    /// the dtype training's loss computes it in.
+    fn logits(&self, last: &Tensor) -> Tensor {
+        model::lm_loss::logits_in(self.built.net.as_ref(), last, self.precision.precision.autocast())
     }
 }
 
@@ -246,7 +268,6 @@ fn continued(
     max_new: i64,
     eos: Option<i64>,
 ) -> Vec<i64> {
-    let net = model.built.net.as_ref();
     let mut cache = KvCache::default();
     let mut seq: Vec<i64> = prompt.to_vec();
     let mut out = vec![];
@@ -254,7 +275,7 @@ fn continued(
     for _ in 0..max_new {
         let hidden = model.hidden(&pending, &seq, &mut cache);
         let last = hidden.select(1, hidden.size()[1] - 1).squeeze_dim(0);
-        let next = sampler.next(&model::logits(net, &last));
+        let next = sampler.next(&model.logits(&last));
         if Some(next) == eos {
             // The stop, not part of the text.
             break;

@@ -38,8 +38,17 @@ pub fn chunk_tokens(vocab: i64) -> i64 {
 /// Logits from a model's output: the output itself, or a language model's hidden states through
 /// its output projection (`Net::output_head`).
 pub fn logits(net: &dyn Net, out: &Tensor) -> Tensor {
+    logits_in(net, out, None)
+}
+
+/// [`logits`] with the projection in `compute` (a mixed run's autocast dtype; None: `out`'s
+/// own), as [`next_token_loss`] computes it in training.
+pub fn logits_in(net: &dyn Net, out: &Tensor, compute: Option<Kind>) -> Tensor {
     match net.output_head() {
-        Some(w) => out.matmul(&w.to_kind(out.kind()).tr()),
+        Some(w) => {
+            let kind = compute.unwrap_or(out.kind());
+            out.to_kind(kind).matmul(&w.to_kind(kind).tr())
+        }
         None => out.shallow_clone(),
     }
 }

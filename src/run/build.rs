@@ -61,7 +61,6 @@ impl Factory<'_> {
         let spec = &self.plan.spec;
         let device = self.plan.device.tch();
         streams_alone(spec.memory.parameters.is_host(), &execution)?;
-        tch::manual_seed(spec.job.seed);
         let (vs, built, init) = self.build_model()?;
         trainable(&vs, &spec.model.preset)?;
         let parallel = execution.group().is_some();
@@ -209,13 +208,11 @@ impl Factory<'_> {
         };
         let built = {
             let _squeeze = fault::squeeze_in(Phase::Model, self.plan.start.global_step);
+            // Seeded there: eval, generate and export draw a LoRA run's base again the same way.
             setup_try(Phase::Model.label(), &needs, &CHANGE_MODEL, || {
-                model::build(&vs.root(), &spec.model)
+                super::rebuild::drawn_model(&mut vs, spec)
             })?
         };
-        if spec.train.precision == Precision::Bf16 {
-            setup_step(Phase::Model.label(), &needs, &CHANGE_MODEL, || vs.bfloat16())?;
-        }
         let init = match &spec.model.init_from {
             Some(path) => Some(init_from(&vs, &built.head, &spec.model, path)?),
             None => None,

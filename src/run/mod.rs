@@ -10,6 +10,7 @@ mod graph;
 mod launch;
 mod oom_answer;
 mod parts;
+mod rebuild;
 mod resume;
 mod rollback;
 mod save;
@@ -43,7 +44,9 @@ use crate::spec::{self, Spec};
 
 pub use build::{copy_into, init_from};
 use execution::Execution;
+pub use forward::PrecisionStage;
 pub use parts::Kept;
+pub use rebuild::{drawn_model, frozen_as_trained};
 pub use stream::{streamed_decode, streamed_logits, Streamer};
 use trainer::Trainer;
 

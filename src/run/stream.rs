@@ -206,7 +206,13 @@ pub fn streamed_logits(
 /// A decoder's cached forward over `ids` (`Net::decode`), block by block as
 /// [`streamed_logits`] runs them: only the blocks in flight are on the device, the cache stays
 /// there. None: the model keeps no cache.
-pub fn streamed_decode(net: &dyn Net, stream: &Streamer, ids: &Tensor, cache: &mut KvCache) -> Option<Tensor> {
+pub fn streamed_decode(
+    net: &dyn Net,
+    stream: &Streamer,
+    ids: &Tensor,
+    cache: &mut KvCache,
+    autocast: &dyn Fn() -> Option<Autocast>,
+) -> Option<Tensor> {
     let blocks = net.chain()?.blocks();
     let start = cache.len();
     let pass = stream.pass();
@@ -215,6 +221,7 @@ pub fn streamed_decode(net: &dyn Net, stream: &Streamer, ids: &Tensor, cache: &m
     for i in 0..blocks {
         pass.bring(i + 1);
         pass.ready(i);
+        let _autocast = autocast();
         x = net.decode_block(i, &x, start, cache)?;
         pass.release(i);
     }

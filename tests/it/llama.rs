@@ -8,7 +8,7 @@ use crate::common::*;
 
 /// tests/py/llama_reference.py with `args` in `dir`; its JSON output.
 #[track_caller]
-fn llama_py(dir: &Path, args: &[&str]) -> serde_json::Value {
+pub fn llama_py(dir: &Path, args: &[&str]) -> serde_json::Value {
     let o = std::process::Command::new(python())
         .arg(repo().join("tests/py/llama_reference.py"))
         .args(args)

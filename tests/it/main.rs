@@ -32,6 +32,7 @@ mod placement_stream;
 mod precision;
 mod reads;
 mod report;
+mod seeded_base;
 mod structure;
 mod tokens;
 mod training;

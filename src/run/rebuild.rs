@@ -1,0 +1,89 @@
+//! A run's model as its training built it, for the commands that take a run up again from its
+//! checkpoint (`eval`, `generate`, `export`): the same draw, the same dtype and the same frozen
+//! storage, through the code training itself uses.
+use anyhow::Result;
+use tch::nn;
+
+use crate::exit::UsageError;
+use crate::model::{self, Built, Net};
+use crate::spec::{FrozenDtype, Precision, Spec};
+
+/// The model of `spec` as a run draws it before it reads any file: from the run's seed
+/// (`job.seed`), and in bf16 under `train.precision = "bf16"`.
+///
+/// A LoRA run without `model.init_from` trains over this draw, and its checkpoints keep only
+/// what trains (the adapters and extras). Drawing again recovers that base bit for bit: the model
+/// is built on the CPU (the TorchScript preset, which draws nothing, aside), whose seeded
+/// generator gives the same values whatever device the run was on, and nothing draws between
+/// the seed and the model. That costs nothing on disk, where keeping the base would write the
+/// whole frozen model into every checkpoint of an adapter run.
+pub fn drawn_model(vs: &mut nn::VarStore, spec: &Spec) -> Result<Built> {
+    tch::manual_seed(spec.job.seed);
+    let built = model::build(&vs.root(), &spec.model)?;
+    if spec.train.precision == Precision::Bf16 {
+        vs.bfloat16();
+    }
+    Ok(built)
+}
+
+/// `train.frozen_dtype = "bf16"` on a model drawn again and given its checkpoint: the weights the
+/// run kept in bf16 are kept so here too, picked as the run picked them (its frozen weights,
+/// `train.freeze` and LoRA's base, through `store_frozen`). The bytes it saves.
+pub fn frozen_as_trained(spec: &Spec, vs: &nn::VarStore, net: &dyn Net) -> Result<u64> {
+    if spec.train.frozen_dtype != FrozenDtype::Bf16 {
+        return Ok(0);
+    }
+    let train = model::with_frozen(&spec.train, model::lora_frozen(vs, &spec.model)?);
+    let groups = crate::optim::Groups::resolve(&train, &model::param_infos(vs, net)).map_err(UsageError)?;
+    Ok(super::finetune::store_frozen(&train, vs, net, &groups))
+}
+
+#[cfg(test)]
+mod tests {
+    use tch::{Device, Kind};
+
+    use super::*;
+
+    /// An mlp (8 → 16 → 4) with adapters on fc0, under `seed` and `train`'s extra keys.
+    fn spec(seed: u64, train: &str) -> Spec {
+        let text = format!(
+            "[job]\nseed = {seed}\n[model]\npreset = \"mlp\"\n[model.mlp]\ninputs = 8\nhidden = [16]\nnum_classes = 4\n\
+             [model.lora]\nrank = 2\ntargets = [\"fc0\"]\n[train]\n{train}"
+        );
+        toml::from_str(&text).unwrap()
+    }
+
+    fn drawn(spec: &Spec) -> (nn::VarStore, Built) {
+        let mut vs = nn::VarStore::new(Device::Cpu);
+        let built = drawn_model(&mut vs, spec).unwrap();
+        (vs, built)
+    }
+
+    #[test]
+    fn the_same_seed_draws_the_same_base_and_another_seed_another() {
+        let w = |seed| drawn(&spec(seed, "")).0.variables()["fc0.weight"].copy();
+        // Whatever was drawn before, the seed alone decides. Tests in parallel threads may draw
+        // from the one generator between the seed and the build: a few tries before failing.
+        let same = (0..5).any(|_| {
+            let a = w(3);
+            let _ = tch::Tensor::randn([100], (Kind::Float, Device::Cpu));
+            a.equal(&w(3))
+        });
+        assert!(same, "seed 3 twice draws two bases");
+        assert!(!w(3).equal(&w(4)), "seeds 3 and 4");
+    }
+
+    #[test]
+    fn a_bf16_frozen_dtype_keeps_the_base_in_bf16_and_the_adapters_in_fp32() {
+        let s = spec(3, "precision = \"bf16-mixed\"\nfrozen_dtype = \"bf16\"\n");
+        let (vs, built) = drawn(&s);
+        let saved = frozen_as_trained(&s, &vs, built.net.as_ref()).unwrap();
+        let vars = vs.variables();
+        assert_eq!(vars["fc0.weight"].kind(), Kind::BFloat16);
+        assert_eq!(vars["fc0.lora_A.weight"].kind(), Kind::Float);
+        assert!(saved >= 2 * 16 * 8, "{saved}");
+        let (vs, built) = drawn(&spec(3, ""));
+        assert_eq!(frozen_as_trained(&spec(3, ""), &vs, built.net.as_ref()).unwrap(), 0);
+        assert_eq!(vs.variables()["fc0.weight"].kind(), Kind::Float);
+    }
+}
