@@ -20,9 +20,9 @@
 //!
 //! Each kind of step (the weights', DARTS's architecture step) has one slot. A shape runs
 //! `warmup` eager steps first (the last on the capture stream), then is captured and replayed.
-//! A group of another micro-batch (after backoff or grow-back) starts the slot over; a shorter
-//! last group, or a language model's group whose counted tokens differ, runs eager and leaves
-//! the graph in place. A lever recovery engages, a fall back to the CPU or a failed capture turn
+//! A group of another micro-batch (after backoff or grow-back), or the first after frozen
+//! parameters start training, starts the slot over; a shorter last group, or a language
+//! model's group whose counted tokens differ, runs eager and leaves the graph in place. A lever recovery engages, a fall back to the CPU or a failed capture turn
 //! capture off for the slot (an OOM: until the shape changes) and say so in a `graph` record.
 use tch::Device;
 
@@ -61,15 +61,20 @@ struct Key {
     chunks: usize,
     /// The loss's divisor, which the graph holds as a constant.
     divisor: f64,
+    /// Parameters that train, over the stepped optimizer and the others: unfreezing adds
+    /// gradients to compute and parameters to update, which a graph recorded before it lacks.
+    trained: usize,
 }
 
 impl Key {
-    fn of(work: &super::step::Work) -> Key {
+    fn of(s: &Stepping) -> Key {
+        let work = s.work;
         let micro_batch = work.micro_batch.max(1);
         Key {
             micro_batch,
             chunks: work.group.len().div_ceil(micro_batch),
             divisor: work.divisor,
+            trained: s.opt.trained_count() + s.others.iter().map(|o| o.trained_count()).sum::<usize>(),
         }
     }
 
@@ -161,7 +166,7 @@ impl StepGraphs {
         let GraphPlan::Capture { warmup } = self.plan else {
             return pipeline.eager(s);
         };
-        let key = Key::of(s.work);
+        let key = Key::of(&s);
         if let Err(why) = eligible(pipeline, &s, key) {
             self.decline_all(kind, key, s.work.step, why);
             return pipeline.eager(s);
@@ -188,6 +193,7 @@ impl StepGraphs {
         let slot = &mut self.slots[kind as usize];
         let aside = |k: Key| {
             k.micro_batch == key.micro_batch
+                && k.trained == key.trained
                 && (key.chunks < k.chunks || (key.chunks == k.chunks && key.divisor != k.divisor))
         };
         if slot.key.is_some_and(aside) {
@@ -382,6 +388,7 @@ mod tests {
             micro_batch,
             chunks,
             divisor,
+            trained: 10,
         }
     }
 
@@ -444,6 +451,24 @@ mod tests {
         let halved = key(4, 8, 32.0);
         assert_eq!(
             routes(&mut g, StepKind::Weights, halved, 3),
+            ["eager", "side", "capture"]
+        );
+    }
+
+    #[test]
+    fn unfrozen_parameters_start_the_slot_over() {
+        let mut g = graphs();
+        let k = key(8, 4, 32.0);
+        routes(&mut g, StepKind::Weights, k, 2);
+        let unfrozen = Key { trained: 12, ..k };
+        // A short group after unfreezing runs eager as any short group does.
+        assert_eq!(
+            routes(&mut g, StepKind::Weights, Key { chunks: 2, ..unfrozen }, 1),
+            ["eager"]
+        );
+        // The first whole one warms up again instead of taking the graph recorded before.
+        assert_eq!(
+            routes(&mut g, StepKind::Weights, unfrozen, 3),
             ["eager", "side", "capture"]
         );
     }
