@@ -167,11 +167,15 @@ impl StepGraphs {
             return pipeline.eager(s);
         };
         let key = Key::of(&s);
-        if let Err(why) = eligible(pipeline, &s, key) {
-            self.decline_all(kind, key, s.work.step, why);
-            return pipeline.eager(s);
-        }
-        match self.route(kind, key, warmup) {
+        let route = self.decide(
+            kind,
+            key,
+            s.work.group.len(),
+            eligible(pipeline, &s),
+            s.work.step,
+            warmup,
+        );
+        match route {
             Route::Eager => pipeline.eager(s),
             Route::EagerOnSide => {
                 let side = side_stream(&mut self.side, pipeline.forward.device)?;
@@ -186,6 +190,30 @@ impl StepGraphs {
                 replay(pipeline, c, &mut s)
             }
         }
+    }
+
+    /// What happens to a step at `key` over a group of `group` samples, given whether the run can
+    /// capture it at all now (`eligible`).
+    fn decide(
+        &mut self,
+        kind: StepKind,
+        key: Key,
+        group: usize,
+        eligible: Result<(), String>,
+        step: Option<i64>,
+        warmup: u32,
+    ) -> Route {
+        if let Err(why) = eligible {
+            self.decline_all(kind, key, step, why);
+            return Route::Eager;
+        }
+        if !key.whole(group) {
+            // A last group with a part-filled micro-batch: eager, and every slot stays as it is,
+            // as for a shorter group of whole ones (declining here would keep the key of this
+            // group and turn every whole group after it aside, so nothing would be captured again).
+            return Route::Eager;
+        }
+        self.route(kind, key, warmup)
     }
 
     /// Where the slot of `kind` sends a step at `key`, counting warm-ups.
@@ -308,9 +336,9 @@ fn side_stream(side: &mut Option<SideStream>, device: Device) -> Result<&mut Sid
     Ok(side.as_mut().expect("made above"))
 }
 
-/// Why this step cannot be the captured one, when it cannot; recovery may have engaged a
-/// lever, or moved the run to the CPU, since the plan was made.
-fn eligible(pipeline: &StepPipeline, s: &Stepping, key: Key) -> Result<(), String> {
+/// Why no step can be captured now, when none can; recovery may have engaged a lever, or moved
+/// the run to the CPU, since the plan was made.
+fn eligible(pipeline: &StepPipeline, s: &Stepping) -> Result<(), String> {
     let f = &pipeline.forward;
     if !f.device.is_cuda() {
         return Err("the run fell back to the CPU".into());
@@ -326,9 +354,6 @@ fn eligible(pipeline: &StepPipeline, s: &Stepping, key: Key) -> Result<(), Strin
     }
     if s.work.loss_scale.is_some() {
         return Err("fp16-mixed decides on the host whether to skip a step".into());
-    }
-    if !key.whole(s.work.group.len()) {
-        return Err("the group does not split into whole micro-batches".into());
     }
     Ok(())
 }
@@ -490,6 +515,36 @@ mod tests {
         assert_eq!(g.take_events().len(), 1);
         // A new micro-batch after declining warms up again (eligibility is checked first).
         assert_eq!(routes(&mut g, StepKind::Weights, key(4, 8, 32.0), 1), ["eager"]);
+    }
+
+    #[test]
+    fn a_last_group_with_a_part_filled_micro_batch_runs_eager_and_keeps_every_slot() {
+        let mut g = graphs();
+        let k = key(8, 4, 32.0);
+        let decide = |g: &mut StepGraphs, k: Key, group: usize| match g.decide(
+            StepKind::Weights,
+            k,
+            group,
+            Ok(()),
+            Some(1),
+            WARMUP,
+        ) {
+            Route::Eager => "eager",
+            Route::EagerOnSide => "side",
+            Route::Capture => "capture",
+            Route::Replay => "replay",
+        };
+        assert_eq!(decide(&mut g, k, 32), "eager");
+        assert_eq!(decide(&mut g, k, 32), "side");
+        // 30 samples at micro-batch 8: four micro-batches, the last of 6.
+        assert_eq!(decide(&mut g, key(8, 4, 30.0), 30), "eager");
+        assert!(g.take_events().is_empty(), "nothing declined");
+        // The next epoch's whole groups are captured as before.
+        assert_eq!(decide(&mut g, k, 32), "capture");
+        // Ineligible (a lever engaged) still ends every slot, once said.
+        let lever = g.decide(StepKind::Weights, k, 32, Err("a lever".into()), Some(2), WARMUP);
+        assert!(matches!(lever, Route::Eager));
+        assert_eq!(g.take_events().len(), 1);
     }
 
     #[test]
