@@ -260,8 +260,14 @@ impl StepGraphs {
         mut s: Stepping,
     ) -> Result<StepOutput, StepError> {
         let place = pipeline.place();
-        // What the eager steps left cached serves no allocation of the graph's private pool:
-        // given back first, a capture under a tight cap has the room the eager step had.
+        // The last eager step's gradients go first (every attempt starts by releasing them; the
+        // capture's backward makes them anew in the pool), then what the eager steps left cached,
+        // which serves no allocation of the graph's private pool: a capture under a tight cap has
+        // the room the eager step had, not that less one set of gradients.
+        pipeline.guarded(|| {
+            s.opt.drop_grads();
+            s.others.iter_mut().for_each(|o| o.drop_grads());
+        })?;
         if let Err(e) = crate::shim::empty_cache() {
             tracing::warn!("releasing the cache before a capture: {e:#}");
         }
