@@ -11,6 +11,7 @@
 #include <c10/core/Event.h>
 #include <c10/core/StreamGuard.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
@@ -70,6 +71,9 @@ void order(c10::cuda::CUDAStream from, c10::cuda::CUDAStream to) {
 struct MtSideStream {
   c10::cuda::CUDAStream side;
   std::optional<c10::cuda::CUDAStream> outer;
+  // The device current before entering: the side stream's is made current too, since a capture
+  // begins on the current device's current stream (on another device, its default stream).
+  c10::DeviceIndex outer_device = -1;
 };
 
 struct MtGraph {
@@ -98,27 +102,30 @@ char *mt_side_stream_new(int64_t device, MtSideStream **out) {
   });
 }
 
-// The side stream becomes current, after the work queued on the stream that was.
+// The side stream (and its device) becomes current, after the work queued on the stream that was.
 char *mt_side_stream_enter(MtSideStream *s) {
   return guarded([&] {
     MT_GRAPH_ONLY({
       if (s->outer) throw std::logic_error("the capture stream is current already");
       auto outer = c10::cuda::getCurrentCUDAStream(s->side.device_index());
       order(outer, s->side);
+      s->outer_device = c10::cuda::ExchangeDevice(s->side.device_index());
       c10::cuda::setCurrentCUDAStream(s->side);
       s->outer = outer;
     })
   });
 }
 
-// The stream that was current is again, after the work queued on the side stream.
+// The stream and device that were current are again, after the work queued on the side stream.
 char *mt_side_stream_leave(MtSideStream *s) {
   return guarded([&] {
     MT_GRAPH_ONLY({
       if (!s->outer) return;
       c10::cuda::setCurrentCUDAStream(*s->outer);
-      order(s->side, *s->outer);
+      auto outer = *s->outer;
       s->outer.reset();
+      c10::cuda::ExchangeDevice(s->outer_device);
+      order(s->side, outer);
     })
   });
 }
