@@ -2229,11 +2229,17 @@ def check_vit_l16_lora(r, probe, vit=None, batch=32, cap=None):
 
 # --- CUDA graphs (train.cuda_graph) ---------------------------------------------------------
 # Each row runs a job eager ("off") and captured ("on") from the same spec, with the fused
-# optimizer (what a captured step needs) and deterministic algorithms. SGD's fused kernel
-# multiplies by the learning rate in double precision and reads a float32 one from the device,
-# so the SGD jobs use a rate float32 holds exactly (0.0625) with a constant schedule.
+# optimizer (what a captured step needs) and deterministic algorithms. The fused kernels (SGD's
+# and Adam's alike) compute with the learning rate in double precision; "off" hands it over as a
+# double, while "on" has every step, eager warm-ups included, read it from the device as
+# float32. So the compared jobs use rates float32 holds exactly, at a constant schedule.
 GRAPH_STEPS = 8
 GRAPH_COMMON = ['train.optimizer_impl="fused"', "log.every_steps=1"]
+# The digits MLP's Adam at 2^-7 (its config's 0.01 is no float32), the ViT's AdamW at 2^-10
+# (for 0.001), DARTS's architecture Adam at 2^-12 (for 3e-4).
+GRAPH_MLP = ['train.optimizer="adam"', "train.lr=0.0078125"]
+GRAPH_VIT = ["train.lr=0.0009765625"]
+GRAPH_DARTS_ARCH = ["model.darts.arch_lr=0.000244140625"]
 
 
 def darts_text():
@@ -2246,10 +2252,11 @@ def graph_jobs(r):
     """(row name, spec path, settings both runs share)."""
     exact_sgd = ["train.lr=0.0625", 'train.schedule="constant"', "train.warmup_steps=0"]
     return [
-        ("mlp", DIGITS, [dev(), 'train.optimizer="adam"', "train.epochs=1"]),
+        ("mlp", DIGITS, [dev(), "train.epochs=1"] + GRAPH_MLP),
         ("resnet18", spec_file(r, "graph-resnet", RESNET.format(device=DEVICE)), exact_sgd),
-        ("vit", spec_file(r, "graph-vit", VIT.format(device=DEVICE, dropout=0.1, samples=640, epochs=1)), []),
-        ("darts", spec_file(r, "graph-darts", darts_text()), exact_sgd + [dev(), "data.samples=60", "train.epochs=1"]),
+        ("vit", spec_file(r, "graph-vit", VIT.format(device=DEVICE, dropout=0.1, samples=640, epochs=1)), GRAPH_VIT),
+        ("darts", spec_file(r, "graph-darts", darts_text()),
+         exact_sgd + GRAPH_DARTS_ARCH + [dev(), "data.samples=60", "train.epochs=1"]),
     ]
 
 
@@ -2305,7 +2312,7 @@ def judge_graph_capture_oom(eager_records, records):
 
 
 def check_graph_capture_oom(r, probe):
-    sets = GRAPH_COMMON + [dev(), 'train.optimizer="adam"', "train.epochs=1"]
+    sets = GRAPH_COMMON + [dev(), "train.epochs=1"] + GRAPH_MLP
     steps = ["--max-steps", str(GRAPH_STEPS)]
     p, eager = r.run("graph-oom-off", DIGITS, sets + ['train.cuda_graph="off"'], extra=steps, env=DETERMINISTIC_ENV)
     if p.rc != 0:

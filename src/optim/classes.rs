@@ -61,6 +61,12 @@ impl Optimizer {
         self.class_of.iter().any(Option::is_none)
     }
 
+    /// How many parameters train. It changes only when frozen ones start training, which changes
+    /// what a step computes and updates: a captured step holds one such set.
+    pub fn trained_count(&self) -> usize {
+        self.class_of.iter().filter(|c| c.is_some()).count()
+    }
+
     /// The frozen parameters start training, in the groups `all` (every parameter's, none
     /// frozen) gives them, as new classes that count their steps from `at` (the optimizer's
     /// step count when they start): they require gradients and get fresh state from now on.

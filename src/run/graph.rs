@@ -20,9 +20,9 @@
 //!
 //! Each kind of step (the weights', DARTS's architecture step) has one slot. A shape runs
 //! `warmup` eager steps first (the last on the capture stream), then is captured and replayed.
-//! A group of another micro-batch (after backoff or grow-back) starts the slot over; a shorter
-//! last group, or a language model's group whose counted tokens differ, runs eager and leaves
-//! the graph in place. A lever recovery engages, a fall back to the CPU or a failed capture turn
+//! A group of another micro-batch (after backoff or grow-back), or the first after frozen
+//! parameters start training, starts the slot over; a shorter last group, or a language
+//! model's group whose counted tokens differ, runs eager and leaves the graph in place. A lever recovery engages, a fall back to the CPU or a failed capture turn
 //! capture off for the slot (an OOM: until the shape changes) and say so in a `graph` record.
 use tch::Device;
 
@@ -61,15 +61,20 @@ struct Key {
     chunks: usize,
     /// The loss's divisor, which the graph holds as a constant.
     divisor: f64,
+    /// Parameters that train, over the stepped optimizer and the others: unfreezing adds
+    /// gradients to compute and parameters to update, which a graph recorded before it lacks.
+    trained: usize,
 }
 
 impl Key {
-    fn of(work: &super::step::Work) -> Key {
+    fn of(s: &Stepping) -> Key {
+        let work = s.work;
         let micro_batch = work.micro_batch.max(1);
         Key {
             micro_batch,
             chunks: work.group.len().div_ceil(micro_batch),
             divisor: work.divisor,
+            trained: s.opt.trained_count() + s.others.iter().map(|o| o.trained_count()).sum::<usize>(),
         }
     }
 
@@ -161,12 +166,16 @@ impl StepGraphs {
         let GraphPlan::Capture { warmup } = self.plan else {
             return pipeline.eager(s);
         };
-        let key = Key::of(s.work);
-        if let Err(why) = eligible(pipeline, &s, key) {
-            self.decline_all(kind, key, s.work.step, why);
-            return pipeline.eager(s);
-        }
-        match self.route(kind, key, warmup) {
+        let key = Key::of(&s);
+        let route = self.decide(
+            kind,
+            key,
+            s.work.group.len(),
+            eligible(pipeline, &s),
+            s.work.step,
+            warmup,
+        );
+        match route {
             Route::Eager => pipeline.eager(s),
             Route::EagerOnSide => {
                 let side = side_stream(&mut self.side, pipeline.forward.device)?;
@@ -183,11 +192,36 @@ impl StepGraphs {
         }
     }
 
+    /// What happens to a step at `key` over a group of `group` samples, given whether the run can
+    /// capture it at all now (`eligible`).
+    fn decide(
+        &mut self,
+        kind: StepKind,
+        key: Key,
+        group: usize,
+        eligible: Result<(), String>,
+        step: Option<i64>,
+        warmup: u32,
+    ) -> Route {
+        if let Err(why) = eligible {
+            self.decline_all(kind, key, step, why);
+            return Route::Eager;
+        }
+        if !key.whole(group) {
+            // A last group with a part-filled micro-batch: eager, and every slot stays as it is,
+            // as for a shorter group of whole ones (declining here would keep the key of this
+            // group and turn every whole group after it aside, so nothing would be captured again).
+            return Route::Eager;
+        }
+        self.route(kind, key, warmup)
+    }
+
     /// Where the slot of `kind` sends a step at `key`, counting warm-ups.
     fn route(&mut self, kind: StepKind, key: Key, warmup: u32) -> Route {
         let slot = &mut self.slots[kind as usize];
         let aside = |k: Key| {
             k.micro_batch == key.micro_batch
+                && k.trained == key.trained
                 && (key.chunks < k.chunks || (key.chunks == k.chunks && key.divisor != k.divisor))
         };
         if slot.key.is_some_and(aside) {
@@ -226,8 +260,14 @@ impl StepGraphs {
         mut s: Stepping,
     ) -> Result<StepOutput, StepError> {
         let place = pipeline.place();
-        // What the eager steps left cached serves no allocation of the graph's private pool:
-        // given back first, a capture under a tight cap has the room the eager step had.
+        // The last eager step's gradients go first (every attempt starts by releasing them; the
+        // capture's backward makes them anew in the pool), then what the eager steps left cached,
+        // which serves no allocation of the graph's private pool: a capture under a tight cap has
+        // the room the eager step had, not that less one set of gradients.
+        pipeline.guarded(|| {
+            s.opt.drop_grads();
+            s.others.iter_mut().for_each(|o| o.drop_grads());
+        })?;
         if let Err(e) = crate::shim::empty_cache() {
             tracing::warn!("releasing the cache before a capture: {e:#}");
         }
@@ -302,9 +342,9 @@ fn side_stream(side: &mut Option<SideStream>, device: Device) -> Result<&mut Sid
     Ok(side.as_mut().expect("made above"))
 }
 
-/// Why this step cannot be the captured one, when it cannot; recovery may have engaged a
-/// lever, or moved the run to the CPU, since the plan was made.
-fn eligible(pipeline: &StepPipeline, s: &Stepping, key: Key) -> Result<(), String> {
+/// Why no step can be captured now, when none can; recovery may have engaged a lever, or moved
+/// the run to the CPU, since the plan was made.
+fn eligible(pipeline: &StepPipeline, s: &Stepping) -> Result<(), String> {
     let f = &pipeline.forward;
     if !f.device.is_cuda() {
         return Err("the run fell back to the CPU".into());
@@ -320,9 +360,6 @@ fn eligible(pipeline: &StepPipeline, s: &Stepping, key: Key) -> Result<(), Strin
     }
     if s.work.loss_scale.is_some() {
         return Err("fp16-mixed decides on the host whether to skip a step".into());
-    }
-    if !key.whole(s.work.group.len()) {
-        return Err("the group does not split into whole micro-batches".into());
     }
     Ok(())
 }
@@ -382,6 +419,7 @@ mod tests {
             micro_batch,
             chunks,
             divisor,
+            trained: 10,
         }
     }
 
@@ -449,6 +487,24 @@ mod tests {
     }
 
     #[test]
+    fn unfrozen_parameters_start_the_slot_over() {
+        let mut g = graphs();
+        let k = key(8, 4, 32.0);
+        routes(&mut g, StepKind::Weights, k, 2);
+        let unfrozen = Key { trained: 12, ..k };
+        // A short group after unfreezing runs eager as any short group does.
+        assert_eq!(
+            routes(&mut g, StepKind::Weights, Key { chunks: 2, ..unfrozen }, 1),
+            ["eager"]
+        );
+        // The first whole one warms up again instead of taking the graph recorded before.
+        assert_eq!(
+            routes(&mut g, StepKind::Weights, unfrozen, 3),
+            ["eager", "side", "capture"]
+        );
+    }
+
+    #[test]
     fn declining_ends_every_slot_and_records_each_reason_once() {
         let mut g = graphs();
         let k = key(8, 4, 32.0);
@@ -465,6 +521,36 @@ mod tests {
         assert_eq!(g.take_events().len(), 1);
         // A new micro-batch after declining warms up again (eligibility is checked first).
         assert_eq!(routes(&mut g, StepKind::Weights, key(4, 8, 32.0), 1), ["eager"]);
+    }
+
+    #[test]
+    fn a_last_group_with_a_part_filled_micro_batch_runs_eager_and_keeps_every_slot() {
+        let mut g = graphs();
+        let k = key(8, 4, 32.0);
+        let decide = |g: &mut StepGraphs, k: Key, group: usize| match g.decide(
+            StepKind::Weights,
+            k,
+            group,
+            Ok(()),
+            Some(1),
+            WARMUP,
+        ) {
+            Route::Eager => "eager",
+            Route::EagerOnSide => "side",
+            Route::Capture => "capture",
+            Route::Replay => "replay",
+        };
+        assert_eq!(decide(&mut g, k, 32), "eager");
+        assert_eq!(decide(&mut g, k, 32), "side");
+        // 30 samples at micro-batch 8: four micro-batches, the last of 6.
+        assert_eq!(decide(&mut g, key(8, 4, 30.0), 30), "eager");
+        assert!(g.take_events().is_empty(), "nothing declined");
+        // The next epoch's whole groups are captured as before.
+        assert_eq!(decide(&mut g, k, 32), "capture");
+        // Ineligible (a lever engaged) still ends every slot, once said.
+        let lever = g.decide(StepKind::Weights, k, 32, Err("a lever".into()), Some(2), WARMUP);
+        assert!(matches!(lever, Route::Eager));
+        assert_eq!(g.take_events().len(), 1);
     }
 
     #[test]

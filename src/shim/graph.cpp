@@ -6,9 +6,12 @@
 #include <ATen/Context.h>
 #ifdef MEMTRAIN_HAVE_CUDA_RUNTIME
 #include <ATen/core/CachingHostAllocator.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/core/Event.h>
+#include <c10/core/StreamGuard.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
@@ -23,13 +26,28 @@ using mt::guarded;
 #ifdef MEMTRAIN_HAVE_CUDA_RUNTIME
 namespace {
 
-// Reaches the pool of a capture whose end threw: CUDA ended the capture, but
-// at::cuda::CUDAGraph stopped before it stopped routing allocations to the pool and before it
-// could release it.
+// at::cuda::CUDAGraph, with what its capture_begin or capture_end leaves standing when it
+// throws part-way undone: CUDA ended the capture, but CUDAGraph stopped before it stopped routing
+// allocations to the pool, before it released the pool, and before it told the generators the
+// capture was over.
 struct Graph : at::cuda::CUDAGraph {
   Graph() : at::cuda::CUDAGraph(false) {}
 
-  void release_failed_pool() {
+  // capture_end from the stream the capture began on, whatever stream is current: CUDA ends a
+  // capture only there, and a stream left capturing would swallow every later launch on it.
+  void end_on_capture_stream() {
+    c10::StreamGuard on(capture_stream_.unwrap());
+    capture_end();
+  }
+
+  // After capture_begin or capture_end threw. Once capture_end got as far as marking the capture
+  // ended, reset() (or the destructor) releases the pool and the generators were told already.
+  void undo_failed() {
+    if (capture_ended_) return;
+    // A generator still marked capturing refuses every eager draw afterwards ("Offset increment
+    // outside graph capture encountered unexpectedly"): dropout in the eager step that follows.
+    for (auto &entry : captured_generator_states_) entry.first->capturing_ = false;
+    if (capture_dev_ == UNDEFINED_DEVICE) return;
     // Each step on its own: one that was never begun must not keep the others from running.
     try { c10::cuda::CUDACachingAllocator::endAllocateToPool(capture_dev_, mempool_id_); } catch (...) {}
     try { at::getHostAllocator(at::kCUDA)->end_allocate_to_pool(mempool_id_); } catch (...) {}
@@ -53,6 +71,9 @@ void order(c10::cuda::CUDAStream from, c10::cuda::CUDAStream to) {
 struct MtSideStream {
   c10::cuda::CUDAStream side;
   std::optional<c10::cuda::CUDAStream> outer;
+  // The device current before entering: the side stream's is made current too, since a capture
+  // begins on the current device's current stream (on another device, its default stream).
+  c10::DeviceIndex outer_device = -1;
 };
 
 struct MtGraph {
@@ -81,27 +102,30 @@ char *mt_side_stream_new(int64_t device, MtSideStream **out) {
   });
 }
 
-// The side stream becomes current, after the work queued on the stream that was.
+// The side stream (and its device) becomes current, after the work queued on the stream that was.
 char *mt_side_stream_enter(MtSideStream *s) {
   return guarded([&] {
     MT_GRAPH_ONLY({
       if (s->outer) throw std::logic_error("the capture stream is current already");
       auto outer = c10::cuda::getCurrentCUDAStream(s->side.device_index());
       order(outer, s->side);
+      s->outer_device = c10::cuda::ExchangeDevice(s->side.device_index());
       c10::cuda::setCurrentCUDAStream(s->side);
       s->outer = outer;
     })
   });
 }
 
-// The stream that was current is again, after the work queued on the side stream.
+// The stream and device that were current are again, after the work queued on the side stream.
 char *mt_side_stream_leave(MtSideStream *s) {
   return guarded([&] {
     MT_GRAPH_ONLY({
       if (!s->outer) return;
       c10::cuda::setCurrentCUDAStream(*s->outer);
-      order(s->side, *s->outer);
+      auto outer = *s->outer;
       s->outer.reset();
+      c10::cuda::ExchangeDevice(s->outer_device);
+      order(s->side, outer);
     })
   });
 }
@@ -114,19 +138,30 @@ char *mt_graph_begin(MtGraph **out) {
     MT_GRAPH_ONLY({
       auto g = std::make_unique<MtGraph>();
       g->graph = std::make_unique<Graph>();
-      g->graph->capture_begin();
+      try {
+        g->graph->capture_begin();
+      } catch (...) {
+        g->graph->undo_failed();
+        throw;
+      }
       g->capturing = true;
       *out = g.release();
     })
   });
 }
 
-// Capture ends and the graph is instantiated, ready to replay.
+// Capture ends and the graph is instantiated, ready to replay. If that throws, nothing of the
+// capture stays but what freeing the graph releases.
 char *mt_graph_end(MtGraph *g) {
   return guarded([&] {
     MT_GRAPH_ONLY({
       g->capturing = false;
-      g->graph->capture_end();
+      try {
+        g->graph->end_on_capture_stream();
+      } catch (...) {
+        g->graph->undo_failed();
+        throw;
+      }
     })
   });
 }
@@ -139,9 +174,9 @@ char *mt_graph_abandon(MtGraph *g) {
       if (!g->capturing) return;
       g->capturing = false;
       try {
-        g->graph->capture_end();
+        g->graph->end_on_capture_stream();
       } catch (...) {
-        g->graph->release_failed_pool();
+        g->graph->undo_failed();
       }
       g->graph->reset();
     })

@@ -550,6 +550,39 @@ class Graphs(unittest.TestCase):
         both = ok + [self.graph("captured", of="architecture")]
         self.assertTrue(g.judge_graph_exact("darts", eager, both, ("weights", "architecture")).ok)
 
+    def test_compared_jobs_step_at_rates_float32_holds(self):
+        """"on" has every step read its learning rate from the device as float32, "off" hands the
+        kernels a double: any other rate makes the two runs differ before anything is captured."""
+        class Runner:
+            def __init__(self, d):
+                self.d = d
+
+            def path(self, name):
+                return os.path.join(self.d, name)
+
+        def effective(spec, sets):
+            with open(os.path.join(g.ROOT, spec), "rb") as f:
+                t = tomllib.load(f)
+            got = {"train.lr": t["train"].get("lr", 1e-3), "train.schedule": t["train"].get("schedule", "constant"),
+                   "train.warmup_steps": t["train"].get("warmup_steps", 0)}
+            if "darts" in t["model"]:
+                got["model.darts.arch_lr"] = t["model"]["darts"].get("arch_lr", 3e-4)
+            for s in sets:
+                k, v = s.split("=", 1)
+                if k in got:
+                    got[k] = tomllib.loads(f"v = {v}")["v"]
+            return got
+
+        with tempfile.TemporaryDirectory() as d:
+            jobs = g.graph_jobs(Runner(d)) + [("capture oom", g.DIGITS, g.GRAPH_MLP)]
+            for model, spec, sets in jobs:
+                got = effective(spec, sets)
+                for k in ("train.lr", "model.darts.arch_lr"):
+                    if k in got:
+                        v = got[k]
+                        self.assertEqual(struct.unpack("f", struct.pack("f", v))[0], v, f"{model}: {k} = {v}")
+                self.assertEqual((got["train.schedule"], got["train.warmup_steps"]), ("constant", 0), model)
+
     def test_a_capture_oom_runs_eager_with_its_records(self):
         eager = self.run_of([2.0, 1.5])
         why = "the capture ran out of memory (CUDA out of memory. Tried to allocate 4.00 TiB)"
