@@ -330,7 +330,7 @@ fn graph_words(job: &Sections) -> Option<String> {
     Some(match (spec_reason, job.device) {
         (Some(why), _) => format!("eager: {why}"),
         (None, Device::Cpu) => "eager: the run is on the CPU, and CUDA graphs are CUDA's".into(),
-        (None, _) => "captured on CUDA after 2 eager steps per batch shape; the graph's pool keeps the step's working memory (activations, gradients, temporaries) between steps, so validation and checkpoints allocate beside it rather than in it".into(),
+        (None, _) => "captured on CUDA after 3 eager steps per batch shape; the graph's pool keeps the step's working memory (activations, gradients, temporaries) between steps, so validation and checkpoints allocate beside it rather than in it".into(),
     })
 }
 

@@ -7,9 +7,10 @@ use crate::memory::Place;
 use crate::spec::{graph_declines, CudaGraph, Spec};
 
 /// Eager steps at a batch shape before it is captured: the first creates the optimizer's state
-/// and the step's lazily made workspaces outside any graph; the second runs on the capture
-/// stream, so the libraries' per-stream workspaces exist before capture too.
-pub const WARMUP_STEPS: u32 = 2;
+/// and the step's lazily made workspaces outside any graph; the other two run on the capture
+/// stream, so the libraries' per-stream workspaces exist before capture too (PyTorch's own
+/// recipe warms up three times on the side stream).
+pub const WARMUP_STEPS: u32 = 3;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum GraphPlan {

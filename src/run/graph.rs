@@ -19,7 +19,7 @@
 //!   advances per replay as an eager step would.
 //!
 //! Each kind of step (the weights', DARTS's architecture step) has one slot. A shape runs
-//! `warmup` eager steps first (the last on the capture stream), then is captured and replayed.
+//! `warmup` eager steps first (all but the first on the capture stream), then is captured and replayed.
 //! A group of another micro-batch (after backoff or grow-back), or the first after frozen
 //! parameters start training, starts the slot over; a shorter last group, or a language
 //! model's group whose counted tokens differ, runs eager and leaves the graph in place. A lever recovery engages, a fall back to the CPU or a failed capture turn
@@ -111,9 +111,10 @@ struct Slot {
 }
 
 /// What the slot does with this step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Route {
     Eager,
-    /// The last warm-up: eager, on the capture stream.
+    /// A warm-up after the first: eager, on the capture stream.
     EagerOnSide,
     Capture,
     Replay,
@@ -242,7 +243,10 @@ impl StepGraphs {
             SlotState::Warming(n) if *n >= warmup => Route::Capture,
             SlotState::Warming(n) => {
                 *n += 1;
-                match *n == warmup {
+                // The first warm-up makes the optimizer's state on the default stream; the rest
+                // run on the capture stream, so that whatever libraries make lazily per stream
+                // (cuBLAS workspaces, cuDNN plans) exists before a capture, which may not make it.
+                match *n >= warmup.min(2) {
                     true => Route::EagerOnSide,
                     false => Route::Eager,
                 }
@@ -449,6 +453,22 @@ mod tests {
         assert_eq!(routes(&mut g, StepKind::Weights, k, 1), ["capture"]);
         // The architecture step has a slot of its own.
         assert_eq!(routes(&mut g, StepKind::Architecture, key(8, 1, 8.0), 1), ["eager"]);
+    }
+
+    #[test]
+    fn the_warm_ups_after_the_first_run_on_the_side_stream() {
+        let k = key(8, 4, 32.0);
+        for (warmup, want) in [
+            (
+                3,
+                vec![Route::Eager, Route::EagerOnSide, Route::EagerOnSide, Route::Capture],
+            ),
+            (1, vec![Route::EagerOnSide, Route::Capture]),
+        ] {
+            let mut g = StepGraphs::new(GraphPlan::Capture { warmup });
+            let seen: Vec<Route> = want.iter().map(|_| g.route(StepKind::Weights, k, warmup)).collect();
+            assert_eq!(seen, want, "warmup {warmup}");
+        }
     }
 
     #[test]
