@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 use serde_json::Value;
 
 use super::search::Measured;
-use super::setting::{Budget, Probe, Setting};
+use super::setting::{Budget, Graph, Probe, Setting};
 use crate::cli::FitArgs;
 use crate::exit::UsageError;
 use crate::human::{human_bytes, human_duration};
@@ -74,6 +74,9 @@ impl Prober<'_> {
                 "train.activation_checkpointing",
                 v(setting.activation_checkpointing.into()),
             ),
+            // Always written: the probe runs what was chosen, and a user's "on" beside a setting
+            // that cannot capture (recomputation, say) would refuse the probe's spec.
+            ("train.cuda_graph", v(setting.cuda_graph.name().into())),
             ("memory.on_oom", v(serde_json::json!(["fail"]))),
             ("memory.min_batch_size", v(1.into())),
             ("memory.limit", v(self.budget.usable_bytes.into())),
@@ -103,45 +106,19 @@ impl Prober<'_> {
             .arg("--out")
             .arg(&run_dir)
             .arg("--max-steps")
-            .arg(self.args.steps.to_string())
+            .arg(super::graph::probe_steps(self.args.steps, setting.cuda_graph).to_string())
             .output()
             .with_context(|| format!("starting {}", self.exe.display()))?;
         let seconds = t.elapsed().as_secs_f64();
-        let mut oom = None;
-        let measured = match out.status.code() {
-            Some(crate::exit::OK) => {
-                // A probe's own records; a missing one is fit's failure, not the user's input.
-                let records =
-                    records::read(&run_dir).map_err(|e| anyhow::anyhow!("reading a probe's records: {e:#}"))?;
-                let summary = records
-                    .summary
-                    .as_ref()
-                    .context("a probe that completed wrote no summary.json")?;
-                if setting.activation_checkpointing && !summary.precision.activation_checkpointing {
-                    return Err(ProbeError::NotApplicable);
-                }
-                measure(&records, micro_batch, self.cuda)
-            }
-            Some(crate::exit::OOM) => {
-                oom = where_oom(&run_dir);
-                Measured {
-                    micro_batch,
-                    fits: false,
-                    peak_bytes: None,
-                    samples_per_s: None,
-                }
-            }
-            None if killed_by(&out.status) == Some(libc::SIGKILL) => {
-                // The CPU cap counts tensor bytes only; past it, the kernel's OOM killer may be
-                // what stops a probe.
-                oom = Some("killed by SIGKILL: the kernel's OOM killer, most likely".into());
-                Measured {
-                    micro_batch,
-                    fits: false,
-                    peak_bytes: None,
-                    samples_per_s: None,
-                }
-            }
+        let (measured, oom) = match out.status.code() {
+            Some(crate::exit::OK) => self.completed(setting, micro_batch, &run_dir)?,
+            Some(crate::exit::OOM) => (Measured::out_of_memory(micro_batch), where_oom(&run_dir)),
+            // The CPU cap counts tensor bytes only; past it, the kernel's OOM killer may be what
+            // stops a probe.
+            None if killed_by(&out.status) == Some(libc::SIGKILL) => (
+                Measured::out_of_memory(micro_batch),
+                Some("killed by SIGKILL: the kernel's OOM killer, most likely".into()),
+            ),
             code => {
                 return Err(ProbeError::Failed(probe_failure(
                     micro_batch,
@@ -163,6 +140,36 @@ impl Prober<'_> {
         }
         self.probes.push(probe);
         Ok(measured)
+    }
+}
+
+impl Prober<'_> {
+    /// What a probe that exited 0 measured, from its records. A captured probe that captured
+    /// nothing (its capture ran out of memory and it went on eager) does not fit as a captured
+    /// setting; the records' reason comes with it.
+    fn completed(
+        &self,
+        setting: Setting,
+        micro_batch: i64,
+        run_dir: &Path,
+    ) -> Result<(Measured, Option<String>), ProbeError> {
+        // A probe's own records; a missing one is fit's failure, not the user's input.
+        let records = records::read(run_dir).map_err(|e| anyhow::anyhow!("reading a probe's records: {e:#}"))?;
+        let summary = records
+            .summary
+            .as_ref()
+            .context("a probe that completed wrote no summary.json")?;
+        if setting.activation_checkpointing && !summary.precision.activation_checkpointing {
+            return Err(ProbeError::NotApplicable);
+        }
+        Ok(match setting.cuda_graph {
+            Graph::Off => (measure(&records, micro_batch, self.cuda, 0), None),
+            // Timed over the replays alone: the warm-ups and the capture are set-up.
+            Graph::On => match super::graph::captured_at(&records) {
+                Ok(at) => (measure(&records, micro_batch, self.cuda, at), None),
+                Err(why) => (Measured::out_of_memory(micro_batch), Some(why)),
+            },
+        })
     }
 }
 
@@ -202,8 +209,9 @@ pub(super) fn where_oom(run_dir: &Path) -> Option<String> {
 }
 
 /// The probe's peak (reserved on CUDA: that is what the cap limits; allocated tensor bytes on
-/// the CPU) over all its steps, and its throughput over the steps after the first.
-pub(super) fn measure(records: &RunRecords, micro_batch: i64, cuda: bool) -> Measured {
+/// the CPU) over all its steps, and its throughput over the steps after the first and after
+/// global step `set_up` (a captured probe's capture: its warm-ups and capture are not replays).
+pub(super) fn measure(records: &RunRecords, micro_batch: i64, cuda: bool, set_up: i64) -> Measured {
     let steps: Vec<&StepEvent> = records.steps().collect();
     let step_peak = |s: &StepEvent| match cuda {
         true => s.memory.peak_reserved_bytes,
@@ -221,7 +229,7 @@ pub(super) fn measure(records: &RunRecords, micro_batch: i64, cuda: bool) -> Mea
     let timed: Vec<(f64, f64)> = steps
         .iter()
         .skip(1)
-        .filter(|s| s.seconds.is_finite())
+        .filter(|s| s.step > set_up && s.seconds.is_finite())
         .map(|s| (s.samples as f64, s.seconds))
         .collect();
     let seconds: f64 = timed.iter().map(|t| t.1).sum();

@@ -1,0 +1,292 @@
+//! CUDA graphs as one more dimension of fit's settings (`train.cuda_graph`).
+//!
+//! A captured step saves launches, not memory, so it does not change which micro-batch fits in
+//! eager; what it can change is the speed at the micro-batch a setting settled on, and the peak
+//! there (the graph's pool keeps the step's working memory between replays). So fit measures it
+//! only where it can matter and only once per setting: on CUDA, for a setting whose spec could
+//! capture, at that setting's candidate micro-batch, beside its eager probe there. A captured
+//! probe that runs out of memory there, or that never captured, leaves the setting's eager
+//! candidate as it was: stepping the micro-batch down for the graph would cost more probes for a
+//! smaller batch that the eager candidate at the larger one was measured against already.
+use anyhow::Result;
+
+use super::probe::{ProbeError, Prober};
+use super::Report;
+use crate::human::human_bytes;
+use super::search::Measured;
+use super::setting::{Graph, Setting};
+use crate::plan::graph::WARMUP_STEPS;
+use crate::records::{Event, RunRecords};
+use crate::spec::{self, CudaGraph, Memory, Spec, Train};
+
+impl Setting {
+    /// The spec's `[train]` and `[memory]` as this setting's probe runs them.
+    pub fn applied(self, train: &Train, memory: &Memory) -> (Train, Memory) {
+        let mut t = train.clone();
+        t.precision = self.precision;
+        t.activation_checkpointing = self.activation_checkpointing;
+        t.cuda_graph = match self.cuda_graph {
+            Graph::On => CudaGraph::On,
+            Graph::Off => CudaGraph::Off,
+        };
+        let mut m = memory.clone();
+        let [state, grads, acts, params] = self.placement.keys().map(|(_, home)| home);
+        m.optimizer_state = state;
+        m.gradients = grads;
+        m.activations = acts;
+        m.parameters = params;
+        (t, m)
+    }
+}
+
+/// The captured twin of `setting`, where fit tries one: on CUDA, and where the spec as this
+/// setting runs it could capture. Which settings can is `spec::graph_declines_of`'s to say (a
+/// host lever, recomputation, fp16-mixed, 8-bit state, an optimizer implementation that reads
+/// the learning rate on the host), the rule `run` itself applies.
+pub(super) fn variant(setting: Setting, spec: &Spec, cuda: bool) -> Option<Setting> {
+    if !cuda || setting.cuda_graph == Graph::On {
+        return None;
+    }
+    let on = Setting {
+        cuda_graph: Graph::On,
+        ..setting
+    };
+    let (train, memory) = on.applied(&spec.train, &spec.memory);
+    spec::graph_declines_of(&train, &memory).is_none().then_some(on)
+}
+
+/// Optimizer steps a probe runs: a captured probe runs its `WARMUP_STEPS` eager steps and the
+/// captured one on top, so it times as many replays as an eager probe times steps after its
+/// first.
+pub(super) fn probe_steps(steps: i64, graph: Graph) -> i64 {
+    match graph {
+        Graph::Off => steps,
+        Graph::On => steps + WARMUP_STEPS as i64 + 1,
+    }
+}
+
+/// What a captured probe's records say about its capture: `Ok(step)` with the global step of
+/// the last capture (the steps after it are replays), or `Err(why)` when no step was captured
+/// (a capture that ran out of memory runs eager and says so in a `graph` record).
+pub(super) fn captured_at(records: &RunRecords) -> Result<i64, String> {
+    let graphs = records.events.iter().filter_map(|e| match e {
+        Event::Graph(g) => Some(g),
+        _ => None,
+    });
+    let mut last = None;
+    let mut why = None;
+    for g in graphs {
+        match g.action.as_str() {
+            "captured" => last = Some(g.step),
+            _ => why = why.or(g.reason.clone()),
+        }
+    }
+    last.ok_or_else(|| match why {
+        Some(w) => format!("not captured: {w}"),
+        None => "not captured".to_owned(),
+    })
+}
+
+/// Each candidate with, where `variant` gives one, its captured twin probed at the same
+/// micro-batch (and added to `settings`). The twin goes before its eager setting when the
+/// user's spec asks for graphs ("auto" or "on"), after it otherwise: the spec's own choice is
+/// the earlier, which a later one must beat by `FASTER_BY`.
+pub(super) fn with_graphs(
+    prober: &mut Prober,
+    settings: &mut Vec<Setting>,
+    candidates: Vec<(usize, Measured)>,
+    spec: &Spec,
+    say: &dyn Fn(String),
+) -> Result<Vec<(usize, Measured)>> {
+    let graph_first = spec.train.cuda_graph != CudaGraph::Off;
+    let mut out = vec![];
+    for (i, m) in candidates {
+        let Some(on) = variant(settings[i], spec, prober.cuda) else {
+            out.push((i, m));
+            continue;
+        };
+        let g = match prober.probe(on, m.micro_batch) {
+            Ok(g) => g,
+            Err(ProbeError::Failed(e)) => return Err(e),
+            Err(ProbeError::NotApplicable) => unreachable!("its eager setting applied"),
+        };
+        if !g.fits {
+            say(format!(
+                "left out {on} at micro-batch {}: the captured step does not fit there; the eager one stands",
+                m.micro_batch
+            ));
+            out.push((i, m));
+            continue;
+        }
+        settings.push(on);
+        let twin = (settings.len() - 1, g);
+        if graph_first {
+            out.extend([twin, (i, m)]);
+        } else {
+            out.extend([(i, m), twin]);
+        }
+    }
+    Ok(out)
+}
+
+/// The `train.cuda_graph` a recommendation writes, where it must say one: "on" for a captured
+/// winner. For an eager winner "off" where the user's spec asked for graphs and fit measured
+/// the choice (on CUDA), or where the user's "on" would refuse the winner's setting; otherwise
+/// the user's own value stands (on the CPU fit measured no graph, so it decides none).
+pub(super) fn written_value(setting: Setting, spec: &Spec, cuda: bool) -> Option<&'static str> {
+    let asked = spec.train.cuda_graph;
+    match setting.cuda_graph {
+        Graph::On => Some("on"),
+        Graph::Off if asked == CudaGraph::Off => None,
+        Graph::Off if cuda => Some("off"),
+        Graph::Off => {
+            let (train, memory) = setting.applied(&spec.train, &spec.memory);
+            let refused = asked == CudaGraph::On && spec::graph_declines_of(&train, &memory).is_some();
+            refused.then_some("off")
+        }
+    }
+}
+
+/// The captured probes for the human table: one line each, after the eager settings' largest
+/// micro-batches; nothing where fit tried no graph (the CPU, or no setting could capture).
+pub(super) fn human_lines(r: &Report) -> String {
+    let mut out = String::new();
+    for p in r.probes.iter().filter(|p| p.setting.cuda_graph == Graph::On) {
+        let m = &p.measured;
+        let what = match (m.fits, &p.oom) {
+            (true, _) => format!(
+                "peak {}, {} samples/s",
+                m.peak_bytes.map_or_else(|| "-".into(), human_bytes),
+                m.samples_per_s.map_or_else(|| "-".into(), |s| format!("{s:.1}"))
+            ),
+            (false, Some(why)) => format!("does not fit ({why})"),
+            (false, None) => "does not fit".into(),
+        };
+        out += &format!("  {}  at micro-batch {}: {what}\n", p.setting, m.micro_batch);
+    }
+    if out.is_empty() {
+        return out;
+    }
+    format!("the step captured as a CUDA graph, at each setting's micro-batch:\n{out}")
+}
+
+/// ", CUDA graph on|off" for the recommendation's line where fit measured graphs; nothing
+/// where it did not.
+pub(super) fn recommendation_words(r: &Report, setting: Setting) -> String {
+    let tried = r.probes.iter().any(|p| p.setting.cuda_graph == Graph::On);
+    match (tried, setting.cuda_graph) {
+        (_, Graph::On) => ", CUDA graph on".into(),
+        (true, Graph::Off) => ", CUDA graph off".into(),
+        (false, Graph::Off) => String::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fit::Placement;
+    use crate::records::GraphEvent;
+    use crate::spec::Precision;
+
+    fn spec(graph: &str) -> Spec {
+        toml::from_str(&format!(
+            "[model]\npreset = \"mlp\"\n[train]\ncuda_graph = \"{graph}\"\n"
+        ))
+        .expect("a minimal spec parses")
+    }
+
+    fn setting(precision: Precision, checkpointing: bool, placement: Placement) -> Setting {
+        Setting {
+            precision,
+            activation_checkpointing: checkpointing,
+            placement,
+            cuda_graph: Graph::Off,
+        }
+    }
+
+    #[test]
+    fn only_a_cuda_setting_that_could_capture_gets_a_captured_twin() {
+        let s = spec("off");
+        let plain = setting(Precision::Fp32, false, Placement::Device);
+        assert_eq!(variant(plain, &s, false), None, "the CPU: no graph probes");
+        let twin = variant(plain, &s, true).expect("fp32 on the device captures");
+        assert_eq!(twin.cuda_graph, Graph::On);
+        assert_eq!(
+            Setting {
+                cuda_graph: Graph::Off,
+                ..twin
+            },
+            plain
+        );
+        assert!(variant(setting(Precision::Bf16Mixed, false, Placement::Device), &s, true).is_some());
+        for declines in [
+            setting(Precision::Fp32, true, Placement::Device),
+            setting(Precision::Fp16Mixed, false, Placement::Device),
+            setting(Precision::Fp32, false, Placement::State),
+            setting(Precision::Fp32, false, Placement::StateGrads),
+        ] {
+            assert_eq!(variant(declines, &s, true), None, "{declines}");
+        }
+        assert_eq!(variant(twin, &s, true), None, "a twin has no twin");
+        // The user's other keys count too: an optimizer implementation that reads the learning
+        // rate on the host cannot capture, whatever fit varies.
+        let mut foreach = spec("auto");
+        foreach.train.optimizer_impl = crate::spec::OptimizerImpl::Foreach;
+        assert_eq!(variant(plain, &foreach, true), None);
+    }
+
+    #[test]
+    fn a_captured_probe_runs_its_warm_ups_and_capture_on_top_of_the_timed_steps() {
+        assert_eq!(probe_steps(4, Graph::Off), 4);
+        assert_eq!(probe_steps(4, Graph::On), 4 + WARMUP_STEPS as i64 + 1);
+    }
+
+    fn graph_event(step: i64, action: &str, reason: Option<&str>) -> Event {
+        Event::Graph(GraphEvent {
+            step,
+            of: "weights".into(),
+            micro_batch: 8,
+            micro_batches: 1,
+            action: action.into(),
+            reason: reason.map(str::to_owned),
+            pool_bytes: Some(1 << 20),
+        })
+    }
+
+    #[test]
+    fn the_capture_step_comes_from_the_graph_records() {
+        let mut r = RunRecords::default();
+        assert_eq!(captured_at(&r), Err("not captured".into()));
+        r.events.push(graph_event(3, "eager", Some("the capture ran out of memory")));
+        assert_eq!(
+            captured_at(&r),
+            Err("not captured: the capture ran out of memory".into())
+        );
+        r.events.push(graph_event(5, "captured", None));
+        assert_eq!(captured_at(&r), Ok(5));
+    }
+
+    #[test]
+    fn the_recommendation_writes_what_was_measured() {
+        let plain = setting(Precision::Fp32, false, Placement::Device);
+        let on = Setting {
+            cuda_graph: Graph::On,
+            ..plain
+        };
+        let ck = setting(Precision::Fp32, true, Placement::Device);
+        for asked in ["off", "auto", "on"] {
+            assert_eq!(written_value(on, &spec(asked), true), Some("on"), "{asked}");
+        }
+        assert_eq!(written_value(plain, &spec("off"), true), None, "the default stays unwritten");
+        assert_eq!(written_value(plain, &spec("auto"), true), Some("off"), "eager won on CUDA");
+        assert_eq!(written_value(plain, &spec("on"), true), Some("off"));
+        assert_eq!(written_value(plain, &spec("auto"), false), None, "the CPU measured no graph");
+        assert_eq!(written_value(plain, &spec("on"), false), None);
+        assert_eq!(
+            written_value(ck, &spec("on"), false),
+            Some("off"),
+            "\"on\" would refuse recomputation"
+        );
+        assert_eq!(written_value(ck, &spec("auto"), false), None);
+    }
+}
