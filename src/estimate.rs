@@ -629,7 +629,11 @@ mod tests {
 
     #[test]
     fn a_captured_step_keeps_its_working_memory_and_validation_adds_its_own() {
-        assert_eq!(working_peak(300, 100, false), 300, "eager: validation reuses the step's blocks");
+        assert_eq!(
+            working_peak(300, 100, false),
+            300,
+            "eager: validation reuses the step's blocks"
+        );
         assert_eq!(working_peak(300, 100, true), 400, "captured: beside the pool");
 
         let bf16 = "precision = \"bf16-mixed\"\ncuda_graph = \"auto\"";
@@ -647,17 +651,25 @@ mod tests {
             )),
             "{bill}"
         );
-        assert!(bill.contains("graph pool") && bill.contains("validation's forward allocates beside it"), "{bill}");
+        assert!(
+            bill.contains("graph pool") && bill.contains("validation's forward allocates beside it"),
+            "{bill}"
+        );
 
         let fp32 = graph_estimate("cuda_graph = \"on\"", Device::Cuda(0));
         assert!(fp32.captured);
         assert_eq!(fp32.graph_pool_bytes(), 0, "fp32 makes no weight copies");
-        assert!(fp32.to_string().contains("measured  device: the captured step's working memory"));
+        assert!(fp32
+            .to_string()
+            .contains("measured  device: the captured step's working memory"));
 
         for (extra, device) in [
             (bf16, Device::Cpu),
             ("precision = \"bf16-mixed\"", Device::Cuda(0)),
-            ("precision = \"bf16-mixed\"\ncuda_graph = \"auto\"\noptimizer_impl = \"foreach\"", Device::Cuda(0)),
+            (
+                "precision = \"bf16-mixed\"\ncuda_graph = \"auto\"\noptimizer_impl = \"foreach\"",
+                Device::Cuda(0),
+            ),
         ] {
             let e = graph_estimate(extra, device);
             assert!(!e.captured, "{extra} on {device:?}");

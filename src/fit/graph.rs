@@ -11,10 +11,10 @@
 use anyhow::Result;
 
 use super::probe::{ProbeError, Prober};
-use super::Report;
-use crate::human::human_bytes;
 use super::search::Measured;
 use super::setting::{Graph, Setting};
+use super::Report;
+use crate::human::human_bytes;
 use crate::plan::graph::WARMUP_STEPS;
 use crate::records::{Event, RunRecords};
 use crate::spec::{self, CudaGraph, Memory, Spec, Train};
@@ -257,7 +257,8 @@ mod tests {
     fn the_capture_step_comes_from_the_graph_records() {
         let mut r = RunRecords::default();
         assert_eq!(captured_at(&r), Err("not captured".into()));
-        r.events.push(graph_event(3, "eager", Some("the capture ran out of memory")));
+        r.events
+            .push(graph_event(3, "eager", Some("the capture ran out of memory")));
         assert_eq!(
             captured_at(&r),
             Err("not captured: the capture ran out of memory".into())
@@ -277,10 +278,22 @@ mod tests {
         for asked in ["off", "auto", "on"] {
             assert_eq!(written_value(on, &spec(asked), true), Some("on"), "{asked}");
         }
-        assert_eq!(written_value(plain, &spec("off"), true), None, "the default stays unwritten");
-        assert_eq!(written_value(plain, &spec("auto"), true), Some("off"), "eager won on CUDA");
+        assert_eq!(
+            written_value(plain, &spec("off"), true),
+            None,
+            "the default stays unwritten"
+        );
+        assert_eq!(
+            written_value(plain, &spec("auto"), true),
+            Some("off"),
+            "eager won on CUDA"
+        );
         assert_eq!(written_value(plain, &spec("on"), true), Some("off"));
-        assert_eq!(written_value(plain, &spec("auto"), false), None, "the CPU measured no graph");
+        assert_eq!(
+            written_value(plain, &spec("auto"), false),
+            None,
+            "the CPU measured no graph"
+        );
         assert_eq!(written_value(plain, &spec("on"), false), None);
         assert_eq!(
             written_value(ck, &spec("on"), false),

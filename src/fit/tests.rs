@@ -58,12 +58,21 @@ fn a_probe_writes_its_settings_graph_choice() {
         cuda_graph: Graph::Off,
     };
     for (graph, want) in [(Graph::Off, "\"off\""), (Graph::On, "\"on\"")] {
-        let edits = prober.edits(Setting { cuda_graph: graph, ..plain }, 8);
+        let edits = prober.edits(
+            Setting {
+                cuda_graph: graph,
+                ..plain
+            },
+            8,
+        );
         let (_, value) = edits
             .iter()
             .find(|(k, _)| *k == "train.cuda_graph")
             .expect("every probe says train.cuda_graph");
-        assert_eq!(value.as_ref().map(|v| v.to_string().trim().to_owned()), Some(want.to_owned()));
+        assert_eq!(
+            value.as_ref().map(|v| v.to_string().trim().to_owned()),
+            Some(want.to_owned())
+        );
     }
 }
 
