@@ -8,12 +8,7 @@
 //! probe that runs out of memory there, or that never captured, leaves the setting's eager
 //! candidate as it was: stepping the micro-batch down for the graph would cost more probes for a
 //! smaller batch that the eager candidate at the larger one was measured against already.
-use anyhow::Result;
-
-use super::probe::{ProbeError, Prober};
-use super::search::Measured;
-use super::setting::{Graph, Setting};
-use super::Report;
+use super::setting::{Graph, Probe, Setting};
 use crate::human::human_bytes;
 use crate::plan::graph::WARMUP_STEPS;
 use crate::records::{Event, RunRecords};
@@ -87,48 +82,6 @@ pub(super) fn captured_at(records: &RunRecords) -> Result<i64, String> {
     })
 }
 
-/// Each candidate with, where `variant` gives one, its captured twin probed at the same
-/// micro-batch (and added to `settings`). The twin goes before its eager setting when the
-/// user's spec asks for graphs ("auto" or "on"), after it otherwise: the spec's own choice is
-/// the earlier, which a later one must beat by `FASTER_BY`.
-pub(super) fn with_graphs(
-    prober: &mut Prober,
-    settings: &mut Vec<Setting>,
-    candidates: Vec<(usize, Measured)>,
-    spec: &Spec,
-    say: &dyn Fn(String),
-) -> Result<Vec<(usize, Measured)>> {
-    let graph_first = spec.train.cuda_graph != CudaGraph::Off;
-    let mut out = vec![];
-    for (i, m) in candidates {
-        let Some(on) = variant(settings[i], spec, prober.cuda) else {
-            out.push((i, m));
-            continue;
-        };
-        let g = match prober.probe(on, m.micro_batch) {
-            Ok(g) => g,
-            Err(ProbeError::Failed(e)) => return Err(e),
-            Err(ProbeError::NotApplicable) => unreachable!("its eager setting applied"),
-        };
-        if !g.fits {
-            say(format!(
-                "left out {on} at micro-batch {}: the captured step does not fit there; the eager one stands",
-                m.micro_batch
-            ));
-            out.push((i, m));
-            continue;
-        }
-        settings.push(on);
-        let twin = (settings.len() - 1, g);
-        if graph_first {
-            out.extend([twin, (i, m)]);
-        } else {
-            out.extend([(i, m), twin]);
-        }
-    }
-    Ok(out)
-}
-
 /// The `train.cuda_graph` a recommendation writes, where it must say one: "on" for a captured
 /// winner. For an eager winner "off" where the user's spec asked for graphs and fit measured
 /// the choice (on CUDA), or where the user's "on" would refuse the winner's setting; otherwise
@@ -149,9 +102,9 @@ pub(super) fn written_value(setting: Setting, spec: &Spec, cuda: bool) -> Option
 
 /// The captured probes for the human table: one line each, after the eager settings' largest
 /// micro-batches; nothing where fit tried no graph (the CPU, or no setting could capture).
-pub(super) fn human_lines(r: &Report) -> String {
+pub(super) fn human_lines(probes: &[Probe]) -> String {
     let mut out = String::new();
-    for p in r.probes.iter().filter(|p| p.setting.cuda_graph == Graph::On) {
+    for p in probes.iter().filter(|p| p.setting.cuda_graph == Graph::On) {
         let m = &p.measured;
         let what = match (m.fits, &p.oom) {
             (true, _) => format!(
@@ -172,8 +125,8 @@ pub(super) fn human_lines(r: &Report) -> String {
 
 /// ", CUDA graph on|off" for the recommendation's line where fit measured graphs; nothing
 /// where it did not.
-pub(super) fn recommendation_words(r: &Report, setting: Setting) -> String {
-    let tried = r.probes.iter().any(|p| p.setting.cuda_graph == Graph::On);
+pub(super) fn recommendation_words(probes: &[Probe], setting: Setting) -> String {
+    let tried = probes.iter().any(|p| p.setting.cuda_graph == Graph::On);
     match (tried, setting.cuda_graph) {
         (_, Graph::On) => ", CUDA graph on".into(),
         (true, Graph::Off) => ", CUDA graph off".into(),

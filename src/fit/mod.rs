@@ -257,7 +257,7 @@ pub fn fit(args: &FitArgs, quiet: bool) -> Result<()> {
         results.push(result);
         candidates.extend(candidate.map(|m| (i, m)));
     }
-    let candidates = graph::with_graphs(&mut prober, &mut settings, candidates, &spec, &say)?;
+    let candidates = prober.with_graphs(&mut settings, candidates, &spec, &say)?;
     let candidates = confirm(&mut prober, &settings, candidates, &say)?;
     let recommendation = fastest(&candidates).map(|(i, m)| Recommendation {
         setting: settings[*i],
@@ -473,7 +473,7 @@ fn human(r: &Report) -> String {
         };
         out += &format!("  {}  {what}\n", s.setting);
     }
-    out += &graph::human_lines(r);
+    out += &graph::human_lines(&r.probes);
     if let Some(rec) = &r.recommendation {
         let ck = if rec.setting.activation_checkpointing {
             "on"
@@ -484,7 +484,7 @@ fn human(r: &Report) -> String {
             "recommendation: precision {}, activation checkpointing {ck}, on the host: {}{}: batch_size {} x accumulation_steps {} = {} (the spec's effective batch)\n",
             rec.setting.precision.name(),
             rec.setting.placement.name(),
-            graph::recommendation_words(r, rec.setting),
+            graph::recommendation_words(&r.probes, rec.setting),
             rec.batch_size,
             rec.accumulation_steps,
             rec.effective_batch

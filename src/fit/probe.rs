@@ -7,6 +7,7 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use serde_json::Value;
 
+use super::graph;
 use super::search::Measured;
 use super::setting::{Budget, Graph, Probe, Setting};
 use crate::cli::FitArgs;
@@ -14,6 +15,7 @@ use crate::exit::UsageError;
 use crate::human::{human_bytes, human_duration};
 use crate::records::{self, RunRecords, StepEvent};
 use crate::spec;
+use crate::spec::{CudaGraph, Spec};
 
 pub(super) enum ProbeError {
     /// Checkpointing was asked for but the preset has no blocks to checkpoint.
@@ -106,7 +108,7 @@ impl Prober<'_> {
             .arg("--out")
             .arg(&run_dir)
             .arg("--max-steps")
-            .arg(super::graph::probe_steps(self.args.steps, setting.cuda_graph).to_string())
+            .arg(graph::probe_steps(self.args.steps, setting.cuda_graph).to_string())
             .output()
             .with_context(|| format!("starting {}", self.exe.display()))?;
         let seconds = t.elapsed().as_secs_f64();
@@ -144,6 +146,50 @@ impl Prober<'_> {
 }
 
 impl Prober<'_> {
+    /// Each candidate with, where `variant` gives one, its captured twin probed at the same
+    /// micro-batch (and added to `settings`). The twin goes before its eager setting when the
+    /// user's spec asks for graphs ("auto" or "on"), after it otherwise: the spec's own choice is
+    /// the earlier, which a later one must beat by `FASTER_BY`.
+    pub(super) fn with_graphs(
+        &mut self,
+        settings: &mut Vec<Setting>,
+        candidates: Vec<(usize, Measured)>,
+        spec: &Spec,
+        say: &dyn Fn(String),
+    ) -> Result<Vec<(usize, Measured)>> {
+        let graph_first = spec.train.cuda_graph != CudaGraph::Off;
+        let mut out = vec![];
+        for (i, m) in candidates {
+            let Some(on) = graph::variant(settings[i], spec, self.cuda) else {
+                out.push((i, m));
+                continue;
+            };
+            let g = match self.probe(on, m.micro_batch) {
+                Ok(g) => g,
+                Err(ProbeError::Failed(e)) => return Err(e),
+                Err(ProbeError::NotApplicable) => unreachable!("its eager setting applied"),
+            };
+            if !g.fits {
+                let why = self.probes.last().and_then(|p| p.oom.clone());
+                say(format!(
+                    "left out {on} at micro-batch {}: the captured step does not fit there ({}); the eager one stands",
+                    m.micro_batch,
+                    why.as_deref().unwrap_or("out of memory")
+                ));
+                out.push((i, m));
+                continue;
+            }
+            settings.push(on);
+            let twin = (settings.len() - 1, g);
+            if graph_first {
+                out.extend([twin, (i, m)]);
+            } else {
+                out.extend([(i, m), twin]);
+            }
+        }
+        Ok(out)
+    }
+
     /// What a probe that exited 0 measured, from its records. A captured probe that captured
     /// nothing (its capture ran out of memory and it went on eager) does not fit as a captured
     /// setting; the records' reason comes with it.
@@ -165,7 +211,7 @@ impl Prober<'_> {
         Ok(match setting.cuda_graph {
             Graph::Off => (measure(&records, micro_batch, self.cuda, 0), None),
             // Timed over the replays alone: the warm-ups and the capture are set-up.
-            Graph::On => match super::graph::captured_at(&records) {
+            Graph::On => match graph::captured_at(&records) {
                 Ok(at) => (measure(&records, micro_batch, self.cuda, at), None),
                 Err(why) => (Measured::out_of_memory(micro_batch), Some(why)),
             },
