@@ -82,6 +82,16 @@ pub(super) fn captured_at(records: &RunRecords) -> Result<i64, String> {
     })
 }
 
+/// A setting's eager candidate and its captured twin in the order `fastest` weighs them: the
+/// spec's own choice first (the twin when the spec asks for graphs), so the other must beat it
+/// by `FASTER_BY`.
+pub(super) fn in_order<T>(eager: T, twin: T, graph_first: bool) -> [T; 2] {
+    match graph_first {
+        true => [twin, eager],
+        false => [eager, twin],
+    }
+}
+
 /// The `train.cuda_graph` a recommendation writes, where it must say one: "on" for a captured
 /// winner. For an eager winner "off" where the user's spec asked for graphs and fit measured
 /// the choice (on CUDA), or where the user's "on" would refuse the winner's setting; otherwise
@@ -254,5 +264,58 @@ mod tests {
             "\"on\" would refuse recomputation"
         );
         assert_eq!(written_value(ck, &spec("auto"), false), None);
+    }
+
+    #[test]
+    fn the_specs_own_graph_choice_is_the_one_to_beat() {
+        use crate::fit::{fastest, Measured};
+        let m = |rate: f64| Measured {
+            micro_batch: 32,
+            fits: true,
+            peak_bytes: Some(1),
+            samples_per_s: Some(rate),
+        };
+        // Captured 5% faster: within the noise, so the spec's own choice stays.
+        let (eager, twin) = ((0, m(100.0)), (1, m(105.0)));
+        let off = in_order(eager.clone(), twin.clone(), false);
+        assert_eq!(fastest(&off).unwrap().0, 0, "\"off\": eager stays");
+        let auto = in_order(eager.clone(), twin.clone(), true);
+        assert_eq!(fastest(&auto).unwrap().0, 1, "\"auto\": captured stays");
+        let much = in_order(eager, (1, m(150.0)), false);
+        assert_eq!(fastest(&much).unwrap().0, 1, "50% faster wins from behind");
+    }
+
+    #[test]
+    fn the_human_output_names_graphs_only_where_fit_tried_them() {
+        let plain = setting(Precision::Fp32, false, Placement::Device);
+        let on = Setting {
+            cuda_graph: Graph::On,
+            ..plain
+        };
+        let probe = |setting: Setting, fits: bool, oom: Option<&str>| Probe {
+            setting,
+            measured: crate::fit::Measured {
+                micro_batch: 32,
+                fits,
+                peak_bytes: fits.then_some(3 << 20),
+                samples_per_s: fits.then_some(250.0),
+            },
+            seconds: 1.0,
+            oom: oom.map(str::to_owned),
+        };
+        let eager_only = [probe(plain, true, None)];
+        assert_eq!(human_lines(&eager_only), "");
+        assert_eq!(recommendation_words(&eager_only, plain), "");
+        let both = [probe(plain, true, None), probe(on, true, None)];
+        let lines = human_lines(&both);
+        assert!(lines.starts_with("the step captured as a CUDA graph"), "{lines}");
+        assert!(
+            lines.contains("cuda graph on  at micro-batch 32: peak 3.00 MiB, 250.0 samples/s"),
+            "{lines}"
+        );
+        assert_eq!(recommendation_words(&both, on), ", CUDA graph on");
+        assert_eq!(recommendation_words(&both, plain), ", CUDA graph off");
+        let failed = [probe(plain, true, None), probe(on, false, Some("not captured: why"))];
+        assert!(human_lines(&failed).contains("does not fit (not captured: why)"));
     }
 }

@@ -15,7 +15,7 @@ use crate::exit::UsageError;
 use crate::human::{human_bytes, human_duration};
 use crate::records::{self, RunRecords, StepEvent};
 use crate::spec;
-use crate::spec::{CudaGraph, Spec};
+use crate::spec::Spec;
 
 pub(super) enum ProbeError {
     /// Checkpointing was asked for but the preset has no blocks to checkpoint.
@@ -157,7 +157,7 @@ impl Prober<'_> {
         spec: &Spec,
         say: &dyn Fn(String),
     ) -> Result<Vec<(usize, Measured)>> {
-        let graph_first = spec.train.cuda_graph != CudaGraph::Off;
+        let graph_first = spec.train.cuda_graph != crate::spec::CudaGraph::Off;
         let mut out = vec![];
         for (i, m) in candidates {
             let Some(on) = graph::variant(settings[i], spec, self.cuda) else {
@@ -180,12 +180,7 @@ impl Prober<'_> {
                 continue;
             }
             settings.push(on);
-            let twin = (settings.len() - 1, g);
-            if graph_first {
-                out.extend([twin, (i, m)]);
-            } else {
-                out.extend([(i, m), twin]);
-            }
+            out.extend(graph::in_order((i, m), (settings.len() - 1, g), graph_first));
         }
         Ok(out)
     }
