@@ -634,6 +634,53 @@ def judge_fit(fit, run_summary, smi_peak, how):
     return Check(name, expected, seen, ok)
 
 
+FIT_GRAPH_ROW = "fit measures CUDA graphs"
+
+
+def fit_graph_pairs(fit):
+    """The (eager, captured) probe pairs of `fit --json`: the same setting at the same
+    micro-batch, probed with train.cuda_graph "off" and "on" (the first of each)."""
+    probes = (fit or {}).get("probes") or []
+
+    def key(p):
+        return (p.get("precision"), p.get("activation_checkpointing"), p.get("placement"), p.get("micro_batch"))
+
+    on = {}
+    for p in probes:
+        if p.get("cuda_graph") == "on":
+            on.setdefault(key(p), p)
+    pairs, seen = [], set()
+    for p in probes:
+        if p.get("cuda_graph") == "off" and key(p) in on and key(p) not in seen:
+            seen.add(key(p))
+            pairs.append((p, on[key(p)]))
+    return pairs
+
+
+def judge_fit_graph(fit, rc, records, summary):
+    """`fit` on CUDA of a spec asking for graphs ("auto"): some setting was probed eager and
+    captured at one micro-batch, and the spec fit wrote runs to its step limit under the budget,
+    capturing its step exactly when fit recommended the captured one."""
+    expected = "a setting probed eager and captured at one micro-batch; the written spec runs under the budget"
+    pairs = fit_graph_pairs(fit)
+    rec = (fit or {}).get("recommendation") or {}
+    budget, peak = get(fit, "budget.bytes"), get(summary, "memory.peak_reserved_bytes")
+    captured = bool(graph_events(records, "captured"))
+    wants = rec.get("cuda_graph") == "on"
+
+    def rate(p):
+        r = p.get("samples_per_s")
+        return "OOM" if not p.get("fits") else ("-" if r is None else f"{r:.0f}/s")
+
+    said = "; ".join(f"{e.get('precision')} at {e.get('micro_batch')}: eager {rate(e)}, captured {rate(c)}"
+                     for e, c in pairs) or "no setting probed both ways"
+    seen = (f"{said}; rec. cuda_graph {rec.get('cuda_graph', '-')} at micro-batch {rec.get('batch_size', '-')}; "
+            f"run exit {rc}, peak reserved {size(peak)} of {size(budget)}, captured: {'yes' if captured else 'no'}")
+    ok = (bool(pairs) and bool(rec) and rc == 0 and isinstance(peak, int) and isinstance(budget, int)
+          and peak <= budget and captured == wants)
+    return Check(FIT_GRAPH_ROW, expected, seen, ok)
+
+
 def judge_resume(whole_records, resumed_records, cut_code, rng_keys, want="rng/cuda"):
     """A run cut by Ctrl-C and resumed trains the uncut run's steps: dropout draws from the CUDA
     generator, whose state the checkpoint must carry."""
@@ -1549,6 +1596,24 @@ def check_fit(r, probe):
     return [judge_fit(fit, summary_of(out), seen, how)]
 
 
+def check_fit_graph(r, probe):
+    # The digits MLP at an effective batch of 32: small enough that its step is bound by
+    # launches, where capture pays; fp32 alone keeps the search to about a dozen probes.
+    sets = [dev(), 'train.cuda_graph="auto"', "train.epochs=1"]
+    tuned = r.path("fit-graph.toml")
+    args = ["fit", DIGITS]
+    for s in sets:
+        args += ["--set", s]
+    args += ["--limit", "2GiB", "--steps", "4", "--precision", "fp32", "--checkpointing", "off", "--json",
+             "--write", tuned]
+    p = r.mt("fit-graph", args)
+    if p.rc != 0:
+        return [failure(FIT_GRAPH_ROW, "fit recommends", p)]
+    fit = json.loads(p.stdout)
+    q, out = r.run("fit-graph-run", tuned, ["log.every_steps=1"], extra=["--max-steps", "20"])
+    return [judge_fit_graph(fit, q.rc, records_of(out), summary_of(out))]
+
+
 def check_resume(r, probe):
     name = "CUDA resume (rng)"
     spec = spec_file(r, "vit-dropout", VIT.format(device=DEVICE, dropout=0.1, samples=320, epochs=2))
@@ -2453,6 +2518,7 @@ CHECKS = [
     ("recompute", check_recompute, ["recompute resnet18", "recompute vit"]),
     ("async_cap", check_async_cap, ["cudaMallocAsync cap"]),
     ("fit", check_fit, ["fit vs nvidia-smi"]),
+    ("fit_graph", check_fit_graph, [FIT_GRAPH_ROW]),
     ("resume", check_resume, ["CUDA resume (rng)"]),
     ("expandable", check_expandable, ["expandable segments clear"]),
     ("host_reads", check_host_reads, ["host reads fp32", "host reads fp16-mixed"]),

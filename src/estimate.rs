@@ -61,6 +61,25 @@ pub struct Estimate {
     pub vocab: Option<i64>,
     /// `train.cuda_graph` when the spec asks for graphs: what a run would decide, in words.
     pub cuda_graph: Option<String>,
+    /// A run of the spec captures its step on CUDA (`train.cuda_graph`, nothing declining it,
+    /// a device other than the CPU).
+    pub captured: bool,
+}
+
+/// The device's working memory above the static bill at its peak, for a step that needs `step`
+/// bytes of transients (activations, temporaries) and a validation pass that needs `eval`.
+///
+/// Eager, a step's transients go back to the caching allocator when it ends and validation's
+/// forward reuses those blocks: the peak is the larger of the two. Captured, they belong to
+/// the graph's private pool, which stays reserved between replays so that a replay allocates
+/// nothing; validation cannot allocate from it and takes its own blocks beside it: the two add.
+/// (Checkpoints copy to the host one tensor at a time; what they allocate on the device is
+/// small next to either.)
+pub fn working_peak(step: u64, eval: u64, captured: bool) -> u64 {
+    match captured {
+        true => step + eval,
+        false => step.max(eval),
+    }
 }
 
 /// Where each term of the bill lives under a spec (`memory.*`).
@@ -213,6 +232,19 @@ impl Estimate {
 
     /// Mixed precision: autocast keeps a low-precision copy of each weight it casts for as long
     /// as the forward runs (its cast cache), at most the trained weights at 2 bytes.
+    /// What capturing the step adds to the device's peak that is known before any step: the
+    /// `working_peak` of the working memory the estimate can count, captured less eager. The
+    /// gradients are in the static bill either way (eager holds them until the next step
+    /// starts, a graph in its pool). Of the transients, only mixed precision's weight copies
+    /// are known here: the step's forward holds them (in the pool, when captured) and
+    /// validation's forward makes its own. The activations, the rest of both, are measured by
+    /// a run: the graph's `pool_bytes` is the step's; the preflight step, an eager warm-up,
+    /// does not see the pool.
+    pub fn graph_pool_bytes(&self) -> u64 {
+        let cast = self.autocast_cache_bytes();
+        working_peak(cast, cast, self.captured) - working_peak(cast, cast, false)
+    }
+
     pub fn autocast_cache_bytes(&self) -> u64 {
         match self.precision.autocast() {
             // Weights kept in bf16 are read as they are: no copy.
@@ -227,10 +259,7 @@ impl Estimate {
 fn impl_words(job: &Sections) -> String {
     use crate::spec::{Device, OptimizerImpl};
     let asked = job.train.optimizer_impl;
-    let captures = job.train.cuda_graph != crate::spec::CudaGraph::Off
-        && crate::spec::graph_declines_of(job.train, job.memory).is_none()
-        && job.device != Device::Cpu;
-    if asked == OptimizerImpl::Auto && captures {
+    if asked == OptimizerImpl::Auto && captures(job) {
         return "fused (auto: a captured step reads its learning rate on the device)".into();
     }
     let placement = crate::spec::optimizer_placement(job.train, job.memory);
@@ -249,6 +278,14 @@ fn impl_words(job: &Sections) -> String {
         OptimizerImpl::Auto => format!("{which} (auto)"),
         _ => which.into(),
     }
+}
+
+/// Whether a run of the spec captures its step: `job.device = "auto"` counts as CUDA, as the
+/// estimate's words say.
+fn captures(job: &Sections) -> bool {
+    job.train.cuda_graph != crate::spec::CudaGraph::Off
+        && crate::spec::graph_declines_of(job.train, job.memory).is_none()
+        && job.device != Device::Cpu
 }
 
 /// The sections of a spec the estimate reads.
@@ -318,6 +355,7 @@ pub fn estimate(job: &Sections) -> Result<Estimate> {
         vocab: c.vocab,
         gpu: job.device != crate::spec::Device::Cpu,
         cuda_graph: graph_words(job),
+        captured: captures(job),
     })
 }
 
@@ -436,6 +474,27 @@ pub fn cannot_fit(device: u64, cap: u64) -> String {
 }
 
 impl Estimate {
+    /// The captured step's line in the bill: what its pool adds that can be counted before any
+    /// step (see `graph_pool_bytes`), and that the activations count twice.
+    fn write_graph_pool(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if !self.captured {
+            return Ok(());
+        }
+        let bytes = match self.graph_pool_bytes() {
+            0 => "measured".to_owned(),
+            b => human_bytes(b),
+        };
+        writeln!(
+            f,
+            "  {:<15} {bytes:>10}  device: the captured step's working memory stays in the graph's pool between steps, so validation's forward allocates beside it{}; the activations count twice, the step's and validation's",
+            "graph pool",
+            match self.graph_pool_bytes() {
+                0 => "",
+                _ => " (here: a second set of the weights' low-precision copies)",
+            }
+        )
+    }
+
     /// A language model's next-token loss: one chunk of fp32 logits, not the micro-batch's.
     fn write_loss_chunk(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let Some(vocab) = self.vocab else {
@@ -486,12 +545,18 @@ impl Estimate {
                 }
             )?;
         }
-        let device = self.device_bytes(self.homes);
+        self.write_graph_pool(f)?;
+        let device = self.device_bytes(self.homes) + self.graph_pool_bytes();
         let host = self.host_bytes(self.homes);
         write!(
             f,
-            "device static    {} (+ activations, measured by the preflight step)",
-            human_bytes(device)
+            "device static    {} (+ activations, measured by the preflight step{})",
+            human_bytes(device),
+            if self.captured {
+                "; captured, the step's and validation's both"
+            } else {
+                ""
+            }
         )?;
         if host > 0 {
             write!(f, "; host {}", human_bytes(host))?;
@@ -513,6 +578,14 @@ impl Estimate {
             return Ok(());
         }
         writeln!(f, "WARNING: {}", cannot_fit(device, cap))?;
+        if self.device_bytes(self.homes) <= cap {
+            // Only the graph's pool is over: eager, validation reuses the step's memory.
+            return writeln!(
+                f,
+                "  to fit, set train.cuda_graph = \"off\": validation then reuses the step's memory instead of allocating beside the graph's pool"
+            );
+        }
+        // Any placement on the host runs the step eager, so the pool is not in what is left.
         match self.placements_to_fit(cap) {
             Some((keys, left)) => writeln!(
                 f,
@@ -551,5 +624,83 @@ mod tests {
         assert_eq!(e.parameter_bytes(), e.weights * 4);
         assert_eq!(e.optimizer_bytes(), e.weights * 8);
         assert_eq!(e.total_bytes(), e.weights * 16);
+    }
+
+    fn graph_estimate(extra: &str, device: Device) -> Estimate {
+        let spec: crate::spec::Spec = toml::from_str(&format!(
+            "[model]\npreset = \"mlp\"\n[model.mlp]\ninputs = 10\nhidden = [20]\nnum_classes = 3\n[train]\noptimizer = \"adam\"\n{extra}\n[memory]\nlimit = 1000000\n"
+        ))
+        .unwrap();
+        estimate(&Sections {
+            model: &spec.model,
+            train: &spec.train,
+            memory: &spec.memory,
+            device,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn a_captured_step_keeps_its_working_memory_and_validation_adds_its_own() {
+        assert_eq!(
+            working_peak(300, 100, false),
+            300,
+            "eager: validation reuses the step's blocks"
+        );
+        assert_eq!(working_peak(300, 100, true), 400, "captured: beside the pool");
+
+        let bf16 = "precision = \"bf16-mixed\"\ncuda_graph = \"auto\"";
+        let captured = graph_estimate(bf16, Device::Cuda(0));
+        assert!(captured.captured);
+        let cast = captured.autocast_cache_bytes();
+        assert_eq!(cast, captured.weights * 2);
+        assert_eq!(captured.graph_pool_bytes(), cast, "the forward's weight copies, twice");
+        let bill = captured.to_string();
+        let static_device = captured.device_bytes(captured.homes);
+        assert!(
+            bill.contains(&format!(
+                "device static    {} (+ activations, measured by the preflight step; captured, the step's and validation's both)",
+                human_bytes(static_device + cast)
+            )),
+            "{bill}"
+        );
+        assert!(
+            bill.contains("graph pool") && bill.contains("validation's forward allocates beside it"),
+            "{bill}"
+        );
+
+        let fp32 = graph_estimate("cuda_graph = \"on\"", Device::Cuda(0));
+        assert!(fp32.captured);
+        assert_eq!(fp32.graph_pool_bytes(), 0, "fp32 makes no weight copies");
+        assert!(fp32
+            .to_string()
+            .contains("measured  device: the captured step's working memory"));
+
+        for (extra, device) in [
+            (bf16, Device::Cpu),
+            ("precision = \"bf16-mixed\"", Device::Cuda(0)),
+            (
+                "precision = \"bf16-mixed\"\ncuda_graph = \"auto\"\noptimizer_impl = \"foreach\"",
+                Device::Cuda(0),
+            ),
+        ] {
+            let e = graph_estimate(extra, device);
+            assert!(!e.captured, "{extra} on {device:?}");
+            assert_eq!(e.graph_pool_bytes(), 0);
+            assert!(!e.to_string().contains("graph pool"));
+        }
+    }
+
+    #[test]
+    fn only_the_pool_over_the_cap_says_to_turn_graphs_off() {
+        let bf16 = "precision = \"bf16-mixed\"\ncuda_graph = \"auto\"";
+        let mut e = graph_estimate(bf16, Device::Cuda(0));
+        let device = e.device_bytes(e.homes);
+        e.cap = Some(device + e.graph_pool_bytes() - 1);
+        let bill = e.to_string();
+        assert!(bill.contains("WARNING: "), "{bill}");
+        assert!(bill.contains("to fit, set train.cuda_graph = \"off\""), "{bill}");
+        e.cap = Some(device + e.graph_pool_bytes());
+        assert!(!e.to_string().contains("WARNING"));
     }
 }

@@ -6,6 +6,7 @@
 //! (the architecture step too), with `memory.on_oom = ["fail"]`. A child that runs out of
 //! memory exits 3 and takes its allocator state with it, so one OOM cannot leave the next probe
 //! a fragmented cache or a device in a bad state; the cost is a process start per probe.
+mod graph;
 mod probe;
 mod search;
 mod setting;
@@ -23,7 +24,7 @@ use crate::plan::{Facts, Place, Plan, Request};
 use crate::spec::{self, ByteSize, Precision};
 use probe::*;
 pub use search::{fastest, largest_fit, micro_batch_for, Measured};
-pub use setting::{Budget, Placement, Probe, Setting};
+pub use setting::{Budget, Graph, Placement, Probe, Setting};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct SettingResult {
@@ -65,6 +66,9 @@ pub struct Report {
     pub written: Option<PathBuf>,
     #[serde(skip)]
     user_sets: Vec<String>,
+    /// `train.cuda_graph` as the `--set` line must give it (see `graph::written_value`).
+    #[serde(skip)]
+    graph_set: Option<&'static str>,
 }
 
 fn parse_margin(text: &str, budget: u64) -> Result<u64, UsageError> {
@@ -193,6 +197,7 @@ fn settings(args: &FitArgs, plan: &Plan, cuda: bool) -> Result<Vec<Setting>> {
                 precision,
                 activation_checkpointing,
                 placement: Placement::Device,
+                cuda_graph: Graph::Off,
             })
         })
         .collect())
@@ -252,6 +257,7 @@ pub fn fit(args: &FitArgs, quiet: bool) -> Result<()> {
         results.push(result);
         candidates.extend(candidate.map(|m| (i, m)));
     }
+    let candidates = prober.with_graphs(&mut settings, candidates, &spec, &say)?;
     let candidates = confirm(&mut prober, &settings, candidates, &say)?;
     let recommendation = fastest(&candidates).map(|(i, m)| Recommendation {
         setting: settings[*i],
@@ -263,8 +269,11 @@ pub fn fit(args: &FitArgs, quiet: bool) -> Result<()> {
         samples_per_s: m.samples_per_s,
         min_batch_size: (spec.memory.min_batch_size > m.micro_batch).then_some(m.micro_batch),
     });
+    let graph_set = recommendation
+        .as_ref()
+        .and_then(|r| graph::written_value(r.setting, &spec, cuda));
     let written = match (&recommendation, &args.write) {
-        (Some(r), Some(out)) => Some(write_spec(args, r, &budget, out)?),
+        (Some(r), Some(out)) => Some(write_spec(args, r, graph_set, &budget, out)?),
         _ => None,
     };
     let report = Report {
@@ -278,6 +287,7 @@ pub fn fit(args: &FitArgs, quiet: bool) -> Result<()> {
         recommendation,
         written,
         user_sets: args.spec.set.clone(),
+        graph_set,
     };
     if args.json {
         crate::outln!("{}", serde_json::to_string_pretty(&report)?)?;
@@ -463,6 +473,7 @@ fn human(r: &Report) -> String {
         };
         out += &format!("  {}  {what}\n", s.setting);
     }
+    out += &graph::human_lines(&r.probes);
     if let Some(rec) = &r.recommendation {
         let ck = if rec.setting.activation_checkpointing {
             "on"
@@ -470,9 +481,10 @@ fn human(r: &Report) -> String {
             "off"
         };
         out += &format!(
-            "recommendation: precision {}, activation checkpointing {ck}, on the host: {}: batch_size {} x accumulation_steps {} = {} (the spec's effective batch)\n",
+            "recommendation: precision {}, activation checkpointing {ck}, on the host: {}{}: batch_size {} x accumulation_steps {} = {} (the spec's effective batch)\n",
             rec.setting.precision.name(),
             rec.setting.placement.name(),
+            graph::recommendation_words(&r.probes, rec.setting),
             rec.batch_size,
             rec.accumulation_steps,
             rec.effective_batch
@@ -516,6 +528,9 @@ fn human(r: &Report) -> String {
                 if let Some(m) = rec.min_batch_size {
                     sets.push(format!("memory.min_batch_size={m}"));
                 }
+                if let Some(g) = r.graph_set {
+                    sets.push(format!("train.cuda_graph={g}"));
+                }
                 let line: Vec<String> = sets.iter().map(|s| format!("--set {s}")).collect();
                 out += &format!("  run it with: memtrain run {} {}\n", r.spec.display(), line.join(" "));
                 if r.budget.written_as.is_some() {
@@ -555,7 +570,13 @@ fn writable_file(out: &Path) -> Result<(), UsageError> {
 
 /// The spec file with the recommendation (and the budget, when it came from the command line)
 /// written into it, comments kept; checked by loading it back before it lands.
-fn write_spec(args: &FitArgs, rec: &Recommendation, budget: &Budget, out: &Path) -> Result<PathBuf> {
+fn write_spec(
+    args: &FitArgs,
+    rec: &Recommendation,
+    graph_set: Option<&'static str>,
+    budget: &Budget,
+    out: &Path,
+) -> Result<PathBuf> {
     let v = |x: toml_edit::Value| Some(x);
     let mut edits: Vec<(&str, Option<toml_edit::Value>)> = vec![
         ("train.batch_size", v(rec.batch_size.into())),
@@ -568,6 +589,9 @@ fn write_spec(args: &FitArgs, rec: &Recommendation, budget: &Budget, out: &Path)
     ];
     if let Some(m) = rec.min_batch_size {
         edits.push(("memory.min_batch_size", v(m.into())));
+    }
+    if let Some(g) = graph_set {
+        edits.push(("train.cuda_graph", v(g.into())));
     }
     for (key, home) in rec.setting.placement.keys() {
         edits.push((key, v(home.name().into())));

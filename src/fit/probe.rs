@@ -7,13 +7,15 @@ use std::time::Instant;
 use anyhow::{Context, Result};
 use serde_json::Value;
 
+use super::graph;
 use super::search::Measured;
-use super::setting::{Budget, Probe, Setting};
+use super::setting::{Budget, Graph, Probe, Setting};
 use crate::cli::FitArgs;
 use crate::exit::UsageError;
 use crate::human::{human_bytes, human_duration};
 use crate::records::{self, RunRecords, StepEvent};
 use crate::spec;
+use crate::spec::Spec;
 
 pub(super) enum ProbeError {
     /// Checkpointing was asked for but the preset has no blocks to checkpoint.
@@ -74,6 +76,9 @@ impl Prober<'_> {
                 "train.activation_checkpointing",
                 v(setting.activation_checkpointing.into()),
             ),
+            // Always written: the probe runs what was chosen, and a user's "on" beside a setting
+            // that cannot capture (recomputation, say) would refuse the probe's spec.
+            ("train.cuda_graph", v(setting.cuda_graph.name().into())),
             ("memory.on_oom", v(serde_json::json!(["fail"]))),
             ("memory.min_batch_size", v(1.into())),
             ("memory.limit", v(self.budget.usable_bytes.into())),
@@ -103,45 +108,19 @@ impl Prober<'_> {
             .arg("--out")
             .arg(&run_dir)
             .arg("--max-steps")
-            .arg(self.args.steps.to_string())
+            .arg(graph::probe_steps(self.args.steps, setting.cuda_graph).to_string())
             .output()
             .with_context(|| format!("starting {}", self.exe.display()))?;
         let seconds = t.elapsed().as_secs_f64();
-        let mut oom = None;
-        let measured = match out.status.code() {
-            Some(crate::exit::OK) => {
-                // A probe's own records; a missing one is fit's failure, not the user's input.
-                let records =
-                    records::read(&run_dir).map_err(|e| anyhow::anyhow!("reading a probe's records: {e:#}"))?;
-                let summary = records
-                    .summary
-                    .as_ref()
-                    .context("a probe that completed wrote no summary.json")?;
-                if setting.activation_checkpointing && !summary.precision.activation_checkpointing {
-                    return Err(ProbeError::NotApplicable);
-                }
-                measure(&records, micro_batch, self.cuda)
-            }
-            Some(crate::exit::OOM) => {
-                oom = where_oom(&run_dir);
-                Measured {
-                    micro_batch,
-                    fits: false,
-                    peak_bytes: None,
-                    samples_per_s: None,
-                }
-            }
-            None if killed_by(&out.status) == Some(libc::SIGKILL) => {
-                // The CPU cap counts tensor bytes only; past it, the kernel's OOM killer may be
-                // what stops a probe.
-                oom = Some("killed by SIGKILL: the kernel's OOM killer, most likely".into());
-                Measured {
-                    micro_batch,
-                    fits: false,
-                    peak_bytes: None,
-                    samples_per_s: None,
-                }
-            }
+        let (measured, oom) = match out.status.code() {
+            Some(crate::exit::OK) => self.completed(setting, micro_batch, &run_dir)?,
+            Some(crate::exit::OOM) => (Measured::out_of_memory(micro_batch), where_oom(&run_dir)),
+            // The CPU cap counts tensor bytes only; past it, the kernel's OOM killer may be what
+            // stops a probe.
+            None if killed_by(&out.status) == Some(libc::SIGKILL) => (
+                Measured::out_of_memory(micro_batch),
+                Some("killed by SIGKILL: the kernel's OOM killer, most likely".into()),
+            ),
             code => {
                 return Err(ProbeError::Failed(probe_failure(
                     micro_batch,
@@ -163,6 +142,75 @@ impl Prober<'_> {
         }
         self.probes.push(probe);
         Ok(measured)
+    }
+}
+
+impl Prober<'_> {
+    /// Each candidate with, where `variant` gives one, its captured twin probed at the same
+    /// micro-batch (and added to `settings`). The twin goes before its eager setting when the
+    /// user's spec asks for graphs ("auto" or "on"), after it otherwise: the spec's own choice is
+    /// the earlier, which a later one must beat by `FASTER_BY`.
+    pub(super) fn with_graphs(
+        &mut self,
+        settings: &mut Vec<Setting>,
+        candidates: Vec<(usize, Measured)>,
+        spec: &Spec,
+        say: &dyn Fn(String),
+    ) -> Result<Vec<(usize, Measured)>> {
+        let graph_first = spec.train.cuda_graph != crate::spec::CudaGraph::Off;
+        let mut out = vec![];
+        for (i, m) in candidates {
+            let Some(on) = graph::variant(settings[i], spec, self.cuda) else {
+                out.push((i, m));
+                continue;
+            };
+            let g = match self.probe(on, m.micro_batch) {
+                Ok(g) => g,
+                Err(ProbeError::Failed(e)) => return Err(e),
+                Err(ProbeError::NotApplicable) => unreachable!("its eager setting applied"),
+            };
+            if !g.fits {
+                let why = self.probes.last().and_then(|p| p.oom.clone());
+                say(format!(
+                    "left out {on} at micro-batch {}: the captured step does not fit there ({}); the eager one stands",
+                    m.micro_batch,
+                    why.as_deref().unwrap_or("out of memory")
+                ));
+                out.push((i, m));
+                continue;
+            }
+            settings.push(on);
+            out.extend(graph::in_order((i, m), (settings.len() - 1, g), graph_first));
+        }
+        Ok(out)
+    }
+
+    /// What a probe that exited 0 measured, from its records. A captured probe that captured
+    /// nothing (its capture ran out of memory and it went on eager) does not fit as a captured
+    /// setting; the records' reason comes with it.
+    fn completed(
+        &self,
+        setting: Setting,
+        micro_batch: i64,
+        run_dir: &Path,
+    ) -> Result<(Measured, Option<String>), ProbeError> {
+        // A probe's own records; a missing one is fit's failure, not the user's input.
+        let records = records::read(run_dir).map_err(|e| anyhow::anyhow!("reading a probe's records: {e:#}"))?;
+        let summary = records
+            .summary
+            .as_ref()
+            .context("a probe that completed wrote no summary.json")?;
+        if setting.activation_checkpointing && !summary.precision.activation_checkpointing {
+            return Err(ProbeError::NotApplicable);
+        }
+        Ok(match setting.cuda_graph {
+            Graph::Off => (measure(&records, micro_batch, self.cuda, 0), None),
+            // Timed over the replays alone: the warm-ups and the capture are set-up.
+            Graph::On => match graph::captured_at(&records) {
+                Ok(at) => (measure(&records, micro_batch, self.cuda, at), None),
+                Err(why) => (Measured::out_of_memory(micro_batch), Some(why)),
+            },
+        })
     }
 }
 
@@ -202,8 +250,9 @@ pub(super) fn where_oom(run_dir: &Path) -> Option<String> {
 }
 
 /// The probe's peak (reserved on CUDA: that is what the cap limits; allocated tensor bytes on
-/// the CPU) over all its steps, and its throughput over the steps after the first.
-pub(super) fn measure(records: &RunRecords, micro_batch: i64, cuda: bool) -> Measured {
+/// the CPU) over all its steps, and its throughput over the steps after the first and after
+/// global step `set_up` (a captured probe's capture: its warm-ups and capture are not replays).
+pub(super) fn measure(records: &RunRecords, micro_batch: i64, cuda: bool, set_up: i64) -> Measured {
     let steps: Vec<&StepEvent> = records.steps().collect();
     let step_peak = |s: &StepEvent| match cuda {
         true => s.memory.peak_reserved_bytes,
@@ -221,7 +270,7 @@ pub(super) fn measure(records: &RunRecords, micro_batch: i64, cuda: bool) -> Mea
     let timed: Vec<(f64, f64)> = steps
         .iter()
         .skip(1)
-        .filter(|s| s.seconds.is_finite())
+        .filter(|s| s.step > set_up && s.seconds.is_finite())
         .map(|s| (s.samples as f64, s.seconds))
         .collect();
     let seconds: f64 = timed.iter().map(|t| t.1).sum();

@@ -14,6 +14,18 @@ pub struct Measured {
     pub samples_per_s: Option<f64>,
 }
 
+impl Measured {
+    /// A probe at `micro_batch` that did not fit: nothing measured.
+    pub fn out_of_memory(micro_batch: i64) -> Measured {
+        Measured {
+            micro_batch,
+            fits: false,
+            peak_bytes: None,
+            samples_per_s: None,
+        }
+    }
+}
+
 /// The largest micro-batch in `1..=max` that fits, by doubling from 1 until a probe fails (or
 /// `max` fits), then bisecting between the last fit and the first failure. Assumes memory
 /// grows with the micro-batch. `None` when even 1 does not fit.

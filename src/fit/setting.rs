@@ -15,6 +15,26 @@ pub struct Setting {
     pub activation_checkpointing: bool,
     #[serde(serialize_with = "placement_name")]
     pub placement: Placement,
+    /// Whether the probe captures its step as a CUDA graph (`train.cuda_graph`).
+    pub cuda_graph: Graph,
+}
+
+/// A setting's `train.cuda_graph`: fit tries `On` only on CUDA, beside a setting whose spec
+/// could capture (`graph::variant`), and at that setting's chosen micro-batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Graph {
+    Off,
+    On,
+}
+
+impl Graph {
+    pub fn name(self) -> &'static str {
+        match self {
+            Graph::Off => "off",
+            Graph::On => "on",
+        }
+    }
 }
 
 /// How much of the bill a setting moves to host memory: a ladder, searched least first. A
@@ -86,7 +106,13 @@ impl std::fmt::Display for Setting {
             "{:<10}  checkpointing {ck:<3}  on host {:<16}",
             self.precision.name(),
             self.placement.name()
-        )
+        )?;
+        // Only the captured variant says so: eager is what every setting was before graphs,
+        // and on the CPU the lines stay as they were.
+        match self.cuda_graph {
+            Graph::On => write!(f, "  cuda graph on"),
+            Graph::Off => Ok(()),
+        }
     }
 }
 

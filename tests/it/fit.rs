@@ -345,3 +345,82 @@ fn fit_recommends_a_language_model_batch_that_trains_at_its_seq_len() {
     let tokens = step.language.expect("a language model step counts its tokens").tokens;
     assert_eq!(tokens, (step.samples * 48) as u64, "windows of 48 tokens");
 }
+
+/// On the CPU fit tries no CUDA graph: every probe runs eager and says `"cuda_graph": "off"`,
+/// the JSON has no other new field, and the human output names no graph. A spec asking for
+/// graphs (`"on"`) is probed with `"off"`, so the setting with recomputation, which `"on"`
+/// refuses, is probed too; the tuned spec keeps the user's value unless it would refuse the
+/// winner.
+#[test]
+fn fit_on_the_cpu_probes_no_graph_and_its_output_keeps_its_shape() {
+    let t = job();
+    let common = [
+        "--set",
+        "train.cuda_graph=\"on\"",
+        "--set",
+        "train.batch_size=8",
+        "--set",
+        "train.accumulation_steps=1",
+        "--limit",
+        "512MiB",
+        "--precision",
+        "fp32",
+        "--steps",
+        "2",
+    ];
+    let o = t.clone().command("fit").args(&common).arg("--json").run();
+    let r: Value = serde_json::from_str(&o.stdout).unwrap();
+    let keys = |v: &Value| {
+        let mut k: Vec<String> = v.as_object().unwrap().keys().cloned().collect();
+        k.sort();
+        k.join(",")
+    };
+    assert_eq!(
+        keys(&r),
+        "budget,device,effective_batch,probes,recommendation,settings,spec,steps_per_probe,written"
+    );
+    let probes = r["probes"].as_array().unwrap();
+    let checkpointed = probes.iter().filter(|p| p["activation_checkpointing"] == true).count();
+    assert!(checkpointed > 0, "recomputation is probed beside \"on\": {}", o.stdout);
+    for p in probes {
+        assert_eq!(p["cuda_graph"], "off", "{p}");
+        assert_eq!(
+            keys(p),
+            "activation_checkpointing,cuda_graph,fits,micro_batch,peak_bytes,placement,precision,samples_per_s,seconds",
+            "{p}"
+        );
+    }
+    assert_eq!(
+        r["settings"].as_array().unwrap().len(),
+        2,
+        "no setting added for graphs"
+    );
+    for s in r["settings"].as_array().unwrap() {
+        assert_eq!(s["cuda_graph"], "off");
+    }
+    let rec = &r["recommendation"];
+    assert_eq!(rec["cuda_graph"], "off");
+    assert_eq!(
+        keys(rec),
+        "accumulation_steps,activation_checkpointing,batch_size,cuda_graph,effective_batch,headroom_bytes,peak_bytes,placement,precision,samples_per_s"
+    );
+
+    let tuned = t.clone().name("tuned").spec_written();
+    let o = t
+        .clone()
+        .name("human")
+        .command("fit")
+        .args(&common)
+        .args(&["--write", tuned.spec_path().to_str().unwrap()])
+        .run();
+    assert!(!o.stdout.to_lowercase().contains("graph"), "{}", o.stdout);
+    assert!(!o.stderr.contains("cuda graph on"), "{}", o.stderr);
+    let text = std::fs::read_to_string(tuned.spec_path()).unwrap();
+    let spec: toml::Table = text.parse().unwrap();
+    let ck = spec["train"]["activation_checkpointing"].as_bool().unwrap();
+    // "on" stays where the winner could capture on a GPU, and becomes "off" where it would
+    // refuse the winner's recomputation.
+    let want = if ck { "off" } else { "on" };
+    assert_eq!(spec["train"]["cuda_graph"].as_str(), Some(want), "{text}");
+    tuned.args(&["--max-steps", "2"]).run();
+}

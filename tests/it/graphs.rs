@@ -119,3 +119,45 @@ fn check_says_what_a_run_would_decide() {
     let off = job().name("off").command("check").run();
     assert!(!off.stdout.contains("CUDA graph"), "{}", off.stdout);
 }
+
+/// `check` of a spec that captures on CUDA counts the graph's pool: validation's forward
+/// allocates beside it, so under bf16-mixed its own bf16 copies of the weights (2410 of them:
+/// 4.71 KiB) come on top of the static bill, and a cap that only the pool overflows is answered
+/// with turning graphs off. No GPU is needed: check runs nothing.
+#[test]
+fn check_counts_the_graph_pool_of_a_captured_cuda_step() {
+    let t = job()
+        .set("job.device", "cuda")
+        .set("train.precision", "bf16-mixed")
+        .command("check");
+    let eager = t.clone().name("eager").run();
+    assert!(!eager.stdout.contains("graph pool"), "{}", eager.stdout);
+    assert!(
+        eager
+            .stdout
+            .contains("device static    37.66 KiB (+ activations, measured by the preflight step)\n"),
+        "{}",
+        eager.stdout
+    );
+    let auto = t.clone().set("train.cuda_graph", "auto");
+    let captured = auto.clone().name("captured").run();
+    assert!(
+        captured.stdout.contains(
+            "  graph pool        4.71 KiB  device: the captured step's working memory stays in the graph's pool"
+        ),
+        "{}",
+        captured.stdout
+    );
+    assert!(
+        captured.stdout.contains("device static    42.36 KiB (+ activations, measured by the preflight step; captured, the step's and validation's both)"),
+        "{}",
+        captured.stdout
+    );
+    let tight = auto.name("tight").set("memory.limit", "40KiB").run();
+    assert!(tight.stdout.contains("WARNING: "), "{}", tight.stdout);
+    assert!(
+        tight.stdout.contains("to fit, set train.cuda_graph = \"off\""),
+        "{}",
+        tight.stdout
+    );
+}

@@ -370,6 +370,33 @@ class Judges(unittest.TestCase):
         self.assertFalse(g.judge_fit(fit, run, None, "").ok)
         self.assertIn("no recommendation", g.judge_fit({"recommendation": None}, run, None, "").seen)
 
+    def test_fit_graph_needs_both_probes_and_the_written_spec_run_under_the_budget(self):
+        def probe(graph, rate=100.0, micro=32, fits=True):
+            return {"precision": "fp32", "activation_checkpointing": False, "placement": "none",
+                    "cuda_graph": graph, "micro_batch": micro, "fits": fits, "samples_per_s": rate}
+        fit = {"budget": {"bytes": 2 * GiB}, "probes": [probe("off", micro=16), probe("off"), probe("on", 300.0)],
+               "recommendation": {"cuda_graph": "on", "batch_size": 32}}
+        captured = [{"type": "graph", "action": "captured", "of": "weights"}]
+        run = {"memory": {"peak_reserved_bytes": GiB}}
+        c = g.judge_fit_graph(fit, 0, captured, run)
+        self.assertTrue(c.ok, c)
+        self.assertIn("fp32 at 32: eager 100/s, captured 300/s", c.seen)
+        self.assertFalse(g.judge_fit_graph(fit, 0, [], run).ok, "recommended captured, ran eager")
+        self.assertFalse(g.judge_fit_graph(fit, 1, captured, run).ok, "the run failed")
+        self.assertFalse(g.judge_fit_graph(fit, 0, captured, {"memory": {"peak_reserved_bytes": 3 * GiB}}).ok,
+                         "over the budget")
+        eager_won = dict(fit, recommendation={"cuda_graph": "off", "batch_size": 32})
+        self.assertTrue(g.judge_fit_graph(eager_won, 0, [], run).ok)
+        self.assertFalse(g.judge_fit_graph(eager_won, 0, captured, run).ok, "written off, yet captured")
+        apart = dict(fit, probes=[probe("off", micro=16), probe("on", micro=32)])
+        c = g.judge_fit_graph(apart, 0, captured, run)
+        self.assertFalse(c.ok, "not at the same micro-batch")
+        self.assertIn("no setting probed both ways", c.seen)
+        oom = dict(fit, probes=[probe("off"), probe("on", fits=False)], recommendation={"cuda_graph": "off"})
+        c = g.judge_fit_graph(oom, 0, [], run)
+        self.assertTrue(c.ok, "a captured probe that did not fit still counts as measured")
+        self.assertIn("captured OOM", c.seen)
+
     def test_resume(self):
         whole = [step(i, 1.0 / i) for i in range(1, 9)]
         self.assertTrue(g.judge_resume(whole, list(whole), 130, ["rng/cpu", "rng/cuda"]).ok)
