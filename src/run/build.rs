@@ -20,7 +20,7 @@ use crate::human::{device_name, human_bytes};
 use crate::memory::CachePolicy;
 use crate::model::{self, Built, Net, ARCH_PREFIX};
 use crate::oom::{self, BatchShape, OomKind, StepError};
-use crate::optim::{Hyper, LrSchedule, Optimizer, Shard};
+use crate::optim::{Groups, Hyper, LrSchedule, Optimizer, Shard};
 use crate::plan::{Place, Plan};
 use crate::policy::levers::{self, Described, Position, Situation};
 use crate::policy::recovery::{EvalPosition, Policy, Recovery};
@@ -66,7 +66,7 @@ impl Factory<'_> {
         let parallel = execution.group().is_some();
         let train = model::with_frozen(&spec.train, model::lora_frozen(&vs, &spec.model)?);
         let (groups, unfreeze) = super::finetune::groups(&train, &vs, built.net.as_ref(), parallel)?;
-        super::finetune::store_frozen(&train, &vs, built.net.as_ref(), &groups);
+        self.store_frozen(&train, &vs, built.net.as_ref(), &groups)?;
         let data = self.load_data(&built, device)?;
         let (mut opt, arch) = {
             let _host = spec.memory.parameters.is_host().then(shim::HostScope::enter);
@@ -202,10 +202,7 @@ impl Factory<'_> {
             false => Device::Cpu,
         };
         let mut vs = nn::VarStore::new(built_on);
-        let needs = || {
-            self.after_setup_oom()
-                .map(|e| format!("its parameters are {}", human_bytes(e.parameter_bytes())))
-        };
+        let needs = || self.model_needs();
         let built = {
             let _squeeze = fault::squeeze_in(Phase::Model, self.plan.start.global_step);
             // Seeded there: eval, generate and export draw a LoRA run's base again the same way.
@@ -223,6 +220,29 @@ impl Factory<'_> {
             setup_step(Phase::Model.label(), &needs, &CHANGE_MODEL, || vs.set_device(device))?;
         }
         Ok((vs, built, init))
+    }
+
+    /// `train.frozen_dtype`'s bf16 copies of the frozen weights, made where the weights rest:
+    /// streamed ones in host memory (apart from the device's count and never against its cap),
+    /// others on the device as part of the model's bill, whose OOM ends the run as building the
+    /// model's does.
+    fn store_frozen(&self, train: &spec::Train, vs: &nn::VarStore, net: &dyn Net, groups: &Groups) -> Result<()> {
+        let _host = self.plan.spec.memory.parameters.is_host().then(shim::HostScope::enter);
+        // Each frozen weight is drawn in fp32, and its bf16 copy made beside it.
+        let needs = || {
+            self.model_needs()
+                .map(|n| format!("{n} with the frozen weights in bf16, each copied from its fp32 draw"))
+        };
+        setup_step(Phase::Model.label(), &needs, &CHANGE_MODEL, || {
+            super::finetune::store_frozen(train, vs, net, groups)
+        })?;
+        Ok(())
+    }
+
+    /// What the model holds, for an OOM while building it.
+    fn model_needs(&self) -> Option<String> {
+        self.after_setup_oom()
+            .map(|e| format!("its parameters are {}", human_bytes(e.parameter_bytes())))
     }
 
     /// The weights' optimizer (this rank's share of its state under ZeRO stage 1) and the

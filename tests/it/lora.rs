@@ -413,3 +413,28 @@ fn a_frozen_base_in_bf16_trains_the_same_in_less_memory() {
         .stderr_has("has no frozen weights to keep")
         .run();
 }
+
+/// Frozen weights kept in bf16 on the device (no streaming) are part of the model's bill: a cap
+/// that holds the fp32 draw but not a frozen weight's bf16 copy beside it ends the run as
+/// building the model does, with exit 3 and what to change; the same cap holds the fp32 model.
+#[test]
+fn a_bf16_frozen_copy_over_the_cap_ends_as_building_the_model() {
+    // fc0's 1 MiB of fp32 weight, frozen, needs 512 KiB more for its bf16 copy.
+    let t = Test::new()
+        .spec(table(
+            "[job]\nthreads = 1\ndevice = \"cpu\"\n[model]\npreset = \"mlp\"\n[model.mlp]\ninputs = 256\nhidden = [1024]\n\
+             num_classes = 4\n[data]\nsamples = 40\nval_fraction = 0.2\n[train]\nepochs = 1\nbatch_size = 8\n\
+             optimizer = \"adam\"\nlr = 0.01\nprecision = \"bf16-mixed\"\nfreeze = [\"fc0.*\"]\n\
+             [log]\nprogress = \"off\"\n[memory]\nlimit = \"1300KiB\"\n",
+        ))
+        .exit(3);
+    let wide = t.clone().name("wide").set("train.frozen_dtype", "fp32").run();
+    assert!(!wide.stderr.contains("while building the model"), "{}", wide.stderr);
+    t.name("narrow")
+        .set("train.frozen_dtype", "bf16")
+        .stderr_has("out of memory while building the model (its parameters are")
+        .stderr_has("with the frozen weights in bf16")
+        .stderr_has("under the 1.27 MiB cap")
+        .stderr_has("To fix: raise memory.limit")
+        .run();
+}
