@@ -20,6 +20,8 @@ pub struct Estimate {
     pub frozen: u64,
     /// Of the frozen values, those `train.frozen_dtype = "bf16"` stores in bf16 (0 otherwise).
     pub frozen_bf16: u64,
+    /// Of those, the values drawn in bf16 in the first place: a base read from `model.init_from`.
+    pub drawn_bf16: u64,
     /// The setting that freezes them: the LoRA base's adapters, or `train.freeze`.
     pub frozen_by: &'static str,
     /// Bytes of the variables that stay on the device when parameters stream (a decoder's
@@ -125,11 +127,12 @@ impl Estimate {
             _ => self.weights * self.state_per_weight * self.bytes_per_value + arch,
         }
     }
-    /// What `memtrain run` builds before anything moves or is cast: every value in fp32, in host
-    /// memory (a TorchScript module aside, which is loaded where it runs).
+    /// What `memtrain run` builds before anything moves or is cast, in host memory: every value
+    /// in fp32 but a base read from `model.init_from` that stays bf16 (a TorchScript module aside,
+    /// which is loaded where it runs).
     pub fn build_bytes(&self) -> u64 {
         let values = self.weights + self.frozen + self.arch_weights + self.buffers;
-        values.saturating_mul(4)
+        values.saturating_mul(4).saturating_sub(self.drawn_bf16 * 2)
     }
     pub fn total_bytes(&self) -> u64 {
         self.parameter_bytes() + self.gradient_bytes() + self.optimizer_bytes()
@@ -328,6 +331,10 @@ pub fn estimate(job: &Sections) -> Result<Estimate> {
         frozen: c.frozen,
         resident_bytes: c.resident_bytes,
         resident_trained: c.resident_trained,
+        drawn_bf16: match job.model.init_from.is_some() && t.precision == Precision::Bf16Mixed {
+            true if t.frozen_dtype == crate::spec::FrozenDtype::Bf16 => c.frozen_low,
+            _ => 0,
+        },
         frozen_by: match job.model.options.contains_key(model::lora::TABLE) {
             true => "the base under model.lora",
             false => "train.freeze",

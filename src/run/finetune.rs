@@ -45,6 +45,7 @@ pub fn store_frozen(t: &Train, vs: &nn::VarStore, net: &dyn Net, groups: &Groups
     let infos = model::param_infos(vs, net);
     let vars = vs.variables();
     let mut saved = 0;
+    let mixed = t.precision == crate::spec::Precision::Bf16Mixed;
     tch::no_grad(|| {
         for (p, at) in infos.iter().zip(&groups.of) {
             let Some(t) = vars
@@ -54,6 +55,10 @@ pub fn store_frozen(t: &Train, vs: &nn::VarStore, net: &dyn Net, groups: &Groups
                 continue;
             };
             if t.kind() == Kind::BFloat16 {
+                // Drawn in bf16 already (a base read from model.init_from): the fp32 it spares.
+                if mixed {
+                    saved += (t.numel() * 2) as u64;
+                }
                 continue;
             }
             saved += (t.numel() * (t.kind().elt_size_in_bytes() - 2)) as u64;

@@ -2,7 +2,7 @@
 //! checkpoint (`eval`, `generate`, `export`): the same draw, the same dtype and the same frozen
 //! storage, through the code training itself uses.
 use anyhow::Result;
-use tch::nn;
+use tch::{nn, Kind};
 
 use crate::exit::UsageError;
 use crate::model::{self, Built, Net};
@@ -19,11 +19,54 @@ use crate::spec::{FrozenDtype, Precision, Spec};
 /// whole frozen model into every checkpoint of an adapter run.
 pub fn drawn_model(vs: &mut nn::VarStore, spec: &Spec) -> Result<Built> {
     tch::manual_seed(spec.job.seed);
+    let narrow = drawn_in_bf16(spec);
+    if narrow {
+        // An empty store: this sets the kind new variables are made in, and casts nothing.
+        vs.set_kind(Kind::BFloat16);
+    }
     let built = model::build(&vs.root(), &spec.model)?;
+    if narrow {
+        widen_all_but_the_frozen_base(spec, vs, built.net.as_ref())?;
+    }
     if spec.train.precision == Precision::Bf16 {
         vs.bfloat16();
     }
     Ok(built)
+}
+
+/// A model whose weights come from `model.init_from` and whose frozen base is kept in bf16
+/// (`train.frozen_dtype`, under bf16-mixed) is drawn in bf16: the base's draw is overwritten by
+/// the file, rounded to bf16 as the fp32 draw would have been, so drawing it in fp32 first would
+/// only cost host memory (32 GB for an 8B model, where its bf16 base is 16). What trains, and
+/// what the file lacks, is widened to fp32 before the file is read.
+fn drawn_in_bf16(spec: &Spec) -> bool {
+    spec.model.init_from.is_some()
+        && spec.model.preset != "torchscript"
+        && spec.train.frozen_dtype == FrozenDtype::Bf16
+        && spec.train.precision == Precision::Bf16Mixed
+}
+
+/// Every variable back to fp32 but the frozen weights `store_frozen` keeps in bf16, picked as it
+/// picks them.
+fn widen_all_but_the_frozen_base(spec: &Spec, vs: &nn::VarStore, net: &dyn Net) -> Result<()> {
+    let train = model::with_frozen(&spec.train, model::lora_frozen(vs, &spec.model)?);
+    let infos = model::param_infos(vs, net);
+    let groups = crate::optim::Groups::resolve(&train, &infos).map_err(UsageError)?;
+    let vars = vs.variables();
+    let kept: std::collections::HashSet<&str> = infos
+        .iter()
+        .zip(&groups.of)
+        .filter(|(p, at)| at.is_none() && vars.get(&p.name).is_some_and(|t| model::autocast_weight(&p.name, t)))
+        .map(|(p, _)| p.name.as_str())
+        .collect();
+    tch::no_grad(|| {
+        for (name, t) in &vars {
+            if !kept.contains(name.as_str()) && t.kind() == Kind::BFloat16 {
+                t.shallow_clone().set_data(&t.to_kind(Kind::Float));
+            }
+        }
+    });
+    Ok(())
 }
 
 /// `train.frozen_dtype = "bf16"` on a model drawn again and given its checkpoint: the weights the
@@ -85,5 +128,47 @@ mod tests {
         let (vs, built) = drawn(&spec(3, ""));
         assert_eq!(frozen_as_trained(&spec(3, ""), &vs, built.net.as_ref()).unwrap(), 0);
         assert_eq!(vs.variables()["fc0.weight"].kind(), Kind::Float);
+    }
+
+    /// A base read from `model.init_from` under a bf16 frozen dtype is drawn in bf16 (half the
+    /// host memory) and holds, once read, the bits an fp32 draw rounded by `store_frozen` holds;
+    /// what trains and the 1-D frozen tensors are fp32.
+    #[test]
+    fn a_base_read_from_a_file_is_drawn_in_bf16_and_reads_what_an_fp32_draw_keeps() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("base.safetensors");
+        let (wide, _) = drawn(&spec(5, ""));
+        let base: Vec<(String, tch::Tensor)> = wide
+            .variables()
+            .into_iter()
+            .filter(|(n, _)| !n.contains("lora"))
+            .map(|(n, t)| (n, t.detach().g_mul_scalar(1.0 + 1e-3)))
+            .collect();
+        crate::checkpoint::write_safetensors(&file, &base).unwrap();
+        let read = |train: &str| {
+            let mut s = spec(3, train);
+            s.model.init_from = Some(file.clone());
+            let (vs, built) = drawn(&s);
+            let kinds: Vec<(String, Kind)> = ["fc0.weight", "fc0.bias", "fc0.lora_A.weight"]
+                .iter()
+                .map(|n| (n.to_string(), vs.variables()[*n].kind()))
+                .collect();
+            super::super::build::init_from(&vs, &built.head, &s.model, &file).unwrap();
+            frozen_as_trained(&s, &vs, built.net.as_ref()).unwrap();
+            (vs, kinds)
+        };
+        let (narrow, kinds) = read("precision = \"bf16-mixed\"\nfrozen_dtype = \"bf16\"\n");
+        assert_eq!(
+            kinds,
+            [
+                ("fc0.weight".to_string(), Kind::BFloat16),
+                ("fc0.bias".to_string(), Kind::Float),
+                ("fc0.lora_A.weight".to_string(), Kind::Float)
+            ]
+        );
+        let (fp32, _) = read("precision = \"bf16-mixed\"\n");
+        let (a, b) = (narrow.variables(), fp32.variables());
+        assert!(a["fc0.weight"].equal(&b["fc0.weight"].to_kind(Kind::BFloat16)));
+        assert!(a["fc1.bias"].equal(&b["fc1.bias"]));
     }
 }
