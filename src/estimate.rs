@@ -331,9 +331,9 @@ pub fn estimate(job: &Sections) -> Result<Estimate> {
         frozen: c.frozen,
         resident_bytes: c.resident_bytes,
         resident_trained: c.resident_trained,
-        drawn_bf16: match job.model.init_from.is_some() && t.precision == Precision::Bf16Mixed {
-            true if t.frozen_dtype == crate::spec::FrozenDtype::Bf16 => c.frozen_low,
-            _ => 0,
+        drawn_bf16: match model::base_drawn_in_bf16(job.model, t) {
+            true => c.frozen_low,
+            false => 0,
         },
         frozen_by: match job.model.options.contains_key(model::lora::TABLE) {
             true => "the base under model.lora",

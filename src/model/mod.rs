@@ -546,6 +546,18 @@ pub fn counts(model: &Model, train: &crate::spec::schema::Train) -> Result<Count
     counts_of(vs, built, model, train)
 }
 
+/// A model whose weights come from `model.init_from` and whose frozen base is kept in bf16
+/// (`train.frozen_dtype`, under bf16-mixed) is drawn in bf16: the base's draw is overwritten by
+/// the file, rounded to bf16 as the fp32 draw would have been, so drawing it in fp32 first would
+/// only cost host memory (32 GB for an 8B model, where its bf16 base is 16). What trains, and
+/// what the file lacks, is widened to fp32 before the file is read.
+pub fn base_drawn_in_bf16(model: &Model, train: &crate::spec::schema::Train) -> bool {
+    model.init_from.is_some()
+        && model.preset != "torchscript"
+        && train.frozen_dtype == crate::spec::FrozenDtype::Bf16
+        && train.precision == crate::spec::Precision::Bf16Mixed
+}
+
 /// The spec's model with its variables' shapes and nothing in them: counting, and `check`'s
 /// load plan, need no values, and a Llama-8B shape would otherwise fill 32 GB of host memory
 /// with its fp32 initialisation first. A TorchScript module comes with its values from its

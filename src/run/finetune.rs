@@ -42,18 +42,10 @@ pub fn store_frozen(t: &Train, vs: &nn::VarStore, net: &dyn Net, groups: &Groups
     if t.frozen_dtype != FrozenDtype::Bf16 {
         return 0;
     }
-    let infos = model::param_infos(vs, net);
-    let vars = vs.variables();
     let mut saved = 0;
     let mixed = t.precision == crate::spec::Precision::Bf16Mixed;
     tch::no_grad(|| {
-        for (p, at) in infos.iter().zip(&groups.of) {
-            let Some(t) = vars
-                .get(&p.name)
-                .filter(|t| at.is_none() && model::autocast_weight(&p.name, t))
-            else {
-                continue;
-            };
+        for (_, t) in kept_in_bf16(vs, net, groups) {
             if t.kind() == Kind::BFloat16 {
                 // Drawn in bf16 already (a base read from model.init_from): the fp32 it spares.
                 if mixed {
@@ -71,6 +63,19 @@ pub fn store_frozen(t: &Train, vs: &nn::VarStore, net: &dyn Net, groups: &Groups
         crate::human::human_bytes(saved)
     );
     saved
+}
+
+/// The frozen weights autocast casts to bf16 for every use (`model::autocast_weight`): those
+/// `train.frozen_dtype = "bf16"` keeps in bf16, by name.
+pub fn kept_in_bf16(vs: &nn::VarStore, net: &dyn Net, groups: &Groups) -> Vec<(String, tch::Tensor)> {
+    let mut vars = vs.variables();
+    model::param_infos(vs, net)
+        .into_iter()
+        .zip(&groups.of)
+        .filter(|(_, at)| at.is_none())
+        .filter_map(|(p, _)| vars.remove_entry(&p.name))
+        .filter(|(name, t)| model::autocast_weight(name, t))
+        .collect()
 }
 
 impl Trained {

@@ -19,7 +19,7 @@ use crate::spec::{FrozenDtype, Precision, Spec};
 /// whole frozen model into every checkpoint of an adapter run.
 pub fn drawn_model(vs: &mut nn::VarStore, spec: &Spec) -> Result<Built> {
     tch::manual_seed(spec.job.seed);
-    let narrow = drawn_in_bf16(spec);
+    let narrow = model::base_drawn_in_bf16(&spec.model, &spec.train);
     if narrow {
         // An empty store: this sets the kind new variables are made in, and casts nothing.
         vs.set_kind(Kind::BFloat16);
@@ -34,39 +34,29 @@ pub fn drawn_model(vs: &mut nn::VarStore, spec: &Spec) -> Result<Built> {
     Ok(built)
 }
 
-/// A model whose weights come from `model.init_from` and whose frozen base is kept in bf16
-/// (`train.frozen_dtype`, under bf16-mixed) is drawn in bf16: the base's draw is overwritten by
-/// the file, rounded to bf16 as the fp32 draw would have been, so drawing it in fp32 first would
-/// only cost host memory (32 GB for an 8B model, where its bf16 base is 16). What trains, and
-/// what the file lacks, is widened to fp32 before the file is read.
-fn drawn_in_bf16(spec: &Spec) -> bool {
-    spec.model.init_from.is_some()
-        && spec.model.preset != "torchscript"
-        && spec.train.frozen_dtype == FrozenDtype::Bf16
-        && spec.train.precision == Precision::Bf16Mixed
-}
-
-/// Every variable back to fp32 but the frozen weights `store_frozen` keeps in bf16, picked as it
-/// picks them.
+/// Every variable back to fp32 but the frozen weights `store_frozen` keeps in bf16.
 fn widen_all_but_the_frozen_base(spec: &Spec, vs: &nn::VarStore, net: &dyn Net) -> Result<()> {
-    let train = model::with_frozen(&spec.train, model::lora_frozen(vs, &spec.model)?);
-    let infos = model::param_infos(vs, net);
-    let groups = crate::optim::Groups::resolve(&train, &infos).map_err(UsageError)?;
-    let vars = vs.variables();
-    let kept: std::collections::HashSet<&str> = infos
-        .iter()
-        .zip(&groups.of)
-        .filter(|(p, at)| at.is_none() && vars.get(&p.name).is_some_and(|t| model::autocast_weight(&p.name, t)))
-        .map(|(p, _)| p.name.as_str())
+    let (_, groups) = frozen_groups(spec, vs, net)?;
+    let kept: std::collections::HashSet<String> = super::finetune::kept_in_bf16(vs, net, &groups)
+        .into_iter()
+        .map(|(name, _)| name)
         .collect();
     tch::no_grad(|| {
-        for (name, t) in &vars {
-            if !kept.contains(name.as_str()) && t.kind() == Kind::BFloat16 {
+        for (name, t) in vs.variables() {
+            if !kept.contains(&name) && t.kind() == Kind::BFloat16 {
                 t.shallow_clone().set_data(&t.to_kind(Kind::Float));
             }
         }
     });
     Ok(())
+}
+
+/// The run's `train` with LoRA's base frozen too, and its parameter groups: what decides which
+/// weights are frozen, as training decides it.
+fn frozen_groups(spec: &Spec, vs: &nn::VarStore, net: &dyn Net) -> Result<(crate::spec::Train, crate::optim::Groups)> {
+    let train = model::with_frozen(&spec.train, model::lora_frozen(vs, &spec.model)?);
+    let groups = crate::optim::Groups::resolve(&train, &model::param_infos(vs, net)).map_err(UsageError)?;
+    Ok((train, groups))
 }
 
 /// `train.frozen_dtype = "bf16"` on a model drawn again and given its checkpoint: the weights the
@@ -76,8 +66,7 @@ pub fn frozen_as_trained(spec: &Spec, vs: &nn::VarStore, net: &dyn Net) -> Resul
     if spec.train.frozen_dtype != FrozenDtype::Bf16 {
         return Ok(0);
     }
-    let train = model::with_frozen(&spec.train, model::lora_frozen(vs, &spec.model)?);
-    let groups = crate::optim::Groups::resolve(&train, &model::param_infos(vs, net)).map_err(UsageError)?;
+    let (train, groups) = frozen_groups(spec, vs, net)?;
     Ok(super::finetune::store_frozen(&train, vs, net, &groups))
 }
 
