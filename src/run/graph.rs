@@ -110,6 +110,15 @@ struct Slot {
     state: SlotState,
 }
 
+/// Why a step cannot be captured now, and how far that reaches.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Decline {
+    /// The whole run (the device, a lever recovery engaged): every slot gives up its graph.
+    Run(String),
+    /// Only this kind of step (its optimizer): the other kind's graph stays.
+    Kind(String),
+}
+
 /// What the slot does with this step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Route {
@@ -134,8 +143,8 @@ pub struct StepGraphs {
     ooms: Vec<CaptureOom>,
     side: Option<SideStream>,
     slots: [Slot; 2],
-    /// The last reason recorded for running eager, so each is recorded once.
-    said: Option<String>,
+    /// The last reason recorded, per kind of step, for running it eager, so each is recorded once.
+    said: [Option<String>; 2],
     /// What to record: captures, and why steps run eager.
     events: Vec<GraphEvent>,
 }
@@ -147,7 +156,7 @@ impl StepGraphs {
             ooms: Vec::new(),
             side: None,
             slots: Default::default(),
-            said: None,
+            said: Default::default(),
             events: Vec::new(),
         }
     }
@@ -200,13 +209,20 @@ impl StepGraphs {
         kind: StepKind,
         key: Key,
         group: usize,
-        eligible: Result<(), String>,
+        eligible: Result<(), Decline>,
         step: Option<i64>,
         warmup: u32,
     ) -> Route {
-        if let Err(why) = eligible {
-            self.decline_all(kind, key, step, why);
-            return Route::Eager;
+        match eligible {
+            Err(Decline::Run(why)) => {
+                self.decline_all(kind, key, step, why);
+                return Route::Eager;
+            }
+            Err(Decline::Kind(why)) => {
+                self.decline(kind, key, step, why);
+                return Route::Eager;
+            }
+            Ok(()) => {}
         }
         if !key.whole(group) {
             // A last group with a part-filled micro-batch: eager, and every slot stays as it is,
@@ -309,7 +325,8 @@ impl StepGraphs {
         }
     }
 
-    /// Every slot gives up its graph (and its pool); each reason is recorded once.
+    /// Every slot gives up its graph (and its pool); each reason is recorded once, for the
+    /// step that met it.
     fn decline_all(&mut self, kind: StepKind, key: Key, step: Option<i64>, why: String) {
         for slot in &mut self.slots {
             *slot = Slot {
@@ -317,9 +334,23 @@ impl StepGraphs {
                 state: SlotState::Declined,
             };
         }
-        if self.said.as_deref() != Some(why.as_str()) {
+        self.say(kind, key, step, why);
+    }
+
+    /// The slot of `kind` alone gives up its graph: the other kind's steps can still be captured.
+    fn decline(&mut self, kind: StepKind, key: Key, step: Option<i64>, why: String) {
+        self.slots[kind as usize] = Slot {
+            key: Some(key),
+            state: SlotState::Declined,
+        };
+        self.say(kind, key, step, why);
+    }
+
+    fn say(&mut self, kind: StepKind, key: Key, step: Option<i64>, why: String) {
+        let said = &mut self.said[kind as usize];
+        if said.as_deref() != Some(why.as_str()) {
             self.events.push(event(kind, key, step, Some(why.clone()), None));
-            self.said = Some(why);
+            *said = Some(why);
         }
     }
 }
@@ -348,22 +379,26 @@ fn side_stream(side: &mut Option<SideStream>, device: Device) -> Result<&mut Sid
 
 /// Why no step can be captured now, when none can; recovery may have engaged a lever, or moved
 /// the run to the CPU, since the plan was made.
-fn eligible(pipeline: &StepPipeline, s: &Stepping) -> Result<(), String> {
+fn eligible(pipeline: &StepPipeline, s: &Stepping) -> Result<(), Decline> {
     let f = &pipeline.forward;
+    let run = |why: &str| Err(Decline::Run(why.into()));
     if !f.device.is_cuda() {
-        return Err("the run fell back to the CPU".into());
+        return run("the run fell back to the CPU");
     }
     if s.work.stream.is_some() || f.recompute || f.activations == Home::Host {
-        return Err("a memory lever engaged by recovery moves memory or recomputes during the step".into());
+        return run("a memory lever engaged by recovery moves memory or recomputes during the step");
     }
     if s.opt.state_home() == Home::Host || s.opt.grads_home() == Home::Host {
-        return Err("a memory lever engaged by recovery moved the optimizer's state or gradients to the host".into());
-    }
-    if !s.opt.reads_scalars_on_device() {
-        return Err("the optimizer's update takes its learning rate from the host".into());
+        return run("a memory lever engaged by recovery moved the optimizer's state or gradients to the host");
     }
     if s.work.loss_scale.is_some() {
-        return Err("fp16-mixed decides on the host whether to skip a step".into());
+        return run("fp16-mixed decides on the host whether to skip a step");
+    }
+    if !s.opt.reads_scalars_on_device() {
+        // This step's optimizer alone: DARTS's other optimizer may still read its on the device.
+        return Err(Decline::Kind(
+            "the optimizer's update takes its learning rate from the host".into(),
+        ));
     }
     Ok(())
 }
@@ -568,9 +603,51 @@ mod tests {
         // The next epoch's whole groups are captured as before.
         assert_eq!(decide(&mut g, k, 32), "capture");
         // Ineligible (a lever engaged) still ends every slot, once said.
-        let lever = g.decide(StepKind::Weights, k, 32, Err("a lever".into()), Some(2), WARMUP);
+        let lever = g.decide(
+            StepKind::Weights,
+            k,
+            32,
+            Err(Decline::Run("a lever".into())),
+            Some(2),
+            WARMUP,
+        );
         assert!(matches!(lever, Route::Eager));
         assert_eq!(g.take_events().len(), 1);
+    }
+
+    #[test]
+    fn an_optimizer_reading_its_rate_on_the_host_declines_its_own_kind_only() {
+        let mut g = graphs();
+        let k = key(8, 4, 32.0);
+        let host_rate = || {
+            Err(Decline::Kind(
+                "the optimizer's update takes its learning rate from the host".into(),
+            ))
+        };
+        let mut both = |g: &mut StepGraphs| {
+            let w = g.decide(StepKind::Weights, k, 32, Ok(()), Some(1), WARMUP);
+            let a = g.decide(StepKind::Architecture, k, 32, host_rate(), Some(1), WARMUP);
+            (w, a)
+        };
+        let mut weights = vec![];
+        for _ in 0..5 {
+            let (w, a) = both(&mut g);
+            assert_eq!(a, Route::Eager);
+            weights.push(w);
+        }
+        assert_eq!(
+            weights,
+            [
+                Route::Eager,
+                Route::EagerOnSide,
+                Route::Capture,
+                Route::Capture,
+                Route::Capture
+            ]
+        );
+        let events = g.take_events();
+        assert_eq!(events.len(), 1, "the architecture's reason once: {events:?}");
+        assert_eq!(events[0].of, StepKind::Architecture.name());
     }
 
     #[test]
