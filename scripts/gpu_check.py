@@ -1113,9 +1113,15 @@ class OverBudget(Exception):
     pass
 
 
+EXPANDABLE = "memory.allocator.expandable_segments=true"
+
+
 class Runner:
-    def __init__(self, binary, python, tmp, budget, cmd_timeout):
+    def __init__(self, binary, python, tmp, budget, cmd_timeout, expandable=False):
         self.bin, self.python, self.tmp = binary, python, tmp
+        # --expandable: every run and fit with expandable segments on, unless the check sets
+        # the allocator itself (the question is whether the whole table passes with them).
+        self.expandable = expandable
         self.deadline = time.time() + budget
         self.cmd_timeout = cmd_timeout
         # Every memtrain run's stderr, (run, text), for the check that no run printed a libtorch
@@ -1159,7 +1165,13 @@ class Runner:
         return proc
 
     def mt(self, name, args, env=None):
-        return self.cmd([self.bin] + args, env=env, log=name)
+        return self.cmd([self.bin] + self.with_expandable(args, env), env=env, log=name)
+
+    def with_expandable(self, args, env):
+        own = any("memory.allocator" in a for a in args) or "PYTORCH_CUDA_ALLOC_CONF" in (env or {})
+        if not self.expandable or own or not args or args[0] not in ("run", "fit"):
+            return list(args)
+        return list(args) + ["--set", EXPANDABLE]
 
     def run(self, name, spec, sets=(), extra=(), env=None):
         """`memtrain run SPEC --set ... --out TMP/name`; returns (proc, run directory)."""
@@ -1174,6 +1186,8 @@ class Runner:
         t = self.timeout()
         err_path = self.path(name + ".err")
         with open(err_path, "w") as err, open(self.path(name + ".out"), "w") as out:
+            if argv and argv[0] == self.bin:
+                argv = argv[:1] + self.with_expandable(argv[1:], env)
             p = subprocess.Popen(argv, stdout=out, stderr=err, env=self.env(env), cwd=ROOT)
         end = time.time() + t
         seen = False
@@ -2106,6 +2120,59 @@ def llama_tokens(r, name, t, windows=8):
     return data, "\n".join(f"{k} = {t[k]}" for k in keys)
 
 
+LLAMA_8B_FLOOR_ROW = "Llama-8B streamed step vs two base transfers"
+LLAMA_8B_FLOOR_TARGET = 1.5
+
+
+def decoder_layer_bytes(t, bytes_per=2):
+    """What one pass streams: every decoder layer's weights (attention, SwiGLU MLP, two norms),
+    in bf16. The embedding and the head are not layers of the chain: they stay on the device."""
+    h, i = t["hidden_size"], t["intermediate_size"]
+    kv = h // t["num_attention_heads"] * t["num_key_value_heads"]
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
+    return per_layer * t["num_hidden_layers"] * bytes_per
+
+
+H2D_PROBE = """
+import json, torch
+n = 1 << 30
+src = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+secs = []
+for _ in range(6):
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record(); dst.copy_(src, non_blocking=True); b.record(); b.synchronize()
+    secs.append(a.elapsed_time(b) / 1000)
+secs = sorted(secs[1:])
+print(json.dumps({"gbps": n / secs[len(secs) // 2] / 1e9}))
+"""
+
+
+def h2d_bandwidth(r):
+    """GB/s of one pinned 1 GiB host-to-device copy (median of five after one warm-up), measured
+    by torch in a child process; None where it could not be measured."""
+    p = r.cmd([r.python, "-c", H2D_PROBE], log="h2d_bandwidth")
+    try:
+        return float(json.loads(p.stdout.strip().splitlines()[-1])["gbps"]) if p.rc == 0 else None
+    except (ValueError, KeyError, IndexError):
+        return None
+
+
+def judge_llama_streamed_floor(records, streamed_bytes, gbps, target=LLAMA_8B_FLOOR_TARGET):
+    """A streamed base crosses the bus twice a step (forward, and backward's recomputed pass),
+    whatever the batch: the step's median seconds (after the first) over that floor, at the
+    bandwidth measured on this machine, must be at most `target`."""
+    secs = sorted(s["seconds"] for s in of_type(records, "step")[1:] if isinstance(s.get("seconds"), (int, float)))
+    floor = 2 * streamed_bytes / (gbps * 1e9) if gbps else None
+    median = secs[len(secs) // 2] if secs else None
+    ratio = median / floor if median and floor else None
+    seen = (f"median step {median:.3f} s over {len(secs)} steps" if median else "no timed step") \
+        + (f"; floor {floor:.3f} s (2 x {size(streamed_bytes)} at {gbps:.1f} GB/s)" if floor else "; bandwidth not measured") \
+        + (f" = {ratio:.2f}x (target <= {target:.2f}x)" if ratio else "")
+    return Check(LLAMA_8B_FLOOR_ROW, f"a step within {target:.2f}x two transfers of the streamed layers", seen,
+                 ratio is not None and ratio <= target)
+
+
 def judge_llama_streamed_generate(rc, text, new, why=""):
     """generate on the streamed run, with its spec's cap: the layers stream from the host as they
     did in training (the whole model would not fit), and it prints the prompt and `new` ids."""
@@ -2157,11 +2224,13 @@ progress = "off"
 """)
     p, out = r.run("llama_8b", spec, [dev()])
     if p.rc != 0:
-        return [failure(LLAMA_8B_ROW, "completes", p), failure(LLAMA_8B_GENERATE, "a trained run", p)]
+        return [failure(LLAMA_8B_ROW, "completes", p), failure(LLAMA_8B_GENERATE, "a trained run", p),
+                failure(LLAMA_8B_FLOOR_ROW, "a trained run", p)]
     g = r.mt("llama_8b_generate", ["generate", out, "--prompt-ids", LLAMA_8B_PROMPT,
                                    "--max-new-tokens", str(LLAMA_8B_NEW), "--ignore-eos"])
     return [judge_llama_streamed(p.rc, records_of(out), summary_of(out), t["cap"]),
-            judge_llama_streamed_generate(g.rc, g.stdout, LLAMA_8B_NEW, g.why())]
+            judge_llama_streamed_generate(g.rc, g.stdout, LLAMA_8B_NEW, g.why()),
+            judge_llama_streamed_floor(records_of(out), decoder_layer_bytes(t), h2d_bandwidth(r))]
 
 
 # A Llama-3.2-1B shape (tied embeddings): a full fine-tune in fp32 with AdamW, seq_len 1024,
@@ -2169,8 +2238,13 @@ progress = "off"
 # there, and the tied embedding trains on the device (the rehearsal shrinks it).
 LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
-                seq_len=1024, cap=4 * GiB, steps=4)
+                seq_len=1024, cap=4 * GiB, steps=6)
 LLAMA_1B_ROW = "Llama-1B full fine-tune fp32, streamed, under 4 GiB"
+LLAMA_1B_SPEED_ROW = "Llama-1B streamed vs uncapped with recompute"
+LLAMA_1B_SPEED_TARGET = 0.8
+# The streamed run recomputes each layer in backward (its weights come back for it), so its twin
+# is the all-device run with activation checkpointing and no cap.
+LLAMA_1B_TWIN_MEMORY = "[memory]\n"
 
 
 def judge_llama_full_1b(rc, records, summary, cap):
@@ -2180,10 +2254,37 @@ def judge_llama_full_1b(rc, records, summary, cap):
     return Check(LLAMA_1B_ROW, f"every weight trains, the layers streamed, device peak <= {size(cap)}", seen, ok)
 
 
+def judge_llama_1b_speed(twin_rc, twin_records, records, target=LLAMA_1B_SPEED_TARGET):
+    """Claim 1's speed: the capped, streamed run's samples/s (after its first step) over the
+    uncapped all-device run's with the same recomputation."""
+    if twin_rc != 0:
+        return Check(LLAMA_1B_SPEED_ROW, f">= {target:.2f}x the uncapped run", f"the uncapped twin exited {twin_rc}", False)
+    base, rate = wall_rate(twin_records, 1), wall_rate(records, 1)
+    ratio = rate / base if base and rate else None
+    seen = "-" if ratio is None else f"{rate:.3f} vs {base:.3f} samples/s = {ratio:.2f}x (target {target:.2f}x)"
+    return Check(LLAMA_1B_SPEED_ROW, f">= {target:.2f}x the uncapped run's samples/s", seen,
+                 ratio is not None and ratio >= target)
+
+
 def check_llama_full_1b(r, probe):
     t = dict(LLAMA_1B)
     data, sizes = llama_tokens(r, "1b", t)
-    spec = spec_file(r, "llama_1b", f"""[job]
+    streamed = f'[memory]\nlimit = "{t["cap"] >> 20}MiB"\nparameters = "host"\n'
+    spec, twin_spec = (spec_file(r, name, llama_1b_spec(t, data, sizes, memory, recompute))
+                       for name, memory, recompute in (("llama_1b", streamed, ""),
+                                                       ("llama_1b_uncapped", LLAMA_1B_TWIN_MEMORY,
+                                                        "activation_checkpointing = true\n")))
+    steps = ["--max-steps", str(t["steps"])]
+    p, out = r.run("llama_1b", spec, [dev()], extra=steps)
+    if p.rc != 0:
+        return [failure(LLAMA_1B_ROW, "completes", p), failure(LLAMA_1B_SPEED_ROW, "the capped run completes", p)]
+    twin, twin_out = r.run("llama_1b_uncapped", twin_spec, [dev()], extra=steps)
+    return [judge_llama_full_1b(p.rc, records_of(out), summary_of(out), t["cap"]),
+            judge_llama_1b_speed(twin.rc, records_of(twin_out), records_of(out))]
+
+
+def llama_1b_spec(t, data, sizes, memory, recompute):
+    return f"""[job]
 name = "gpu-check-llama-1b"
 [model]
 preset = "llama"
@@ -2204,19 +2305,12 @@ epochs = 1
 batch_size = 1
 optimizer = "adamw"
 lr = 1e-5
-[memory]
-limit = "{t["cap"] >> 20}MiB"
-parameters = "host"
-[checkpoint]
+{recompute}{memory}[checkpoint]
 every_epochs = 0
 [log]
 every_steps = 1
 progress = "off"
-""")
-    p, out = r.run("llama_1b", spec, [dev()], extra=["--max-steps", str(t["steps"])])
-    if p.rc != 0:
-        return [failure(LLAMA_1B_ROW, "completes", p)]
-    return [judge_llama_full_1b(p.rc, records_of(out), summary_of(out), t["cap"])]
+"""
 
 
 # In order of what matters most when the budget runs short; (name, function, rows it yields).
@@ -2531,8 +2625,8 @@ CHECKS = [
     ("resident_nan", check_resident_nan, [RESIDENT_NAN]),
     ("finetune", check_finetune, [FINETUNE]),
     ("llama_generate", check_llama_generate, [LLAMA_GENERATE]),
-    ("llama_streamed", check_llama_streamed, [LLAMA_8B_ROW, LLAMA_8B_GENERATE]),
-    ("llama_full_1b", check_llama_full_1b, [LLAMA_1B_ROW]),
+    ("llama_streamed", check_llama_streamed, [LLAMA_8B_ROW, LLAMA_8B_GENERATE, LLAMA_8B_FLOOR_ROW]),
+    ("llama_full_1b", check_llama_full_1b, [LLAMA_1B_ROW, LLAMA_1B_SPEED_ROW]),
     ("darts", check_darts, ["darts_4gb under 4 GiB"]),
     ("graph_exact", check_graph_exact, [f"graph exact: {m}" for m in ("mlp", "resnet18", "vit", "darts")]),
     ("graph_capture_oom", check_graph_capture_oom, ["graph capture OOM"]),
@@ -2594,6 +2688,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="memtrain's checks on a CUDA machine (see the module docstring)")
     p.add_argument("--only", default="", help="comma-separated check names: " + ",".join(c[0] for c in CHECKS))
     p.add_argument("--keep", action="store_true", help="keep the run directories even when all passed")
+    p.add_argument("--expandable", action="store_true",
+                   help="run every check with memory.allocator.expandable_segments = true (where it does not set the allocator itself)")
     p.add_argument("--self-test", action="store_true", help="test the parsing and table code (no GPU needed)")
     a = p.parse_args(argv)
     if a.self_test:
@@ -2625,7 +2721,7 @@ def main(argv=None):
         return 2
     tmp = tempfile.mkdtemp(prefix="memtrain-gpu-check.")
     r = Runner(binary, python, tmp, float(os.environ.get("GPU_CHECK_BUDGET", "480")),
-               float(os.environ.get("GPU_CHECK_TIMEOUT", "180")))
+               float(os.environ.get("GPU_CHECK_TIMEOUT", "180")), expandable=a.expandable)
     rows = run_checks(r, probe, only, log=note)
     print(render(rows), flush=True)
     status = exit_status(rows)

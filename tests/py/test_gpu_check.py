@@ -751,6 +751,41 @@ class Offload(unittest.TestCase):
         self.assertFalse(g.judge_llama_streamed_generate(0, "1 2 3 4 | 17 9\n", 4).ok, "stopped short")
         self.assertFalse(g.judge_llama_streamed_generate(0, "1 2 | 17 9 9 250\n", 4).ok, "not the prompt")
 
+    def test_expandable_adds_the_setting_to_runs_and_fits_that_leave_the_allocator_alone(self):
+        on = g.Runner("memtrain", "python3", "/tmp", 1, 1, expandable=True)
+        self.assertEqual(on.with_expandable(["run", "s.toml"], None), ["run", "s.toml", "--set", g.EXPANDABLE])
+        self.assertEqual(on.with_expandable(["fit", "s.toml"], None)[-1], g.EXPANDABLE)
+        for args, env in ((["info", "--json"], None),
+                          (["run", "s.toml", "--set", "memory.allocator.expandable_segments=false"], None),
+                          (["run", "s.toml"], {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})):
+            self.assertEqual(on.with_expandable(args, env), args, "left as the check wrote it")
+        off = g.Runner("memtrain", "python3", "/tmp", 1, 1)
+        self.assertEqual(off.with_expandable(["run", "s.toml"], None), ["run", "s.toml"])
+
+    def test_the_language_model_speed_rows_judge_their_ratios(self):
+        # The 8B shape's decoder layers: the published 8,030,261,248 weights less the embedding
+        # and the head (128256 x 4096 each) and the final norm, in bf16.
+        self.assertEqual(g.decoder_layer_bytes(g.LLAMA_8B), 2 * (8_030_261_248 - 2 * 128256 * 4096 - 4096))
+        steps = [{"type": "step", "seconds": s} for s in (9.0, 1.2, 1.0, 1.1)]
+        # 2 x 10 GB at 20 GB/s: a floor of 1 s; the median step after the first, 1.1 s, is 1.10x.
+        c = g.judge_llama_streamed_floor(steps, 10e9, 20.0)
+        self.assertTrue(c.ok, c)
+        self.assertIn("floor 1.000 s", c.seen)
+        self.assertIn("= 1.10x (target <= 1.50x)", c.seen)
+        self.assertFalse(g.judge_llama_streamed_floor(steps, 10e9, 50.0).ok, "2.75x the floor")
+        unmeasured = g.judge_llama_streamed_floor(steps, 10e9, None)
+        self.assertFalse(unmeasured.ok)
+        self.assertIn("bandwidth not measured", unmeasured.seen)
+        self.assertFalse(g.judge_llama_streamed_floor(steps[:1], 10e9, 20.0).ok, "no step after the first")
+        twin = self.steps([1] * 4, times=[0.0, 1.0, 2.0, 3.0])
+        capped = self.steps([1] * 4, times=[0.0, 1.2, 2.4, 3.6])
+        c = g.judge_llama_1b_speed(0, twin, capped)
+        self.assertTrue(c.ok, c)
+        self.assertIn("0.83x (target 0.80x)", c.seen)
+        slow = self.steps([1] * 4, times=[0.0, 2.0, 4.0, 6.0])
+        self.assertFalse(g.judge_llama_1b_speed(0, twin, slow).ok, "0.50x: completing is not passing")
+        self.assertFalse(g.judge_llama_1b_speed(3, [], capped).ok, "the twin did not run")
+
     def test_speed_rows_print_the_ratio_and_the_host_bandwidth(self):
         base = self.steps([1] * 4, times=[0.0, 1.0, 2.0, 3.0])
         host = self.steps([1] * 4, times=[0.0, 2.0, 4.0, 6.0], host=0.5)
@@ -815,11 +850,14 @@ class Rehearsal(unittest.TestCase):
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                           seq_len=32, cap=64 << 20, steps=3)
         try:
-            trained, generated = self.rows(g.check_llama_streamed)
+            trained, generated, floor = self.rows(g.check_llama_streamed)
         finally:
             g.LLAMA_8B = saved
         self.assertTrue(trained.ok, trained)
         self.assertTrue(generated.ok, generated)
+        # No CUDA here: the step is timed, the bandwidth cannot be, and the row says so.
+        self.assertIn("median step", floor.seen)
+        self.assertIn("bandwidth not measured", floor.seen)
 
     def test_a_full_fine_tune_streams_its_layers_under_the_cap(self):
         saved = g.LLAMA_1B
@@ -827,10 +865,12 @@ class Rehearsal(unittest.TestCase):
                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                           seq_len=64, cap=2 << 20, steps=3)
         try:
-            (c,) = self.rows(g.check_llama_full_1b)
+            c, speed = self.rows(g.check_llama_full_1b)
         finally:
             g.LLAMA_1B = saved
         self.assertTrue(c.ok, c)
+        # The uncapped twin ran and the ratio was taken (its target is a GPU's, not this CPU's).
+        self.assertIn("samples/s =", speed.seen)
 
     def test_fp16_inf(self):
         (c,) = self.rows(g.check_fp16_inf)
