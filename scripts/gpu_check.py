@@ -2396,8 +2396,11 @@ GRAPH_STEPS = 8
 GRAPH_COMMON = ['train.optimizer_impl="fused"', "log.every_steps=1"]
 # The digits MLP's Adam at 2^-7 (its config's 0.01 is no float32), the ViT's AdamW at 2^-10
 # (for 0.001), DARTS's architecture Adam at 2^-12 (for 3e-4).
-GRAPH_MLP = ['train.optimizer="adam"', "train.lr=0.0078125"]
-GRAPH_VIT = ["train.lr=0.0009765625"]
+# A linear warm-up over the compared steps: the rate changes at every step, replays included
+# (the schedule goes on inside the graph), and each value (k/8 of a power of two) is a float32.
+GRAPH_SCHEDULE = ['train.schedule="constant"', f"train.warmup_steps={GRAPH_STEPS}"]
+GRAPH_MLP = ['train.optimizer="adam"', "train.lr=0.0078125"] + GRAPH_SCHEDULE
+GRAPH_VIT = ["train.lr=0.0009765625"] + GRAPH_SCHEDULE
 GRAPH_DARTS_ARCH = ["model.darts.arch_lr=0.000244140625"]
 
 
@@ -2409,7 +2412,7 @@ def darts_text():
 
 def graph_jobs(r):
     """(row name, spec path, settings both runs share)."""
-    exact_sgd = ["train.lr=0.0625", 'train.schedule="constant"', "train.warmup_steps=0"]
+    exact_sgd = ["train.lr=0.0625"] + GRAPH_SCHEDULE
     return [
         ("mlp", DIGITS, [dev(), "train.epochs=1"] + GRAPH_MLP),
         ("resnet18", spec_file(r, "graph-resnet", RESNET.format(device=DEVICE)), exact_sgd),
