@@ -2442,8 +2442,33 @@ def judge_graph_exact(model, eager_records, graph_records, need=("weights",)):
                  same and not missing)
 
 
+GRAPH_STEADY = "graph replays allocate nothing"
+
+
+def judge_graph_steady(graphed):
+    """`graphed`: {model: records of its captured run}. After the last capture every step is a
+    replay, whose memory was set aside at the capture: the device memory the allocator holds
+    (reserved) stays what it was at the first replay, at every step and at every step's peak."""
+    bad, seen = [], []
+    for model, records in graphed.items():
+        caught = [e.get("step", 0) for e in graph_events(records, "captured")]
+        replays = [s.get("memory") or {} for s in of_type(records, "step") if caught and s.get("step", 0) > max(caught)]
+        held = [(m.get("reserved_bytes"), m.get("peak_reserved_bytes")) for m in replays]
+        if len(held) < 2 or any(not isinstance(x, int) for pair in held for x in pair):
+            bad.append(model)
+            seen.append(f"{model}: {len(held)} replays with readings")
+            continue
+        first = held[0][0]
+        grew = max(max(pair) for pair in held) - first
+        seen.append(f"{model}: {len(held)} replays at {size(first)}" + (f", grew {size(grew)}" if grew else ""))
+        if grew:
+            bad.append(model)
+    return Check(GRAPH_STEADY, "reserved memory flat over every replay, peaks included", "; ".join(seen) or "-",
+                 bool(graphed) and not bad)
+
+
 def check_graph_exact(r, probe):
-    rows = []
+    rows, graphed = [], {}
     steps = ["--max-steps", str(GRAPH_STEPS)]
     for model, spec, sets in graph_jobs(r):
         runs = {}
@@ -2455,8 +2480,9 @@ def check_graph_exact(r, probe):
             rows.append(failure(f"graph exact: {model}", "both runs complete", bad[0]))
             continue
         need = ("weights", "architecture") if model == "darts" else ("weights",)
-        rows.append(judge_graph_exact(model, records_of(runs["off"][1]), records_of(runs["on"][1]), need))
-    return rows
+        graphed[model] = records_of(runs["on"][1])
+        rows.append(judge_graph_exact(model, records_of(runs["off"][1]), graphed[model], need))
+    return rows + [judge_graph_steady(graphed)]
 
 
 def judge_graph_capture_oom(eager_records, records):
@@ -2631,7 +2657,7 @@ CHECKS = [
     ("llama_streamed", check_llama_streamed, [LLAMA_8B_ROW, LLAMA_8B_GENERATE, LLAMA_8B_FLOOR_ROW]),
     ("llama_full_1b", check_llama_full_1b, [LLAMA_1B_ROW, LLAMA_1B_SPEED_ROW]),
     ("darts", check_darts, ["darts_4gb under 4 GiB"]),
-    ("graph_exact", check_graph_exact, [f"graph exact: {m}" for m in ("mlp", "resnet18", "vit", "darts")]),
+    ("graph_exact", check_graph_exact, [f"graph exact: {m}" for m in ("mlp", "resnet18", "vit", "darts")] + [GRAPH_STEADY]),
     ("graph_capture_oom", check_graph_capture_oom, ["graph capture OOM"]),
     ("graph_backoff", check_graph_backoff, ["graph after backoff"]),
     ("graph_declines", check_graph_declines, ["graph declines a host lever"]),

@@ -613,6 +613,19 @@ class Graphs(unittest.TestCase):
                     self.assertEqual(struct.unpack("f", struct.pack("f", v))[0], v, f"{model}: a rate of {v}")
                 self.assertGreater(len(set(rates)), g.GRAPH_STEPS // 2, f"{model}: the rate changes across replays")
 
+    def test_replays_hold_the_memory_the_capture_set_aside(self):
+        def run(reserved, peaks=None):
+            steps = [{"type": "step", "step": i + 1, "memory": {"reserved_bytes": r, "peak_reserved_bytes": p}}
+                     for i, (r, p) in enumerate(zip(reserved, peaks or reserved))]
+            return [{"type": "graph", "action": "captured", "of": "weights", "step": 2}] + steps
+
+        flat = run([10, 20, 20, 20, 20])
+        self.assertTrue(g.judge_graph_steady({"mlp": flat, "vit": flat}).ok)
+        self.assertFalse(g.judge_graph_steady({"mlp": flat, "vit": run([10, 20, 20, 22, 22])}).ok, "grew")
+        self.assertFalse(g.judge_graph_steady({"mlp": run([10, 20, 20, 20], [10, 20, 20, 24])}).ok, "a peak above")
+        self.assertFalse(g.judge_graph_steady({"mlp": flat[1:]}).ok, "never captured")
+        self.assertFalse(g.judge_graph_steady({}).ok, "nothing ran")
+
     def test_a_capture_oom_runs_eager_with_its_records(self):
         eager = self.run_of([2.0, 1.5])
         why = "the capture ran out of memory (CUDA out of memory. Tried to allocate 4.00 TiB)"
