@@ -510,6 +510,14 @@ impl Estimate {
         let tokens = self.micro_batch.max(1) * self.input_shape.iter().product::<i64>().max(1);
         let chunk = crate::model::lm_loss::chunk_tokens(vocab).min(tokens);
         let bytes = |t: i64| human_bytes((t * vocab * 4) as u64);
+        if chunk == tokens {
+            // A micro-batch small enough for one chunk: saying "not the whole" would mislead.
+            return writeln!(
+                f,
+                "next-token loss  the micro-batch's {tokens} tokens in one chunk: {} of fp32 logits (and as much for their softmax and gradient)",
+                bytes(tokens)
+            );
+        }
         writeln!(
             f,
             "next-token loss  {chunk} of the micro-batch's {tokens} tokens at a time: {} of fp32 logits (and as much for their softmax and gradient), not the whole {}",

@@ -76,8 +76,20 @@ fn the_language_model_guides_lever_tables_are_what_check_prints() {
     let all = ["q", "k", "v", "o", "gate", "up", "down"];
     let eight_b = levers(llama(&t, (4096, 14336, 32, false, 2048, "12GiB")), &all);
     for (text, jobs) in [(one, one_b), (eight, eight_b)] {
-        let printed: Vec<(String, String)> = jobs.into_iter().map(|j| bill(&j.run().stdout)).collect();
+        let outs: Vec<String> = jobs.into_iter().map(|j| j.run().stdout).collect();
+        let printed: Vec<(String, String)> = outs.iter().map(|o| bill(o)).collect();
         assert_eq!(rows(text), printed);
+        // A 128k vocabulary's logits go a chunk at a time, whatever the lever.
+        for o in &outs {
+            let loss = o
+                .lines()
+                .find(|l| l.starts_with("next-token loss"))
+                .expect("check's loss line");
+            assert!(
+                loss.contains("tokens at a time") && loss.contains("not the whole"),
+                "{loss}"
+            );
+        }
     }
 }
 
@@ -94,4 +106,78 @@ fn check_counts_an_8b_model_without_holding_it() {
     let model = out.stdout.lines().find(|l| l.starts_with("model ")).unwrap();
     assert!(model.contains("8030.26M frozen (the base under model.lora)"), "{model}");
     assert_eq!(bill(&out.stdout).0, "1002 MiB");
+}
+
+/// The guide's three TOML blocks (the model, the data, the training), put together as one job
+/// over a tiny Hugging Face directory, its tokenizer and a jsonl file of prompts and
+/// completions: `check` takes it and says what the loss holds at a time, and `run` trains it.
+/// Only what a model this small needs is overridden: its window, and a short run.
+#[test]
+fn the_language_model_guides_blocks_make_a_job_that_checks_and_trains() {
+    let t = Test::new();
+    let dir = t.dir().to_path_buf();
+    let made = std::process::Command::new(python())
+        .arg(repo().join("tests/py/llama_reference.py"))
+        .args(["make", "--out"])
+        .arg(dir.join("SmolLM2-135M"))
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let words = ["what", "is", "two", "plus", "four", "six", "three", "one"];
+    let mut vocab = serde_json::json!({"<unk>": 0, "</s>": 1});
+    for (i, w) in words.iter().enumerate() {
+        vocab[*w] = serde_json::json!(i + 2);
+    }
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+    });
+    std::fs::write(dir.join("SmolLM2-135M/tokenizer.json"), tokenizer.to_string()).unwrap();
+    let pairs: Vec<String> = (0..32)
+        .map(|i| {
+            let (q, a) = [("what is two plus four", "six"), ("what is one plus two", "three")][i % 2];
+            serde_json::json!({"prompt": q, "completion": a}).to_string()
+        })
+        .collect();
+    std::fs::write(dir.join("sft.jsonl"), pairs.join("\n") + "\n").unwrap();
+
+    let guide = std::fs::read_to_string(repo().join("docs/language-models.md")).unwrap();
+    let blocks: Vec<&str> = guide
+        .split("```toml\n")
+        .skip(1)
+        .map(|b| b.split("```").next().unwrap())
+        .collect();
+    assert_eq!(
+        blocks.len(),
+        3,
+        "the guide's TOML blocks: the model, the data, the training"
+    );
+    // Its paths name files beside the job; the tests run from the repository.
+    let spec = format!(
+        "[job]\nname = \"sft\"\ndevice = \"cpu\"\nthreads = 2\n{}\n{}\n{}",
+        blocks[0], blocks[2], blocks[1]
+    )
+    .replace("\"SmolLM2-135M", &format!("\"{}/SmolLM2-135M", dir.display()))
+    .replace("\"sft.jsonl\"", &format!("\"{}\"", dir.join("sft.jsonl").display()));
+    let job = t
+        .clone()
+        .name("sft")
+        .spec_text(&spec)
+        .args(&["--set", "data.seq_len=16"]);
+    let checked = job.clone().command("check").run();
+    let chunk = checked
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("next-token loss"))
+        .unwrap_or_else(|| panic!("check names the loss's chunk:\n{}", checked.stdout));
+    // 4 windows of 16 tokens, 96 entries of vocabulary each: one chunk holds them all.
+    assert!(
+        chunk.contains("the micro-batch's 64 tokens in one chunk: 24.00 KiB of fp32 logits"),
+        "{chunk}"
+    );
+    let trained = job.args(&["--max-steps", "2", "--set", "log.every_steps=1"]).run();
+    let losses: Vec<f64> = trained.steps().iter().map(|s| s.loss).collect();
+    assert_eq!(losses.len(), 2, "{losses:?}");
+    assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
 }
