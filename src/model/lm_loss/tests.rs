@@ -61,6 +61,27 @@ fn chunked_loss_and_gradients_equal_plain_cross_entropy() {
     }
 }
 
+/// A masked token (a prompt's) carries nothing back: its hidden state gets exactly zero gradient
+/// through the loss, while every counted token's gets some.
+#[test]
+fn an_ignored_token_gets_exactly_no_gradient() {
+    let (h, w, y) = case(Kind::Float);
+    for chunk in [1, 4, 18] {
+        let t = next_token_loss(&h, &w, &y, None, chunk);
+        t.loss.backward();
+        let gh = h.grad().copy();
+        for p in 0..9i64 {
+            let largest = gh.select(1, p).abs().max().double_value(&[]);
+            match p {
+                0 | 4 | 8 => assert_eq!(largest, 0.0, "chunk {chunk}: the masked position {p}"),
+                _ => assert!(largest > 0.0, "chunk {chunk}: the counted position {p}"),
+            }
+        }
+        let _ = h.grad().zero_();
+        let _ = w.grad().zero_();
+    }
+}
+
 #[test]
 fn the_gradient_follows_the_scale_backward_starts_from() {
     // A step divides by the group's token count and multiplies by fp16's loss scale.
