@@ -448,10 +448,18 @@ impl Llama {
             stdev: INIT_STD,
         };
         let layers = &model / "layers";
+        let embed = &model / "embed_tokens";
+        let embed_tokens = embed.var("weight", &[o.vocab_size, o.hidden_size], std);
+        super::rounded::round_built(&embed);
         Llama {
-            embed_tokens: (&model / "embed_tokens").var("weight", &[o.vocab_size, o.hidden_size], std),
+            embed_tokens,
             layers: (0..o.num_hidden_layers)
-                .map(|i| DecoderLayer::new(&(&layers / i), o))
+                .map(|i| {
+                    let p = &layers / i;
+                    let layer = DecoderLayer::new(&p, o);
+                    super::rounded::round_built(&p);
+                    layer
+                })
                 .collect(),
             norm: RmsNorm::new(&(&model / "norm"), o.hidden_size, o.rms_norm_eps),
             lm_head: (!o.tie_word_embeddings)

@@ -11,6 +11,7 @@ pub mod lora;
 mod mlp;
 mod preset;
 mod resnet;
+mod rounded;
 mod torchscript;
 mod vit;
 
@@ -462,6 +463,8 @@ pub fn freeze_base(vs: &nn::VarStore, model: &Model) -> Result<()> {
 /// after the base, so the base's initial weights are the same either way.
 pub fn build(root: &nn::Path, model: &Model) -> Result<Built> {
     let mut built = preset_of(model)?.build(root, model)?;
+    // What a preset did not round layer by layer (the embedding, a head), before the adapters.
+    rounded::round_built(root);
     if let Some(o) = lora_options(model)? {
         let made = built.net.adapt(root, &o);
         if made.is_empty() {
@@ -558,11 +561,23 @@ pub fn base_drawn_in_bf16(model: &Model, train: &crate::spec::schema::Train) -> 
         && train.precision == crate::spec::Precision::Bf16Mixed
 }
 
+/// A frozen base kept in bf16 (under bf16-mixed) that no file overwrites is drawn in fp32 and
+/// rounded layer by layer as it is built ([`rounded`]): the same values as rounding it once
+/// built, in about half the host memory.
+pub fn base_rounded_as_drawn(model: &Model, train: &crate::spec::schema::Train) -> bool {
+    model.init_from.is_none()
+        && model.preset != "torchscript"
+        && train.frozen_dtype == crate::spec::FrozenDtype::Bf16
+        && train.precision == crate::spec::Precision::Bf16Mixed
+}
+
+pub use rounded::RoundAsDrawn;
+
 /// The spec's model with its variables' shapes and nothing in them: counting, and `check`'s
 /// load plan, need no values, and a Llama-8B shape would otherwise fill 32 GB of host memory
 /// with its fp32 initialisation first. A TorchScript module comes with its values from its
 /// file, so it is built as it is.
-fn shaped(model: &Model) -> Result<(nn::VarStore, Built)> {
+pub(crate) fn shaped(model: &Model) -> Result<(nn::VarStore, Built)> {
     let vs = nn::VarStore::new(Device::Cpu);
     let _shapes = match model.preset.as_str() {
         "torchscript" => None,

@@ -236,6 +236,27 @@ fn vit_option_checks() {
     );
 }
 
+/// A shape scope leaves the thread as it found it: once it closes, tensors are made on the CPU
+/// again and ops on them run there (a multiply by a number, an add, a product), even when the
+/// scope was the first to run them.
+#[test]
+fn a_shape_scope_leaves_the_threads_ops_on_the_cpu() {
+    // A thread of its own: the first multiply by a number this thread runs is the meta one.
+    std::thread::spawn(|| {
+        {
+            let _shapes = crate::shim::ShapeScope::enter().unwrap();
+            let m = tch::Tensor::randn([2], (tch::Kind::Float, Device::Cpu));
+            assert!(!matches!((&m * 0.02).device(), Device::Cpu), "inside: shapes only");
+        }
+        let r = tch::Tensor::randn([2], (tch::Kind::Float, Device::Cpu));
+        for t in [&r * 0.02, &r + 0.5, &r * &r, r.to_kind(tch::Kind::BFloat16)] {
+            assert_eq!(t.device(), Device::Cpu);
+        }
+    })
+    .join()
+    .unwrap();
+}
+
 /// Counting builds the model as meta tensors; the counts, the variables' shapes and the head
 /// equal a plain build's for every preset, with adapters, frozen and streamed-resident parts.
 #[test]

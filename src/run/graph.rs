@@ -624,7 +624,7 @@ mod tests {
                 "the optimizer's update takes its learning rate from the host".into(),
             ))
         };
-        let mut both = |g: &mut StepGraphs| {
+        let both = |g: &mut StepGraphs| {
             let w = g.decide(StepKind::Weights, k, 32, Ok(()), Some(1), WARMUP);
             let a = g.decide(StepKind::Architecture, k, 32, host_rate(), Some(1), WARMUP);
             (w, a)

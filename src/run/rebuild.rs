@@ -1,6 +1,8 @@
 //! A run's model as its training built it, for the commands that take a run up again from its
 //! checkpoint (`eval`, `generate`, `export`): the same draw, the same dtype and the same frozen
 //! storage, through the code training itself uses.
+use std::collections::HashSet;
+
 use anyhow::Result;
 use tch::{nn, Kind};
 
@@ -18,13 +20,21 @@ use crate::spec::{FrozenDtype, Precision, Spec};
 /// the seed and the model. That costs nothing on disk, where keeping the base would write the
 /// whole frozen model into every checkpoint of an adapter run.
 pub fn drawn_model(vs: &mut nn::VarStore, spec: &Spec) -> Result<Built> {
+    // Which weights to round while drawing is read off the model's shapes before the seed, so
+    // that nothing draws between the seed and the build.
+    let kept = match model::base_rounded_as_drawn(&spec.model, &spec.train) {
+        true => Some(kept_in_bf16_by_name(spec)?),
+        false => None,
+    };
     tch::manual_seed(spec.job.seed);
     let narrow = model::base_drawn_in_bf16(&spec.model, &spec.train);
     if narrow {
         // An empty store: this sets the kind new variables are made in, and casts nothing.
         vs.set_kind(Kind::BFloat16);
     }
+    let rounding = kept.map(model::RoundAsDrawn::enter);
     let built = model::build(&vs.root(), &spec.model)?;
+    drop(rounding);
     if narrow {
         widen_all_but_the_frozen_base(spec, vs, built.net.as_ref())?;
     }
@@ -34,13 +44,24 @@ pub fn drawn_model(vs: &mut nn::VarStore, spec: &Spec) -> Result<Built> {
     Ok(built)
 }
 
-/// Every variable back to fp32 but the frozen weights `store_frozen` keeps in bf16.
-fn widen_all_but_the_frozen_base(spec: &Spec, vs: &nn::VarStore, net: &dyn Net) -> Result<()> {
+/// The names of the weights `store_frozen` will keep in bf16, from the model's shapes alone.
+fn kept_in_bf16_by_name(spec: &Spec) -> Result<HashSet<String>> {
+    let (vs, built) = model::shaped(&spec.model)?;
+    kept_names(spec, &vs, built.net.as_ref())
+}
+
+/// The names of the frozen weights `store_frozen` keeps in bf16.
+fn kept_names(spec: &Spec, vs: &nn::VarStore, net: &dyn Net) -> Result<HashSet<String>> {
     let (_, groups) = frozen_groups(spec, vs, net)?;
-    let kept: std::collections::HashSet<String> = super::finetune::kept_in_bf16(vs, net, &groups)
+    Ok(super::finetune::kept_in_bf16(vs, net, &groups)
         .into_iter()
         .map(|(name, _)| name)
-        .collect();
+        .collect())
+}
+
+/// Every variable back to fp32 but the frozen weights `store_frozen` keeps in bf16.
+fn widen_all_but_the_frozen_base(spec: &Spec, vs: &nn::VarStore, net: &dyn Net) -> Result<()> {
+    let kept = kept_names(spec, vs, net)?;
     tch::no_grad(|| {
         for (name, t) in vs.variables() {
             if !kept.contains(&name) && t.kind() == Kind::BFloat16 {
@@ -117,6 +138,50 @@ mod tests {
         let (vs, built) = drawn(&spec(3, ""));
         assert_eq!(frozen_as_trained(&spec(3, ""), &vs, built.net.as_ref()).unwrap(), 0);
         assert_eq!(vs.variables()["fc0.weight"].kind(), Kind::Float);
+    }
+
+    /// A random base kept in bf16 is rounded layer by layer as it is drawn: every variable holds
+    /// what an fp32 draw of the same seed holds once `store_frozen` has rounded it, in its kind.
+    #[test]
+    fn a_random_base_rounded_as_drawn_holds_what_the_fp32_draw_rounded_holds() {
+        let llama = "[job]\nseed = 7\n[model]\npreset = \"llama\"\n[model.llama]\nvocab_size = 32\nhidden_size = 16\n\
+             intermediate_size = 24\nnum_hidden_layers = 2\nnum_attention_heads = 2\nnum_key_value_heads = 1\n\
+             max_position_embeddings = 64\ntie_word_embeddings = false\n[model.lora]\nrank = 2\ntargets = [\"q\", \"v\"]\n\
+             [train]\nprecision = \"bf16-mixed\"\n";
+        let llama: Spec = toml::from_str(llama).unwrap();
+        let mlp = spec(7, "precision = \"bf16-mixed\"\n");
+        for base in [llama, mlp] {
+            let mut narrow = base.clone();
+            narrow.train.frozen_dtype = FrozenDtype::Bf16;
+            assert!(model::base_rounded_as_drawn(&narrow.model, &narrow.train));
+            // Tests in parallel threads may draw from the one generator between a seed and its
+            // build: a few tries before failing.
+            let same = (0..5).any(|_| rounded_as_drawn_equals_rounded_once(&base, &narrow));
+            assert!(
+                same,
+                "{}: the rounded draw differs from the fp32 draw rounded",
+                base.model.preset
+            );
+        }
+    }
+
+    /// Whether `narrow` (`base` with a bf16 frozen dtype) draws, rounding as it goes, what `base`
+    /// draws in fp32 and `store_frozen` rounds once built: values and kinds.
+    fn rounded_as_drawn_equals_rounded_once(base: &Spec, narrow: &Spec) -> bool {
+        let (vs, built) = drawn(narrow);
+        let drawn_kinds: Vec<(String, Kind)> = vs.variables().into_iter().map(|(n, t)| (n, t.kind())).collect();
+        frozen_as_trained(narrow, &vs, built.net.as_ref()).unwrap();
+        let (wide, wide_built) = drawn(base);
+        let (train, groups) = frozen_groups(narrow, &wide, wide_built.net.as_ref()).unwrap();
+        super::super::finetune::store_frozen(&train, &wide, wide_built.net.as_ref(), &groups);
+        let (a, b) = (vs.variables(), wide.variables());
+        assert_eq!(a.len(), b.len());
+        let low = drawn_kinds.iter().filter(|(_, k)| *k == Kind::BFloat16).count();
+        assert!(low >= 2, "{low} weights rounded as drawn");
+        drawn_kinds.iter().all(|(name, kind)| {
+            assert_eq!(*kind, b[name].kind(), "{name}: drawn in the kind it is kept in");
+            a[name].equal(&b[name])
+        })
     }
 
     /// A base read from `model.init_from` under a bf16 frozen dtype is drawn in bf16 (half the

@@ -268,10 +268,21 @@ void mt_host_scope_exit() { --t_host_depth; }
 // highest backend, picks the kernel. An op that needs values (copying data in or out) fails
 // or, for tch's data constructors, reads a null pointer: only code that makes tensors by shape
 // runs inside one.
+//
+// The scope puts back the thread's key sets exactly as it found them. An include guard would
+// not: taking a key set away clears its functionality bits but keeps its backend bits, so the
+// Meta backend bit would stay included and every later op on a CPU tensor (a multiply, an add)
+// would pick the Meta kernel.
 namespace {
+c10::impl::LocalDispatchKeySet shape_keys() {
+  auto keys = c10::impl::tls_local_dispatch_key_set();
+  keys.included_ = keys.included_ | c10::DispatchKeySet(c10::DispatchKey::Meta);
+  keys.excluded_ = keys.excluded_ | c10::DispatchKeySet(c10::DispatchKey::BackendSelect);
+  return keys;
+}
+
 struct ShapeScope {
-  c10::impl::IncludeDispatchKeyGuard meta{c10::DispatchKey::Meta};
-  c10::impl::ExcludeDispatchKeyGuard no_select{c10::DispatchKeySet(c10::DispatchKey::BackendSelect)};
+  c10::impl::ForceDispatchKeyGuard keys{shape_keys()};
 };
 } // namespace
 
