@@ -387,7 +387,7 @@ fn a_mapped_float_set_of_gigabytes_is_checked_as_batches_read_it() {
 }
 
 /// The largest anonymous RSS (`RssAnon`) of `pid` while it runs, polled.
-fn peak_rss_anon(pid: i32) -> std::thread::JoinHandle<u64> {
+pub fn peak_rss_anon(pid: i32) -> std::thread::JoinHandle<u64> {
     std::thread::spawn(move || {
         let mut peak = 0;
         while let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) {

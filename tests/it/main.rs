@@ -17,6 +17,7 @@ mod generate;
 mod gpu_check;
 mod graphs;
 mod llama;
+mod llama_levers;
 mod llama_stream;
 mod lm_bill;
 mod lm_loss;

@@ -284,3 +284,113 @@ fn a_resume_from_a_checkpoint_without_token_counts_derives_them() {
     let last = |o: &Outcome| o.steps().last().unwrap().language.unwrap().tokens_seen;
     assert_eq!(last(&resumed), last(&straight));
 }
+
+/// A tiny llama over the token file `path` in windows of `seq_len`, micro-batch 2, every step
+/// recorded.
+fn llama_on_tokens(t: &Test, path: &Path, seq_len: i64) -> Test {
+    t.clone().spec(table(&format!(
+        "[job]\nthreads = 1\ndevice = \"cpu\"\nseed = 4\n[model]\npreset = \"llama\"\n\
+         [model.llama]\nvocab_size = 128\nhidden_size = 32\nintermediate_size = 64\nnum_hidden_layers = 2\n\
+         num_attention_heads = 4\nnum_key_value_heads = 2\nseq_len = {seq_len}\n\
+         [data]\nsource = \"tokens\"\npath = \"{}\"\ntoken_dtype = \"uint16\"\nseq_len = {seq_len}\nval_fraction = 0.1\n\
+         [train]\nepochs = 1\nbatch_size = 2\naccumulation_steps = 2\noptimizer = \"adamw\"\nlr = 0.003\n\
+         [log]\nevery_steps = 1\nprogress = \"off\"\n",
+        path.display()
+    )))
+}
+
+/// `n` token ids below 128 in a noisy pattern, as uint16.
+fn pattern(path: &Path, n: u32) {
+    write_u16(path, (0..n as u64).map(|i| ((i * 7 + i * i % 13) % 128) as u16));
+}
+
+/// A training run on a 64 MiB token file, eight times the run's 8 MiB cap on CPU tensor memory
+/// (`memory.limit`): the file is read in place, so the run trains under the cap, and its
+/// anonymous memory (`RssAnon`, polled while it runs; the page cache's copy of the file is not
+/// the process's to keep) grows by less than an eighth of the file over the same run on 128 KiB
+/// of tokens: what grows is the 24 bytes a window of the epoch's order (130K windows, 3 MiB).
+#[test]
+fn a_token_file_many_times_the_host_bound_trains_under_it() {
+    let t = Test::new();
+    const TOKENS: u32 = 32 << 20;
+    let (big, small) = (t.dir().join("big.bin"), t.dir().join("small.bin"));
+    pattern(&big, TOKENS);
+    pattern(&small, 64 << 10);
+    let cap = 8u64 << 20;
+    let run = |path: &Path, name: &str| {
+        let running = llama_on_tokens(&t, path, 256)
+            .name(name)
+            .set("memory.limit", "8MiB")
+            .arg("--max-steps")
+            .arg("6")
+            .spawn();
+        let peak = crate::data::peak_rss_anon(running.pid());
+        let out = running.finish();
+        (out, peak.join().unwrap())
+    };
+    let (small_run, base) = run(&small, "small");
+    let (big_run, mapped) = run(&big, "big");
+    let file = 2 * TOKENS as u64;
+    eprintln!(
+        "peak RssAnon: {} MiB on 128 KiB of tokens, {} MiB on {} MiB",
+        base >> 20,
+        mapped >> 20,
+        file >> 20
+    );
+    assert!(
+        mapped < base + file / 8,
+        "a {} MiB token file added {} MiB of anonymous memory",
+        file >> 20,
+        mapped.saturating_sub(base) >> 20
+    );
+    let start = &big_run.starts()[0];
+    assert_eq!(start.train_samples + start.val_samples, (TOKENS / 257) as i64);
+    for o in [&small_run, &big_run] {
+        let s = o.summary();
+        assert_eq!(s.status, Status::StepLimit);
+        assert_eq!(s.memory.cap.as_ref().map(|c| c.bytes), Some(cap));
+        let peak = s.memory.peak_allocated_bytes.unwrap();
+        assert!(peak <= cap, "{peak} B of tensors under the {cap} B cap");
+        assert!(o.ooms().is_empty());
+        let losses = step_losses(o);
+        assert_eq!(losses.len(), 6);
+        assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+    }
+}
+
+/// Token data through the loader: its batches depend on the seed, the epoch and the windows'
+/// indices alone, so no prefetch, a deep prefetch over two threads and the default train to the
+/// same per-step losses and weights, bit for bit; `check` says what the loader holds.
+#[test]
+fn token_batches_are_the_same_whatever_the_loader_does() {
+    let t = Test::new();
+    let path = t.dir().join("train.bin");
+    pattern(&path, 4000);
+    let job = llama_on_tokens(&t, &path, 24);
+    let default = job.clone().name("default").run();
+    assert!(step_losses(&default).len() >= 30);
+    for (prefetch, workers) in [(0, 1), (4, 2), (1, 3)] {
+        let other = job
+            .clone()
+            .name(&format!("p{prefetch}w{workers}"))
+            .set("data.prefetch", prefetch)
+            .set("data.workers", workers)
+            .run();
+        let what = format!("prefetch {prefetch}, workers {workers}");
+        assert_eq!(step_losses(&other), step_losses(&default), "{what}");
+        assert_eq!(other.final_bytes(), default.final_bytes(), "{what}");
+    }
+    let checked = job
+        .clone()
+        .command("check")
+        .set("data.prefetch", 4)
+        .set("data.workers", 2)
+        .run()
+        .stdout;
+    let line = checked.lines().find(|l| l.starts_with("data loader")).unwrap();
+    assert!(
+        line.starts_with("data loader      7 micro-batch(es) of 2 × 24 int64 token ids and targets")
+            && line.contains("2 thread(s) (data.workers)"),
+        "{line}"
+    );
+}
