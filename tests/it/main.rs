@@ -21,6 +21,7 @@ mod llama_stream;
 mod lm_bill;
 mod lm_loss;
 mod lora;
+mod lora_levers;
 mod lora_presets;
 mod models;
 mod oom;
