@@ -23,6 +23,7 @@ mod lm_loss;
 mod lora;
 mod lora_levers;
 mod lora_presets;
+mod lora_vit_l16;
 mod models;
 mod oom;
 mod optim8;
