@@ -2225,7 +2225,7 @@ progress = "off"
 # cap and no host lever: the memory a LoRA fine-tune of a large ViT needs on a small card. With
 # recomputation: without it each block keeps about a quarter GiB of activations at micro-batch 32
 # (its MLP's GELU input and output alone are 98.5 MiB in bf16), over 5 GiB for the 24 blocks on any
-# device; with it the CPU's counted peak is 1.80 GiB (tests/it/lora_vit_l16.rs).
+# device; with it the CPU's counted peak is 1.65 GiB (tests/it/lora_vit_l16.rs).
 VIT_L16_LORA_ROW = "ViT-L/16 LoRA mb32 under 4 GiB"
 VIT_L16_LORA_CAP = 4 * GiB
 VIT_L16_LORA_STEPS = 6
