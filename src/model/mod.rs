@@ -536,9 +536,11 @@ pub fn param_infos(vs: &nn::VarStore, net: &dyn Net) -> Vec<crate::optim::ParamI
 
 /// A linear layer's or convolution's weight (a `weight` of two or more dimensions): what autocast
 /// casts for its matrix multiply or convolution, so keeping it in the autocast dtype computes the
-/// same. Norms, biases, embeddings added to activations are used as they are stored.
+/// same. Norms, biases, embeddings added to activations are used as they are stored. A packed
+/// attention in-projection (`in_proj_weight`, as torchvision's ViT and PyTorch's
+/// `MultiheadAttention` name it) is the query, key and value linears' weight.
 pub fn autocast_weight(name: &str, t: &tch::Tensor) -> bool {
-    name.ends_with(".weight") && t.dim() >= 2
+    (name.ends_with(".weight") || name.ends_with("in_proj_weight")) && t.dim() >= 2
 }
 
 /// Static counts for `memtrain check`: a CPU build's variables by role, with the weights that
