@@ -138,17 +138,7 @@ fn a_streamed_run_generates_under_its_cap_token_for_token_as_the_whole_model() {
     let streamed = generate(&t, &[&[dir.as_str()], &ids[..]].concat()).run().stdout;
 
     // The same weights read by a run directory whose spec keeps them on the device.
-    let resolved = std::fs::read_to_string(run.out.join("config.resolved.toml")).unwrap();
-    let elsewhere = |name: &str, drop: &[&str]| {
-        let d = t.dir().join(name);
-        std::fs::create_dir_all(&d).unwrap();
-        let kept: Vec<&str> = resolved
-            .lines()
-            .filter(|l| !drop.iter().any(|k| l.trim_start().starts_with(k)))
-            .collect();
-        std::fs::write(d.join("config.resolved.toml"), kept.join("\n")).unwrap();
-        d.display().to_string()
-    };
+    let elsewhere = |name: &str, drop: &[&str]| respecced(&run.out, &t.dir().join(name), drop);
     // The weights alone: the checkpoint's state names the levers the run had engaged.
     let checkpoint = memtrain::checkpoint::Store::latest_in(&run.out).unwrap();
     let ck = t.dir().join("model.safetensors");
