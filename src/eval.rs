@@ -1,10 +1,11 @@
 //! `memtrain eval RUN_DIR`: a run's weights (its best checkpoint, or `--checkpoint`) on its
 //! validation data, or on another image folder whose classes are matched to the run's by name
-//! (`classes.json`), under the run's device and memory cap: loss, accuracy, top-5 where the
-//! model has more than 5 classes, and a per-class table, printed and written as JSON
-//! (`eval.json`). An OOM halves the micro-batch and the pass goes on from the micro-batch that
-//! failed, as validation does; at one sample it ends with exit 3. Bad input ends with exit 2
-//! before anything is written; the JSON is written whole at the end, or not at all.
+//! (`classes.json`), under the run's device and memory cap (its parameters streamed from host
+//! memory block by block where the run streamed them): loss, accuracy, top-5 where the model has
+//! more than 5 classes, and a per-class table, printed and written as JSON (`eval.json`). An OOM
+//! halves the micro-batch and the pass goes on from the micro-batch that failed, as validation
+//! does; at one sample it ends with exit 3. Bad input ends with exit 2 before anything is
+//! written; the JSON is written whole at the end, or not at all.
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
@@ -16,10 +17,12 @@ use crate::cli::EvalArgs;
 use crate::data::classes::{self, ClassNames, DataClasses};
 use crate::data::Dataset;
 use crate::exit::{OomExit, UsageError};
+use crate::host::Host;
 use crate::model::{self, lm_loss, Built};
 use crate::oom::{self, StepError};
 use crate::plan::{Facts, Place, Placement, Request};
-use crate::run::PrecisionStage;
+use crate::policy::levers::HostParams;
+use crate::run::{streamed_forward, PrecisionStage, Streamer};
 use crate::spec::{self, Spec};
 
 /// What `eval` writes (`eval.json`).
@@ -68,7 +71,8 @@ pub fn eval(args: &EvalArgs) -> Result<()> {
     let relabel = args.data.as_deref().map(|p| folder_map(p, &names)).transpose()?;
     let spec = load_spec(&resolved, args.data.as_deref())?;
     let place = place(&spec, run_dir)?;
-    let (_vs, built) = build_model(&spec, &weights, place)?;
+    let model = Loaded::open(&spec, &weights, place)?;
+    let built = &model.built;
     let names = match names {
         Some(n) => n,
         // A language model's report is its token mean, with no table by class.
@@ -76,23 +80,12 @@ pub fn eval(args: &EvalArgs) -> Result<()> {
         // A run from before classes.json: its classes by index.
         None => ClassNames::of_run(&spec.data, built.num_classes)?,
     };
-    let mut set = load_set(&spec, &built)?;
+    let mut set = load_set(&spec, built)?;
     if let Some(map) = &relabel {
         set.relabel(map);
     }
     let micro_batch = spec.train.eval_batch_size.unwrap_or(spec.train.batch_size);
-    // Computed as the run's validation computes: inputs in the model's dtype, autocast in the
-    // mixed modes.
-    let precision = PrecisionStage {
-        precision: spec.train.precision,
-    };
-    let (sums, micro_batch) = pass(
-        built.net.as_ref(),
-        &set,
-        (place, precision),
-        micro_batch,
-        built.num_classes,
-    )?;
+    let (sums, micro_batch) = pass(&model, &set, place, micro_batch)?;
     let report = sums.report(&weights, args.data.clone(), micro_batch, &names, built.num_classes);
     let out = args.json.clone().unwrap_or_else(|| run_dir.join("eval.json"));
     print(&report)?;
@@ -254,6 +247,79 @@ pub(crate) fn build_model(spec: &Spec, file: &Path, place: Place) -> Result<(nn:
     Ok((vs, built))
 }
 
+/// The run's model with its weights where the run kept them: all on the device, or (the run
+/// streamed its parameters) at rest in host memory, each block brought to the device for its
+/// turn in every forward, under the run's cap as training's validation brought it.
+pub(crate) struct Loaded {
+    _vs: nn::VarStore,
+    pub(crate) built: Built,
+    pub(crate) stream: Option<Streamer>,
+    /// The run's precision: inputs in the model's dtype and a mixed run's forward under
+    /// autocast, as the run computed them.
+    pub(crate) precision: PrecisionStage,
+}
+
+impl Loaded {
+    pub(crate) fn open(spec: &Spec, file: &Path, place: Place) -> Result<Loaded> {
+        let precision = PrecisionStage {
+            precision: spec.train.precision,
+        };
+        let whole = |(vs, built): (nn::VarStore, Built)| Loaded {
+            _vs: vs,
+            built,
+            stream: None,
+            precision,
+        };
+        if !streams(spec, file) {
+            return build_model(spec, file, place).map(whole);
+        }
+        // At rest on the host, apart from the device's count and never against its cap.
+        let (mut vs, built) = {
+            let _host = crate::shim::HostScope::enter();
+            build_model(spec, file, Place::Cpu)?
+        };
+        // Nothing trains here; a resident weight that trains could not stay on the device.
+        vs.freeze();
+        let stream = match built.net.chain() {
+            Some(chain) => Streamer::new(&vs, chain, Host::new(place.tch())),
+            None => Err("the model is not a sequence of blocks".into()),
+        };
+        match stream {
+            Ok(s) => Ok(Loaded {
+                _vs: vs,
+                built,
+                stream: Some(s),
+                precision,
+            }),
+            Err(why) => {
+                tracing::warn!("parameters cannot stream: {why}; the whole model goes to the device");
+                drop((vs, built));
+                // Built again outside the host's scope: on the CPU the cap then counts it, as
+                // it counts a model that never streamed.
+                build_model(spec, file, place).map(whole)
+            }
+        }
+    }
+
+    /// The model's output for `x` (on the device), without a graph: block by block where the
+    /// parameters stream.
+    pub(crate) fn forward(&self, x: &Tensor) -> Tensor {
+        let device = x.device();
+        let autocast = || self.precision.autocast(device);
+        streamed_forward(self.built.net.as_ref(), self.stream.as_ref(), x, false, &autocast)
+    }
+}
+
+/// Whether the run streamed its parameters from the host: by its spec, or because its memory
+/// policy engaged the lever before the checkpoint was written.
+fn streams(spec: &Spec, file: &Path) -> bool {
+    spec.memory.parameters.is_host()
+        || file
+            .parent()
+            .and_then(|ck| Store::load_state(ck).ok())
+            .is_some_and(|state| state.levers.iter().any(|l| l == HostParams::ABOUT.name))
+}
+
 /// The whole model onto `place`'s device; an OOM there ends with exit 3.
 pub(crate) fn to_device(vs: &mut nn::VarStore, place: Place) -> Result<()> {
     let device = place.tch();
@@ -313,14 +379,9 @@ struct Chunk {
 }
 
 /// The set at `micro_batch`, halved on an OOM and continued from the micro-batch that failed.
-fn pass(
-    net: &dyn model::Net,
-    set: &Dataset,
-    (place, precision): (Place, PrecisionStage),
-    micro_batch: i64,
-    classes: i64,
-) -> Result<(Sums, i64)> {
+fn pass(model: &Loaded, set: &Dataset, place: Place, micro_batch: i64) -> Result<(Sums, i64)> {
     let n = set.len();
+    let classes = model.built.num_classes;
     let mut sums = Sums {
         count: vec![0; classes as usize],
         right: vec![0; classes as usize],
@@ -331,7 +392,7 @@ fn pass(
         let idx: Vec<i64> = (next..(next + b).min(n)).collect();
         let attempt = oom::guarded_counting(
             || crate::memory::oom_count(place),
-            || tch::no_grad(|| chunk(net, set, &idx, (place.tch(), precision), classes)),
+            || tch::no_grad(|| chunk(model, set, &idx, place.tch())),
         );
         match attempt {
             Ok(c) => {
@@ -363,22 +424,14 @@ fn pass(
     Ok((sums, b))
 }
 
-fn chunk(
-    net: &dyn model::Net,
-    set: &Dataset,
-    idx: &[i64],
-    (device, precision): (Device, PrecisionStage),
-    classes: i64,
-) -> Chunk {
+fn chunk(model: &Loaded, set: &Dataset, idx: &[i64], device: Device) -> Chunk {
+    let (net, precision, classes) = (model.built.net.as_ref(), model.precision, model.built.num_classes);
     // The test hook that puts an OOM in validation (MEMTRAIN_FAULT_OOM_IN=validation) puts one
     // here: evaluation is a validation pass.
     let _squeeze = crate::fault::squeeze_in(crate::fault::Phase::Validation, None);
     let (x, y) = set.batch(&Tensor::from_slice(idx));
     let y = y.to_device(device);
-    let out = {
-        let _autocast = precision.autocast(device);
-        net.forward_t(&precision.input(&x, device), false)
-    };
+    let out = model.forward(&precision.input(&x, device));
     if let Some(w) = net.output_head() {
         let compute = precision.precision.autocast();
         let t = lm_loss::next_token_loss(&out, &w, &y, compute, lm_loss::chunk_tokens(w.size()[0]));

@@ -4,20 +4,16 @@
 //! memory cap: so a user can look at what a fine-tune learned. The prompt is tokenized with the
 //! run's `data.tokenizer` (or `--tokenizer`); `--prompt-ids` gives token ids instead. An OOM
 //! ends with exit 3; bad input with exit 2, before anything is computed.
-use std::path::Path;
 
 use anyhow::{Context, Result};
-use tch::{nn, Kind, Tensor};
+use tch::{Kind, Tensor};
 
 use crate::cli::GenerateArgs;
+use crate::eval::Loaded;
 use crate::exit::{OomExit, UsageError};
-use crate::host::Host;
-use crate::model::{self, Built, KvCache};
+use crate::model::{self, KvCache};
 use crate::oom::{self, StepError};
-use crate::plan::Place;
-use crate::policy::levers::HostParams;
-use crate::run::{streamed_decode, streamed_logits, PrecisionStage, Streamer};
-use crate::spec::Spec;
+use crate::run::streamed_decode;
 
 /// What the tokens are read and written with: a tokenizer, or none (ids in, ids out).
 struct Words {
@@ -170,92 +166,27 @@ fn joined(words: &Words, prompt: &[i64], new: &[i64]) -> String {
     }
 }
 
-/// The run's model with its weights where the run kept them: all on the device, or (the run
-/// streamed its parameters) at rest in host memory, each block brought to the device for its
-/// turn in every forward while the key/value cache stays there.
-struct Loaded {
-    _vs: nn::VarStore,
-    built: Built,
-    stream: Option<Streamer>,
-    /// The run's precision: a mixed run's forward goes under autocast, as in training.
-    precision: PrecisionStage,
+/// The final hidden states of `pending`, the ids after those `cache` holds; a model that keeps
+/// no cache runs the whole sequence `seq` again.
+fn hidden(model: &Loaded, pending: &Tensor, seq: &[i64], cache: &mut KvCache) -> Tensor {
+    let net = model.built.net.as_ref();
+    let device = pending.device();
+    // Streamed: one autocast region per block, as training's streamed forward has.
+    let autocast = || model.precision.autocast(device);
+    let decoded = match &model.stream {
+        Some(s) => streamed_decode(net, s, pending, cache, &autocast),
+        None => {
+            let _autocast = autocast();
+            net.decode(pending, cache)
+        }
+    };
+    decoded.unwrap_or_else(|| model.forward(&Tensor::from_slice(seq).to_device(device).unsqueeze(0)))
 }
 
-impl Loaded {
-    fn open(spec: &Spec, file: &Path, place: Place) -> Result<Loaded> {
-        let precision = PrecisionStage {
-            precision: spec.train.precision,
-        };
-        if !streams(spec, file) {
-            let (_vs, built) = crate::eval::build_model(spec, file, place)?;
-            return Ok(Loaded {
-                _vs,
-                built,
-                stream: None,
-                precision,
-            });
-        }
-        // At rest on the host, apart from the device's count and never against its cap.
-        let (mut vs, built) = {
-            let _host = crate::shim::HostScope::enter();
-            crate::eval::build_model(spec, file, Place::Cpu)?
-        };
-        // Nothing trains here; a resident weight that trains could not stay on the device.
-        vs.freeze();
-        let stream = match built.net.chain() {
-            Some(chain) => Streamer::new(&vs, chain, Host::new(place.tch())),
-            None => Err("the model is not a sequence of blocks".into()),
-        };
-        let stream = match stream {
-            Ok(s) => Some(s),
-            Err(why) => {
-                tracing::warn!("parameters cannot stream: {why}; the whole model goes to the device");
-                crate::eval::to_device(&mut vs, place)?;
-                None
-            }
-        };
-        Ok(Loaded {
-            _vs: vs,
-            built,
-            stream,
-            precision,
-        })
-    }
-
-    /// The final hidden states of `pending`, the ids after those `cache` holds; a model that
-    /// keeps no cache runs the whole sequence `seq` again.
-    fn hidden(&self, pending: &Tensor, seq: &[i64], cache: &mut KvCache) -> Tensor {
-        let net = self.built.net.as_ref();
-        let device = pending.device();
-        let whole = || Tensor::from_slice(seq).to_device(device).unsqueeze(0);
-        // Streamed: one autocast region per block, as training's streamed forward has.
-        let autocast = || self.precision.autocast(device);
-        match (&self.stream, net.chain()) {
-            (Some(s), Some(chain)) => streamed_decode(net, s, pending, cache, &autocast)
-                .unwrap_or_else(|| streamed_logits(chain, s, &whole(), false, &autocast)),
-            _ => {
-                let _autocast = autocast();
-                net.decode(pending, cache)
-                    .unwrap_or_else(|| net.forward_t(&whole(), false))
-            }
-        }
-    }
-
-    /// The next token's logits from the last hidden state, through the output projection in
-    /// the dtype training's loss computes it in.
-    fn logits(&self, last: &Tensor) -> Tensor {
-        model::lm_loss::logits_in(self.built.net.as_ref(), last, self.precision.precision.autocast())
-    }
-}
-
-/// Whether the run streamed its parameters from the host: by its spec, or because its memory
-/// policy engaged the lever before the checkpoint was written.
-fn streams(spec: &Spec, file: &Path) -> bool {
-    spec.memory.parameters.is_host()
-        || file
-            .parent()
-            .and_then(|ck| crate::checkpoint::Store::load_state(ck).ok())
-            .is_some_and(|state| state.levers.iter().any(|l| l == HostParams::ABOUT.name))
+/// The next token's logits from the last hidden state, through the output projection in the
+/// dtype training's loss computes it in.
+fn logits(model: &Loaded, last: &Tensor) -> Tensor {
+    model::lm_loss::logits_in(model.built.net.as_ref(), last, model.precision.precision.autocast())
 }
 
 /// Up to `max_new` tokens after `prompt`, stopping at `eos` (left out): through the decoder's cache
@@ -273,9 +204,9 @@ fn continued(
     let mut out = vec![];
     let mut pending = Tensor::from_slice(prompt).to_device(device).unsqueeze(0);
     for _ in 0..max_new {
-        let hidden = model.hidden(&pending, &seq, &mut cache);
+        let hidden = hidden(model, &pending, &seq, &mut cache);
         let last = hidden.select(1, hidden.size()[1] - 1).squeeze_dim(0);
-        let next = sampler.next(&model.logits(&last));
+        let next = sampler.next(&logits(model, &last));
         if Some(next) == eos {
             // The stop, not part of the text.
             break;

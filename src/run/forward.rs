@@ -24,7 +24,7 @@
 //! the last (about a third more per step for a model whose backward costs twice its forward).
 use tch::{Device, Kind, Reduction, Tensor};
 
-use super::stream::{streamed_logits, Pass, Streamer};
+use super::stream::{streamed_forward, Pass, Streamer};
 use super::tally::Count;
 use crate::data::Dataset;
 use crate::fault::{self, Phase};
@@ -147,14 +147,7 @@ impl Forward {
         train: bool,
     ) -> (Tensor, Tensor, Count) {
         let x = &batch.x;
-        let logits = match (stream, net.chain()) {
-            // One autocast region per block: its cast cache goes with the block.
-            (Some(s), Some(chain)) => streamed_logits(chain, s, x, train, &|| self.precision.autocast(self.device)),
-            _ => {
-                let _autocast = self.precision.autocast(self.device);
-                net.forward_t(x, train)
-            }
-        };
+        let logits = streamed_forward(net, stream, x, train, &|| self.precision.autocast(self.device));
         self.loss(net, &logits, &batch.y)
     }
 

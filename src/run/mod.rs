@@ -47,7 +47,7 @@ use execution::Execution;
 pub use forward::PrecisionStage;
 pub use parts::Kept;
 pub use rebuild::{drawn_model, frozen_as_trained};
-pub use stream::{streamed_decode, streamed_logits, Streamer};
+pub use stream::{streamed_decode, streamed_forward, streamed_logits, Streamer};
 use trainer::Trainer;
 
 pub fn run(args: &RunArgs, quiet: bool) -> Result<()> {

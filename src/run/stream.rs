@@ -178,6 +178,25 @@ impl Drop for Pass<'_> {
     }
 }
 
+/// The model's output for `x`: block by block where its parameters stream (`stream`, and the
+/// model is a chain), else in one forward. `autocast` opens the mixed-precision region: one per
+/// block when streamed, so the cast cache leaves with the block.
+pub fn streamed_forward(
+    net: &dyn Net,
+    stream: Option<&Streamer>,
+    x: &Tensor,
+    train: bool,
+    autocast: &dyn Fn() -> Option<Autocast>,
+) -> Tensor {
+    match (stream, net.chain()) {
+        (Some(s), Some(chain)) => streamed_logits(chain, s, x, train, autocast),
+        _ => {
+            let _autocast = autocast();
+            net.forward_t(x, train)
+        }
+    }
+}
+
 /// The chain's logits for `x`, block by block: block `i + 1` comes in before block `i` runs, and
 /// block `i` goes back once it has. Without a graph only (validation): a block's backward reads
 /// its parameters where they are then, so training runs the recomputed pass instead.

@@ -1,6 +1,7 @@
 //! `memtrain eval`: a run's weights on its validation data (the same loss and accuracy the run
 //! recorded), on another folder matched by class name, and bad input refused with nothing
-//! written.
+//! written; a run whose parameters streamed from host memory, evaluated streaming them under its
+//! cap.
 use std::path::{Path, PathBuf};
 
 use crate::common::*;
@@ -35,17 +36,10 @@ fn report(path: &Path) -> EvalReport {
     typed(path)
 }
 
-#[test]
-fn eval_gives_the_runs_own_validation_figures_and_top5() {
-    // digits: 10 classes, so top-5 too.
-    let t = Test::new();
-    let run = t.clone().name("digits").set("train.epochs", 2).run();
-    let last = run.epochs().pop().expect("an epoch record");
-    let newest = final_model(&run.out);
-    let dir = run.out.display().to_string();
-    let o = eval(&t, &[&dir, "--checkpoint", newest.to_str().unwrap()]).run();
-    let r = report(&run.out.join("eval.json"));
-    assert_eq!(r.samples, 359, "the held-out fifth of 1,797");
+/// The figures of the run's validation at the epoch `last`: the loss to rounding (the run sums
+/// each micro-batch's losses in fp32 on the device, eval each sample's in f64 on the host).
+#[track_caller]
+fn assert_the_runs_figures(r: &EvalReport, last: &EpochEvent) {
     assert!(
         (r.loss - last.val_loss.unwrap()).abs() < 1e-5,
         "{} vs {:?}",
@@ -58,6 +52,20 @@ fn eval_gives_the_runs_own_validation_figures_and_top5() {
         r.accuracy,
         last.val_acc
     );
+}
+
+#[test]
+fn eval_gives_the_runs_own_validation_figures_and_top5() {
+    // digits: 10 classes, so top-5 too.
+    let t = Test::new();
+    let run = t.clone().name("digits").set("train.epochs", 2).run();
+    let last = run.epochs().pop().expect("an epoch record");
+    let newest = final_model(&run.out);
+    let dir = run.out.display().to_string();
+    let o = eval(&t, &[&dir, "--checkpoint", newest.to_str().unwrap()]).run();
+    let r = report(&run.out.join("eval.json"));
+    assert_eq!(r.samples, 359, "the held-out fifth of 1,797");
+    assert_the_runs_figures(&r, &last);
     assert!(r.top5.is_some_and(|t| t >= r.accuracy), "{:?}", r.top5);
     assert_eq!(r.classes.len(), 10);
     assert_eq!(r.classes.iter().map(|c| c.count).sum::<i64>(), 359);
@@ -141,5 +149,66 @@ fn another_folder_is_matched_by_class_name_and_bad_input_writes_nothing() {
     eval(&t, &[t.dir().to_str().unwrap()])
         .exit(2)
         .stderr_has("is not a run directory")
+        .run();
+}
+
+/// A run whose encoder layers streamed from host memory (`memory.parameters = "host"`) under a
+/// cap smaller than its weights (8 layers of width 128: 4.14 MiB of fp32 weights, a 3 MiB
+/// cap): eval streams them the same way under that cap (also where only the checkpoint's state
+/// says the run streamed), with the run's figures, and those of the whole model evaluated
+/// without the cap, bit for bit.
+#[test]
+fn a_streamed_run_is_evaluated_under_its_cap_as_the_whole_model() {
+    let t = Test::new();
+    let run = t
+        .clone()
+        .name("streamed")
+        .spec(table(
+            "[job]\nthreads = 1\ndevice = \"cpu\"\nseed = 3\n[model]\npreset = \"vit\"\n\
+             [model.vit]\nimage_size = 16\npatch_size = 8\nlayers = 8\nheads = 4\nhidden_dim = 128\nmlp_dim = 256\nnum_classes = 4\n\
+             [data]\nsource = \"synthetic\"\nsamples = 24\nval_fraction = 0.25\n\
+             [train]\nepochs = 1\nbatch_size = 2\noptimizer = \"adamw\"\nlr = 0.001\n\
+             [memory]\nparameters = \"host\"\nlimit = \"3MiB\"\n[log]\nprogress = \"off\"\n",
+        ))
+        .run();
+    let last = run.epochs().pop().expect("an epoch record");
+    let dir = run.out.display().to_string();
+    let newest = final_model(&run.out);
+    let newest = newest.to_str().unwrap();
+    eval(&t, &[&dir, "--checkpoint", newest]).run();
+    let r = report(&run.out.join("eval.json"));
+    assert_eq!(r.samples, 6, "a quarter of 24");
+    assert_the_runs_figures(&r, &last);
+
+    // The same weights read by a run directory whose spec keeps them on the device.
+    let elsewhere = |name: &str, drop: &[&str]| respecced(&run.out, &t.dir().join(name), drop);
+    let whole = elsewhere("whole", &["parameters =", "limit ="]);
+    let whole_json = t.dir().join("whole.json");
+    eval(
+        &t,
+        &[&whole, "--checkpoint", newest, "--json", whole_json.to_str().unwrap()],
+    )
+    .run();
+    let w = report(&whole_json);
+    assert_eq!(r.loss.to_bits(), w.loss.to_bits(), "{} vs {}", r.loss, w.loss);
+    assert_eq!(r.classes, w.classes);
+
+    // A spec that does not say to stream, with the checkpoint's state naming the lever (as a
+    // run whose memory policy engaged it records): streamed under the cap all the same.
+    let capped = elsewhere("capped", &["parameters ="]);
+    let capped_json = t.dir().join("capped.json");
+    eval(
+        &t,
+        &[&capped, "--checkpoint", newest, "--json", capped_json.to_str().unwrap()],
+    )
+    .run();
+    assert_eq!(report(&capped_json).loss.to_bits(), r.loss.to_bits());
+    // The weights alone, under the same cap: the whole model does not fit, and streaming is
+    // what keeps it under.
+    let alone = t.dir().join("model.safetensors");
+    std::fs::copy(newest, &alone).unwrap();
+    eval(&t, &[&capped, "--checkpoint", alone.to_str().unwrap()])
+        .exit(3)
+        .stderr_has("out of memory")
         .run();
 }

@@ -113,7 +113,7 @@ fn a_trained_decoder_continues_its_sentence_and_stops_at_the_end() {
 
 /// A run whose decoder layers streamed from host memory (`memory.parameters = "host"`) under a
 /// cap smaller than its weights: generate streams them the same way under that cap, and its
-/// greedy tokens are those of the whole model on the device.
+/// greedy tokens are those of the whole model on the device; eval's figures too.
 #[test]
 fn a_streamed_run_generates_under_its_cap_token_for_token_as_the_whole_model() {
     let t = Test::new();
@@ -138,28 +138,33 @@ fn a_streamed_run_generates_under_its_cap_token_for_token_as_the_whole_model() {
     let streamed = generate(&t, &[&[dir.as_str()], &ids[..]].concat()).run().stdout;
 
     // The same weights read by a run directory whose spec keeps them on the device.
-    let resolved = std::fs::read_to_string(run.out.join("config.resolved.toml")).unwrap();
-    let elsewhere = |name: &str, drop: &[&str]| {
-        let d = t.dir().join(name);
-        std::fs::create_dir_all(&d).unwrap();
-        let kept: Vec<&str> = resolved
-            .lines()
-            .filter(|l| !drop.iter().any(|k| l.trim_start().starts_with(k)))
-            .collect();
-        std::fs::write(d.join("config.resolved.toml"), kept.join("\n")).unwrap();
-        d.display().to_string()
-    };
+    let elsewhere = |name: &str, drop: &[&str]| respecced(&run.out, &t.dir().join(name), drop);
     // The weights alone: the checkpoint's state names the levers the run had engaged.
     let checkpoint = memtrain::checkpoint::Store::latest_in(&run.out).unwrap();
     let ck = t.dir().join("model.safetensors");
     std::fs::copy(checkpoint.join("model.safetensors"), &ck).unwrap();
     let ck = ck.display().to_string();
-    let whole = elsewhere("whole", &["parameters =", "limit ="]);
-    let whole = generate(&t, &[&[whole.as_str(), "--checkpoint", &ck], &ids[..]].concat())
+    let whole_dir = elsewhere("whole", &["parameters =", "limit ="]);
+    let whole = generate(&t, &[&[whole_dir.as_str(), "--checkpoint", &ck], &ids[..]].concat())
         .run()
         .stdout;
     assert_eq!(streamed, whole, "streamed greedy decoding equals the whole model's");
     assert_eq!(streamed.split_whitespace().count(), 3 + 12, "{streamed}");
+
+    // eval streams the layers the same way under the cap, with the whole model's figures.
+    let scored = |dir: &str, weights: &str, name: &str| {
+        let json = t.dir().join(name);
+        let args = [dir, "--checkpoint", weights, "--json", json.to_str().unwrap()];
+        t.clone().command("eval").no_spec().args(&args).run();
+        typed::<memtrain::eval::EvalReport>(&json)
+    };
+    let ck_dir = checkpoint.display().to_string();
+    let (s, w) = (
+        scored(&dir, &ck_dir, "streamed.json"),
+        scored(&whole_dir, &ck, "whole.json"),
+    );
+    assert_eq!(s.loss.to_bits(), w.loss.to_bits(), "{} vs {}", s.loss, w.loss);
+    assert_eq!((s.tokens, s.accuracy), (w.tokens, w.accuracy));
 
     // Under the same cap the whole model does not fit: streaming is what keeps it under.
     let capped = elsewhere("capped", &["parameters ="]);

@@ -749,6 +749,21 @@ pub fn final_model(run_dir: &Path) -> PathBuf {
     }
 }
 
+/// A run directory `dir` holding only `run_dir`'s resolved spec less its lines that set any of
+/// the keys `drop` (as "limit ="): the run's weights read (`--checkpoint`) under another spec by
+/// the commands that read a run directory. Its path, as an argument.
+#[track_caller]
+pub fn respecced(run_dir: &Path, dir: &Path, drop: &[&str]) -> String {
+    let resolved = std::fs::read_to_string(run_dir.join("config.resolved.toml")).unwrap();
+    std::fs::create_dir_all(dir).unwrap();
+    let kept: Vec<&str> = resolved
+        .lines()
+        .filter(|l| !drop.iter().any(|k| l.trim_start().starts_with(k)))
+        .collect();
+    std::fs::write(dir.join("config.resolved.toml"), kept.join("\n")).unwrap();
+    dir.display().to_string()
+}
+
 #[track_caller]
 #[must_use]
 pub fn tensors(path: &Path) -> Vec<(String, tch::Tensor)> {
