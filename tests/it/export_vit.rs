@@ -35,22 +35,26 @@ fn vit_model(options: &str) -> memtrain::spec::Model {
     model
 }
 
-/// A random base under memtrain's names, with norms away from one and a head away from zero,
-/// so that a norm, a bias or a head put in the wrong place shows in the logits.
+/// A base under memtrain's names with values spread over [-0.5, 0.5) (a hash of the position,
+/// not torch's generator, which the tests running beside this one draw from too), with norms
+/// away from one and a head away from zero, so that a norm, a bias or a head put in the wrong
+/// place shows in the logits.
 fn write_init(path: &Path, options: &str) {
     let vs = tch::nn::VarStore::new(tch::Device::Cpu);
     memtrain::model::build(&vs.root(), &vit_model(options)).unwrap();
-    tch::manual_seed(7);
-    let named: Vec<(String, tch::Tensor)> = vs
-        .variables()
+    let sorted: std::collections::BTreeMap<String, tch::Tensor> = vs.variables().into_iter().collect();
+    let named: Vec<(String, tch::Tensor)> = sorted
         .into_iter()
-        .map(|(n, t)| {
-            let noise = t.randn_like();
+        .enumerate()
+        .map(|(i, (n, t))| {
+            let at = tch::Tensor::arange(t.numel() as i64, (tch::Kind::Double, tch::Device::Cpu));
+            let hash = ((at * 12.9898 + 78.233 * i as f64).sin() * 43758.5453).frac().abs() - 0.5;
+            let noise = hash.to_kind(t.kind()).view(t.size().as_slice());
             let v = match n.contains("ln") && n.ends_with(".weight") {
-                true => noise * 0.1 + 1.0,
-                false => noise * 0.3,
+                true => noise * 0.2 + 1.0,
+                false => noise * 0.6,
             };
-            (n, v.detach())
+            (n, v)
         })
         .collect();
     tch::Tensor::write_safetensors(&named, path).unwrap();
@@ -96,9 +100,14 @@ fn loads_with_memtrains_logits(t: &Test, run_dir: &Path, format: &str) {
     let dir = t.dir().to_path_buf();
     let name = run_dir.file_name().unwrap().to_str().unwrap().to_owned();
     let out = dir.join(format!("{name}-{format}"));
-    export(t, run_dir, format, &out).run();
+    let printed = export(t, run_dir, format, &out).run().stdout;
     let trained = memtrain::export::Trained::read(run_dir, None).unwrap();
     let options: memtrain::model::VitOptions = trained.spec.model.options["vit"].clone().try_into().unwrap();
+    assert_eq!(
+        printed.contains("the projection is folded into the head"),
+        options.projection_dim > 0,
+        "{printed}"
+    );
     let json = dir.join(format!("{name}-options.json"));
     std::fs::write(&json, serde_json::to_vec(&options).unwrap()).unwrap();
     let io = dir.join(format!("{name}-{format}-io.safetensors"));
@@ -132,6 +141,25 @@ fn loads_with_memtrains_logits(t: &Test, run_dir: &Path, format: &str) {
     );
 }
 
+/// The timm export of the run `name` (CLIP's options) read back as `model.init_from` (`norm_pre`
+/// as `ln_pre`), into the preset without a projection (the export folded it into the head):
+/// every tensor matched, and timm's logits.
+fn reads_back(dir: &Path, name: &str) {
+    let model = vit_model(&CLIP.replace("projection_dim = 12", "projection_dim = 0"));
+    let vs = tch::nn::VarStore::new(tch::Device::Cpu);
+    let built = memtrain::model::build(&vs.root(), &model).unwrap();
+    let file = dir.join(format!("{name}-timm/model.safetensors"));
+    let load = memtrain::run::init_from(&vs, &built.head, &model, &file).unwrap();
+    assert_eq!((load.created, load.dropped), (0, 0), "every tensor matched: {load:?}");
+    let io = tensors(&dir.join(format!("{name}-timm-io.safetensors")));
+    let get = |n: &str| io.iter().find(|(k, _)| k == n).unwrap().1.shallow_clone();
+    let ours = tch::no_grad(|| built.net.forward_t(&get("x"), false));
+    let theirs = get("logits");
+    let gap = (&ours - &theirs).abs().max().double_value(&[]);
+    let scale = theirs.abs().max().double_value(&[]);
+    assert!(gap <= 1e-5 * scale, "read back: logits differ by {gap} (scale {scale})");
+}
+
 /// A CLIP vision tower fine-tuned with a class head (`pre_norm`, no patch bias, quick_gelu,
 /// LayerNorm's 1e-5, a projection) is timm's `vit_*_clip_quickgelu_*` with `num_classes`, the
 /// projection folded into the head; LoRA's adapters, the projection's among them, are merged
@@ -143,6 +171,7 @@ fn a_clip_vision_tower_with_a_class_head_exports_to_timm() {
     let dir = t.dir().to_path_buf();
     let clip = trained(&t, "clip", CLIP, "");
     loads_with_memtrains_logits(&t, &clip, "timm");
+    reads_back(&dir, "clip");
     let lora =
         "[model.lora]\nrank = 4\nalpha = 8.0\ntargets = [\"in_proj_q\", \"in_proj_v\", \"mlp.0\", \"projection\"]\n\
                 extras = [\"heads.head\"]\n";
