@@ -56,6 +56,9 @@ pub fn export(args: &ExportArgs) -> Result<()> {
         trained.checkpoint.display(),
         args.out.display()
     )?;
+    if trained.spec.model.preset == "vit" && vit_options(&trained.spec)?.projection_dim > 0 {
+        crate::outln!("the projection is folded into the head: head weight = heads.head.weight · projection.weight")?;
+    }
     Ok(())
 }
 
@@ -211,22 +214,18 @@ fn cannot_hold(format: ExportFormat, what: &str) -> anyhow::Error {
 }
 
 /// The vit preset's variables under torchvision's (its own), timm's or Hugging Face's names.
+/// What a format's class lacks but computes the same way is written in its form: a projection
+/// is folded into the head, a missing patch bias is a zero bias, and under timm's `pre_norm`
+/// (which has no patch bias) the patch bias is folded into the patches' position embeddings.
 fn vit_names(spec: &Spec, mut vars: BTreeMap<String, Tensor>, format: ExportFormat) -> Result<Exported> {
     let o = vit_options(spec)?;
-    if o.pre_norm || !o.patch_bias || o.projection_dim > 0 || o.activation != model::Activation::Gelu {
-        return Err(cannot_hold(
-            format,
-            "its CLIP options (pre_norm, patch_bias = false, projection_dim, quick_gelu) have no place in a plain ViT",
-        ));
+    if let Some(why) = vit_unheld(&o, format) {
+        return Err(cannot_hold(format, &why));
     }
+    fold_projection(&mut vars)?;
+    patch_bias_as_held(&mut vars, &o, format)?;
     let out = match format {
-        ExportFormat::Torchvision if o.layer_norm_eps != 1e-6 => {
-            return Err(cannot_hold(format, "torchvision's ViT fixes layer_norm_eps at 1e-6"))
-        }
         ExportFormat::Torchvision => vars.into_iter().collect(),
-        ExportFormat::Timm if o.layer_norm_eps != 1e-6 => {
-            return Err(cannot_hold(format, "timm's ViT fixes layer_norm_eps at 1e-6"))
-        }
         ExportFormat::Timm => vars.into_iter().map(|(n, t)| (timm_vit_name(&n), t)).collect(),
         ExportFormat::Huggingface => {
             let mut out = vec![];
@@ -247,6 +246,77 @@ fn vit_names(spec: &Spec, mut vars: BTreeMap<String, Tensor>, format: ExportForm
     Ok((out, None))
 }
 
+/// Why `format`'s ViT class cannot compute this model's forward, if it cannot. timm's
+/// `VisionTransformer` computes every vit the preset builds (`pre_norm`, `act_layer`,
+/// `norm_layer`), so it is the one named instead.
+fn vit_unheld(o: &model::VitOptions, format: ExportFormat) -> Option<String> {
+    let quick = o.activation == model::Activation::QuickGelu;
+    match format {
+        ExportFormat::Torchvision if o.pre_norm => Some(
+            "torchvision's VisionTransformer has no LayerNorm before the first block (pre_norm); export it as timm"
+                .into(),
+        ),
+        ExportFormat::Torchvision if quick => Some(
+            "torchvision's VisionTransformer computes the exact GELU, not quick_gelu; export it as timm or huggingface"
+                .into(),
+        ),
+        ExportFormat::Torchvision if o.layer_norm_eps != 1e-6 => {
+            Some("torchvision's ViT fixes layer_norm_eps at 1e-6".into())
+        }
+        ExportFormat::Huggingface if o.pre_norm => Some(
+            "no transformers image classifier has a LayerNorm before the first block (pre_norm) with a head on \
+             the class token (CLIPForImageClassification's head reads the mean of the patch tokens, without the \
+             final LayerNorm); export it as timm"
+                .into(),
+        ),
+        _ => None,
+    }
+}
+
+/// A projection (`projection_dim`) folded into the head: no format's ViT classifier has a
+/// linear layer between the class token and the head, and `head(projection(x))` is the one
+/// linear map `x · (H P)ᵀ + b`, computed here in double precision.
+fn fold_projection(vars: &mut BTreeMap<String, Tensor>) -> Result<()> {
+    let Some(p) = vars.remove("projection.weight") else {
+        return Ok(());
+    };
+    let h = vars
+        .get_mut("heads.head.weight")
+        .context("a ViT with a projection but no heads.head")?;
+    let kind = h.kind();
+    *h = h
+        .to_kind(tch::Kind::Double)
+        .matmul(&p.to_kind(tch::Kind::Double))
+        .to_kind(kind);
+    Ok(())
+}
+
+/// The patch embedding's bias in the form `format` holds: torchvision's, Hugging Face's and
+/// plain timm's have one (zero where the model has none); timm's under `pre_norm` has none, so
+/// a bias, added to every patch token, joins the patch tokens' position embeddings.
+fn patch_bias_as_held(vars: &mut BTreeMap<String, Tensor>, o: &model::VitOptions, format: ExportFormat) -> Result<()> {
+    let biasless = format == ExportFormat::Timm && o.pre_norm;
+    match (o.patch_bias, biasless) {
+        (true, true) => {
+            let b = vars
+                .remove("conv_proj.bias")
+                .context("patch_bias without conv_proj.bias")?;
+            let pos = vars
+                .get_mut("encoder.pos_embedding")
+                .context("a ViT without encoder.pos_embedding")?;
+            let tokens = pos.size()[1];
+            let _ = pos.narrow(1, 1, tokens - 1).g_add_(&b);
+        }
+        (false, false) => {
+            let w = vars.get("conv_proj.weight").context("a ViT without conv_proj.weight")?;
+            let zero = Tensor::zeros([w.size()[0]], (w.kind(), w.device()));
+            vars.insert("conv_proj.bias".into(), zero);
+        }
+        _ => {}
+    }
+    Ok(())
+}
+
 fn timm_vit_name(n: &str) -> String {
     if let Some(rest) = n.strip_prefix("encoder.layers.encoder_layer_") {
         let (i, part) = rest.split_once('.').unwrap_or((rest, ""));
@@ -264,6 +334,7 @@ fn timm_vit_name(n: &str) -> String {
         "class_token" => "cls_token".into(),
         "encoder.pos_embedding" => "pos_embed".into(),
         _ => n
+            .replace("ln_pre", "norm_pre")
             .replace("conv_proj", "patch_embed.proj")
             .replace("encoder.ln", "norm")
             .replace("heads.head", "head"),
@@ -305,7 +376,10 @@ fn hf_vit_config(o: &model::VitOptions) -> serde_json::Value {
         "num_hidden_layers": o.layers,
         "num_attention_heads": o.heads,
         "intermediate_size": o.mlp_dim,
-        "hidden_act": "gelu",
+        "hidden_act": match o.activation {
+            model::Activation::Gelu => "gelu",
+            model::Activation::QuickGelu => "quick_gelu",
+        },
         "hidden_dropout_prob": o.dropout,
         "attention_probs_dropout_prob": o.attention_dropout,
         "layer_norm_eps": o.layer_norm_eps,

@@ -155,7 +155,7 @@ fn export_merges_the_adapters_and_each_library_loads_it() {
     let t = Test::new();
     let dir = t.dir().to_path_buf();
     lora_reference(&dir, &["init", "--out", "init.safetensors", "--data", "d.npz"]);
-    // torchvision's and timm's ViT fix LayerNorm's epsilon at 1e-6.
+    // torchvision's ViT fixes LayerNorm's epsilon at 1e-6.
     let text = spec(&dir).replace("epochs = 2", "epochs = 1");
     let r = t
         .clone()
@@ -197,11 +197,11 @@ fn export_merges_the_adapters_and_each_library_loads_it() {
         .args_replaced(&[
             hf.out.to_str().unwrap(),
             "--format",
-            "timm",
+            "torchvision",
             dir.join("no").to_str().unwrap(),
         ])
         .exit(2)
-        .stderr_has("timm cannot hold this model: timm's ViT fixes layer_norm_eps at 1e-6")
+        .stderr_has("torchvision cannot hold this model: torchvision's ViT fixes layer_norm_eps at 1e-6")
         .run();
     assert!(!dir.join("no").exists());
     // eval reads the base and the adapters as export does, and gives the run's own figures.

@@ -9,6 +9,7 @@ mod data;
 mod distributed;
 mod docs;
 mod eval;
+mod export_vit;
 mod finetune_data;
 mod finetune_groups;
 mod fit;

@@ -33,6 +33,7 @@ fn names_map_to_the_vit_presets_variables() {
         target(&format!("{b}.mlp.3.weight"), How::Whole)
     );
     assert_eq!(timm.map("norm.weight"), target("encoder.ln.weight", How::Whole));
+    assert_eq!(timm.map("norm_pre.bias"), target("ln_pre.bias", How::Whole));
     assert_eq!(timm.map("head.bias"), target("heads.head.bias", How::Whole));
     assert_eq!(
         timm.map("layer1.0.bn1.running_mean"),

@@ -1,7 +1,7 @@
 //! timm's names. Its VisionTransformer (`cls_token`, `pos_embed`, `patch_embed.proj`,
-//! `blocks.N.{norm1, attn.qkv, attn.proj, norm2, mlp.fc1, mlp.fc2}`, `norm`, `head`) packs query,
-//! key and value in one `qkv` as memtrain does; its ResNets use torchvision's names, which pass
-//! through unchanged.
+//! `blocks.N.{norm1, attn.qkv, attn.proj, norm2, mlp.fc1, mlp.fc2}`, `norm`, `head`, and a CLIP
+//! tower's `norm_pre`) packs query, key and value in one `qkv` as memtrain does; its ResNets use
+//! torchvision's names, which pass through unchanged.
 use super::{by_module, in_block, numbered, Format, How, Target};
 
 pub struct Timm;
@@ -18,6 +18,7 @@ const BLOCK: &[(&str, &str, How)] = &[
 
 const OUTSIDE: &[(&str, &str)] = &[
     ("patch_embed.proj", "conv_proj"),
+    ("norm_pre", "ln_pre"),
     ("norm", "encoder.ln"),
     ("head", "heads.head"),
 ];
