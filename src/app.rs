@@ -139,7 +139,7 @@ fn build_room_notice(model: &spec::Model, est: &crate::estimate::Estimate) -> Op
     let need = est.build_bytes();
     (model.preset != "torchscript" && need > free).then(|| {
         format!(
-            "`memtrain run` builds the model in host memory (in fp32, but a bf16 base read from model.init_from) before it moves anything: {} here, \
+            "`memtrain run` builds the model in host memory (in fp32, but a frozen base kept in bf16) before it moves anything: {} here, \
              more than the {} of RAM free on this machine now; run it where more is free",
             crate::human::human_bytes(need),
             crate::human::human_bytes(free)

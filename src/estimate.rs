@@ -128,8 +128,8 @@ impl Estimate {
         }
     }
     /// What `memtrain run` builds before anything moves or is cast, in host memory: every value
-    /// in fp32 but a base read from `model.init_from` that stays bf16 (a TorchScript module aside,
-    /// which is loaded where it runs).
+    /// in fp32 but a frozen base kept in bf16, read or drawn straight into it (a TorchScript
+    /// module aside, which is loaded where it runs).
     pub fn build_bytes(&self) -> u64 {
         let values = self.weights + self.frozen + self.arch_weights + self.buffers;
         values.saturating_mul(4).saturating_sub(self.drawn_bf16 * 2)

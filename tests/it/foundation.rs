@@ -112,7 +112,7 @@ fn check_of_a_model_too_large_for_host_memory_says_so() {
             "model.mlp.hidden",
             toml::Value::Array(vec![toml::Value::Integer(1 << 54)]),
         )
-        .stderr_has("`memtrain run` builds the model in host memory (in fp32, but a bf16 base read from model.init_from) before it moves anything")
+        .stderr_has("`memtrain run` builds the model in host memory (in fp32, but a frozen base kept in bf16) before it moves anything")
         .stderr_has("run it where more is free")
         .run();
 }
