@@ -503,7 +503,7 @@ impl TrainingSummary {
             .collect();
         if t.frozen_parameters > 0 {
             out.push(format!(
-                "frozen: {} parameters (train.freeze)",
+                "frozen: {} parameters, not trained (train.freeze, or the base under model.lora)",
                 crate::human::human_count(t.frozen_parameters)
             ));
         }

@@ -202,7 +202,11 @@ impl Factory<'_> {
             false => Device::Cpu,
         };
         let mut vs = nn::VarStore::new(built_on);
-        let needs = || self.model_needs();
+        // A random base kept in bf16 is rounded while it is drawn: its copies are made here.
+        let needs = || match model::base_rounded_as_drawn(&spec.model, &spec.train) {
+            true => self.model_needs_in_bf16(),
+            false => self.model_needs(),
+        };
         let built = {
             let _squeeze = fault::squeeze_in(Phase::Model, self.plan.start.global_step);
             // Seeded there: eval, generate and export draw a LoRA run's base again the same way.
@@ -228,15 +232,18 @@ impl Factory<'_> {
     /// model's does.
     fn store_frozen(&self, train: &spec::Train, vs: &nn::VarStore, net: &dyn Net, groups: &Groups) -> Result<()> {
         let _host = self.plan.spec.memory.parameters.is_host().then(shim::HostScope::enter);
-        // Each frozen weight is drawn in fp32, and its bf16 copy made beside it.
-        let needs = || {
-            self.model_needs()
-                .map(|n| format!("{n} with the frozen weights in bf16, each copied from its fp32 draw"))
-        };
+        let needs = || self.model_needs_in_bf16();
         setup_step(Phase::Model.label(), &needs, &CHANGE_MODEL, || {
             super::finetune::store_frozen(train, vs, net, groups)
         })?;
         Ok(())
+    }
+
+    /// What the model holds while its frozen weights go to bf16, for an OOM then: each frozen
+    /// weight is drawn in fp32, and its bf16 copy made beside it.
+    fn model_needs_in_bf16(&self) -> Option<String> {
+        self.model_needs()
+            .map(|n| format!("{n} with the frozen weights in bf16, each copied from its fp32 draw"))
     }
 
     /// What the model holds, for an OOM while building it.
