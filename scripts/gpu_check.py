@@ -2124,13 +2124,15 @@ LLAMA_8B_FLOOR_ROW = "Llama-8B streamed step vs two base transfers"
 LLAMA_8B_FLOOR_TARGET = 1.5
 
 
-def decoder_layer_bytes(t, bytes_per=2):
-    """What one pass streams: every decoder layer's weights (attention, SwiGLU MLP, two norms),
-    in bf16. The embedding and the head are not layers of the chain: they stay on the device."""
+def streamed_bytes(t, bytes_per=2):
+    """What one pass streams, in bf16: every decoder layer's weights (attention, SwiGLU MLP, two
+    norms), and an untied model's input embedding, the chain's first block. The output
+    projection (tied: the embedding itself) stays on the device."""
     h, i = t["hidden_size"], t["intermediate_size"]
     kv = h // t["num_attention_heads"] * t["num_key_value_heads"]
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * i + 2 * h
-    return per_layer * t["num_hidden_layers"] * bytes_per
+    embedding = 0 if t.get("tie_word_embeddings") else t["vocab_size"] * h
+    return (per_layer * t["num_hidden_layers"] + embedding) * bytes_per
 
 
 H2D_PROBE = """
@@ -2230,7 +2232,7 @@ progress = "off"
                                    "--max-new-tokens", str(LLAMA_8B_NEW), "--ignore-eos"])
     return [judge_llama_streamed(p.rc, records_of(out), summary_of(out), t["cap"]),
             judge_llama_streamed_generate(g.rc, g.stdout, LLAMA_8B_NEW, g.why()),
-            judge_llama_streamed_floor(records_of(out), decoder_layer_bytes(t), h2d_bandwidth(r))]
+            judge_llama_streamed_floor(records_of(out), streamed_bytes(t), h2d_bandwidth(r))]
 
 
 # A Llama-3.2-1B shape (tied embeddings): a full fine-tune in fp32 with AdamW, seq_len 1024,

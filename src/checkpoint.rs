@@ -563,6 +563,30 @@ impl Drop for Partial<'_> {
     }
 }
 
+/// `--checkpoint` (a model.safetensors, or a checkpoint directory holding one), else the
+/// run's best checkpoint, else its newest.
+pub fn weights_file(run_dir: &Path, given: Option<&Path>) -> Result<PathBuf> {
+    let (file, what) = match given {
+        Some(p) if p.is_dir() => (p.join("model.safetensors"), "--checkpoint"),
+        Some(p) => (p.to_path_buf(), "--checkpoint"),
+        None => match Store::best_in(run_dir).or_else(|| Store::latest_in(run_dir)) {
+            Some(d) => (d.join("model.safetensors"), "the run's checkpoint"),
+            None => {
+                return Err(crate::exit::UsageError(format!(
+                    "{} has no checkpoint yet (looked in {}/checkpoints); name one with --checkpoint",
+                    run_dir.display(),
+                    run_dir.display()
+                ))
+                .into())
+            }
+        },
+    };
+    if !file.is_file() {
+        return Err(crate::exit::UsageError(format!("{what} {}: no such file", file.display())).into());
+    }
+    Ok(file)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -100,8 +100,9 @@ pub struct ExportArgs {
     pub format: ExportFormat,
     /// The directory to create (it must not exist).
     pub out: PathBuf,
-    /// A checkpoint directory of the run to export instead of its best (else newest) one.
-    #[arg(long, value_name = "DIR")]
+    /// A checkpoint of the run to export instead of its best (else newest) one: its directory
+    /// or its model.safetensors.
+    #[arg(long, value_name = "PATH")]
     pub checkpoint: Option<PathBuf>,
 }
 

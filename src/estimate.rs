@@ -331,7 +331,9 @@ pub fn estimate(job: &Sections) -> Result<Estimate> {
         frozen: c.frozen,
         resident_bytes: c.resident_bytes,
         resident_trained: c.resident_trained,
-        drawn_bf16: match model::base_drawn_in_bf16(job.model, t) || model::base_rounded_as_drawn(job.model, t) {
+        drawn_bf16: match model::base_drawn_in_bf16(job.model, t)
+            || (model::base_rounded_as_drawn(job.model, t) && model::rounds_by_layer(&job.model.preset))
+        {
             true => c.frozen_low,
             false => 0,
         },

@@ -66,7 +66,7 @@ pub fn eval(args: &EvalArgs) -> Result<()> {
     crate::shim::cpu_alloc_install().context("installing the counting CPU allocator")?;
     let run_dir = &args.run_dir;
     let resolved = resolved_spec(run_dir)?;
-    let weights = weights_file(run_dir, args.checkpoint.as_deref())?;
+    let weights = crate::checkpoint::weights_file(run_dir, args.checkpoint.as_deref())?;
     let names = class_names(run_dir, args.data.is_some())?;
     let relabel = args.data.as_deref().map(|p| folder_map(p, &names)).transpose()?;
     let spec = load_spec(&resolved, args.data.as_deref())?;
@@ -105,30 +105,6 @@ pub(crate) fn resolved_spec(run_dir: &Path) -> Result<PathBuf> {
         .into());
     }
     Ok(resolved)
-}
-
-/// `--checkpoint` (a model.safetensors, or a checkpoint directory holding one), else the
-/// run's best checkpoint, else its newest.
-pub(crate) fn weights_file(run_dir: &Path, given: Option<&Path>) -> Result<PathBuf> {
-    let (file, what) = match given {
-        Some(p) if p.is_dir() => (p.join("model.safetensors"), "--checkpoint"),
-        Some(p) => (p.to_path_buf(), "--checkpoint"),
-        None => match Store::best_in(run_dir).or_else(|| Store::latest_in(run_dir)) {
-            Some(d) => (d.join("model.safetensors"), "the run's checkpoint"),
-            None => {
-                return Err(UsageError(format!(
-                    "{} has no checkpoint to evaluate (looked in {}/checkpoints); name one with --checkpoint",
-                    run_dir.display(),
-                    run_dir.display()
-                ))
-                .into())
-            }
-        },
-    };
-    if !file.is_file() {
-        return Err(UsageError(format!("{what} {}: no such file", file.display())).into());
-    }
-    Ok(file)
 }
 
 /// The run's `classes.json`; required to match another folder's classes by name.

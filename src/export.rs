@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result};
 use tch::{nn, Device, Tensor};
 
-use crate::checkpoint::{self, BaseRef, Store};
+use crate::checkpoint::{self, BaseRef};
 use crate::cli::{ExportArgs, ExportFormat};
 use crate::exit::UsageError;
 use crate::model::{self, lora};
@@ -83,18 +83,17 @@ impl Trained {
             .into());
         }
         let spec = crate::spec::load_args(&spec_file, &[], &model::validate)?.spec;
-        let ck = match checkpoint {
-            Some(c) => c.to_owned(),
-            None => Store::best_in(run_dir)
-                .or_else(|| Store::latest_in(run_dir))
-                .ok_or_else(|| UsageError(format!("{} has no checkpoint yet", run_dir.display())))?,
-        };
+        // A checkpoint directory or its model.safetensors, as eval and generate take them.
+        let ck = crate::checkpoint::weights_file(run_dir, checkpoint)?;
         // Drawn as the run drew it: a LoRA run without model.init_from trained over that draw.
         let mut vs = nn::VarStore::new(Device::Cpu);
         let built = tch::no_grad(|| crate::run::drawn_model(&mut vs, &spec))?;
-        let adapted = weights_into(&vs, &built.head, &spec, &ck.join("model.safetensors"))?;
-        if spec.train.precision == crate::spec::Precision::Bf16 {
-            // Written in fp32 as ever: the values the run trained, merged without rounding.
+        let adapted = weights_into(&vs, &built.head, &spec, &ck)?;
+        let low = spec.train.precision == crate::spec::Precision::Bf16
+            || spec.train.frozen_dtype == crate::spec::FrozenDtype::Bf16;
+        if low {
+            // Written in fp32 as ever: the values the run trained (a bf16 base widens exactly),
+            // with the adapters merged in fp32, not rounded into a bf16 weight.
             vs.float();
         }
         Ok(Trained {

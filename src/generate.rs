@@ -114,7 +114,7 @@ pub fn generate(args: &GenerateArgs) -> Result<()> {
     crate::shim::cpu_alloc_install().context("installing the counting CPU allocator")?;
     let run_dir = &args.run_dir;
     let resolved = crate::eval::resolved_spec(run_dir)?;
-    let weights = crate::eval::weights_file(run_dir, args.checkpoint.as_deref())?;
+    let weights = crate::checkpoint::weights_file(run_dir, args.checkpoint.as_deref())?;
     let spec = crate::eval::load_spec(&resolved, None)?;
     let words = Words::open(args, &spec)?;
     let prompt = words.prompt(args)?;

@@ -462,8 +462,12 @@ impl Llama {
                 })
                 .collect(),
             norm: RmsNorm::new(&(&model / "norm"), o.hidden_size, o.rms_norm_eps),
-            lm_head: (!o.tie_word_embeddings)
-                .then(|| (root / "lm_head").var("weight", &[o.vocab_size, o.hidden_size], std)),
+            lm_head: (!o.tie_word_embeddings).then(|| {
+                let head = root / "lm_head";
+                let w = head.var("weight", &[o.vocab_size, o.hidden_size], std);
+                super::rounded::round_built(&head);
+                w
+            }),
             options: o.clone(),
             inv_freq: Default::default(),
         }

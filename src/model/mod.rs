@@ -538,9 +538,13 @@ pub fn param_infos(vs: &nn::VarStore, net: &dyn Net) -> Vec<crate::optim::ParamI
 /// casts for its matrix multiply or convolution, so keeping it in the autocast dtype computes the
 /// same. Norms, biases, embeddings added to activations are used as they are stored. A packed
 /// attention in-projection (`in_proj_weight`, as torchvision's ViT and PyTorch's
-/// `MultiheadAttention` name it) is the query, key and value linears' weight.
+/// `MultiheadAttention` name it) is the query, key and value linears' weight. A token
+/// embedding's weight is looked up, not multiplied: its rows start the residual stream in the
+/// weight's own dtype (and a tied output projection reads it too), so it is no such weight.
 pub fn autocast_weight(name: &str, t: &tch::Tensor) -> bool {
-    (name.ends_with(".weight") || name.ends_with("in_proj_weight")) && t.dim() >= 2
+    (name.ends_with(".weight") || name.ends_with("in_proj_weight"))
+        && t.dim() >= 2
+        && !name.ends_with("embed_tokens.weight")
 }
 
 /// Static counts for `memtrain check`: a CPU build's variables by role, with the weights that
@@ -574,6 +578,12 @@ pub fn base_rounded_as_drawn(model: &Model, train: &crate::spec::schema::Train) 
 }
 
 pub use rounded::RoundAsDrawn;
+
+/// The presets that round a base kept in bf16 layer by layer while it is drawn, so that only
+/// one layer is ever in fp32; the others are drawn whole first.
+pub fn rounds_by_layer(preset: &str) -> bool {
+    matches!(preset, "llama" | "vit")
+}
 
 /// The spec's model with its variables' shapes and nothing in them: counting, and `check`'s
 /// load plan, need no values, and a Llama-8B shape would otherwise fill 32 GB of host memory

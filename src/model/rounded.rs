@@ -29,7 +29,9 @@ impl Drop for RoundAsDrawn {
 }
 
 /// The variables under `p` that are kept in bf16, rounded now; nothing outside a
-/// [`RoundAsDrawn`]. A preset calls it after each layer it builds, and `build` on the root.
+/// [`RoundAsDrawn`]. The llama and vit presets call it after each layer (and llama after its
+/// embedding and its head), and `build` on the root for the rest: another preset's base is
+/// drawn whole in fp32 first, and rounded then.
 pub fn round_built(p: &nn::Path) {
     KEPT.with(|k| {
         let k = k.borrow();

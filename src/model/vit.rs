@@ -341,7 +341,12 @@ impl Vit {
                 .pre_norm
                 .then(|| LayerNorm::new(&(root / "ln_pre"), d, o.layer_norm_eps)),
             layers: (0..o.layers)
-                .map(|i| EncoderBlock::new(&(&layer_root / format!("encoder_layer_{i}")), o))
+                .map(|i| {
+                    let p = &layer_root / format!("encoder_layer_{i}");
+                    let block = EncoderBlock::new(&p, o);
+                    super::rounded::round_built(&p);
+                    block
+                })
                 .collect(),
             ln: LayerNorm::new(&(&enc / "ln"), d, o.layer_norm_eps),
             projection: (o.projection_dim > 0).then(|| projection(root / "projection", d, o.projection_dim)),

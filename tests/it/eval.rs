@@ -146,6 +146,23 @@ fn another_folder_is_matched_by_class_name_and_bad_input_writes_nothing() {
     tch::Tensor::write_safetensors(&[("0.weight", tch::Tensor::zeros([2, 2], tch::kind::FLOAT_CPU))], &mlp).unwrap();
     bad(&["--checkpoint", mlp.to_str().unwrap()], "does not match the model");
     bad(&["--checkpoint", "/no/such/model.safetensors"], "no such file");
+    // export reads weights the same way: the other architecture's are refused, nothing written.
+    let out = t.dir().join("exported");
+    t.clone()
+        .command("export")
+        .no_spec()
+        .args(&[
+            dir.as_str(),
+            "--checkpoint",
+            mlp.to_str().unwrap(),
+            "--format",
+            "timm",
+            out.to_str().unwrap(),
+        ])
+        .exit(2)
+        .stderr_has("does not match the model")
+        .run();
+    assert!(!out.exists(), "export wrote {}", out.display());
     eval(&t, &[t.dir().to_str().unwrap()])
         .exit(2)
         .stderr_has("is not a run directory")

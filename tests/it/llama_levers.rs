@@ -318,3 +318,22 @@ fn a_streamed_lora_base_moves_no_gradient_of_a_frozen_weight() {
     );
     assert_eq!(resident.summary().memory.peak_host_bytes, None);
 }
+
+/// `train.frozen_dtype = "bf16"` on a LoRA decoder in bf16-mixed keeps the frozen projections in
+/// bf16, which autocast casts them to for every use anyway: the per-step losses equal the fp32
+/// base's bit for bit. The token embedding stays fp32: its rows start the residual stream.
+#[test]
+fn a_lora_decoder_with_its_base_in_bf16_trains_as_with_its_base_in_fp32() {
+    let t = job()
+        .set("model.lora.rank", 4)
+        .set("model.lora.targets", vec!["q", "v", "down"])
+        .set("train.precision", "bf16-mixed");
+    let wide = t.clone().name("wide").set("train.frozen_dtype", "fp32").run();
+    let narrow = t.clone().name("narrow").set("train.frozen_dtype", "bf16").run();
+    assert_eq!(step_losses(&wide).len(), 26);
+    assert_eq!(step_losses(&wide), step_losses(&narrow), "the same losses bit for bit");
+    let checked = t.command("check").set("train.frozen_dtype", "bf16").run().stdout;
+    let model = checked.lines().find(|l| l.starts_with("model ")).unwrap();
+    // Every frozen weight but the embedding (128 x 64) and the norms' 1-D ones is kept in bf16.
+    assert!(model.contains("kept in bf16"), "{model}");
+}

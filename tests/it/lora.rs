@@ -125,6 +125,42 @@ fn a_lora_resume_needs_the_base_it_was_trained_on() {
     );
 }
 
+/// `eval` and `export` read a LoRA run's base from its `model.init_from`: once that file has
+/// changed they refuse, saying where to put the base back, and write nothing.
+#[test]
+fn eval_and_export_refuse_a_lora_run_whose_base_changed() {
+    let t = Test::new();
+    let dir = t.dir().to_path_buf();
+    lora_reference(&dir, &["init", "--out", "init.safetensors", "--data", "d.npz"]);
+    let run = t.spec(table(&spec(&dir))).set("train.epochs", 1).run();
+    let base = tensors(&dir.join("init.safetensors"));
+    let _ = base[0].1.get(0).fill_(0.5);
+    tch::Tensor::write_safetensors(&base, dir.join("init.safetensors")).unwrap();
+    let out = run.out.to_str().unwrap().to_owned();
+    let merged = dir.join("merged");
+    for (command, args, written) in [
+        ("eval", vec![out.as_str()], run.out.join("eval.json")),
+        (
+            "export",
+            vec![out.as_str(), "--format", "torchvision", merged.to_str().unwrap()],
+            merged.clone(),
+        ),
+    ] {
+        let r = Test::new()
+            .no_spec()
+            .command(command)
+            .args_replaced(&args)
+            .exit(2)
+            .run();
+        assert!(
+            r.stderr.contains("put the base it was trained on back at"),
+            "{command}: {}",
+            r.stderr
+        );
+        assert!(!written.exists(), "{command} wrote {}", written.display());
+    }
+}
+
 /// Targets that match no layer are refused before training, with the names that would match.
 #[test]
 fn lora_targets_that_match_nothing_are_refused_with_the_layer_names() {

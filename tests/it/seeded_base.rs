@@ -143,4 +143,28 @@ fn a_bf16_base_stays_bf16_in_eval_and_generate() {
         trained,
         "the same weights kept in bf16 as in training"
     );
+    // The export widens the bf16 base (exactly) and merges the adapters in fp32: an adapted
+    // weight holds values no bf16 holds, which a merge into the bf16 weight would have rounded.
+    let out = t.dir().join("exported");
+    t.clone()
+        .command("export")
+        .no_spec()
+        .args(&[
+            run.out.to_str().unwrap(),
+            "--format",
+            "huggingface",
+            out.to_str().unwrap(),
+        ])
+        .run();
+    let exported = tensors(&out.join("model.safetensors"));
+    assert!(
+        exported.iter().all(|(_, t)| t.kind() == tch::Kind::Float),
+        "written in fp32"
+    );
+    let (_, q) = exported
+        .iter()
+        .find(|(n, _)| n == "model.layers.0.self_attn.q_proj.weight")
+        .expect("an adapted projection");
+    let rounded = q.to_kind(tch::Kind::BFloat16).to_kind(tch::Kind::Float);
+    assert!(!rounded.equal(q), "the merged update survives in fp32");
 }

@@ -779,9 +779,11 @@ class Offload(unittest.TestCase):
         self.assertEqual(off.with_expandable(["run", "s.toml"], None), ["run", "s.toml"])
 
     def test_the_language_model_speed_rows_judge_their_ratios(self):
-        # The 8B shape's decoder layers: the published 8,030,261,248 weights less the embedding
-        # and the head (128256 x 4096 each) and the final norm, in bf16.
-        self.assertEqual(g.decoder_layer_bytes(g.LLAMA_8B), 2 * (8_030_261_248 - 2 * 128256 * 4096 - 4096))
+        # The 8B shape (untied) streams its decoder layers and its input embedding: the published
+        # 8,030,261,248 weights less the head (128256 x 4096) and the final norm, in bf16.
+        self.assertEqual(g.streamed_bytes(g.LLAMA_8B), 2 * (8_030_261_248 - 128256 * 4096 - 4096))
+        tied = dict(g.LLAMA_8B, tie_word_embeddings=True)
+        self.assertEqual(g.streamed_bytes(tied), g.streamed_bytes(g.LLAMA_8B) - 2 * 128256 * 4096)
         steps = [{"type": "step", "seconds": s} for s in (9.0, 1.2, 1.0, 1.1)]
         # 2 x 10 GB at 20 GB/s: a floor of 1 s; the median step after the first, 1.1 s, is 1.10x.
         c = g.judge_llama_streamed_floor(steps, 10e9, 20.0)
