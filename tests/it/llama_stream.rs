@@ -130,8 +130,9 @@ fn a_full_fine_tune_too_large_for_the_cap_trains_under_it_streamed() {
 
 /// A LoRA llama with its base in bf16 (`train.frozen_dtype`) and its layers streamed: the bf16
 /// copies of the base are made where the base rests, in host memory, so a cap under the bf16
-/// base alone (1 MiB) but over what the device holds trains to the uncapped run's losses, with
-/// the base counted on the host. `generate` streams it under the same cap.
+/// base alone (960 KiB of projections; the tied embedding stays fp32, on the device) but over
+/// what the device holds trains to the uncapped run's losses, with the base counted on the
+/// host. `generate` streams it under the same cap.
 #[test]
 fn a_streamed_bf16_base_rests_on_the_host_under_a_cap_it_would_exceed() {
     let t = Test::new();
@@ -146,16 +147,16 @@ fn a_streamed_bf16_base_rests_on_the_host_under_a_cap_it_would_exceed() {
     )
     .set("model.lora.rank", 4)
     .set("model.lora.targets", vec!["q", "v"]);
-    let cap = 768u64 << 10;
+    let cap = 832u64 << 10;
     let free = streamed(&t).name("free").run();
-    let s = streamed(&t).name("capped").set("memory.limit", "768KiB").run();
-    assert!(s.stderr.contains("kept in bf16 (1.00 MiB saved)"), "{}", s.stderr);
+    let s = streamed(&t).name("capped").set("memory.limit", "832KiB").run();
+    assert!(s.stderr.contains("kept in bf16 (960 KiB saved)"), "{}", s.stderr);
     assert!(step_losses(&s).len() >= 10);
     assert_eq!(step_losses(&s), step_losses(&free));
     assert_eq!(step_losses(&s), step_losses(&t.clone().name("resident").run()));
     assert!(peak(&s) <= cap, "device peak {} under the cap", peak(&s));
     let host = s.summary().memory.peak_host_bytes.unwrap_or(0);
-    assert!(host >= 1 << 20, "the bf16 base rests on the host ({host} B)");
+    assert!(host >= 960 << 10, "the bf16 base rests on the host ({host} B)");
     let generated = t
         .clone()
         .command("generate")

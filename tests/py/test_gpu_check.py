@@ -623,8 +623,12 @@ class Graphs(unittest.TestCase):
         self.assertTrue(g.judge_graph_steady({"mlp": flat, "vit": flat}).ok)
         self.assertFalse(g.judge_graph_steady({"mlp": flat, "vit": run([10, 20, 20, 22, 22])}).ok, "grew")
         self.assertFalse(g.judge_graph_steady({"mlp": run([10, 20, 20, 20], [10, 20, 20, 24])}).ok, "a peak above")
-        self.assertFalse(g.judge_graph_steady({"mlp": flat[1:]}).ok, "never captured")
+        self.assertFalse(g.judge_graph_steady({"mlp": flat[1:]}).ok, "never captured: nothing judged")
         self.assertFalse(g.judge_graph_steady({}).ok, "nothing ran")
+        short = g.judge_graph_steady({"mlp": flat, "resnet18": run([10, 20])})
+        self.assertTrue(short.ok, short)
+        self.assertIn("resnet18: 0 replays, not judged", short.seen)
+        self.assertFalse(g.judge_graph_steady({"mlp": run([10, 20, 20, 20], [10, 20, 20, None])}).ok, "no reading")
 
     def test_a_capture_oom_runs_eager_with_its_records(self):
         eager = self.run_of([2.0, 1.5])
