@@ -56,10 +56,43 @@ pub fn export(args: &ExportArgs) -> Result<()> {
         trained.checkpoint.display(),
         args.out.display()
     )?;
-    if trained.spec.model.preset == "vit" && vit_options(&trained.spec)?.projection_dim > 0 {
-        crate::outln!("the projection is folded into the head: head weight = heads.head.weight · projection.weight")?;
+    if trained.spec.model.preset == "vit" {
+        let o = vit_options(&trained.spec)?;
+        if o.projection_dim > 0 {
+            crate::outln!(
+                "the projection is folded into the head: head weight = heads.head.weight · projection.weight"
+            )?;
+        }
+        if args.format == ExportFormat::Timm {
+            // timm's file names no options: the model to load it into must be built with them.
+            crate::outln!("load it into timm's {}", timm_vit_constructor(&o))?;
+        }
     }
     Ok(())
+}
+
+/// The timm `VisionTransformer` call that holds a vit of options `o` (with `from functools
+/// import partial` and `from torch import nn`).
+fn timm_vit_constructor(o: &model::VitOptions) -> String {
+    let act = match o.activation {
+        model::Activation::Gelu => "gelu",
+        model::Activation::QuickGelu => "quick_gelu",
+    };
+    let python_bool = |b: bool| if b { "True" } else { "False" };
+    format!(
+        "VisionTransformer(img_size={}, patch_size={}, in_chans={}, embed_dim={}, depth={}, num_heads={}, \
+         mlp_ratio={}, num_classes={}, pre_norm={}, act_layer=\"{act}\", norm_layer=partial(nn.LayerNorm, eps={:e}))",
+        o.image_size,
+        o.patch_size,
+        o.in_channels,
+        o.hidden_dim,
+        o.layers,
+        o.heads,
+        o.mlp_dim as f64 / o.hidden_dim as f64,
+        o.num_classes,
+        python_bool(o.pre_norm),
+        o.layer_norm_eps
+    )
 }
 
 /// A run's model as trained: its spec and every variable, base and checkpoint together.

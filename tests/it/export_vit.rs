@@ -108,6 +108,24 @@ fn loads_with_memtrains_logits(t: &Test, run_dir: &Path, format: &str) {
         options.projection_dim > 0,
         "{printed}"
     );
+    if format == "timm" {
+        // The constructor export prints builds the model the file loads into, strictly.
+        let call = printed
+            .lines()
+            .find_map(|l| l.strip_prefix("load it into timm's "))
+            .unwrap_or_else(|| panic!("no timm constructor in {printed}"));
+        let script = format!(
+            "from functools import partial\nfrom torch import nn\nfrom safetensors.torch import load_file\n\
+             from timm.models.vision_transformer import VisionTransformer\n\
+             m = {call}\nm.load_state_dict(load_file({:?}))\n",
+            out.join("model.safetensors").display().to_string()
+        );
+        let o = std::process::Command::new(python())
+            .args(["-c", &script])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{call}: {}", String::from_utf8_lossy(&o.stderr));
+    }
     let json = dir.join(format!("{name}-options.json"));
     std::fs::write(&json, serde_json::to_vec(&options).unwrap()).unwrap();
     let io = dir.join(format!("{name}-{format}-io.safetensors"));
