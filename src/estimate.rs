@@ -20,7 +20,7 @@ pub struct Estimate {
     pub frozen: u64,
     /// Of the frozen values, those `train.frozen_dtype = "bf16"` stores in bf16 (0 otherwise).
     pub frozen_bf16: u64,
-    /// Of those, the values drawn in bf16 in the first place: a base read from `model.init_from`.
+    /// Of those, the values never held in fp32 while the model is built (`BaseDraw::built_in_bf16`).
     pub drawn_bf16: u64,
     /// The setting that freezes them: the LoRA base's adapters, or `train.freeze`.
     pub frozen_by: &'static str,
@@ -233,8 +233,6 @@ impl Estimate {
         }
     }
 
-    /// Mixed precision: autocast keeps a low-precision copy of each weight it casts for as long
-    /// as the forward runs (its cast cache), at most the trained weights at 2 bytes.
     /// What capturing the step adds to the device's peak that is known before any step: the
     /// `working_peak` of the working memory the estimate can count, captured less eager. The
     /// gradients are in the static bill either way (eager holds them until the next step
@@ -248,6 +246,8 @@ impl Estimate {
         working_peak(cast, cast, self.captured) - working_peak(cast, cast, false)
     }
 
+    /// Mixed precision: autocast keeps a low-precision copy of each weight it casts for as long
+    /// as the forward runs (its cast cache), at most the trained weights at 2 bytes.
     pub fn autocast_cache_bytes(&self) -> u64 {
         match self.precision.autocast() {
             // Weights kept in bf16 are read as they are: no copy.
@@ -331,9 +331,7 @@ pub fn estimate(job: &Sections) -> Result<Estimate> {
         frozen: c.frozen,
         resident_bytes: c.resident_bytes,
         resident_trained: c.resident_trained,
-        drawn_bf16: match model::base_drawn_in_bf16(job.model, t)
-            || (model::base_rounded_as_drawn(job.model, t) && model::rounds_by_layer(&job.model.preset))
-        {
+        drawn_bf16: match model::BaseDraw::of(job.model, t).built_in_bf16(&job.model.preset) {
             true => c.frozen_low,
             false => 0,
         },
@@ -489,18 +487,17 @@ impl Estimate {
         if !self.captured {
             return Ok(());
         }
-        let bytes = match self.graph_pool_bytes() {
-            0 => "measured".to_owned(),
-            b => human_bytes(b),
+        let (bytes, counted) = match self.graph_pool_bytes() {
+            0 => ("measured".to_owned(), ""),
+            b => (
+                human_bytes(b),
+                " (here: a second set of the weights' low-precision copies)",
+            ),
         };
         writeln!(
             f,
-            "  {:<15} {bytes:>10}  device: the captured step's working memory stays in the graph's pool between steps, so validation's forward allocates beside it{}; the activations count twice, the step's and validation's",
+            "  {:<15} {bytes:>10}  device: the captured step's working memory stays in the graph's pool between steps, so validation's forward allocates beside it{counted}; the activations count twice, the step's and validation's",
             "graph pool",
-            match self.graph_pool_bytes() {
-                0 => "",
-                _ => " (here: a second set of the weights' low-precision copies)",
-            }
         )
     }
 

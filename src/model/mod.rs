@@ -555,35 +555,48 @@ pub fn counts(model: &Model, train: &crate::spec::schema::Train) -> Result<Count
     counts_of(vs, built, model, train)
 }
 
-/// A model whose weights come from `model.init_from` and whose frozen base is kept in bf16
-/// (`train.frozen_dtype`, under bf16-mixed) is drawn in bf16: the base's draw is overwritten by
-/// the file, rounded to bf16 as the fp32 draw would have been, so drawing it in fp32 first would
-/// only cost host memory (32 GB for an 8B model, where its bf16 base is 16). What trains, and
-/// what the file lacks, is widened to fp32 before the file is read.
-pub fn base_drawn_in_bf16(model: &Model, train: &crate::spec::schema::Train) -> bool {
-    model.init_from.is_some()
-        && model.preset != "torchscript"
-        && train.frozen_dtype == crate::spec::FrozenDtype::Bf16
-        && train.precision == crate::spec::Precision::Bf16Mixed
+/// How a model's frozen base is drawn, given that `train.frozen_dtype = "bf16"` (under
+/// bf16-mixed) keeps it in bf16.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BaseDraw {
+    /// In fp32, as every variable: no base is kept in bf16 (or a TorchScript module brings its
+    /// own values).
+    Fp32,
+    /// In bf16: `model.init_from` overwrites the draw, rounded to bf16 as the fp32 draw would
+    /// have been, so drawing it in fp32 first would only cost host memory (32 GB for an 8B
+    /// model, where its bf16 base is 16). What trains, and what the file lacks, is widened to
+    /// fp32 before the file is read.
+    Bf16,
+    /// In fp32 and rounded as it is built ([`rounded`]), since no file overwrites it: the same
+    /// values as rounding it once built, layer by layer where the preset rounds each layer.
+    RoundedAsDrawn,
 }
 
-/// A frozen base kept in bf16 (under bf16-mixed) that no file overwrites is drawn in fp32 and
-/// rounded layer by layer as it is built ([`rounded`]): the same values as rounding it once
-/// built, in about half the host memory.
-pub fn base_rounded_as_drawn(model: &Model, train: &crate::spec::schema::Train) -> bool {
-    model.init_from.is_none()
-        && model.preset != "torchscript"
-        && train.frozen_dtype == crate::spec::FrozenDtype::Bf16
-        && train.precision == crate::spec::Precision::Bf16Mixed
+impl BaseDraw {
+    pub fn of(model: &Model, train: &crate::spec::schema::Train) -> BaseDraw {
+        let kept = model.preset != "torchscript"
+            && train.frozen_dtype == crate::spec::FrozenDtype::Bf16
+            && train.precision == crate::spec::Precision::Bf16Mixed;
+        match (kept, model.init_from.is_some()) {
+            (false, _) => BaseDraw::Fp32,
+            (true, true) => BaseDraw::Bf16,
+            (true, false) => BaseDraw::RoundedAsDrawn,
+        }
+    }
+
+    /// Whether the host never holds the whole frozen base in fp32 while `preset` is built: read
+    /// into bf16, or rounded by a preset that rounds each layer as it draws it (llama, vit;
+    /// the others are drawn whole first).
+    pub fn built_in_bf16(self, preset: &str) -> bool {
+        match self {
+            BaseDraw::Fp32 => false,
+            BaseDraw::Bf16 => true,
+            BaseDraw::RoundedAsDrawn => matches!(preset, "llama" | "vit"),
+        }
+    }
 }
 
 pub use rounded::RoundAsDrawn;
-
-/// The presets that round a base kept in bf16 layer by layer while it is drawn, so that only
-/// one layer is ever in fp32; the others are drawn whole first.
-pub fn rounds_by_layer(preset: &str) -> bool {
-    matches!(preset, "llama" | "vit")
-}
 
 /// The spec's model with its variables' shapes and nothing in them: counting, and `check`'s
 /// load plan, need no values, and a Llama-8B shape would otherwise fill 32 GB of host memory

@@ -203,9 +203,9 @@ impl Factory<'_> {
         };
         let mut vs = nn::VarStore::new(built_on);
         // A random base kept in bf16 is rounded while it is drawn: its copies are made here.
-        let needs = || match model::base_rounded_as_drawn(&spec.model, &spec.train) {
-            true => self.model_needs_in_bf16(),
-            false => self.model_needs(),
+        let needs = || match model::BaseDraw::of(&spec.model, &spec.train) {
+            model::BaseDraw::RoundedAsDrawn => self.model_needs_in_bf16(),
+            _ => self.model_needs(),
         };
         let built = {
             let _squeeze = fault::squeeze_in(Phase::Model, self.plan.start.global_step);

@@ -22,12 +22,13 @@ use crate::spec::{FrozenDtype, Precision, Spec};
 pub fn drawn_model(vs: &mut nn::VarStore, spec: &Spec) -> Result<Built> {
     // Which weights to round while drawing is read off the model's shapes before the seed, so
     // that nothing draws between the seed and the build.
-    let kept = match model::base_rounded_as_drawn(&spec.model, &spec.train) {
-        true => Some(kept_in_bf16_by_name(spec)?),
-        false => None,
+    let draw = model::BaseDraw::of(&spec.model, &spec.train);
+    let kept = match draw {
+        model::BaseDraw::RoundedAsDrawn => Some(kept_in_bf16_by_name(spec)?),
+        _ => None,
     };
     tch::manual_seed(spec.job.seed);
-    let narrow = model::base_drawn_in_bf16(&spec.model, &spec.train);
+    let narrow = draw == model::BaseDraw::Bf16;
     if narrow {
         // An empty store: this sets the kind new variables are made in, and casts nothing.
         vs.set_kind(Kind::BFloat16);
@@ -153,7 +154,10 @@ mod tests {
         for base in [llama, mlp] {
             let mut narrow = base.clone();
             narrow.train.frozen_dtype = FrozenDtype::Bf16;
-            assert!(model::base_rounded_as_drawn(&narrow.model, &narrow.train));
+            assert_eq!(
+                model::BaseDraw::of(&narrow.model, &narrow.train),
+                model::BaseDraw::RoundedAsDrawn
+            );
             // Tests in parallel threads may draw from the one generator between a seed and its
             // build: a few tries before failing.
             let same = (0..5).any(|_| rounded_as_drawn_equals_rounded_once(&base, &narrow));

@@ -86,15 +86,8 @@ fn generate_continues_the_pattern(t: &Test, run: &Outcome) -> String {
     o.stderr
 }
 
-#[test]
-fn a_lora_run_over_a_seeded_base_evaluates_generates_and_exports_as_it_trained() {
-    let t = Test::new();
-    let run = lora_run(&t, "fp32", "");
-    let loss = eval_equals_validation(&t, &run);
-    generate_continues_the_pattern(&t, &run);
-
-    // The export merges the adapters into that base: transformers' loss on the validation
-    // windows is eval's.
+/// `export` of the run as a Hugging Face directory, `exported` beside it.
+fn exported(t: &Test, run: &Outcome) -> std::path::PathBuf {
     let out = t.dir().join("exported");
     t.clone()
         .command("export")
@@ -106,6 +99,19 @@ fn a_lora_run_over_a_seeded_base_evaluates_generates_and_exports_as_it_trained()
             out.to_str().unwrap(),
         ])
         .run();
+    out
+}
+
+#[test]
+fn a_lora_run_over_a_seeded_base_evaluates_generates_and_exports_as_it_trained() {
+    let t = Test::new();
+    let run = lora_run(&t, "fp32", "");
+    let loss = eval_equals_validation(&t, &run);
+    generate_continues_the_pattern(&t, &run);
+
+    // The export merges the adapters into that base: transformers' loss on the validation
+    // windows is eval's.
+    exported(&t, &run);
     let ids: Vec<i64> = PATTERN.iter().cycle().take(4 * 17).map(|&i| i64::from(i)).collect();
     let windows = tch::Tensor::from_slice(&ids).view([4, 17]);
     let io = t.dir().join("io.safetensors");
@@ -145,17 +151,7 @@ fn a_bf16_base_stays_bf16_in_eval_and_generate() {
     );
     // The export widens the bf16 base (exactly) and merges the adapters in fp32: an adapted
     // weight holds values no bf16 holds, which a merge into the bf16 weight would have rounded.
-    let out = t.dir().join("exported");
-    t.clone()
-        .command("export")
-        .no_spec()
-        .args(&[
-            run.out.to_str().unwrap(),
-            "--format",
-            "huggingface",
-            out.to_str().unwrap(),
-        ])
-        .run();
+    let out = exported(&t, &run);
     let exported = tensors(&out.join("model.safetensors"));
     assert!(
         exported.iter().all(|(_, t)| t.kind() == tch::Kind::Float),
