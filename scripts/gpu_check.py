@@ -2524,6 +2524,42 @@ def check_graph_capture_oom(r, probe):
     return [judge_graph_capture_oom(records_of(eager), records_of(out))]
 
 
+GRAPH_CAPTURE_FAILURE = "graph capture failure"
+
+
+def judge_graph_capture_failure(eager_records, records):
+    """A capture that fails with an error other than an OOM (CUDA refuses a wait on the device
+    inside it and invalidates the capture) leaves no graph and no generator still capturing: a
+    `graph` record says the capture failed, no `oom` record is written, and the run trains on
+    eager, dropout included, exactly as the eager run."""
+    eager_steps = graph_events(records, "eager")
+    why = (eager_steps or [{}])[0].get("reason") or ""
+    ooms = of_type(records, "oom")
+    losses = step_losses(records)
+    same = bool(losses) and losses == step_losses(eager_records)
+    failed = why.startswith("the capture failed") and "out of memory" not in why
+    ok = same and failed and not ooms and not graph_events(records, "captured")
+    seen = (f"{len(losses)} steps, " + ("losses equal the eager run's" if same else "losses differ")
+            + f"; graph record: {why[:90] or 'none'}; oom records: {len(ooms)}")
+    return Check(GRAPH_CAPTURE_FAILURE, "no graph kept, the step and the run go on eager, bit for bit", seen, ok)
+
+
+def check_graph_capture_failure(r, probe):
+    # The ViT with dropout: the eager steps after the failed capture draw from the generator the
+    # capture had marked capturing.
+    spec, sets = {m: (spec, sets) for m, spec, sets in graph_jobs(r)}["vit"]
+    sets = GRAPH_COMMON + sets
+    steps = ["--max-steps", str(GRAPH_STEPS)]
+    p, eager = r.run("graph-fail-off", spec, sets + ['train.cuda_graph="off"'], extra=steps, env=DETERMINISTIC_ENV)
+    if p.rc != 0:
+        return [failure(GRAPH_CAPTURE_FAILURE, "the eager run completes", p)]
+    env = dict(DETERMINISTIC_ENV, MEMTRAIN_FAULT_HOST_READ_IN_CAPTURE="1")
+    p, out = r.run("graph-fail-on", spec, sets + ['train.cuda_graph="on"'], extra=steps, env=env)
+    if p.rc != 0:
+        return [failure(GRAPH_CAPTURE_FAILURE, "the run completes", p)]
+    return [judge_graph_capture_failure(records_of(eager), records_of(out))]
+
+
 def judge_graph_backoff(records, configured):
     """After an OOM halves the micro-batch, the new shape is captured; after a grow-back that
     fails again, it is captured anew."""
@@ -2671,6 +2707,7 @@ CHECKS = [
     ("darts", check_darts, ["darts_4gb under 4 GiB"]),
     ("graph_exact", check_graph_exact, [f"graph exact: {m}" for m in ("mlp", "resnet18", "vit", "darts")] + [GRAPH_STEADY]),
     ("graph_capture_oom", check_graph_capture_oom, ["graph capture OOM"]),
+    ("graph_capture_failure", check_graph_capture_failure, [GRAPH_CAPTURE_FAILURE]),
     ("graph_backoff", check_graph_backoff, ["graph after backoff"]),
     ("graph_declines", check_graph_declines, ["graph declines a host lever"]),
     ("graph_resume", check_graph_resume, ["graph resume"]),

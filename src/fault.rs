@@ -257,6 +257,23 @@ pub fn oom_in_capture(device: tch::Device) {
     }
 }
 
+/// `MEMTRAIN_FAULT_HOST_READ_IN_CAPTURE=1`: the run's first capture of a step as a CUDA graph
+/// reads a value of the device on the host, inside the capture, as a step that waits on the
+/// device would: CUDA refuses the wait and invalidates the capture, so the capture fails with
+/// an error that is no OOM and must leave no graph, no pool and no generator still capturing.
+pub const HOST_READ_IN_CAPTURE: &str = "MEMTRAIN_FAULT_HOST_READ_IN_CAPTURE";
+
+pub fn host_read_in_capture(device: tch::Device) {
+    static SET: OnceLock<bool> = OnceLock::new();
+    static DONE: AtomicBool = AtomicBool::new(false);
+    let set = *SET.get_or_init(|| std::env::var_os(HOST_READ_IN_CAPTURE).is_some_and(|v| v == "1"));
+    if set && !DONE.swap(true, Ordering::SeqCst) {
+        // A copy to the host and a wait on the capturing stream; the refusal panics as any
+        // libtorch error inside the step does.
+        let _ = tch::Tensor::zeros([], (tch::Kind::Float, device)).double_value(&[]);
+    }
+}
+
 /// `MEMTRAIN_FAULT_CUDA_SYNC_ERROR_AFTER_STEP=N`: after global step N's record is staged, every
 /// synchronizing CUDA call fails with where it came from (set `TORCH_SHOW_CPP_STACKTRACES=1`
 /// for libtorch's frames): finds a wait on the device that a step makes without meaning to.

@@ -412,6 +412,7 @@ fn record(pipeline: &StepPipeline, side: &mut SideStream, s: &mut Stepping) -> R
         let on_side = side.enter().unwrap_or_else(|e| panic!("{e:#}"));
         let capture = Capture::begin().unwrap_or_else(|e| panic!("{e:#}"));
         crate::fault::oom_in_capture(pipeline.forward.device);
+        crate::fault::host_read_in_capture(pipeline.forward.device);
         let totals = pipeline.recorded(s, &inputs, step);
         let graph = capture.end().unwrap_or_else(|e| panic!("{e:#}"));
         drop(on_side);

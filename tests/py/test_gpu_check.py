@@ -643,6 +643,24 @@ class Graphs(unittest.TestCase):
         self.assertFalse(g.judge_graph_capture_oom(eager, self.run_of([2.0, 1.5], other, oom)).ok,
                          "a failure that was no OOM")
 
+    def test_a_failed_capture_runs_eager_bit_for_bit_without_an_oom(self):
+        eager = self.run_of([2.0, 1.5, 1.25])
+        why = "the capture failed: Other(\"CUDA error: operation not permitted when stream is capturing\")"
+        failed = self.graph("eager", reason=why)
+        c = g.judge_graph_capture_failure(eager, self.run_of([2.0, 1.5, 1.25], failed))
+        self.assertTrue(c.ok, c)
+        self.assertIn("operation not permitted", c.seen)
+        drift = self.run_of([2.0, 1.5, 1.2500001], failed)
+        self.assertFalse(g.judge_graph_capture_failure(eager, drift).ok, "the eager steps after it drift")
+        oom = self.graph("eager", reason="the capture ran out of memory (CUDA out of memory.)")
+        self.assertFalse(g.judge_graph_capture_failure(eager, self.run_of([2.0, 1.5, 1.25], oom)).ok, "an OOM")
+        answered = {"type": "oom", "decision": {"action": "eager"}}
+        self.assertFalse(g.judge_graph_capture_failure(eager, self.run_of([2.0, 1.5, 1.25], failed, answered)).ok,
+                         "an oom record")
+        kept = self.run_of([2.0, 1.5, 1.25], failed, self.graph("captured"))
+        self.assertFalse(g.judge_graph_capture_failure(eager, kept).ok, "captured after all")
+        self.assertFalse(g.judge_graph_capture_failure(eager, self.run_of([2.0, 1.5, 1.25])).ok, "nothing said")
+
     def test_backoff_needs_the_smaller_shape_captured_twice(self):
         backoff = {"type": "oom", "decision": {"action": "backoff"}}
         twice = self.run_of([1.0], backoff, self.graph("captured", micro_batch=512),
