@@ -2560,6 +2560,44 @@ def check_graph_capture_failure(r, probe):
     return [judge_graph_capture_failure(records_of(eager), records_of(out))]
 
 
+GRAPH_BETWEEN = "graph kept over an eager step"
+
+
+def judge_graph_between(eager_records, records):
+    """A short last group runs eager between replays and leaves the graph in place: its backward
+    makes the gradients anew outside the graph's pool and its dropout draws between the graph's,
+    and the replays after it still train exactly as the eager run (one capture, the short step
+    after it, replays after that)."""
+    steps = of_type(records, "step")
+    caught = [e.get("step", 0) for e in graph_events(records, "captured") if e.get("of") == "weights"]
+    full = max((s.get("samples", 0) for s in steps), default=0)
+    short = [s.get("step", 0) for s in steps if caught and s.get("samples", 0) < full and s.get("step", 0) > caught[0]]
+    after = [s for s in steps if short and s.get("step", 0) > short[0]]
+    losses = step_losses(records)
+    same = bool(losses) and losses == step_losses(eager_records)
+    ok = same and len(caught) == 1 and bool(short) and bool(after)
+    seen = (f"{len(losses)} steps, " + ("losses equal the eager run's" if same else "losses differ")
+            + f"; captured at step {', '.join(map(str, caught)) or 'none'}; short group at step "
+            + (f"{short[0]}, {len(after)} step(s) after it" if short else "none after the capture"))
+    return Check(GRAPH_BETWEEN, "one capture; a short group eager after it, replays after that; bit for bit", seen, ok)
+
+
+def check_graph_between(r, probe):
+    # 190 samples, 38 of them validation: 4 groups of 32 and one of 24 an epoch, so the capture
+    # (step 4) is followed by the short group (step 5) and the next epoch's replays.
+    spec = spec_file(r, "graph-between-vit", VIT.format(device=DEVICE, dropout=0.1, samples=190, epochs=2))
+    sets = GRAPH_COMMON + GRAPH_VIT
+    steps = ["--max-steps", str(GRAPH_STEPS)]
+    runs = {}
+    for mode in ("off", "on"):
+        runs[mode] = r.run(f"graph-between-{mode}", spec, sets + [f'train.cuda_graph="{mode}"'], extra=steps,
+                           env=DETERMINISTIC_ENV)
+    bad = [p for p, _ in runs.values() if p.rc != 0]
+    if bad:
+        return [failure(GRAPH_BETWEEN, "both runs complete", bad[0])]
+    return [judge_graph_between(records_of(runs["off"][1]), records_of(runs["on"][1]))]
+
+
 def judge_graph_backoff(records, configured):
     """After an OOM halves the micro-batch, the new shape is captured; after a grow-back that
     fails again, it is captured anew."""
@@ -2708,6 +2746,7 @@ CHECKS = [
     ("graph_exact", check_graph_exact, [f"graph exact: {m}" for m in ("mlp", "resnet18", "vit", "darts")] + [GRAPH_STEADY]),
     ("graph_capture_oom", check_graph_capture_oom, ["graph capture OOM"]),
     ("graph_capture_failure", check_graph_capture_failure, [GRAPH_CAPTURE_FAILURE]),
+    ("graph_between", check_graph_between, [GRAPH_BETWEEN]),
     ("graph_backoff", check_graph_backoff, ["graph after backoff"]),
     ("graph_declines", check_graph_declines, ["graph declines a host lever"]),
     ("graph_resume", check_graph_resume, ["graph resume"]),

@@ -661,6 +661,27 @@ class Graphs(unittest.TestCase):
         self.assertFalse(g.judge_graph_capture_failure(eager, kept).ok, "captured after all")
         self.assertFalse(g.judge_graph_capture_failure(eager, self.run_of([2.0, 1.5, 1.25])).ok, "nothing said")
 
+    def test_a_graph_kept_over_a_short_groups_eager_step_replays_bit_for_bit(self):
+        def run(losses, samples, *events):
+            return [{"type": "start", "cuda_graph": "captured: ..."}] + [
+                step(i + 1, l, samples=n) for i, (l, n) in enumerate(zip(losses, samples))] + list(events)
+
+        losses, samples = [2.0, 1.5, 1.25, 1.0, 0.9, 0.8, 0.7], [32, 32, 32, 32, 24, 32, 32]
+        captured = dict(self.graph("captured"), step=4)
+        eager = run(losses, samples)
+        c = g.judge_graph_between(eager, run(losses, samples, captured))
+        self.assertTrue(c.ok, c)
+        self.assertIn("short group at step 5, 2 step(s) after it", c.seen)
+        drift = run(losses[:-1] + [0.7000001], samples, captured)
+        self.assertFalse(g.judge_graph_between(eager, drift).ok, "a replay after the short step drifts")
+        self.assertFalse(g.judge_graph_between(eager, run(losses, samples)).ok, "never captured")
+        again = run(losses, samples, captured, dict(self.graph("captured"), step=6))
+        self.assertFalse(g.judge_graph_between(eager, again).ok, "captured anew after the short step")
+        last = run(losses[:5], samples[:5], captured)
+        self.assertFalse(g.judge_graph_between(run(losses[:5], samples[:5]), last).ok, "nothing replayed after it")
+        early = run(losses, [32, 24, 32, 32, 32, 32, 32], captured)
+        self.assertFalse(g.judge_graph_between(run(losses, [32, 24] + [32] * 5), early).ok, "short before the capture")
+
     def test_backoff_needs_the_smaller_shape_captured_twice(self):
         backoff = {"type": "oom", "decision": {"action": "backoff"}}
         twice = self.run_of([1.0], backoff, self.graph("captured", micro_batch=512),
