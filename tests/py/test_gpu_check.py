@@ -933,6 +933,14 @@ class Rehearsal(unittest.TestCase):
         # The uncapped twin ran and the ratio was taken (its target is a GPU's, not this CPU's).
         self.assertIn("samples/s =", speed.seen)
 
+    def test_the_graph_failure_and_between_rows_get_past_their_runs(self):
+        """Nothing is captured on the CPU, so the rows fail here, but only at their judges: the
+        specs, settings and test hook they hand the GPU machine are accepted by this build."""
+        for fn in (g.check_graph_capture_failure, g.check_graph_between):
+            (c,) = self.rows(fn)
+            self.assertFalse(c.ok, c)
+            self.assertIn("steps, losses equal the eager run's", c.seen)
+
     def test_fp16_inf(self):
         (c,) = self.rows(g.check_fp16_inf)
         self.assertTrue(c.ok, c)
