@@ -316,7 +316,7 @@ impl StepGraphs {
                         self.ooms.push(CaptureOom { kind, message, phase });
                         why
                     }
-                    other => format!("the capture failed: {other:?}"),
+                    other => format!("the capture failed: {}", failure_text(&other)),
                 };
                 slot.state = SlotState::Declined;
                 self.events.push(event(kind, key, s.work.step, Some(why), None));
@@ -365,6 +365,16 @@ fn event(kind: StepKind, key: Key, step: Option<i64>, reason: Option<String>, po
         reason,
         pool_bytes,
     }
+}
+
+/// The first line of what a failed capture's error says, for the `graph` record's reason (the
+/// libtorch message, not the variant that carried it).
+fn failure_text(e: &StepError) -> &str {
+    let text = match e {
+        StepError::Other(m) | StepError::PeerLost(m) | StepError::OomInCollective(m) => m,
+        StepError::Oom { message, .. } => message,
+    };
+    text.lines().next().unwrap_or_default()
 }
 
 fn side_stream(side: &mut Option<SideStream>, device: Device) -> Result<&mut SideStream, StepError> {
@@ -649,6 +659,17 @@ mod tests {
         let events = g.take_events();
         assert_eq!(events.len(), 1, "the architecture's reason once: {events:?}");
         assert_eq!(events[0].of, StepKind::Architecture.name());
+    }
+
+    #[test]
+    fn a_failed_capture_is_said_in_its_errors_own_words() {
+        let e = StepError::Other(
+            "CUDA error: operation not permitted when stream is capturing\nSearch for `cudaErrorStreamCaptureUnsupported'".into(),
+        );
+        assert_eq!(
+            failure_text(&e),
+            "CUDA error: operation not permitted when stream is capturing"
+        );
     }
 
     #[test]
