@@ -173,6 +173,19 @@ fn resized_crops_and_jitter_train_the_same_at_any_worker_count() {
     let one = base.clone().name("one").set("data.workers", 1).run();
     let two = base.clone().name("two").set("data.workers", 2).run();
     assert!(one.final_bytes() == two.final_bytes(), "workers changed the batches");
+    // Three threads making three batches ahead, and batches made in the training thread alone.
+    for (name, workers, prefetch) in [("three", 3, 3), ("inline", 1, 0)] {
+        let other = base
+            .clone()
+            .name(name)
+            .set("data.workers", workers)
+            .set("data.prefetch", prefetch)
+            .run();
+        assert!(
+            one.final_bytes() == other.final_bytes(),
+            "{workers} worker(s), prefetch {prefetch}, changed the batches"
+        );
+    }
     let plain = base.name("plain").remove("data.augment").run();
     assert!(
         plain.final_bytes() != one.final_bytes(),

@@ -346,7 +346,10 @@ fn parameter_groups_match_pytorch_param_groups_bit_for_bit() {
             .run()
             .stdout,
     ] {
-        assert!(text.contains("group param_groups[1]: "), "{text}");
+        assert!(
+            text.contains("group param_groups[1]: 2048 parameters in 1 tensors"),
+            "{text}"
+        );
         assert!(text.contains("lr x0.5, weight decay 0.1"), "{text}");
         assert!(text.contains("frozen: "), "{text}");
     }

@@ -443,3 +443,97 @@ fn lora_trains_a_decoder_as_peft_does() {
     assert!((theirs[19] - theirs[0]).abs() > 1e-3, "the adapters train: {theirs:?}");
     assert_close(&ours, &theirs, 1e-5);
 }
+
+/// Prompt/completion pairs train on their completions alone: a full fine-tune on 8 pairs of a
+/// jsonl file, a whole group a step, gives per-step losses equal to a plain PyTorch loop's whose
+/// labels are -100 over each prompt (Hugging Face's convention) within 1e-6 relative, over 6
+/// steps: the prompt adds nothing to the loss, nor (the later steps follow from the earlier
+/// steps' gradients) to the gradients. Each step counts the completion's targets only; counting
+/// the prompt's too would give another loss.
+#[test]
+fn prompt_tokens_carry_no_loss_and_no_gradient_through_a_run() {
+    let t = Test::new();
+    let dir = t.dir().to_path_buf();
+    llama_py(&dir, &["make", "--out", "hf", "--kv-heads", "2"]);
+    let words: Vec<String> = (0..40).map(|i| format!("w{i}")).collect();
+    let mut vocab = serde_json::json!({"<unk>": 0, "</s>": 1});
+    for (i, w) in words.iter().enumerate() {
+        vocab[w.as_str()] = serde_json::json!(i + 2);
+    }
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+    });
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    // Prompts of 2 to 6 words, completions of 1 to 4: some windows padded, one cut short.
+    let pair = |i: usize| {
+        let prompt = (0..2 + i % 5)
+            .map(|k| words[(i * 7 + k * 3) % 40].as_str())
+            .collect::<Vec<_>>();
+        let completion = (0..1 + i % 4)
+            .map(|k| words[(i * 5 + k) % 40].as_str())
+            .collect::<Vec<_>>();
+        serde_json::json!({"prompt": prompt.join(" "), "completion": completion.join(" ")}).to_string()
+    };
+    let lines: Vec<String> = (0..8).map(pair).collect();
+    std::fs::write(dir.join("pairs.jsonl"), lines.join("\n") + "\n").unwrap();
+    std::fs::write(dir.join("val.jsonl"), pair(9) + "\n").unwrap();
+    let spec = format!(
+        "[job]\nthreads = 1\ndevice = \"cpu\"\nseed = 5\n[model]\npreset = \"llama\"\ninit_from = \"{hf}\"\n\
+         [data]\nsource = \"jsonl\"\npath = \"{d}/pairs.jsonl\"\nval_path = \"{d}/val.jsonl\"\ntokenizer = \"{d}/tokenizer.json\"\n\
+         prompt_field = \"prompt\"\ncompletion_field = \"completion\"\nseq_len = 8\n\
+         [train]\nepochs = 6\nbatch_size = 8\noptimizer = \"adamw\"\nlr = 0.002\nweight_decay = 0.01\noptimizer_impl = \"single\"\n\
+         [log]\nevery_steps = 1\nprogress = \"off\"\n",
+        hf = dir.join("hf").display(),
+        d = dir.display()
+    );
+    let r = t.spec(table(&spec)).run();
+    let py = llama_py(
+        &dir,
+        &[
+            "pairs-train",
+            "--dir",
+            "hf",
+            "--tokenizer",
+            "tokenizer.json",
+            "--eos",
+            "1",
+            "--data",
+            "pairs.jsonl",
+            "--seq-len",
+            "8",
+            "--batch",
+            "8",
+            "--steps",
+            "6",
+            "--lr",
+            "0.002",
+            "--weight-decay",
+            "0.01",
+            "--seed",
+            "5",
+        ],
+    );
+    let theirs: Vec<f64> = py["losses"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_f64().unwrap())
+        .collect();
+    let ours = step_losses(&r);
+    assert_eq!(ours.len(), 6);
+    assert!(theirs[5] < theirs[0], "the loop learns: {theirs:?}");
+    assert_close(&ours, &theirs, 1e-6);
+    let unmasked = py["unmasked"].as_f64().unwrap();
+    assert!(
+        // A hundred times the tolerance: a random model's losses are all near ln(96).
+        (unmasked - ours[0]).abs() > 1e-4 * ours[0],
+        "counting the prompt's targets changes the loss ({unmasked} vs {})",
+        ours[0]
+    );
+    let counted = py["counted"].as_u64().unwrap();
+    for s in r.steps() {
+        assert_eq!(s.language.unwrap().tokens, counted, "step {}", s.step);
+    }
+}

@@ -95,9 +95,10 @@ fn at_128k() {
     );
 }
 
-/// The 128k-vocabulary figure (about 6 GiB at its peak): `scripts/bench-lm-loss` runs it.
+/// The claim's own shape, a 128k vocabulary over 2048 tokens: the plain computation peaks at
+/// about 3 GiB (measured: 3006 MiB plain, 159 MiB chunked, 6 s); `scripts/bench-lm-loss` prints
+/// its figures.
 #[test]
-#[ignore]
 fn chunked_loss_at_a_128k_vocabulary() {
     alone("lm_loss::chunked_loss_at_a_128k_vocabulary", at_128k);
 }

@@ -22,6 +22,7 @@ mod llama_levers;
 mod llama_stream;
 mod lm_bill;
 mod lm_loss;
+mod lm_refusals;
 mod lora;
 mod lora_levers;
 mod lora_presets;

@@ -283,6 +283,71 @@ fn a_resume_from_a_checkpoint_without_token_counts_derives_them() {
     );
     let last = |o: &Outcome| o.steps().last().unwrap().language.unwrap().tokens_seen;
     assert_eq!(last(&resumed), last(&straight));
+    // The same windows after the resume: every step's loss, and the weights, bit for bit.
+    assert_eq!(step_losses(&resumed), step_losses(&straight));
+    assert_eq!(resumed.final_bytes(), straight.final_bytes());
+}
+
+/// A token file's run killed (SIGKILL) mid-epoch resumes from its last step checkpoint with the
+/// windows the run that was never stopped trained on: the same per-step losses, the redone steps
+/// included, and the same weights, bit for bit; each step's record carries its tokens, their
+/// running count and the loss's perplexity.
+#[test]
+fn a_token_run_killed_mid_epoch_resumes_with_the_same_windows() {
+    let t = Test::new();
+    let path = t.dir().join("train.bin");
+    pattern(&path, 4000);
+    // 144 training windows of 25 tokens, 4 a step: 36 steps; a checkpoint every 10.
+    let job = llama_on_tokens(&t, &path, 24).set("checkpoint.every_steps", 10);
+    let straight = job.clone().name("straight").run();
+    let mut running = job
+        .clone()
+        .name("killed")
+        .env("MEMTRAIN_FAULT_AWAIT_SIGNAL_AT_STEP", "25")
+        .exit(-1)
+        .spawn();
+    running.await_stderr("fault: waiting for a signal at step 25");
+    // SAFETY: our own child, still running (it waits for a signal).
+    unsafe { libc::kill(running.pid(), libc::SIGKILL) };
+    let killed = running.finish();
+    let resumed = killed.resume().stderr_has("step-000000020").run();
+    let all = |o: &Outcome| -> Vec<(i64, f64)> {
+        let text = std::fs::read_to_string(o.out.join("metrics.jsonl")).unwrap();
+        text.lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|e| e["type"] == "step")
+            .map(|e| (e["step"].as_i64().unwrap(), e["loss"].as_f64().unwrap()))
+            .collect()
+    };
+    let whole: std::collections::HashMap<i64, f64> = all(&straight).into_iter().collect();
+    assert_eq!(whole.len(), 36);
+    let again = all(&resumed);
+    // Steps 21 to 25 ran before the kill and again after the resume.
+    assert_eq!(again.len(), 36 + 5, "{again:?}");
+    for (step, loss) in &again {
+        assert_eq!(
+            whole.get(step).map(|l| l.to_bits()),
+            Some(loss.to_bits()),
+            "step {step}"
+        );
+    }
+    assert_eq!(straight.final_bytes(), resumed.final_bytes());
+    let steps = straight.steps();
+    let mut seen = 0;
+    for s in &steps {
+        let lm = s.language.expect("a language model's step");
+        let e = s.loss.exp();
+        assert!(
+            (lm.perplexity - e).abs() <= 1e-12 * e,
+            "step {}: {} vs exp(loss) {e}",
+            s.step,
+            lm.perplexity
+        );
+        assert!(lm.tokens_per_s > 0.0, "step {}", s.step);
+        assert_eq!(lm.tokens, 4 * 24, "step {}", s.step);
+        seen += 4 * 24;
+        assert_eq!(lm.tokens_seen, seen, "step {}", s.step);
+    }
 }
 
 /// A tiny llama over the token file `path` in windows of `seq_len`, micro-batch 2, every step

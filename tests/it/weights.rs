@@ -225,6 +225,8 @@ fn a_1000_class_checkpoint_fine_tunes_on_3_classes_with_a_new_head() {
     assert_eq!((init.kept, init.created, init.dropped), (names - 6, 6, 6));
 }
 
+/// A body tensor of another shape, or missing from the file: `check` and `run` refuse alike,
+/// `check` at the spec's `init_from` line, and nothing is written.
 #[test]
 fn check_refuses_a_mis_shaped_tensor_outside_the_head_at_init_froms_line() {
     let t = Test::new();
@@ -254,6 +256,27 @@ fn check_refuses_a_mis_shaped_tensor_outside_the_head_at_init_froms_line() {
         .exit(2)
         .stderr_has("encoder.layers.encoder_layer_0.mlp.0.bias: file [24], model [32]")
         .run();
+    assert!(!t.dir().join("run").exists(), "the refused run wrote nothing");
+
+    // A tensor of the body missing from the file: an error in both, naming it, nothing written.
+    let mut all = tensors(&t.dir().join("m.safetensors"));
+    all.retain(|(n, _)| n != "encoder.ln.weight");
+    tch::Tensor::write_safetensors(&all, t.dir().join("short.safetensors")).unwrap();
+    let body = format!(
+        "preset = \"vit\"\ninit_from = \"{}\"\n[model.vit]\n{}",
+        t.dir().join("short.safetensors").display(),
+        vit_options(5, "")
+    );
+    let missing = "missing (in the model, not in the file): encoder.ln.weight";
+    for command in ["check", "run"] {
+        let o = job_on(&t, &body, 32, "5")
+            .name(&format!("short-{command}"))
+            .command(command)
+            .exit(2)
+            .stderr_has(missing)
+            .run();
+        assert!(!o.out.exists(), "{command} wrote {}", o.out.display());
+    }
 }
 
 #[test]
@@ -288,6 +311,12 @@ fn a_pickle_is_refused_with_a_conversion_that_works() {
         .find(|l| l.trim_start().starts_with("python -c"))
         .unwrap();
     let code = line.trim_start().strip_prefix("python -c ").unwrap().trim_matches('"');
+    // The spec reference's conversion is this line, so the venv that runs it runs the docs' too.
+    let docs = std::fs::read_to_string(repo().join("docs/spec.md")).unwrap();
+    assert!(
+        docs.contains(line.trim_start()),
+        "docs/spec.md lacks the error's conversion: {line}"
+    );
     let o = std::process::Command::new(python())
         .args(["-c", code])
         .current_dir(t.dir())

@@ -22,6 +22,10 @@
   lora-train --dir DIR --init init.safetensors --data train.bin --seq-len T --batch B --steps N
              --lr LR --weight-decay WD --seed S
       the loop of `train` over that peft model, its adapters from init.safetensors.
+  pairs-train --dir DIR --tokenizer tokenizer.json --eos E --data pairs.jsonl --seq-len T --batch B
+              --steps N --lr LR --weight-decay WD --seed S
+      the loop of `train` over prompt/completion pairs with labels -100 over the prompt. Prints
+      {"losses": [...], "unmasked": the first loss with the prompt counted, "counted": targets}.
 make and logits print {"names": [...], "config": {...}} as JSON.
 """
 import argparse
@@ -81,10 +85,22 @@ def logits(a):
 
 
 def train(a):
+    import numpy as np
+
+    ids = torch.from_numpy(np.fromfile(a.data, dtype=np.uint16).astype(np.int64))
+    w = a.seq_len + 1
+    n = len(ids) // w
+    windows = ids[: n * w].view(n, w)
+    print(json.dumps({"losses": loop(a, windows[:, :-1], windows[:, 1:])}))
+
+
+def loop(a, xs, ys):
+    """AdamW over the windows `xs` with targets `ys` (-100: no loss), groups of a.batch in
+    memtrain's epoch order: the summed cross-entropy of the counted targets divided by their
+    count. Returns the per-step losses."""
     import os
     import sys
 
-    import numpy as np
     import transformers
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -93,10 +109,7 @@ def train(a):
     torch.set_num_threads(1)
     model = getattr(a, "model", None) or transformers.AutoModelForCausalLM.from_pretrained(a.dir, dtype=torch.float32)
     model.train()
-    ids = torch.from_numpy(np.fromfile(a.data, dtype=np.uint16).astype(np.int64))
-    w = a.seq_len + 1
-    n = len(ids) // w
-    windows = ids[: n * w].view(n, w)
+    n = len(xs)
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=a.lr, weight_decay=a.weight_decay, foreach=False)
     losses, epoch = [], 0
@@ -105,17 +118,45 @@ def train(a):
         for s in range(0, n, a.batch):
             if len(losses) == a.steps:
                 break
-            batch = windows[torch.tensor(order[s:s + a.batch])]
-            x, y = batch[:, :-1], batch[:, 1:]
+            pick = torch.tensor(order[s:s + a.batch])
+            x, y = xs[pick], ys[pick]
             logits = model(input_ids=x).logits
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1),
-                                                     reduction="sum") / y.numel()
+                                                     reduction="sum", ignore_index=-100) / (y != -100).sum()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             losses.append(loss.item())
         epoch += 1
-    print(json.dumps({"losses": losses}))
+    return losses
+
+
+def pairs_train(a):
+    """`train` over a jsonl file of prompt/completion pairs, each a window as Hugging Face's
+    fine-tuning recipes make one: the prompt's and the completion's ids, then EOS, padded with
+    EOS to seq_len + 1; labels -100 except where the next token is the completion's or the EOS
+    after it. Also gives the first group's loss had the prompt's targets counted too."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(a.tokenizer)
+    xs, ys, everything = [], [], []
+    for line in open(a.data):
+        if not line.strip():
+            continue
+        pair = json.loads(line)
+        prompt = tok.encode(pair["prompt"]).ids
+        ids = (prompt + tok.encode(pair["completion"]).ids + [a.eos])[: a.seq_len + 1]
+        ids += [a.eos] * (a.seq_len + 1 - len(ids))
+        full = len(prompt) + len(tok.encode(pair["completion"]).ids) + 1
+        xs.append(ids[:-1])
+        ys.append([t if len(prompt) <= i + 1 < full else -100 for i, t in enumerate(ids[1:])])
+        everything.append([t if i + 1 < full else -100 for i, t in enumerate(ids[1:])])
+    xs, ys, everything = torch.tensor(xs), torch.tensor(ys), torch.tensor(everything)
+    counted = int((ys != -100).sum())
+    a.steps, steps = 1, a.steps
+    unmasked = loop(a, xs, everything)[0]
+    a.steps = steps
+    print(json.dumps({"losses": loop(a, xs, ys), "unmasked": unmasked, "counted": counted}))
 
 
 LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
@@ -181,13 +222,16 @@ def main():
     li = sub.add_parser("lora-init")
     li.add_argument("--dir", required=True)
     li.add_argument("--out", required=True)
-    for name in ("train", "lora-train"):
+    for name in ("train", "lora-train", "pairs-train"):
         t = sub.add_parser(name)
         t.add_argument("--dir", required=True)
         t.add_argument("--init", default=None)
+        t.add_argument("--tokenizer")
+        t.add_argument("--eos", type=int, default=1)
         add_train_args(t)
     a = p.parse_args()
-    {"make": make, "logits": logits, "train": train, "lora-init": lora_init, "lora-train": lora_train}[a.cmd](a)
+    {"make": make, "logits": logits, "train": train, "lora-init": lora_init, "lora-train": lora_train,
+     "pairs-train": pairs_train}[a.cmd](a)
 
 
 if __name__ == "__main__":
