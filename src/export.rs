@@ -238,8 +238,13 @@ fn vit_options(spec: &Spec) -> Result<model::VitOptions> {
 
 /// A format that has no place for part of the model.
 fn cannot_hold(format: ExportFormat, what: &str) -> anyhow::Error {
+    // A reason that names the format to use says it once.
+    let instead = match what.contains("export it as") {
+        true => "",
+        false => "; export it as another format",
+    };
     UsageError(format!(
-        "{} cannot hold this model: {what}; export it as another format (docs/commands.md#memtrain-export lists what each holds)",
+        "{} cannot hold this model: {what}{instead} (docs/commands.md#memtrain-export lists what each holds)",
         format.name()
     ))
     .into()

@@ -256,8 +256,15 @@ fn clean_serde_message(msg: &str, key: &str) -> String {
 fn read_text(path: &Path) -> Result<String, SpecError> {
     std::fs::read_to_string(path).map_err(|e| {
         let hint = match e.kind() {
-            std::io::ErrorKind::InvalidData => "; save it as UTF-8 text",
-            _ => "",
+            std::io::ErrorKind::InvalidData => "; save it as UTF-8 text".to_owned(),
+            // A run directory given where its spec belongs.
+            _ if path.join("config.resolved.toml").is_file() => format!(
+                "; it is a run directory: give the job spec (TOML), and continue the run with `memtrain run SPEC --resume {}` (the run's resolved spec is {})",
+                path.display(),
+                path.join("config.resolved.toml").display()
+            ),
+            _ if path.is_dir() => "; give the job spec, a TOML file".to_owned(),
+            _ => String::new(),
         };
         SpecError {
             problems: vec![format!("{}: cannot read spec file: {e}{hint}", path.display())],
