@@ -244,3 +244,36 @@ fn a_pickled_model_directory_converts_with_the_line_the_error_prints() {
         ))
         .run();
 }
+
+#[test]
+fn a_prompt_that_fills_its_window_trains_nothing_and_poisons_nothing() {
+    let t = sft(&Test::new());
+    // Nine prompt tokens fill a window of seq_len 8 (+1): the completion is cut off whole.
+    let long = serde_json::json!({"prompt": "one two three four five six seven eight one", "completion": "two"});
+    let short = serde_json::json!({"prompt": "one two", "completion": "three four"});
+    let mixed = t.dir().join("mixed.jsonl");
+    let lines: Vec<String> = (0..12)
+        .map(|i| if i % 2 == 0 { &long } else { &short }.to_string())
+        .collect();
+    std::fs::write(&mixed, lines.join("\n")).unwrap();
+    // One pair a step: a step whose pair carries no loss divides nothing by its zero tokens.
+    let run = t
+        .clone()
+        .set("data.path", mixed.display().to_string())
+        .set("train.batch_size", 1)
+        .stderr_has("6 of 12 pairs have no completion token within data.seq_len = 8 tokens")
+        .run();
+    let last = run.summary().last.expect("an epoch ended");
+    assert!(last.train_loss.is_finite(), "{:?}", last.train_loss);
+    for (name, w) in tensors(&run.final_model()) {
+        assert!(w.isfinite().all().int64_value(&[]) == 1, "{name} is not finite");
+    }
+    let only_long = t.dir().join("long.jsonl");
+    std::fs::write(&only_long, vec![long.to_string(); 6].join("\n")).unwrap();
+    t.clone()
+        .name("long")
+        .set("data.path", only_long.display().to_string())
+        .exit(2)
+        .stderr_has("no pair has a completion token within data.seq_len = 8 tokens")
+        .run();
+}

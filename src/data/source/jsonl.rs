@@ -275,6 +275,8 @@ impl<'a> Text<'a> {
                 .map_err(|e| anyhow!("{what}: line {line}: cannot tokenize it ({e})"))?;
             Ok(e.get_ids().to_vec())
         };
+        // Pairs, and those whose prompt fills the window: no completion token carries loss.
+        let (mut pairs, mut lossless) = (0usize, 0usize);
         for (i, line) in std::io::BufReader::new(f).lines().enumerate() {
             let n = i + 1;
             let line = line.with_context(|| format!("{what}: line {n}: cannot read it (not UTF-8?)"))?;
@@ -292,16 +294,38 @@ impl<'a> Text<'a> {
                     let p = encode(texts[0], true, n)?;
                     let c = encode(texts[1], false, n)?;
                     let (x, y) = self.pair_window(&p, &c);
+                    pairs += 1;
+                    lossless += y.iter().all(|&t| t == IGNORED as i32) as usize;
                     push(0, &mut x.into_iter())?;
                     push(1, &mut y.into_iter())?;
                 }
             }
         }
+        self.lossless_pairs(what, pairs, lossless)?;
         let n = spill.len(0) as i64;
         Ok(match self.shape {
             Shape::Plain { .. } => vec![vec![n]],
             Shape::Pairs { .. } => vec![vec![n / self.seq_len, self.seq_len]; 2],
         })
+    }
+
+    /// Pairs whose prompt fills the window train nothing: said, and refused when every pair is
+    /// one (the loss would be over no token at all).
+    fn lossless_pairs(&self, what: &str, pairs: usize, lossless: usize) -> Result<()> {
+        let fix = "raise data.seq_len or shorten the prompts";
+        if pairs > 0 && lossless == pairs {
+            bail!(
+                "{what}: no pair has a completion token within data.seq_len = {} tokens (every prompt fills the window), so none would carry loss; {fix}",
+                self.seq_len
+            );
+        }
+        if lossless > 0 {
+            tracing::warn!(
+                "{what}: {lossless} of {pairs} pairs have no completion token within data.seq_len = {} tokens (the prompt fills the window), so they carry no loss; {fix}",
+                self.seq_len
+            );
+        }
+        Ok(())
     }
 
     /// A document's texts: its text field, or its prompt and completion.
