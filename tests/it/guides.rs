@@ -277,3 +277,28 @@ fn a_prompt_that_fills_its_window_trains_nothing_and_poisons_nothing() {
         .stderr_has("no pair has a completion token within data.seq_len = 8 tokens")
         .run();
 }
+
+#[test]
+fn fit_tries_a_frozen_bf16_base_in_the_one_precision_it_runs_in() {
+    // docs/language-models.md's levers on the digits MLP: a frozen layer kept in bf16 under
+    // bf16-mixed, which no fp32 probe may run.
+    let t = Test::new()
+        .set("train.precision", "bf16-mixed")
+        .set("train.frozen_dtype", "bf16")
+        .set("train.freeze", toml::Value::Array(vec!["fc0.*".into()]))
+        .command("fit");
+    let limit = ["--limit", "64MiB", "--steps", "2", "--checkpointing", "off"];
+    let o = t.clone().args(&limit).run();
+    assert!(
+        o.stdout.contains("recommendation: precision bf16-mixed"),
+        "{}",
+        o.stdout
+    );
+    assert!(!o.stderr.contains("probe  fp32"), "{}", o.stderr);
+    t.clone()
+        .args(&limit)
+        .args(&["--precision", "fp32"])
+        .exit(2)
+        .stderr_has("--precision fp32: train.frozen_dtype = \"bf16\" keeps the frozen weights in bf16")
+        .run();
+}
