@@ -142,8 +142,8 @@ fn open(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) -> Result
 }
 
 /// What loading the data would refuse that can be seen without loading it (a jsonl set's
-/// tokenizer against the model's vocabulary, its first document's fields): `check` refuses it
-/// as `run` would.
+/// tokenizer against the model's vocabulary, its first document's fields; an image folder's
+/// class directory without an image): `check` refuses it as `run` would.
 pub fn check_source(data: &Data, vocab: Option<i64>) -> Result<()> {
     reader(data.source)
         .check(data, vocab)

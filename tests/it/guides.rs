@@ -302,3 +302,35 @@ fn fit_tries_a_frozen_bf16_base_in_the_one_precision_it_runs_in() {
         .stderr_has("--precision fp32: train.frozen_dtype = \"bf16\" keeps the frozen weights in bf16")
         .run();
 }
+
+#[test]
+fn check_refuses_an_image_folder_run_would_refuse() {
+    let t = Test::new();
+    let (train, val) = (t.dir().join("train"), t.dir().join("val"));
+    for class in ["cat", "dog"] {
+        std::fs::create_dir_all(train.join(class)).unwrap();
+        std::fs::create_dir_all(val.join(class)).unwrap();
+        // check lists the folders; it decodes nothing.
+        std::fs::write(val.join(class).join("1.png"), b"").unwrap();
+    }
+    std::fs::write(train.join("cat").join("1.jpg"), b"").unwrap();
+    std::fs::write(train.join("dog").join("notes.txt"), b"").unwrap();
+    let check = t.clone().command("check").spec(table(&format!(
+        "[job]\nthreads = 1\ndevice = \"cpu\"\n[model]\npreset = \"resnet18\"\n\
+         [data]\nsource = \"imagefolder\"\npath = \"{}\"\nval_path = \"{}\"\nimage_size = 32\n[train]\nbatch_size = 2\n",
+        train.display(),
+        val.display()
+    )));
+    check
+        .clone()
+        .exit(2)
+        .stderr_has("class directory dog has no .jpg, .jpeg or .png files")
+        .run();
+    std::fs::write(train.join("dog").join("1.PNG"), b"").unwrap();
+    check.clone().run();
+    std::fs::create_dir_all(val.join("fish")).unwrap();
+    check
+        .exit(2)
+        .stderr_has("has classes [\"cat\", \"dog\", \"fish\"] but data.path has [\"cat\", \"dog\"]")
+        .run();
+}
