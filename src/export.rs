@@ -191,7 +191,7 @@ pub fn weights_into(vs: &nn::VarStore, head: &[String], spec: &Spec, file: &Path
             BaseRef::must_match(Some(then), Some(&now), ck, &fix)?;
         }
         if recorded.is_some() || adapted {
-            crate::run::init_from(vs, head, &spec.model, path)?;
+            base_under_checkpoint(vs, head, &spec.model, path)?;
         }
     }
     // A checkpoint over a frozen base holds what trains: the adapters and the extras, and the
@@ -210,6 +210,19 @@ pub fn weights_into(vs: &nn::VarStore, head: &[String], spec: &Spec, file: &Path
     };
     crate::run::copy_into(vs, &kept, &format!("the checkpoint {}", file.display()), &rule)?;
     Ok(adapted)
+}
+
+/// `model.init_from` read as the base a checkpoint goes over: what the plan creates (adapters,
+/// a head) comes from the checkpoint next, so its "created" would mislead; the line says what
+/// was read.
+fn base_under_checkpoint(vs: &nn::VarStore, head: &[String], model: &crate::spec::Model, path: &Path) -> Result<()> {
+    let loaded = crate::run::read_init_from(vs, head, model, path)?;
+    tracing::info!(
+        "model.init_from {}: {} tensors of the base read; the checkpoint's weights go over them",
+        path.display(),
+        loaded.plan.kept.len()
+    );
+    Ok(())
 }
 
 /// The weight an adapter merges into, and which `d`-row slice of it: the packed in-projection's

@@ -42,6 +42,7 @@ use crate::records::Status;
 use crate::shim;
 use crate::spec::{self, Spec};
 
+pub(crate) use build::read_init_from;
 pub use build::{copy_into, init_from};
 use execution::Execution;
 pub use forward::PrecisionStage;

@@ -334,3 +334,25 @@ fn check_refuses_an_image_folder_run_would_refuse() {
         .stderr_has("has classes [\"cat\", \"dog\", \"fish\"] but data.path has [\"cat\", \"dog\"]")
         .run();
 }
+
+#[test]
+fn eval_of_a_lora_run_does_not_call_its_trained_adapters_created() {
+    let t = Test::new();
+    let base = mlp_checkpoint(&t);
+    let run = t
+        .clone()
+        .name("lora")
+        .set("train.epochs", 1)
+        .set("model.init_from", base.display().to_string())
+        .set("model.lora", toml::Value::Table(table("rank = 2\ntargets = [\"fc0\"]")))
+        .stderr_has("created (initialised as built)")
+        .run();
+    let e = t
+        .clone()
+        .command("eval")
+        .no_spec()
+        .arg(&run.out.display().to_string())
+        .stderr_has("tensors of the base read; the checkpoint's weights go over them")
+        .run();
+    assert!(!e.stderr.contains("created (initialised as built)"), "{}", e.stderr);
+}
