@@ -335,18 +335,48 @@ fn check_refuses_an_image_folder_run_would_refuse() {
         .run();
 }
 
-#[test]
-fn eval_of_a_lora_run_does_not_call_its_trained_adapters_created() {
-    let t = Test::new();
-    let base = mlp_checkpoint(&t);
-    let run = t
-        .clone()
+/// A LoRA run of the digits MLP over an earlier run's weights.
+fn lora_run(t: &Test) -> Outcome {
+    let base = mlp_checkpoint(t);
+    t.clone()
         .name("lora")
         .set("train.epochs", 1)
         .set("model.init_from", base.display().to_string())
         .set("model.lora", toml::Value::Table(table("rank = 2\ntargets = [\"fc0\"]")))
         .stderr_has("created (initialised as built)")
+        .run()
+}
+
+#[test]
+fn export_refuses_a_format_before_it_reads_the_base() {
+    let t = Test::new();
+    let run = lora_run(&t);
+    let out = t.dir().join("exported");
+    let r = t
+        .clone()
+        .command("export")
+        .no_spec()
+        .args(&[
+            &run.out.display().to_string(),
+            "--format",
+            "huggingface",
+            &out.display().to_string(),
+        ])
+        .exit(2)
+        .stderr_has("huggingface cannot hold this model")
         .run();
+    assert!(
+        !r.stderr.contains("model.init_from"),
+        "the base was read first: {}",
+        r.stderr
+    );
+    assert!(!out.exists());
+}
+
+#[test]
+fn eval_of_a_lora_run_does_not_call_its_trained_adapters_created() {
+    let t = Test::new();
+    let run = lora_run(&t);
     let e = t
         .clone()
         .command("eval")
