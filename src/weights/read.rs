@@ -172,8 +172,16 @@ fn files_of(path: &Path) -> Result<(Vec<PathBuf>, Option<PathBuf>)> {
                 return Err(pickle_refused(&path.join(pickle)).into());
             }
         }
+        // A memtrain run directory: its weights are in its checkpoints.
+        let run = match path.join("checkpoints").is_dir() {
+            true => format!(
+                "; it is a run directory: name one of its checkpoints, {}/checkpoints/step-N/model.safetensors (checkpoints/best.json names the best)",
+                path.display()
+            ),
+            false => String::new(),
+        };
         return Err(UsageError(format!(
-            "model.init_from: the directory {} holds neither model.safetensors nor model.safetensors.index.json",
+            "model.init_from: the directory {} holds neither model.safetensors nor model.safetensors.index.json{run}",
             path.display()
         ))
         .into());

@@ -119,6 +119,26 @@ fn mlp_checkpoint(t: &Test) -> std::path::PathBuf {
 }
 
 #[test]
+fn a_run_directory_given_as_init_from_names_its_checkpoints() {
+    let t = Test::new();
+    let base = mlp_checkpoint(&t);
+    let run_dir = base.parent().and_then(Path::parent).and_then(Path::parent).unwrap();
+    t.clone()
+        .command("check")
+        .set("model.init_from", run_dir.display().to_string())
+        .exit(2)
+        .stderr_has(&format!(
+            "it is a run directory: name one of its checkpoints, {}/checkpoints/step-N/model.safetensors",
+            run_dir.display()
+        ))
+        .run();
+    t.clone()
+        .command("check")
+        .set("model.init_from", base.display().to_string())
+        .run();
+}
+
+#[test]
 fn lora_targets_that_match_nothing_are_not_blamed_on_init_from() {
     let t = Test::new();
     let base = mlp_checkpoint(&t);
