@@ -422,11 +422,11 @@ impl Factory<'_> {
         Ok(())
     }
 
-    /// The resolved spec as written to the run directory: when the spec asks for CUDA graphs, a
-    /// first line says what the run decided and why.
+    /// The resolved spec as the run directory keeps it: paths absolute, CUDA graphs' verdict first.
     fn resolved_toml(&self, spec_toml: &str) -> String {
+        let spec_toml = spec::with_absolute_paths(spec_toml);
         match self.plan.spec.train.cuda_graph {
-            spec::CudaGraph::Off => spec_toml.to_owned(),
+            spec::CudaGraph::Off => spec_toml,
             _ => format!("# train.cuda_graph: {}\n{spec_toml}", self.plan.graph.describe()),
         }
     }

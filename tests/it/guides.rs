@@ -406,3 +406,22 @@ fn eval_of_a_lora_run_does_not_call_its_trained_adapters_created() {
         .run();
     assert!(!e.stderr.contains("created (initialised as built)"), "{}", e.stderr);
 }
+
+#[test]
+fn a_run_is_evaluated_from_another_directory_than_it_ran_in() {
+    // The data named relative to where the run starts (the repository, for the tests).
+    let t = Test::new()
+        .name("digits")
+        .set("train.epochs", 1)
+        .set("data.path", "data/digits.npz");
+    let run = t.clone().run();
+    let resolved = std::fs::read_to_string(run.out.join("config.resolved.toml")).unwrap();
+    assert!(resolved.contains(&format!("path = \"{}\"", digits())), "{resolved}");
+    let e = std::process::Command::new(env!("CARGO_BIN_EXE_memtrain"))
+        .args(["eval", &run.out.display().to_string()])
+        .current_dir(t.dir())
+        .env("MEMTRAIN_RUNS_DIR", t.dir().join("registry"))
+        .output()
+        .unwrap();
+    assert!(e.status.success(), "{}", String::from_utf8_lossy(&e.stderr));
+}
