@@ -208,8 +208,7 @@ impl StepPipeline {
             o.drop_grads();
         }
         // forward → loss → backward, per micro-batch
-        // A group without a counted target token (every prompt fills its window) has a zero
-        // loss sum and zero gradients: over 1, not 0/0 in every weight.
+        // A group without a counted target (prompts filling their windows): 0/1, not 0/0 in every weight.
         let n = if work.contributes {
             work.divisor.max(1.0)
         } else {
