@@ -168,6 +168,7 @@ fn check(args: &SpecArgs) -> Result<()> {
         memory: &loaded.spec.memory,
         device: loaded.spec.job.device,
     })?;
+    crate::data::check_source(&loaded.spec.data, est.vocab)?;
     if let Some(n) = crate::plan::unread_data_keys(&loaded.spec.data) {
         tracing::warn!("{n}");
     }

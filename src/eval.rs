@@ -67,6 +67,9 @@ pub fn eval(args: &EvalArgs) -> Result<()> {
     let run_dir = &args.run_dir;
     let resolved = resolved_spec(run_dir)?;
     let weights = crate::checkpoint::weights_file(run_dir, args.checkpoint.as_deref())?;
+    if args.data.is_some() {
+        image_run(&resolved)?;
+    }
     let names = class_names(run_dir, args.data.is_some())?;
     let relabel = args.data.as_deref().map(|p| folder_map(p, &names)).transpose()?;
     let spec = load_spec(&resolved, args.data.as_deref())?;
@@ -105,6 +108,23 @@ pub(crate) fn resolved_spec(run_dir: &Path) -> Result<PathBuf> {
         .into());
     }
     Ok(resolved)
+}
+
+/// `--data` is an image folder: a language model's run is refused, before a class list it
+/// never had is looked for.
+fn image_run(resolved: &Path) -> Result<()> {
+    let text = std::fs::read_to_string(resolved).with_context(|| format!("reading {}", resolved.display()))?;
+    let preset = text
+        .parse::<toml::Table>()
+        .ok()
+        .and_then(|t| t.get("model")?.get("preset")?.as_str().map(str::to_owned));
+    match preset.as_deref() {
+        Some("llama") => Err(UsageError(
+            "--data takes an image folder, and this run's model (llama) is a language model: leave --data out to score it on its validation data".into(),
+        )
+        .into()),
+        _ => Ok(()),
+    }
 }
 
 /// The run's `classes.json`; required to match another folder's classes by name.

@@ -29,20 +29,16 @@ pub fn export(args: &ExportArgs) -> Result<()> {
         ))
         .into());
     }
+    // What the format cannot hold is refused from the spec, before the model (and a base of
+    // gigabytes) is read.
+    held(&Trained::spec_of(&args.run_dir)?, args.format)?;
     let trained = Trained::read(&args.run_dir, args.checkpoint.as_deref())?;
     let merged = trained.merged()?;
     let (tensors, config) = match trained.spec.model.preset.as_str() {
         "vit" => vit_names(&trained.spec, merged, args.format)?,
-        "resnet18" | "resnet34" | "resnet50" => resnet_names(&trained.spec, merged, args.format)?,
-        "llama" => llama_names(&trained.spec, merged, args.format)?,
-        "mlp" => mlp_names(merged, args.format)?,
-        other => {
-            return Err(UsageError(format!(
-                "the {other} preset has no counterpart in {}: export takes vit, resnet, mlp and llama runs",
-                args.format.name()
-            ))
-            .into())
-        }
+        "llama" => llama_names(&trained.spec, merged)?,
+        "mlp" => mlp_names(merged)?,
+        _ => (merged.into_iter().collect(), None),
     };
     write_dir(&args.out, &tensors, config.as_ref())?;
     crate::outln!(
@@ -107,15 +103,7 @@ pub struct Trained {
 impl Trained {
     /// The model of `run_dir` at `checkpoint` (default: the best, else the newest).
     pub fn read(run_dir: &Path, checkpoint: Option<&Path>) -> Result<Trained> {
-        let spec_file = run_dir.join("config.resolved.toml");
-        if !spec_file.is_file() {
-            return Err(UsageError(format!(
-                "{} is not a run directory (it has no config.resolved.toml): give the directory `memtrain run` wrote",
-                run_dir.display()
-            ))
-            .into());
-        }
-        let spec = crate::spec::load_args(&spec_file, &[], &model::validate)?.spec;
+        let spec = Trained::spec_of(run_dir)?;
         // A checkpoint directory or its model.safetensors, as eval and generate take them.
         let ck = crate::checkpoint::weights_file(run_dir, checkpoint)?;
         // Drawn as the run drew it: a LoRA run without model.init_from trained over that draw.
@@ -136,6 +124,19 @@ impl Trained {
             checkpoint: ck,
             adapted,
         })
+    }
+
+    /// The run's resolved spec.
+    pub fn spec_of(run_dir: &Path) -> Result<Spec> {
+        let spec_file = run_dir.join("config.resolved.toml");
+        if !spec_file.is_file() {
+            return Err(UsageError(format!(
+                "{} is not a run directory (it has no config.resolved.toml): give the directory `memtrain run` wrote",
+                run_dir.display()
+            ))
+            .into());
+        }
+        Ok(crate::spec::load_args(&spec_file, &[], &model::validate)?.spec)
     }
 
     /// Every variable by name, with each adapter merged into its layer (`W += B A · scale`, for
@@ -191,7 +192,7 @@ pub fn weights_into(vs: &nn::VarStore, head: &[String], spec: &Spec, file: &Path
             BaseRef::must_match(Some(then), Some(&now), ck, &fix)?;
         }
         if recorded.is_some() || adapted {
-            crate::run::init_from(vs, head, &spec.model, path)?;
+            base_under_checkpoint(vs, head, &spec.model, path)?;
         }
     }
     // A checkpoint over a frozen base holds what trains: the adapters and the extras, and the
@@ -210,6 +211,19 @@ pub fn weights_into(vs: &nn::VarStore, head: &[String], spec: &Spec, file: &Path
     };
     crate::run::copy_into(vs, &kept, &format!("the checkpoint {}", file.display()), &rule)?;
     Ok(adapted)
+}
+
+/// `model.init_from` read as the base a checkpoint goes over: what the plan creates (adapters,
+/// a head) comes from the checkpoint next, so its "created" would mislead; the line says what
+/// was read.
+fn base_under_checkpoint(vs: &nn::VarStore, head: &[String], model: &crate::spec::Model, path: &Path) -> Result<()> {
+    let loaded = crate::run::read_init_from(vs, head, model, path)?;
+    tracing::info!(
+        "model.init_from {}: {} tensors of the base read; the checkpoint's weights go over them",
+        path.display(),
+        loaded.plan.kept.len()
+    );
+    Ok(())
 }
 
 /// The weight an adapter merges into, and which `d`-row slice of it: the packed in-projection's
@@ -236,10 +250,46 @@ fn vit_options(spec: &Spec) -> Result<model::VitOptions> {
     Ok(v.try_into()?)
 }
 
+/// Whether `format` holds the run's model: a preset it has no class for, or a vit option its
+/// class does not compute, is refused.
+fn held(spec: &Spec, format: ExportFormat) -> Result<()> {
+    use ExportFormat::{Huggingface, Torchvision};
+    let preset = spec.model.preset.as_str();
+    let why = match (preset, format) {
+        ("vit", f) => vit_unheld(&vit_options(spec)?, f),
+        ("resnet18" | "resnet34" | "resnet50", Huggingface) => Some(format!(
+            "transformers' ResNet is built differently from torchvision's {preset}; export it as torchvision or timm"
+        )),
+        // torchvision's names, which timm's ResNets share.
+        ("resnet18" | "resnet34" | "resnet50", _) => None,
+        ("mlp", Torchvision) | ("llama", Huggingface) => None,
+        ("mlp", _) => {
+            Some("it has no multilayer perceptron of this shape; export it as torchvision (torchvision.ops.MLP)".into())
+        }
+        ("llama", _) => Some("it holds image models, not language models; export it as huggingface".into()),
+        (other, f) => {
+            return Err(UsageError(format!(
+                "the {other} preset has no counterpart in {}: export takes vit, resnet, mlp and llama runs",
+                f.name()
+            ))
+            .into())
+        }
+    };
+    match why {
+        Some(why) => Err(cannot_hold(format, &why)),
+        None => Ok(()),
+    }
+}
+
 /// A format that has no place for part of the model.
 fn cannot_hold(format: ExportFormat, what: &str) -> anyhow::Error {
+    // A reason that names the format to use says it once.
+    let instead = match what.contains("export it as") {
+        true => "",
+        false => "; export it as another format",
+    };
     UsageError(format!(
-        "{} cannot hold this model: {what}; export it as another format (docs/commands.md#memtrain-export lists what each holds)",
+        "{} cannot hold this model: {what}{instead} (docs/commands.md#memtrain-export lists what each holds)",
         format.name()
     ))
     .into()
@@ -251,9 +301,6 @@ fn cannot_hold(format: ExportFormat, what: &str) -> anyhow::Error {
 /// (which has no patch bias) the patch bias is folded into the patches' position embeddings.
 fn vit_names(spec: &Spec, mut vars: BTreeMap<String, Tensor>, format: ExportFormat) -> Result<Exported> {
     let o = vit_options(spec)?;
-    if let Some(why) = vit_unheld(&o, format) {
-        return Err(cannot_hold(format, &why));
-    }
     fold_projection(&mut vars)?;
     patch_bias_as_held(&mut vars, &o, format)?;
     let out = match format {
@@ -424,29 +471,9 @@ fn hf_vit_config(o: &model::VitOptions) -> serde_json::Value {
     })
 }
 
-/// ResNets: torchvision's names are timm's; Hugging Face's ResNet is another architecture.
-fn resnet_names(spec: &Spec, vars: BTreeMap<String, Tensor>, format: ExportFormat) -> Result<Exported> {
-    match format {
-        ExportFormat::Torchvision | ExportFormat::Timm => Ok((vars.into_iter().collect(), None)),
-        ExportFormat::Huggingface => Err(cannot_hold(
-            format,
-            &format!(
-                "transformers' ResNet is built differently from torchvision's {}; export it as torchvision or timm",
-                spec.model.preset
-            ),
-        )),
-    }
-}
-
 /// The mlp preset as torchvision's `torchvision.ops.MLP(inputs, hidden + [num_classes])`, a
 /// `Sequential` of Linear, ReLU and Dropout in which linear layer `i` is module `3 i`.
-fn mlp_names(vars: BTreeMap<String, Tensor>, format: ExportFormat) -> Result<Exported> {
-    if format != ExportFormat::Torchvision {
-        return Err(cannot_hold(
-            format,
-            "it has no multilayer perceptron of this shape; export it as torchvision (torchvision.ops.MLP)",
-        ));
-    }
+fn mlp_names(vars: BTreeMap<String, Tensor>) -> Result<Exported> {
     let renamed = |name: &str| -> Option<String> {
         let (layer, part) = name.strip_prefix("fc")?.split_once('.')?;
         Some(format!("{}.{part}", 3 * layer.parse::<usize>().ok()?))
@@ -462,13 +489,7 @@ fn mlp_names(vars: BTreeMap<String, Tensor>, format: ExportFormat) -> Result<Exp
 
 /// The llama preset's names are Hugging Face's: `LlamaForCausalLM` (or `Qwen2ForCausalLM`) with
 /// its `config.json`. A tied model's file holds the embedding alone, as `save_pretrained` writes.
-fn llama_names(spec: &Spec, vars: BTreeMap<String, Tensor>, format: ExportFormat) -> Result<Exported> {
-    if format != ExportFormat::Huggingface {
-        return Err(cannot_hold(
-            format,
-            "it holds image models, not language models; export it as huggingface",
-        ));
-    }
+fn llama_names(spec: &Spec, vars: BTreeMap<String, Tensor>) -> Result<Exported> {
     let options = spec.model.options.get("llama").cloned();
     let o: model::llama::LlamaOptions = options.unwrap_or(toml::Value::Table(Default::default())).try_into()?;
     Ok((vars.into_iter().collect(), Some(model::llama::hf_config(&o))))

@@ -141,6 +141,15 @@ fn open(data: &Data, input_shape: &[i64], num_classes: i64, seed: i64) -> Result
     }
 }
 
+/// What loading the data would refuse that can be seen without loading it (a jsonl set's
+/// tokenizer against the model's vocabulary, its first document's fields; an image folder's
+/// class directory without an image): `check` refuses it as `run` would.
+pub fn check_source(data: &Data, vocab: Option<i64>) -> Result<()> {
+    reader(data.source)
+        .check(data, vocab)
+        .map_err(|e| crate::exit::UsageError(format!("{e:#}")).into())
+}
+
 /// `check`'s line on the host memory the loader takes: the staged micro-batches of float32
 /// samples (token sets: int64 ids and targets), whatever the set's size, and how the set is read.
 pub fn check_line(data: &Data, input_shape: &[i64], micro_batch: i64) -> String {

@@ -154,6 +154,9 @@ fn spec_size(b: ByteSize) -> toml_edit::Value {
 
 fn settings(args: &FitArgs, plan: &Plan, cuda: bool) -> Result<Vec<Setting>> {
     let spec = &plan.spec;
+    // A frozen base kept in bf16 is for bf16-mixed autocast alone: the spec runs in no other.
+    let frozen_bf16 = spec.train.frozen_dtype == crate::spec::FrozenDtype::Bf16;
+    let runs_in = |p: &Precision| !frozen_bf16 || *p == Precision::Bf16Mixed;
     // The spec's own setting first: the others must beat it clearly to be recommended.
     let precisions: Vec<Precision> = if args.precisions.is_empty() {
         let mixed = if cuda {
@@ -163,7 +166,7 @@ fn settings(args: &FitArgs, plan: &Plan, cuda: bool) -> Result<Vec<Setting>> {
         };
         let mut p = vec![spec.train.precision];
         for q in [Precision::Fp32, mixed] {
-            if !p.contains(&q) {
+            if !p.contains(&q) && runs_in(&q) {
                 p.push(q);
             }
         }
@@ -178,6 +181,12 @@ fn settings(args: &FitArgs, plan: &Plan, cuda: bool) -> Result<Vec<Setting>> {
                     all.join(", ")
                 ))
             })?;
+            if !runs_in(&p) {
+                return Err(UsageError(format!(
+                    "--precision {name}: train.frozen_dtype = \"bf16\" keeps the frozen weights in bf16 for bf16-mixed autocast, the one precision it runs in; to compare {name}, add --set train.frozen_dtype=\"fp32\""
+                ))
+                .into());
+            }
             if !out.contains(&p) {
                 out.push(p);
             }

@@ -679,7 +679,11 @@ pub fn init_plan(m: &Model) -> Result<Option<crate::weights::LoadPlan>, (String,
         return Ok(None);
     };
     let ck = crate::weights::Checkpoint::headers(path).map_err(|e| init::at_init_from(&format!("{e:#}")))?;
-    let (vars, head) = variables(m).map_err(|e| init::at_init_from(&format!("{e:#}")))?;
+    // A model that cannot be built (LoRA targets that match no layer) is no fault of the
+    // checkpoint: the estimate reports it in its own words, as for a spec without init_from.
+    let Ok((vars, head)) = variables(m) else {
+        return Ok(None);
+    };
     crate::weights::plan_for(&ck, &vars, &head, m)
         .map(Some)
         .map_err(|e| init::at_init_from(&e.0))

@@ -27,6 +27,7 @@ use crate::policy::recovery::{EvalPosition, Policy, Recovery};
 use crate::progress::Progress;
 use crate::records::{Event, InitLoad, Recorder, StartEvent};
 use crate::spec::{self, OptimizerImpl, Precision};
+use crate::weights::Loaded;
 use crate::{atomic, shim};
 
 /// What the command line adds to the plan.
@@ -421,11 +422,11 @@ impl Factory<'_> {
         Ok(())
     }
 
-    /// The resolved spec as written to the run directory: when the spec asks for CUDA graphs, a
-    /// first line says what the run decided and why.
+    /// The resolved spec as the run directory keeps it: paths absolute, CUDA graphs' verdict first.
     fn resolved_toml(&self, spec_toml: &str) -> String {
+        let spec_toml = spec::with_absolute_paths(spec_toml);
         match self.plan.spec.train.cuda_graph {
-            spec::CudaGraph::Off => spec_toml.to_owned(),
+            spec::CudaGraph::Off => spec_toml,
             _ => format!("# train.cuda_graph: {}\n{spec_toml}", self.plan.graph.describe()),
         }
     }
@@ -749,12 +750,7 @@ fn trainable(vs: &nn::VarStore, preset: &str) -> Result<(), UsageError> {
 /// and, returned, into the start record and the summary. Public for `export` (a LoRA run's base)
 /// and the tests that load other libraries' checkpoints through it.
 pub fn init_from(vs: &nn::VarStore, head: &[String], model: &spec::Model, path: &Path) -> Result<InitLoad> {
-    let what = format!("reading model.init_from {}", path.display());
-    let _squeeze = fault::squeeze_in(Phase::InitFrom, 0);
-    let needs = Some(format!("{} on disk", human_bytes(dir_bytes(path))));
-    let loaded = setup_try(&what, &|| needs.clone(), &CHANGE_INIT_FROM, || {
-        crate::weights::load(&vs.variables(), head, model, path)
-    })?;
+    let loaded = read_init_from(vs, head, model, path)?;
     let plan = &loaded.plan;
     tracing::info!("model.init_from {}: {}", path.display(), plan.describe());
     Ok(InitLoad {
@@ -766,6 +762,16 @@ pub fn init_from(vs: &nn::VarStore, head: &[String], model: &spec::Model, path: 
         dropped: plan.dropped.len() as u64,
         missing: 0,
         resampled: plan.resampled.len() as u64,
+    })
+}
+
+/// `model.init_from` into the variables, saying nothing: the load and its plan.
+pub(crate) fn read_init_from(vs: &nn::VarStore, head: &[String], model: &spec::Model, path: &Path) -> Result<Loaded> {
+    let what = format!("reading model.init_from {}", path.display());
+    let _squeeze = fault::squeeze_in(Phase::InitFrom, 0);
+    let needs = Some(format!("{} on disk", human_bytes(dir_bytes(path))));
+    setup_try(&what, &|| needs.clone(), &CHANGE_INIT_FROM, || {
+        crate::weights::load(&vs.variables(), head, model, path)
     })
 }
 

@@ -208,7 +208,12 @@ impl StepPipeline {
             o.drop_grads();
         }
         // forward → loss → backward, per micro-batch
-        let n = if work.contributes { work.divisor } else { f64::INFINITY };
+        // A group without a counted target (prompts filling their windows): 0/1, not 0/0 in every weight.
+        let n = if work.contributes {
+            work.divisor.max(1.0)
+        } else {
+            f64::INFINITY
+        };
         let device = self.forward.device;
         let mut loss_sum = Tensor::zeros([], (Kind::Float, device));
         let mut correct = Tensor::zeros([], (Kind::Int64, device));

@@ -189,6 +189,41 @@ pub fn to_toml(spec: &Spec) -> String {
     toml::to_string_pretty(spec).expect("a spec always serialises")
 }
 
+/// A resolved spec's paths made absolute, as the run directory keeps it: `eval`, `export` and
+/// `generate` read the run's files from whatever directory they are run in, and a relative
+/// path there is relative to the directory the run started in.
+pub fn with_absolute_paths(spec_toml: &str) -> String {
+    let Ok(mut doc) = spec_toml.parse::<toml_edit::DocumentMut>() else {
+        return spec_toml.to_owned();
+    };
+    let keys: [&[&str]; 6] = [
+        &["model", "init_from"],
+        &["model", "torchscript", "path"],
+        &["data", "path"],
+        &["data", "val_path"],
+        &["data", "tokenizer"],
+        &["data", "cache_dir"],
+    ];
+    for key in keys {
+        // Looked up without inserting: Item::get_mut would add the tables it walks through.
+        let Some(item) = key
+            .iter()
+            .try_fold(doc.as_item_mut(), |item, k| item.as_table_like_mut()?.get_mut(k))
+        else {
+            continue;
+        };
+        let absolute = item
+            .as_str()
+            .map(Path::new)
+            .filter(|p| p.is_relative())
+            .and_then(|p| std::path::absolute(p).ok());
+        if let Some(a) = absolute {
+            *item = toml_edit::value(a.display().to_string());
+        }
+    }
+    doc.to_string()
+}
+
 struct Places<'a> {
     file: &'a str,
     text: &'a str,
@@ -256,8 +291,15 @@ fn clean_serde_message(msg: &str, key: &str) -> String {
 fn read_text(path: &Path) -> Result<String, SpecError> {
     std::fs::read_to_string(path).map_err(|e| {
         let hint = match e.kind() {
-            std::io::ErrorKind::InvalidData => "; save it as UTF-8 text",
-            _ => "",
+            std::io::ErrorKind::InvalidData => "; save it as UTF-8 text".to_owned(),
+            // A run directory given where its spec belongs.
+            _ if path.join("config.resolved.toml").is_file() => format!(
+                "; it is a run directory: give the job spec (TOML), and continue the run with `memtrain run SPEC --resume {}` (the run's resolved spec is {})",
+                path.display(),
+                path.join("config.resolved.toml").display()
+            ),
+            _ if path.is_dir() => "; give the job spec, a TOML file".to_owned(),
+            _ => String::new(),
         };
         SpecError {
             problems: vec![format!("{}: cannot read spec file: {e}{hint}", path.display())],

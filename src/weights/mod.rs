@@ -40,7 +40,39 @@ pub fn plan_for(ck: &Checkpoint, vars: &[Shaped], head: &[String], model: &Model
         skip: &model.init_skip,
         format,
     })
-    .map_err(|m| UsageError(m.message(&format!("model.init_from {} ({} names)", ck.shown, format.name()))))
+    .map_err(|m| {
+        let mut msg = m.message(&format!("model.init_from {} ({} names)", ck.shown, format.name()));
+        if let Some(hint) = sizes_hint(ck, model) {
+            msg += &format!("\n  {hint}");
+        }
+        UsageError(msg)
+    })
+}
+
+/// Why a vit or llama may have other sizes than its checkpoint: they came from no
+/// `config.json`, so they are the spec's (the preset's defaults where unset).
+fn sizes_hint(ck: &Checkpoint, model: &Model) -> Option<String> {
+    let preset = model.preset.as_str();
+    if ck.config.is_some() || !["vit", "llama"].contains(&preset) {
+        return None;
+    }
+    let path = model.init_from.as_deref()?;
+    let dir = match path.parent() {
+        Some(d) if d.as_os_str().is_empty() => Path::new("."),
+        Some(d) => d,
+        None => Path::new("."),
+    };
+    let beside = !path.is_dir() && dir.join("config.json").is_file();
+    Some(match beside {
+        true => format!(
+            "the sizes are the spec's [model.{preset}] (the preset's defaults where unset), as a file names none; init_from = \"{}\", the directory, takes them from its config.json",
+            dir.display()
+        ),
+        false => format!(
+            "the sizes are the spec's [model.{preset}] (the preset's defaults where unset): {} has no config.json to take them from; set the checkpoint's sizes and options in [model.{preset}]",
+            path.display()
+        ),
+    })
 }
 
 /// `model.init_from` into the variables: the plan made from the header, then each tensor read

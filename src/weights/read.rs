@@ -172,8 +172,16 @@ fn files_of(path: &Path) -> Result<(Vec<PathBuf>, Option<PathBuf>)> {
                 return Err(pickle_refused(&path.join(pickle)).into());
             }
         }
+        // A memtrain run directory: its weights are in its checkpoints.
+        let run = match path.join("checkpoints").is_dir() {
+            true => format!(
+                "; it is a run directory: name one of its checkpoints, {}/checkpoints/step-N/model.safetensors (checkpoints/best.json names the best)",
+                path.display()
+            ),
+            false => String::new(),
+        };
         return Err(UsageError(format!(
-            "model.init_from: the directory {} holds neither model.safetensors nor model.safetensors.index.json",
+            "model.init_from: the directory {} holds neither model.safetensors nor model.safetensors.index.json{run}",
             path.display()
         ))
         .into());
@@ -205,16 +213,39 @@ fn looks_pickled(path: &Path) -> bool {
     read.is_ok() && (head == *b"PK" || (head[0] == 0x80 && (2..=5).contains(&head[1])))
 }
 
-/// The refusal of a pickle, with the one line that converts it.
+/// The refusal of a pickle, with the one line that converts it, run from the current
+/// directory (the paths as given). transformers' `pytorch_model.bin` (or its shards) becomes the
+/// directory's `model.safetensors`, so the directory, `config.json` and all, is what init_from
+/// names. Every tensor is cloned: `save_file` refuses tensors that share memory (a tied
+/// embedding and head).
 pub fn pickle_refused(path: &Path) -> UsageError {
-    let file = path
+    let quoted = |p: &Path| format!("'{}'", p.display().to_string().replace('\'', "\\'"));
+    let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let stem = file.rsplit_once('.').map(|(s, _)| s).unwrap_or(&file);
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty());
+    let out = match name.starts_with("pytorch_model.bin") {
+        true => dir.unwrap_or(Path::new("")).join("model.safetensors"),
+        false => path.with_extension("safetensors"),
+    };
+    let load = match name.ends_with(".json") {
+        // A sharded pickle: every shard its index names, into one file.
+        true => format!(
+            "import json; d = {}; sd = {{}}; [sd.update(torch.load(f'{{d}}/{{f}}', map_location='cpu', weights_only=True)) for f in sorted(set(json.load(open({}))['weight_map'].values()))]",
+            quoted(dir.unwrap_or(Path::new("."))),
+            quoted(path)
+        ),
+        false => format!("sd = torch.load({}, map_location='cpu', weights_only=True)", quoted(path)),
+    };
+    let target = match (out.file_name().is_some_and(|n| n == "model.safetensors"), dir) {
+        (true, Some(d)) => format!("the directory {}", d.display()),
+        _ => out.display().to_string(),
+    };
     UsageError(format!(
-        "model.init_from: {} is a PyTorch pickle, which memtrain does not load: loading a pickle can run any code it holds. Convert it once to safetensors (the `safetensors` package) and point init_from at the result:\n  python -c \"import torch; from safetensors.torch import save_file; save_file(torch.load('{file}', map_location='cpu', weights_only=True), '{stem}.safetensors')\"",
-        path.display()
+        "model.init_from: {} is a PyTorch pickle, which memtrain does not load: loading a pickle can run any code it holds. Convert it once to safetensors (the `safetensors` package), then point init_from at {target}:\n  python -c \"import torch; from safetensors.torch import save_file; {load}; save_file({{k: v.contiguous().clone() for k, v in sd.items()}}, {})\"",
+        path.display(),
+        quoted(&out)
     ))
 }
 

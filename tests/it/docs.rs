@@ -266,6 +266,11 @@ fn commands_page_lists_every_subcommand_and_flag() {
             text.contains(&format!("memtrain [-q | -v...] {name} ")),
             "the synopsis in docs/commands.md lacks `{name}`"
         );
+        let contents = text.split("## Synopsis").next().unwrap_or_default();
+        assert!(
+            contents.contains(&format!("[`memtrain {name}`](#memtrain-{name})")),
+            "the contents at the top of docs/commands.md lack `memtrain {name}`"
+        );
         for arg in sub.get_arguments() {
             if let Some(long) = arg.get_long() {
                 if long == "help" {

@@ -110,8 +110,9 @@ fn check_counts_an_8b_model_without_holding_it() {
 
 /// The guide's three TOML blocks (the model, the data, the training), put together as one job
 /// over a tiny Hugging Face directory, its tokenizer and a jsonl file of prompts and
-/// completions: `check` takes it and says what the loss holds at a time, and `run` trains it.
-/// Only what a model this small needs is overridden: its window, and a short run.
+/// completions: `check` takes it and says what the loss holds at a time, and `run` trains it;
+/// section 4's `generate` and `export` commands then run as written. Only what a model this
+/// small needs is overridden: its window.
 #[test]
 fn the_language_model_guides_blocks_make_a_job_that_checks_and_trains() {
     let t = Test::new();
@@ -176,8 +177,50 @@ fn the_language_model_guides_blocks_make_a_job_that_checks_and_trains() {
         chunk.contains("the micro-batch's 64 tokens in one chunk: 24.00 KiB of fp32 logits"),
         "{chunk}"
     );
-    let trained = job.args(&["--max-steps", "2", "--set", "log.every_steps=1"]).run();
+    let trained = job
+        .clone()
+        .args(&["--max-steps", "2", "--set", "log.every_steps=1"])
+        .run();
     let losses: Vec<f64> = trained.steps().iter().map(|s| s.loss).collect();
     assert_eq!(losses.len(), 2, "{losses:?}");
     assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+
+    // Section 4's commands, as the guide writes them, on the job trained through.
+    let run = job.name("guide").run();
+    let section: &str = guide.split("## 4.").nth(1).expect("the guide's section 4");
+    let commands: Vec<&str> = section
+        .split("```sh\n")
+        .nth(1)
+        .and_then(|b| b.split("```").next())
+        .expect("section 4's commands")
+        .lines()
+        .collect();
+    assert_eq!(commands.len(), 3, "{commands:?}");
+    for line in commands {
+        let line = line.split(" # ").next().unwrap().trim();
+        // Quoted words are one argument.
+        let mut args: Vec<String> = vec![];
+        for (i, part) in line.split('"').enumerate() {
+            match i % 2 {
+                1 => args.push(part.to_owned()),
+                _ => args.extend(part.split_whitespace().map(str::to_owned)),
+            }
+        }
+        let args: Vec<String> = args
+            .into_iter()
+            .skip(1)
+            .map(|a| match a.as_str() {
+                "runs/sft" => run.out.display().to_string(),
+                "sft-merged" => dir.join("sft-merged").display().to_string(),
+                _ => a,
+            })
+            .collect();
+        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+        let o = t.clone().command(argv[0]).no_spec().args(&argv[1..]).run();
+        // The tiny tokenizer knows none of the prompt's words: it prints them as <unk>.
+        if argv[0] == "generate" {
+            assert!(o.stdout.starts_with("<unk>"), "{line}: {}", o.stdout);
+        }
+    }
+    assert!(dir.join("sft-merged/config.json").is_file());
 }

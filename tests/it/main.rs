@@ -17,6 +17,7 @@ mod foundation;
 mod generate;
 mod gpu_check;
 mod graphs;
+mod guides;
 mod llama;
 mod llama_levers;
 mod llama_stream;

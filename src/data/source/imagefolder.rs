@@ -57,12 +57,7 @@ impl Reader for ImageFolder {
             return Ok(Opened { train, val: None });
         };
         let (imgs, vclasses) = read_imagefolder(v, size, channels, "data.val_path", data)?;
-        if vclasses != classes {
-            bail!(
-                "data.val_path {}: has classes {vclasses:?} but data.path has {classes:?}; both need the same class directories",
-                v.display()
-            );
-        }
+        same_classes(v, &vclasses, &classes)?;
         let val = Part::new(imgs.x, imgs.y, format!("data.val_path {}", v.display())).pixels();
         Ok(Opened { train, val: Some(val) })
     }
@@ -79,6 +74,62 @@ impl Reader for ImageFolder {
     fn classes(&self, _: &Data, root: &Path) -> Result<Option<DataClasses>> {
         Ok(Some(DataClasses::Named(class_dirs(root, "data.path")?)))
     }
+
+    /// What `open` refuses before decoding: a class directory without an image, and a
+    /// validation tree of other classes. One image a class is looked for, not every file listed.
+    fn check(&self, data: &Data, _: Option<i64>) -> Result<()> {
+        let Some(root) = data.path.as_deref() else {
+            return Ok(());
+        };
+        let classes = class_dirs(root, "data.path")?;
+        each_has_an_image(root, &classes, "data.path")?;
+        if let Some(v) = data.val_path.as_deref() {
+            let vclasses = class_dirs(v, "data.val_path")?;
+            same_classes(v, &vclasses, &classes)?;
+            each_has_an_image(v, &vclasses, "data.val_path")?;
+        }
+        Ok(())
+    }
+}
+
+/// The validation tree has the training tree's classes.
+fn same_classes(v: &Path, vclasses: &[String], classes: &[String]) -> Result<()> {
+    if vclasses != classes {
+        bail!(
+            "data.val_path {}: has classes {vclasses:?} but data.path has {classes:?}; both need the same class directories",
+            v.display()
+        );
+    }
+    Ok(())
+}
+
+/// Every class directory holds an image file.
+fn each_has_an_image(root: &Path, classes: &[String], key: &str) -> Result<()> {
+    for c in classes {
+        let found = fs::read_dir(root.join(c))
+            .with_context(|| format!("{key} {}: cannot list class directory {c}", root.display()))?
+            .filter_map(|e| e.ok())
+            .any(|e| is_image(&e.path()));
+        if !found {
+            return Err(no_images(root, c, key));
+        }
+    }
+    Ok(())
+}
+
+/// A `.jpg`, `.jpeg` or `.png` file.
+fn is_image(p: &Path) -> bool {
+    p.is_file()
+        && p.extension()
+            .and_then(|x| x.to_str())
+            .is_some_and(|x| EXTENSIONS.contains(&x.to_ascii_lowercase().as_str()))
+}
+
+fn no_images(root: &Path, c: &str, key: &str) -> anyhow::Error {
+    anyhow::anyhow!(
+        "{key} {}: class directory {c} has no .jpg, .jpeg or .png files",
+        root.display()
+    )
 }
 
 const EXTENSIONS: &[&str] = &["jpg", "jpeg", "png"];
@@ -114,19 +165,11 @@ pub fn scan_folder(root: &Path, key: &str) -> Result<(Vec<String>, Labelled)> {
             .with_context(|| format!("{key} {}: cannot list class directory {c}", root.display()))?
             .filter_map(|e| e.ok())
             .map(|e| e.path())
-            .filter(|p| {
-                p.is_file()
-                    && p.extension()
-                        .and_then(|x| x.to_str())
-                        .is_some_and(|x| EXTENSIONS.contains(&x.to_ascii_lowercase().as_str()))
-            })
+            .filter(|p| is_image(p))
             .collect();
         these.sort();
         if these.is_empty() {
-            bail!(
-                "{key} {}: class directory {c} has no .jpg, .jpeg or .png files",
-                root.display()
-            );
+            return Err(no_images(root, c, key));
         }
         files.extend(these.into_iter().map(|p| (p, label as i64)));
     }

@@ -89,6 +89,18 @@ impl Reader for Jsonl {
         };
         Some(format!("{n} windows of {} tokens in {}", text.seq_len, cache.display()))
     }
+
+    /// What `open` would refuse before tokenizing: the tokenizer (its file, its vocabulary
+    /// against the model's) and each file's first document (JSON, with the fields).
+    fn check(&self, data: &Data, vocab: Option<i64>) -> Result<()> {
+        let text = Text::of(data, vocab.unwrap_or(i64::MAX))?;
+        for (key, path) in [("data.path", &data.path), ("data.val_path", &data.val_path)] {
+            if let Some(p) = path {
+                text.first_document(p, &format!("{key} {}", p.display()))?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// How the documents are read.
@@ -126,7 +138,7 @@ impl<'a> Text<'a> {
             .map_or(0, |&m| m as i64 + 1)
             .max(tokenizer.get_vocab_size(true) as i64);
         if size > vocab {
-            bail!("{what}: has a vocabulary of {size} ids, more than the model's vocabulary of {vocab}; set the model's vocab_size to at least {size}, or use the model's own tokenizer");
+            bail!("{what}: has a vocabulary of {size} ids, more than the model's vocabulary of {vocab}; use the tokenizer the model was trained with (a Hugging Face model directory's tokenizer.json), or, for a model drawn at random, set model.llama.vocab_size to at least {size}");
         }
         let shape = match (&data.text_field, &data.prompt_field, &data.completion_field) {
             (Some(t), None, None) => Shape::Plain { field: t.clone() },
@@ -263,40 +275,86 @@ impl<'a> Text<'a> {
                 .map_err(|e| anyhow!("{what}: line {line}: cannot tokenize it ({e})"))?;
             Ok(e.get_ids().to_vec())
         };
+        // Pairs, and those whose prompt fills the window: no completion token carries loss.
+        let (mut pairs, mut lossless) = (0usize, 0usize);
         for (i, line) in std::io::BufReader::new(f).lines().enumerate() {
             let n = i + 1;
             let line = line.with_context(|| format!("{what}: line {n}: cannot read it (not UTF-8?)"))?;
             if line.trim().is_empty() {
                 continue;
             }
-            let doc: serde_json::Value =
-                serde_json::from_str(&line).map_err(|e| anyhow!("{what}: line {n}: not valid JSON ({e})"))?;
-            let field = |name: &str| -> Result<&str> {
-                match doc.get(name) {
-                    Some(serde_json::Value::String(s)) => Ok(s),
-                    Some(v) => bail!("{what}: line {n}: field \"{name}\" is {v}, not a string"),
-                    None => bail!("{what}: line {n}: has no field \"{name}\""),
-                }
-            };
+            let doc = json_line(&line, what, n)?;
+            let texts = self.texts(&doc, what, n)?;
             match &self.shape {
-                Shape::Plain { field: f } => {
-                    push(0, &mut encode(field(f)?, true, n)?.iter().map(|&t| t as i32))?;
+                Shape::Plain { .. } => {
+                    push(0, &mut encode(texts[0], true, n)?.iter().map(|&t| t as i32))?;
                     push(0, &mut self.eos.map(|e| e as i32).into_iter())?;
                 }
-                Shape::Pairs { prompt, completion } => {
-                    let p = encode(field(prompt)?, true, n)?;
-                    let c = encode(field(completion)?, false, n)?;
+                Shape::Pairs { .. } => {
+                    let p = encode(texts[0], true, n)?;
+                    let c = encode(texts[1], false, n)?;
                     let (x, y) = self.pair_window(&p, &c);
+                    pairs += 1;
+                    lossless += y.iter().all(|&t| t == IGNORED as i32) as usize;
                     push(0, &mut x.into_iter())?;
                     push(1, &mut y.into_iter())?;
                 }
             }
         }
+        self.lossless_pairs(what, pairs, lossless)?;
         let n = spill.len(0) as i64;
         Ok(match self.shape {
             Shape::Plain { .. } => vec![vec![n]],
             Shape::Pairs { .. } => vec![vec![n / self.seq_len, self.seq_len]; 2],
         })
+    }
+
+    /// Pairs whose prompt fills the window train nothing: said, and refused when every pair is
+    /// one (the loss would be over no token at all).
+    fn lossless_pairs(&self, what: &str, pairs: usize, lossless: usize) -> Result<()> {
+        let fix = "raise data.seq_len or shorten the prompts";
+        if pairs > 0 && lossless == pairs {
+            bail!(
+                "{what}: no pair has a completion token within data.seq_len = {} tokens (every prompt fills the window), so none would carry loss; {fix}",
+                self.seq_len
+            );
+        }
+        if lossless > 0 {
+            tracing::warn!(
+                "{what}: {lossless} of {pairs} pairs have no completion token within data.seq_len = {} tokens (the prompt fills the window), so they carry no loss; {fix}",
+                self.seq_len
+            );
+        }
+        Ok(())
+    }
+
+    /// A document's texts: its text field, or its prompt and completion.
+    fn texts<'d>(&self, doc: &'d serde_json::Value, what: &str, n: usize) -> Result<Vec<&'d str>> {
+        let field = |name: &str| -> Result<&'d str> {
+            match doc.get(name) {
+                Some(serde_json::Value::String(s)) => Ok(s),
+                Some(v) => bail!("{what}: line {n}: field \"{name}\" is {v}, not a string"),
+                None => bail!("{what}: line {n}: has no field \"{name}\""),
+            }
+        };
+        match &self.shape {
+            Shape::Plain { field: f } => Ok(vec![field(f)?]),
+            Shape::Pairs { prompt, completion } => Ok(vec![field(prompt)?, field(completion)?]),
+        }
+    }
+
+    /// The file's first document read as `tokenize` reads each, for `check`.
+    fn first_document(&self, path: &Path, what: &str) -> Result<()> {
+        let f = fs::File::open(path).with_context(|| format!("{what}: cannot read it"))?;
+        for (i, line) in std::io::BufReader::new(f).lines().enumerate() {
+            let n = i + 1;
+            let line = line.with_context(|| format!("{what}: line {n}: cannot read it (not UTF-8?)"))?;
+            if !line.trim().is_empty() {
+                self.texts(&json_line(&line, what, n)?, what, n)?;
+                break;
+            }
+        }
+        Ok(())
     }
 
     /// One prompt/completion pair as a window: ids `x` and targets `y`.
@@ -326,6 +384,11 @@ pub fn pair_window(prompt: &[u32], completion: &[u32], eos: Option<u32>, seq_len
         })
         .collect();
     (x, y)
+}
+
+/// Line `n` of the file, a JSON document.
+fn json_line(line: &str, what: &str, n: usize) -> Result<serde_json::Value> {
+    serde_json::from_str(line).map_err(|e| anyhow!("{what}: line {n}: not valid JSON ({e})"))
 }
 
 const FNV_START: u64 = 0xCBF2_9CE4_8422_2325;

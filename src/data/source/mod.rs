@@ -61,6 +61,12 @@ pub(super) trait Reader: Sync {
     fn extent(&self, _data: &Data) -> Option<String> {
         None
     }
+
+    /// What `open` would refuse that `check` can see cheaply, against the model's vocabulary
+    /// where it has one.
+    fn check(&self, _data: &Data, _vocab: Option<i64>) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// What a run asks of a source.
