@@ -281,12 +281,7 @@ fn groups_case(optimizer: (&str, &[&str]), implementation: &str) -> Outcome {
     ];
     args.extend_from_slice(optimizer.1);
     let py: serde_json::Value = serde_json::from_str(&reference(&dir, &args)).unwrap();
-    let theirs: Vec<f64> = py["losses"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap())
-        .collect();
+    let theirs: Vec<f64> = floats(&py["losses"]);
     let ours = step_losses(&r);
     assert_eq!(ours.len(), 24);
     assert_close(&ours, &theirs, 1e-6);

@@ -1,30 +1,15 @@
 //! `memtrain generate`: a small decoder trained on a jsonl file of one repeated sentence, with a
 //! word-level tokenizer, continues a prompt with the rest of the sentence and stops at its
 //! end-of-text token; what it cannot do is refused with exit 2.
-use std::path::Path;
 
 use crate::common::*;
 
 const SENTENCE: &str = "one two three four five six seven eight";
 
-/// A word-level tokenizer.json of the sentence's words (after `<unk>` = 0 and `</s>` = 1).
-fn tokenizer(path: &Path) {
-    let mut vocab = serde_json::json!({"<unk>": 0, "</s>": 1});
-    for (i, w) in SENTENCE.split(' ').enumerate() {
-        vocab[w] = serde_json::json!(i + 2);
-    }
-    let t = serde_json::json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
-        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
-        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
-    });
-    std::fs::write(path, t.to_string()).unwrap();
-}
-
 /// The sentence's jsonl file (300 copies) and its tokenizer, in `t`'s directory.
 fn sentence_files(t: &Test) -> (std::path::PathBuf, std::path::PathBuf) {
     let (data, tok) = (t.dir().join("d.jsonl"), t.dir().join("tokenizer.json"));
-    tokenizer(&tok);
+    word_tokenizer(&tok, &SENTENCE.split(' ').collect::<Vec<_>>());
     let line = serde_json::json!({ "text": SENTENCE }).to_string();
     std::fs::write(&data, format!("{}\n", vec![line; 300].join("\n"))).unwrap();
     (data, tok)

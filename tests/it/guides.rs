@@ -5,27 +5,13 @@ use std::path::Path;
 
 use crate::common::*;
 
-/// A word-level tokenizer.json of `words` after `<unk>` = 0 and `</s>` = 1.
-fn tokenizer(path: &Path, words: &[&str]) {
-    let mut vocab = serde_json::json!({"<unk>": 0, "</s>": 1});
-    for (i, w) in words.iter().enumerate() {
-        vocab[*w] = serde_json::json!(i + 2);
-    }
-    let t = serde_json::json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
-        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
-        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
-    });
-    std::fs::write(path, t.to_string()).unwrap();
-}
-
 const WORDS: [&str; 8] = ["one", "two", "three", "four", "five", "six", "seven", "eight"];
 
 /// A supervised fine-tune as docs/language-models.md shows it, at a tiny size: a random llama
 /// of 16 tokens on prompt/completion pairs.
 fn sft(t: &Test) -> Test {
     let (data, tok) = (t.dir().join("sft.jsonl"), t.dir().join("tokenizer.json"));
-    tokenizer(&tok, &WORDS);
+    word_tokenizer(&tok, &WORDS);
     let line = serde_json::json!({"prompt": "one two three", "completion": "four five six"}).to_string();
     std::fs::write(&data, format!("{}\n", vec![line; 20].join("\n"))).unwrap();
     t.clone().name("sft").spec(table(&format!(
@@ -48,7 +34,7 @@ fn check_refuses_the_jsonl_set_run_would_refuse() {
     // A tokenizer of another model: more ids than the model has rows.
     let big = t.dir().join("big.json");
     let many: Vec<String> = (0..20).map(|i| format!("w{i}")).collect();
-    tokenizer(&big, &many.iter().map(String::as_str).collect::<Vec<_>>());
+    word_tokenizer(&big, &many.iter().map(String::as_str).collect::<Vec<_>>());
     check()
         .set("data.tokenizer", big.display().to_string())
         .exit(2)

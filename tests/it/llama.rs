@@ -314,12 +314,7 @@ fn python_losses(dir: &Path, command: &[&str], lr: &str) -> Vec<f64> {
     ]);
     args.extend(["--lr", lr, "--weight-decay", "0.01", "--seed", "5"]);
     let py = llama_py(dir, &args);
-    py["losses"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap())
-        .collect()
+    floats(&py["losses"])
 }
 
 /// A full fine-tune of a tiny `LlamaForCausalLM` on a token file: memtrain's 20 per-step losses
@@ -515,12 +510,7 @@ fn prompt_tokens_carry_no_loss_and_no_gradient_through_a_run() {
             "5",
         ],
     );
-    let theirs: Vec<f64> = py["losses"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap())
-        .collect();
+    let theirs: Vec<f64> = floats(&py["losses"]);
     let ours = step_losses(&r);
     assert_eq!(ours.len(), 6);
     assert!(theirs[5] < theirs[0], "the loop learns: {theirs:?}");

@@ -8,20 +8,6 @@ use std::path::Path;
 use crate::common::*;
 use crate::llama::llama_py;
 
-/// A word-level tokenizer.json of `words` (ids in order after `<unk>` = 0 and `</s>` = 1).
-fn tokenizer(path: &Path, words: &[String]) {
-    let mut vocab = serde_json::json!({"<unk>": 0, "</s>": 1});
-    for (i, w) in words.iter().enumerate() {
-        vocab[w.as_str()] = serde_json::json!(i + 2);
-    }
-    let t = serde_json::json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
-        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
-        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
-    });
-    std::fs::write(path, t.to_string()).unwrap();
-}
-
 /// What a refused run may leave: nothing in the test's directory but the inputs it was given.
 fn entries(dir: &Path) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
@@ -106,8 +92,8 @@ fn bad_language_model_input_is_refused_by_run_and_writes_nothing() {
 
     // jsonl: a tokenizer of 100 ids for a model of 96, and a line without the named field.
     let words: Vec<String> = (0..98).map(|i| format!("w{i}")).collect();
-    tokenizer(&dir.join("big.json"), &words);
-    tokenizer(&dir.join("small.json"), &words[..10]);
+    word_tokenizer(&dir.join("big.json"), &words);
+    word_tokenizer(&dir.join("small.json"), &words[..10]);
     let lines = "{\"text\": \"w1 w2 w3\"}\n\n{\"text\": \"w4 w5\"}\n{\"body\": \"w6\"}\n";
     std::fs::write(dir.join("d.jsonl"), lines).unwrap();
     let jsonl = |tok: &str| {

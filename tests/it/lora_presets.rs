@@ -34,12 +34,7 @@ fn peft_train(dir: &Path, model: &str, extra: &[&str]) -> (Vec<f64>, i64) {
     args.extend(extra);
     let py: serde_json::Value = serde_json::from_str(&reference(dir, &args)).unwrap();
     assert_eq!(py["base_unchanged"], true, "peft keeps its base");
-    let losses = py["losses"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap())
-        .collect();
+    let losses = floats(&py["losses"]);
     (losses, py["trainable"].as_i64().unwrap())
 }
 

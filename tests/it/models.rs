@@ -72,11 +72,6 @@ fn npz_data(dir: &std::path::Path, shape: &str) -> String {
     )
 }
 
-/// A JSON array of numbers.
-fn floats(v: &serde_json::Value) -> Vec<f64> {
-    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
-}
-
 /// The reference training of the same job, as `reference.py train` arguments.
 const REFERENCE_TRAIN: &[&str] = &[
     "--train",

@@ -204,12 +204,7 @@ fn run_case(
     // `model::layers::Conv`) read as the 0 they should be and the reference is deterministic.
     let env = [("MALLOC_MMAP_THRESHOLD_", "131072")];
     let py: serde_json::Value = serde_json::from_str(&reference_with(&dir, &args, &env)).unwrap();
-    let theirs: Vec<f64> = py["losses"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|v| v.as_f64().unwrap())
-        .collect();
+    let theirs: Vec<f64> = floats(&py["losses"]);
     let ours = step_losses(&r);
     assert_eq!(ours.len(), 24);
     let finals = Finals {

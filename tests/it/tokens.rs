@@ -25,20 +25,6 @@ fn write_u16(path: &Path, ids: impl IntoIterator<Item = u16>) {
     std::fs::write(path, bytes).unwrap();
 }
 
-/// A word-level tokenizer.json of `words` (ids in order after `<unk>` = 0 and `</s>` = 1).
-fn tokenizer(path: &Path, words: &[&str]) {
-    let mut vocab = serde_json::json!({"<unk>": 0, "</s>": 1});
-    for (i, w) in words.iter().enumerate() {
-        vocab[*w] = serde_json::json!(i + 2);
-    }
-    let t = serde_json::json!({
-        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
-        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
-        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
-    });
-    std::fs::write(path, t.to_string()).unwrap();
-}
-
 #[test]
 fn check_says_how_a_token_set_is_read_and_how_many_windows_it_has() {
     let t = Test::new();
@@ -60,7 +46,7 @@ fn check_says_how_a_token_set_is_read_and_how_many_windows_it_has() {
     // jsonl: where its token cache will be, until a run writes it.
     let (data, tok) = (t.dir().join("d.jsonl"), t.dir().join("tokenizer.json"));
     std::fs::write(&data, "{\"text\": \"hello world\"}\n").unwrap();
-    tokenizer(&tok, &["hello", "world"]);
+    word_tokenizer(&tok, &["hello", "world"]);
     let extra = format!(
         "source = \"jsonl\"\npath = \"{}\"\ntokenizer = \"{}\"\ntext_field = \"text\"",
         data.display(),
@@ -111,7 +97,7 @@ fn token_data_that_does_not_fit_the_model_is_refused_with_its_place() {
         .stderr_has("holds 400 token(s), fewer than one window of data.seq_len + 1 = 401 tokens")
         .run();
     let (data, tok) = (t.dir().join("d.jsonl"), t.dir().join("tokenizer.json"));
-    tokenizer(&tok, &["hello", "world", "again"]);
+    word_tokenizer(&tok, &["hello", "world", "again"]);
     let jsonl = |name: &str, lines: &str, vocab: i64| {
         std::fs::write(&data, lines).unwrap();
         let extra = format!(
@@ -221,7 +207,7 @@ fn a_resume_from_a_checkpoint_without_token_counts_derives_them() {
     let t = Test::new();
     let (data, tok) = (t.dir().join("pairs.jsonl"), t.dir().join("tokenizer.json"));
     let words = ["one", "two", "three", "four", "five", "six", "seven", "eight"];
-    tokenizer(&tok, &words);
+    word_tokenizer(&tok, &words);
     // Completions of 1 to 7 words: windows of 2 to 8 counted targets.
     let lines: Vec<String> = (0..64)
         .map(|i| {

@@ -861,6 +861,26 @@ pub fn command_lines<'a>(out: &'a str, program: &str) -> Vec<&'a str> {
         .collect()
 }
 
+/// A JSON array of numbers.
+#[track_caller]
+pub fn floats(v: &serde_json::Value) -> Vec<f64> {
+    v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()
+}
+
+/// A word-level tokenizer.json of `words`, their ids in order after `<unk>` = 0 and `</s>` = 1.
+pub fn word_tokenizer<S: AsRef<str>>(path: &std::path::Path, words: &[S]) {
+    let mut vocab = serde_json::json!({"<unk>": 0, "</s>": 1});
+    for (i, w) in words.iter().enumerate() {
+        vocab[w.as_ref()] = serde_json::json!(i + 2);
+    }
+    let t = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null,
+        "decoder": null, "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+    });
+    std::fs::write(path, t.to_string()).unwrap();
+}
+
 pub fn python() -> String {
     match std::env::var("MEMTRAIN_PYTHON") {
         Ok(p) => p,
