@@ -110,21 +110,18 @@ pub(crate) fn resolved_spec(run_dir: &Path) -> Result<PathBuf> {
     Ok(resolved)
 }
 
-/// `--data` is an image folder: a language model's run is refused, before a class list it
-/// never had is looked for.
+/// `--data` is an image folder: a language model's run (one on token data) is refused, before
+/// a class list it never had is looked for.
 fn image_run(resolved: &Path) -> Result<()> {
-    let text = std::fs::read_to_string(resolved).with_context(|| format!("reading {}", resolved.display()))?;
-    let preset = text
-        .parse::<toml::Table>()
-        .ok()
-        .and_then(|t| t.get("model")?.get("preset")?.as_str().map(str::to_owned));
-    match preset.as_deref() {
-        Some("llama") => Err(UsageError(
-            "--data takes an image folder, and this run's model (llama) is a language model: leave --data out to score it on its validation data".into(),
-        )
-        .into()),
-        _ => Ok(()),
+    let spec = load_spec(resolved, None)?;
+    if spec.data.source.is_tokens() {
+        return Err(UsageError(format!(
+            "--data takes an image folder, and this run's model ({}) is a language model: leave --data out to score it on its validation data",
+            spec.model.preset
+        ))
+        .into());
     }
+    Ok(())
 }
 
 /// The run's `classes.json`; required to match another folder's classes by name.

@@ -192,28 +192,7 @@ fn report(trainer: &Trainer, run_dir: &std::path::Path, result: Result<Status>, 
     }
     if status == Status::Completed {
         if let Some(r) = trainer.last() {
-            // A language model's figures are its epoch lines': perplexities, not a token accuracy.
-            let (train, val) = match (&r.language, r.val_loss) {
-                (Some(t), val_loss) => (
-                    format!(" ppl {:.2}", t.train_perplexity),
-                    match (val_loss, t.val_perplexity) {
-                        (Some(l), Some(p)) => format!(", val loss {l:.4} ppl {p:.2}"),
-                        _ => String::new(),
-                    },
-                ),
-                (None, _) => (
-                    String::new(),
-                    r.val_acc
-                        .map(|a| format!(", val acc {:.1}%", a * 100.0))
-                        .unwrap_or_default(),
-                ),
-            };
-            progress.println(&format!(
-                "done: {} epochs, final train loss {:.4}{train}{val}; summary in {}",
-                r.epoch,
-                r.train_loss,
-                run_dir.join("summary.json").display()
-            ));
+            progress.println(&terminal::done_line(r, &run_dir.join("summary.json")));
         }
     }
     Ok(())

@@ -7,7 +7,7 @@ use crate::human::{human_bytes, human_duration};
 use crate::memory::MemorySample;
 use crate::oom::BatchShape;
 use crate::progress::Progress;
-use crate::records::{EpochEvent, EpochResult, Event, GrowBackEvent, MicroBatchOf, PreflightEvent};
+use crate::records::{EpochEvent, EpochResult, EpochTokens, Event, GrowBackEvent, MicroBatchOf, PreflightEvent};
 
 /// What the terminal shows beyond the records.
 pub enum Notice {
@@ -234,6 +234,37 @@ fn preflight_line(e: &PreflightEvent) -> String {
     )
 }
 
+/// A language model's validation figures, as its epoch lines and its end line give them.
+fn lm_val(r: &EpochResult, t: &EpochTokens) -> Option<String> {
+    match (r.val_loss, t.val_perplexity) {
+        (Some(l), Some(p)) => Some(format!("val loss {l:.4} ppl {p:.2}")),
+        _ => None,
+    }
+}
+
+/// The run's last line: the last epoch's figures (a language model's perplexities, not a token
+/// accuracy) and where the summary is.
+pub(super) fn done_line(r: &EpochResult, summary: &std::path::Path) -> String {
+    let (train, val) = match &r.language {
+        Some(t) => (
+            format!(" ppl {:.2}", t.train_perplexity),
+            lm_val(r, t).map(|v| format!(", {v}")).unwrap_or_default(),
+        ),
+        None => (
+            String::new(),
+            r.val_acc
+                .map(|a| format!(", val acc {:.1}%", a * 100.0))
+                .unwrap_or_default(),
+        ),
+    };
+    format!(
+        "done: {} epochs, final train loss {:.4}{train}{val}; summary in {}",
+        r.epoch,
+        r.train_loss,
+        summary.display()
+    )
+}
+
 fn epoch_line(r: &EpochResult, m: &MemorySample, epochs: i64) -> String {
     let val = match (r.val_loss, r.val_acc) {
         (Some(l), Some(a)) => format!("  val loss {l:.4} acc {:.1}%", a * 100.0),
@@ -273,10 +304,7 @@ fn epoch_line(r: &EpochResult, m: &MemorySample, epochs: i64) -> String {
         ),
     };
     if let Some(t) = &r.language {
-        let val = match (r.val_loss, t.val_perplexity) {
-            (Some(l), Some(p)) => format!("  val loss {l:.4} ppl {p:.2}"),
-            _ => String::new(),
-        };
+        let val = lm_val(r, t).map(|v| format!("  {v}")).unwrap_or_default();
         return format!(
             "epoch {}/{}  train loss {:.4} ppl {:.2}{val}  {}  {:.0} tokens/s  | {mem}",
             r.epoch,

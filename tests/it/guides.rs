@@ -147,16 +147,7 @@ fn a_format_that_cannot_hold_the_model_names_the_one_that_can_once() {
     let t = Test::new().name("digits").set("train.epochs", 1);
     let run = t.clone().run();
     let out = t.dir().join("exported");
-    let r = t
-        .clone()
-        .command("export")
-        .no_spec()
-        .args(&[
-            &run.out.display().to_string(),
-            "--format",
-            "timm",
-            &out.display().to_string(),
-        ])
+    let r = export(&t, &run.out, "timm", &out)
         .exit(2)
         .stderr_has(
             "timm cannot hold this model: it has no multilayer perceptron of this shape; export it as torchvision",
@@ -358,16 +349,7 @@ fn export_refuses_a_format_before_it_reads_the_base() {
     let t = Test::new();
     let run = lora_run(&t);
     let out = t.dir().join("exported");
-    let r = t
-        .clone()
-        .command("export")
-        .no_spec()
-        .args(&[
-            &run.out.display().to_string(),
-            "--format",
-            "huggingface",
-            &out.display().to_string(),
-        ])
+    let r = export(&t, &run.out, "huggingface", &out)
         .exit(2)
         .stderr_has("huggingface cannot hold this model")
         .run();
@@ -410,4 +392,14 @@ fn a_run_is_evaluated_from_another_directory_than_it_ran_in() {
         .output()
         .unwrap();
     assert!(e.status.success(), "{}", String::from_utf8_lossy(&e.stderr));
+}
+
+/// `memtrain export RUN --format FORMAT OUT`.
+fn export(t: &Test, run: &Path, format: &str, out: &Path) -> Test {
+    t.clone().command("export").no_spec().args(&[
+        &run.display().to_string(),
+        "--format",
+        format,
+        &out.display().to_string(),
+    ])
 }
